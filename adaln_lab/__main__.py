@@ -1,0 +1,41 @@
+"""Command line: `python -m adaln_lab report --out FILE.json [--quick] [--device cpu|cuda] [--candidates NAMES]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_CANDIDATES = {"cpu": "diffusers,adaln_lab", "cuda": "diffusers,torch_compile,adaln_lab"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m adaln_lab", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    report = commands.add_parser("report", help="run the invariance / accuracy / latency protocol, write JSON")
+    report.add_argument("--out", required=True, help="path of the JSON report to write")
+    report.add_argument("--quick", action="store_true", help="small sizes (a CPU finishes in minutes)")
+    report.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="default: cuda when available, else cpu")
+    report.add_argument("--candidates", default=None,
+                        help="comma-separated names among diffusers, torch_compile, adaln_lab "
+                             f"(default: {DEFAULT_CANDIDATES['cuda']} on cuda, {DEFAULT_CANDIDATES['cpu']} on cpu)")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from .harness.report import run_report, write
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda asked for, but torch sees no CUDA device")
+    names = [n for n in (args.candidates or DEFAULT_CANDIDATES[device]).split(",") if n]
+    try:
+        result = run_report(names, device, args.quick)
+    except ValueError as error:
+        parser.error(str(error))
+    write(result, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

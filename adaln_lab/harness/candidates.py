@@ -1,0 +1,87 @@
+"""The implementations the report knows by name, each as a plain callable.
+
+A candidate is any callable `fn(x, norm_weight, temb, weight, bias, timestep_indices) -> out`
+that torch autograd can differentiate (shapes as in `adaln_lab.final_adaln_out`, eps = 1e-5).
+Users can hand the harness their own callable; the names below are the built-in ones.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..reference import replay
+
+EPS = 1e-5
+Candidate = Callable[..., torch.Tensor]
+
+
+@dataclass
+class Named:
+    name: str
+    source: str
+    fn: Candidate
+
+
+@functools.lru_cache(maxsize=None)
+def _diffusers_module(H: int, D: int):
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AdaLayerNormOut
+
+    with torch.device("meta"):
+        return MiniMaxH3AdaLayerNormOut(H, D, eps=EPS)
+
+
+def diffusers_candidate() -> Named:
+    """The real diffusers module through `torch.func.functional_call`, else the replay."""
+    try:
+        import diffusers
+        from diffusers.models.transformers import transformer_minimax_h3  # noqa: F401
+    except Exception as error:  # diffusers missing or too old: say so in the report
+        return Named("diffusers", f"op-for-op replay (diffusers not importable: {type(error).__name__})",
+                     lambda *a: replay(*a, eps=EPS))
+
+    def call(x, norm_weight, temb, weight, bias, timestep_indices):
+        module = _diffusers_module(x.shape[-1], temb.shape[-1])
+        params = {"norm.weight": norm_weight, "linear.weight": weight, "linear.bias": bias}
+        return torch.func.functional_call(module, params, (x, temb, timestep_indices))
+
+    return Named("diffusers", f"diffusers {diffusers.__version__} MiniMaxH3AdaLayerNormOut "
+                 "(real module via torch.func.functional_call)", call)
+
+
+def torch_compile_candidate() -> Named:
+    compiled = torch.compile(functools.partial(replay, eps=EPS))
+    return Named("torch_compile", "torch.compile (default mode) of the op-for-op replay", compiled)
+
+
+def adaln_lab_candidate(table_backend: str = "cuda") -> Named:
+    from ..op import final_adaln_out
+
+    def call(x, norm_weight, temb, weight, bias, timestep_indices):
+        return final_adaln_out(x, norm_weight, temb, weight, bias, timestep_indices, EPS,
+                               backend="auto", table_backend=table_backend, check_indices=False)
+
+    return Named("adaln_lab", f"adaln_lab final_adaln_out (backend auto, table_backend={table_backend}, "
+                 "check_indices=False)", call)
+
+
+BUILTIN = {
+    "diffusers": diffusers_candidate,
+    "torch_compile": torch_compile_candidate,
+    "adaln_lab": adaln_lab_candidate,
+}
+
+
+def resolve(names: list[str], device: torch.device) -> list[Named]:
+    """Build the named candidates; a GPU-only one asked for on CPU is an error naming it."""
+    out = []
+    for name in names:
+        if name not in BUILTIN:
+            raise ValueError(f"unknown candidate {name!r}; known: {', '.join(BUILTIN)}")
+        if name == "torch_compile" and device.type != "cuda":
+            raise ValueError("candidate 'torch_compile' runs on CUDA only (use --device cuda)")
+        out.append(BUILTIN[name]())
+    return out

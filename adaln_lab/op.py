@@ -1,0 +1,62 @@
+"""`final_adaln_out`: validate, then dispatch to one backend. The autograd node lives with its backend.
+
+    table = linear(silu(temb).to(weight.dtype), weight, bias)          (T, 2H): shift | scale
+    out   = rms_norm(x, norm_weight, eps) * (1 + scale[timestep_indices]) + shift[timestep_indices]
+
+Broadcast rule: x is (..., S, H); row s of every leading index uses timestep_indices[s].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import replay
+from .validate import validate
+
+BACKENDS = ("auto", "torch", "cupy")
+NUMERICS = ("diffusers",)
+TABLE_BACKENDS = ("cuda", "torch")
+
+
+def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor, timestep_indices: torch.Tensor, eps: float = 1e-5, *,
+                    backend: str = "auto", numerics: str = "diffusers", table_backend: str = "cuda",
+                    check_indices: bool = True) -> torch.Tensor:
+    """MiniMax-H3's final AdaLN output (diffusers `MiniMaxH3AdaLayerNormOut`), differentiable.
+
+    Args:
+        x: (..., S, H) hidden states (bf16 for the cupy backend).
+        norm_weight: (H,) RMSNorm weight.
+        temb: (T, D) float32, one row per distinct timestep.
+        weight: (2H, D) projection weight; bias: (2H,) projection bias, same dtype as weight.
+        timestep_indices: (S,) int64 in [0, T): which table row modulates each row of x.
+        eps: RMSNorm epsilon.
+        backend: "torch" (the diffusers replay, any device), "cupy" (kernels_cu, CUDA, bf16),
+            or "auto": "cupy" for CUDA tensors, "torch" otherwise.
+        numerics: "diffusers" rounds where diffusers rounds (SiLU cast, bf16 table, rms_norm
+            output, then `1 + scale`, the product and `+ shift` each to x's dtype).
+        table_backend: cupy backend only: "cuda" computes the table with the fixed-order GEMV
+            of kernels_cu (T-invariant rows), "torch" with F.linear (bitwise diffusers' table on
+            the same GPU, but cuBLAS's reduction order).
+        check_indices: check that every timestep index lies in [0, T) (one host sync on CUDA).
+
+    Returns:
+        (..., S, H) tensor in x's dtype.
+    """
+    validate(x, norm_weight, temb, weight, bias, timestep_indices, eps, check_indices=check_indices)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
+    if table_backend not in TABLE_BACKENDS:
+        raise ValueError(f"table_backend must be one of {TABLE_BACKENDS}, got {table_backend!r}")
+    if backend == "auto":
+        backend = "cupy" if x.is_cuda else "torch"
+    if backend == "torch":
+        return replay(x, norm_weight, temb, weight, bias, timestep_indices, eps)
+    if not x.is_cuda:
+        raise ValueError(f"backend='cupy' needs CUDA tensors, but x is on {x.device}")
+    from . import cupy_backend
+
+    return cupy_backend.final_adaln_out(x, norm_weight, temb, weight, bias, timestep_indices, eps,
+                                        table_backend=table_backend)

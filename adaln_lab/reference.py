@@ -1,0 +1,62 @@
+"""Ground truth for `final_adaln_out`: the diffusers forward replayed op for op, and float64 goldens.
+
+Shapes everywhere: x (..., S, H), norm_weight (H,), temb (T, D), weight (2H, D), bias (2H,),
+timestep_indices (S,) int64 in [0, T); output (..., S, H) in x's dtype.
+
+- `replay`: the very ops of diffusers 0.42 `MiniMaxH3AdaLayerNormOut.forward`, same order, same
+  dtypes: SiLU at temb's precision, one cast to the projection dtype, `F.linear` (table in the
+  projection dtype), `F.rms_norm` (rounds once to x's dtype), then `1 + scale`, the product and
+  `+ shift`, each rounded to the stream dtype. Its backward is torch's, atomics included.
+- `golden(..., flavour="pure")`: the same function in float64 on the upcast inputs, no rounding
+  anywhere. This is the seed report's accuracy reference.
+- `golden(..., flavour="declared")`: float64 too, but rounding where the module declares a dtype
+  boundary: the SiLU output cast and the table (both to the projection dtype), straight-through
+  for gradients (the rounding is treated as the identity by autograd).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def replay(x, norm_weight, temb, weight, bias, timestep_indices, eps: float = 1e-5):
+    """diffusers' `MiniMaxH3AdaLayerNormOut.forward`, op for op (see module docstring)."""
+    shift, scale = F.linear(F.silu(temb).to(weight.dtype), weight, bias).chunk(2, dim=-1)
+    hidden_states = F.rms_norm(x, (x.shape[-1],), norm_weight, eps)
+    return hidden_states * (1.0 + scale.index_select(0, timestep_indices)) + shift.index_select(0, timestep_indices)
+
+
+def _round_straight_through(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round `value` to `dtype` and back, with the identity as its gradient."""
+    return value + (value.to(dtype).to(value.dtype) - value).detach()
+
+
+def golden(x, norm_weight, temb, weight, bias, timestep_indices, eps: float = 1e-5, *, flavour: str = "pure"):
+    """float64 evaluation of the op on the given (already float64 or to-be-upcast) inputs.
+
+    `flavour="pure"` rounds nowhere; `flavour="declared"` rounds the SiLU output and the table to
+    `weight`'s dtype *before* upcasting happens to the inputs, i.e. pass the original-dtype
+    tensors and this function upcasts them itself. Differentiable: gradients flow to whichever
+    inputs require grad, in float64.
+    """
+    if flavour not in ("pure", "declared"):
+        raise ValueError(f"flavour must be 'pure' or 'declared', got {flavour!r}")
+    proj_dtype = weight.dtype
+    f64 = torch.float64
+    x, norm_weight, temb, weight, bias = (t.to(f64) for t in (x, norm_weight, temb, weight, bias))
+    act = F.silu(temb)
+    if flavour == "declared":
+        act = _round_straight_through(act, proj_dtype)
+    table = F.linear(act, weight, bias)
+    if flavour == "declared":
+        table = _round_straight_through(table, proj_dtype)
+    shift, scale = table.chunk(2, dim=-1)
+    rstd = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    normed = x * rstd * norm_weight
+    return normed * (1.0 + scale[timestep_indices]) + shift[timestep_indices]
+
+
+def table_reference(temb, weight, bias):
+    """The modulation table `linear(silu(temb).to(weight.dtype))`, shape (T, 2H), as diffusers computes it."""
+    return F.linear(F.silu(temb).to(weight.dtype), weight, bias)
