@@ -1,0 +1,99 @@
+// adaln_common.cuh: what every kernel of adaln_lab shares, written once.
+//
+// - bf16 <-> fp32 without cuda_bf16.h (so NVRTC needs no toolkit headers): bf16 is the upper
+//   half of an fp32 word; float -> bf16 rounds to nearest even, NaN stays NaN (same bits as
+//   __float2bfloat16_rn).
+// - 16-byte vector loads and stores of 8 bf16 values.
+// - block_sum: THE reduction tree of a row. Each thread first sums its own values in a fixed
+//   order; then a butterfly inside each warp (offsets 16, 8, 4, 2, 1) whose lane-0 value is
+//   kept; then warp 0 sums the per-warp values in the same butterfly. The tree depends only on
+//   blockDim (a function of H), never on the number of rows or the GPU.
+//
+// Shape constants come from the loader as macros: ADALN_H, ADALN_D, ADALN_T (the problem) and
+// ADALN_ROW_THREADS, ADALN_ROW_VPT (the row kernels' block size and 8-wide vectors per thread).
+
+typedef unsigned short bf16_t;
+typedef long long index_t;
+
+#define ADALN_VEC 8
+#define ADALN_NVEC_H (ADALN_H / ADALN_VEC)
+#define ADALN_NVEC_D (ADALN_D / ADALN_VEC)
+#define ADALN_ROW_WARPS (ADALN_ROW_THREADS / 32)
+
+__device__ __forceinline__ float bf16_to_float(bf16_t v) { return __uint_as_float(((unsigned)v) << 16); }
+
+__device__ __forceinline__ bf16_t float_to_bf16(float f) {
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);  // quiet NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+// round to bf16 and back: the rounding point of an op done "in the stream dtype"
+__device__ __forceinline__ float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
+__device__ __forceinline__ void load8(const bf16_t* p, float v[ADALN_VEC]) {
+    uint4 raw = *reinterpret_cast<const uint4*>(p);
+    unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        v[2 * i] = __uint_as_float(w[i] << 16);
+        v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ void store8(bf16_t* p, const float v[ADALN_VEC]) {
+    unsigned w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        w[i] = (unsigned)float_to_bf16(v[2 * i]) | ((unsigned)float_to_bf16(v[2 * i + 1]) << 16);
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+__device__ __forceinline__ float warp_sum_lane0(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return __shfl_sync(0xffffffffu, v, 0);  // every lane takes lane 0's association order
+}
+
+// Sum of one value per thread over the block, same bits in every thread. `scratch` holds
+// ADALN_ROW_WARPS + 1 floats of shared memory; the function syncs before reusing it.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum_lane0(v);
+    __syncthreads();  // scratch may still be read from a previous call
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float w = lane < ADALN_ROW_WARPS ? scratch[lane] : 0.0f;
+        w = warp_sum_lane0(w);
+        if (lane == 0) scratch[ADALN_ROW_WARPS] = w;
+    }
+    __syncthreads();
+    return scratch[ADALN_ROW_WARPS];
+}
+
+// SiLU as torch computes it in fp32: v / (1 + exp(-v)).
+__device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
+
+// Ordered sum down one column of a (n, ...) fp32 array, for block shape (32, SUM_GROUPS):
+// threadIdx.x picks the column, threadIdx.y one of SUM_GROUPS contiguous row ranges, each summed
+// in row order in double; the group sums are then added in group order. The order depends on n
+// alone. Every thread of the block must call it; the result is meaningful where threadIdx.y == 0.
+#define SUM_GROUPS 8
+__device__ __forceinline__ double ordered_column_sum(const float* column, int n, size_t stride, bool valid,
+                                                     double (*scratch)[32]) {
+    const int per = (n + SUM_GROUPS - 1) / SUM_GROUPS;
+    const int b0 = threadIdx.y * per, b1 = min(n, b0 + per);
+    double s = 0.0;
+    if (valid)
+        for (int b = b0; b < b1; ++b) s += (double)column[(size_t)b * stride];
+    scratch[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    double total = 0.0;
+    if (threadIdx.y == 0)
+#pragma unroll
+        for (int g = 0; g < SUM_GROUPS; ++g) total += scratch[g][threadIdx.x];
+    __syncthreads();
+    return total;
+}

@@ -1,0 +1,102 @@
+// norm_modulate_bwd.cu: the backward row pass: dx per row, and per-block partial sums over rows.
+//
+// With xhat = x * rstd, s1 = 1 + scale[t] (fp32 table) and g = dy * s1 * norm_weight:
+//   dx[r]              = bf16(rstd * (g - xhat * sum_h(g * xhat) / H))     per row, one rounding
+//   row_partials[b, t, 0, h] = sum over rows r of block b with timestep t of dy * xhat
+//   row_partials[b, t, 1, h] = sum over the same rows of dy
+// From these reduce_partials.cu forms d_shift[t] = sum_b [.,1], d_scale[t] = norm_weight * sum_b [.,0]
+// and d_norm_weight = sum_t s1[t] * sum_b [.,0]. No atomics: each block owns its slice.
+// A row whose index is outside [0, T) gets NaN in dx and NaN in its block's partials, so the
+// error shows in every gradient (the op checks indices before launching unless told not to).
+//
+// Launch geometry: block = ADALN_ROW_THREADS (same thread/vector map as norm_modulate.cu),
+// grid = ceil(rows / rows_per_block); rows_per_block = ceil(rows / 264) is chosen by the loader
+// from the number of rows alone, never from the GPU.
+// Reduction order: the row dot product uses block_sum (the forward's tree, so dx of a row never
+// depends on the other rows); the partials add the block's rows of timestep t in row order, one
+// pass per timestep t = 0 .. T-1.
+// Run: adaln_lab.cupy_backend.norm_modulate_bwd(dy, x, rstd, norm_weight, table_f32, timestep_indices).
+
+extern "C" __global__ void __launch_bounds__(ADALN_ROW_THREADS)
+norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__ x, const float* __restrict__ rstd,
+                       const bf16_t* __restrict__ norm_weight, const float* __restrict__ table_f32,
+                       const index_t* __restrict__ timestep_indices, bf16_t* __restrict__ dx,
+                       float* __restrict__ row_partials, int S, int rows, int rows_per_block) {
+    __shared__ float scratch[ADALN_ROW_WARPS + 1];
+    const int r0 = blockIdx.x * rows_per_block;
+    const int r1 = min(rows, r0 + rows_per_block);
+
+#pragma unroll 1
+    for (int t = 0; t < ADALN_T; ++t) {
+        const float* scale = table_f32 + t * 2 * ADALN_H + ADALN_H;
+        float sum_dy_xhat[ADALN_ROW_VPT][ADALN_VEC], sum_dy[ADALN_ROW_VPT][ADALN_VEC];
+#pragma unroll
+        for (int i = 0; i < ADALN_ROW_VPT; ++i)
+#pragma unroll
+            for (int e = 0; e < ADALN_VEC; ++e) sum_dy_xhat[i][e] = sum_dy[i][e] = 0.0f;
+
+#pragma unroll 1
+        for (int row = r0; row < r1; ++row) {
+            const index_t tr = timestep_indices[row % S];
+            const bool invalid = tr < 0 || tr >= ADALN_T;
+            if (tr != t && !(invalid && t == 0)) continue;  // uniform over the block
+            const float rs = rstd[row];
+            float xhat[ADALN_ROW_VPT][ADALN_VEC], g[ADALN_ROW_VPT][ADALN_VEC];
+            float dot = 0.0f;
+#pragma unroll
+            for (int i = 0; i < ADALN_ROW_VPT; ++i) {
+                const int v = threadIdx.x + i * ADALN_ROW_THREADS;
+                if (v < ADALN_NVEC_H) {
+                    float dyv[ADALN_VEC], w[ADALN_VEC], s1[ADALN_VEC];
+                    load8(x + (size_t)row * ADALN_H + v * ADALN_VEC, xhat[i]);
+                    load8(dy + (size_t)row * ADALN_H + v * ADALN_VEC, dyv);
+                    load8(norm_weight + v * ADALN_VEC, w);
+                    const float4 sa = *reinterpret_cast<const float4*>(scale + v * ADALN_VEC);
+                    const float4 sb = *reinterpret_cast<const float4*>(scale + v * ADALN_VEC + 4);
+                    s1[0] = sa.x; s1[1] = sa.y; s1[2] = sa.z; s1[3] = sa.w;
+                    s1[4] = sb.x; s1[5] = sb.y; s1[6] = sb.z; s1[7] = sb.w;
+#pragma unroll
+                    for (int e = 0; e < ADALN_VEC; ++e) {
+                        xhat[i][e] *= rs;
+                        g[i][e] = dyv[e] * (1.0f + s1[e]) * w[e];
+                        dot = fmaf(g[i][e], xhat[i][e], dot);
+                        sum_dy_xhat[i][e] = fmaf(dyv[e], xhat[i][e], sum_dy_xhat[i][e]);
+                        sum_dy[i][e] += dyv[e];
+                    }
+                }
+            }
+            const float mean_dot = block_sum(dot, scratch) / (float)ADALN_H;
+#pragma unroll
+            for (int i = 0; i < ADALN_ROW_VPT; ++i) {
+                const int v = threadIdx.x + i * ADALN_ROW_THREADS;
+                if (v < ADALN_NVEC_H) {
+                    float d[ADALN_VEC];
+#pragma unroll
+                    for (int e = 0; e < ADALN_VEC; ++e)
+                        d[e] = invalid ? __int_as_float(0x7fc00000) : rs * (g[i][e] - xhat[i][e] * mean_dot);
+                    store8(dx + (size_t)row * ADALN_H + v * ADALN_VEC, d);
+                }
+            }
+            if (invalid) {  // poison: this row belongs to no timestep
+#pragma unroll
+                for (int i = 0; i < ADALN_ROW_VPT; ++i)
+#pragma unroll
+                    for (int e = 0; e < ADALN_VEC; ++e) sum_dy_xhat[i][e] = sum_dy[i][e] = __int_as_float(0x7fc00000);
+            }
+        }
+        float* slot = row_partials + ((size_t)blockIdx.x * ADALN_T + t) * 2 * ADALN_H;
+#pragma unroll
+        for (int i = 0; i < ADALN_ROW_VPT; ++i) {
+            const int v = threadIdx.x + i * ADALN_ROW_THREADS;
+            if (v < ADALN_NVEC_H) {
+#pragma unroll
+                for (int e = 0; e < ADALN_VEC; e += 4) {
+                    *reinterpret_cast<float4*>(slot + v * ADALN_VEC + e) =
+                        make_float4(sum_dy_xhat[i][e], sum_dy_xhat[i][e + 1], sum_dy_xhat[i][e + 2], sum_dy_xhat[i][e + 3]);
+                    *reinterpret_cast<float4*>(slot + ADALN_H + v * ADALN_VEC + e) =
+                        make_float4(sum_dy[i][e], sum_dy[i][e + 1], sum_dy[i][e + 2], sum_dy[i][e + 3]);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,58 @@
+// table.cu: the modulation table  table[t, j] = bias[j] + sum_k bf16(silu(temb[t, k])) * weight[j, k]
+//
+// Computes, for all T timesteps at once, table (T, 2H) bf16 (diffusers' rounding: the SiLU output
+// is rounded to bf16 once, the fp32 dot product plus bias is rounded to bf16 once) and table_f32
+// (T, 2H) fp32, the same sums unrounded, which the backward uses.
+//
+// Launch geometry (shapes only): block = 256 threads = 8 warps, TABLE_ROWS_PER_WARP = 4 output
+// rows j per warp, grid = ceil(2H / 32). Shared memory: T * D bf16 activations (checked by the
+// loader to fit 48 KiB).
+// Reduction order of one (t, j): lane l sums the 8-wide k-vectors l, l + 32, l + 64, ... in that
+// order (fmaf over the 8 elements in k order); the 32 lane sums go through warp_sum_lane0.
+// Each timestep has its own accumulator, so row t has the same bits whatever T is and whichever
+// other timesteps are present. weight is read once.
+// Run: adaln_lab.cupy_backend.table(temb, weight, bias) on CUDA tensors.
+
+#define TABLE_ROWS_PER_WARP 4
+#define TABLE_THREADS 256
+
+extern "C" __global__ void __launch_bounds__(TABLE_THREADS)
+table_bf16(const float* __restrict__ temb, const bf16_t* __restrict__ weight, const bf16_t* __restrict__ bias,
+           bf16_t* __restrict__ table, float* __restrict__ table_f32) {
+    __shared__ __align__(16) bf16_t act[ADALN_T * ADALN_D];
+    for (int i = threadIdx.x; i < ADALN_T * ADALN_D; i += TABLE_THREADS) act[i] = float_to_bf16(silu(temb[i]));
+    __syncthreads();
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int first = (blockIdx.x * (TABLE_THREADS / 32) + warp) * TABLE_ROWS_PER_WARP;
+#pragma unroll 1
+    for (int r = 0; r < TABLE_ROWS_PER_WARP; ++r) {
+        const int j = first + r;
+        if (j >= 2 * ADALN_H) break;
+        float acc[ADALN_T];
+#pragma unroll
+        for (int t = 0; t < ADALN_T; ++t) acc[t] = 0.0f;
+        const bf16_t* wrow = weight + (size_t)j * ADALN_D;
+#pragma unroll 4
+        for (int kv = lane; kv < ADALN_NVEC_D; kv += 32) {
+            float w[ADALN_VEC];
+            load8(wrow + kv * ADALN_VEC, w);
+#pragma unroll
+            for (int t = 0; t < ADALN_T; ++t) {
+                float a[ADALN_VEC];
+                load8(act + t * ADALN_D + kv * ADALN_VEC, a);
+#pragma unroll
+                for (int e = 0; e < ADALN_VEC; ++e) acc[t] = fmaf(w[e], a[e], acc[t]);
+            }
+        }
+        const float b = bf16_to_float(bias[j]);
+#pragma unroll
+        for (int t = 0; t < ADALN_T; ++t) {
+            const float sum = warp_sum_lane0(acc[t]) + b;
+            if (lane == 0) {
+                table_f32[t * 2 * ADALN_H + j] = sum;
+                table[t * 2 * ADALN_H + j] = float_to_bf16(sum);
+            }
+        }
+    }
+}
