@@ -25,10 +25,11 @@ import torch
 KERNEL_FILES = ("adaln_common.cuh", "table.cu", "norm_modulate.cu", "norm_modulate_bwd.cu",
                 "reduce_partials.cu", "table_bwd.cu")
 INCLUDE_LINE = '#include "adaln_common.cuh"'
-ROW_THREADS_MAX = 256
-ROW_RANGES = 264          # number of row ranges of the backward row pass (a constant, not the SM count)
+ROW_THREADS_MAX = 1024
+ROW_RANGES = 132          # row ranges of the backward row pass: a constant, never read from the GPU
+ROW_LIST_MAX = 2048       # most rows of one range (kernels_cu/norm_modulate_bwd.cu keeps their timesteps in shared memory)
 TABLE_THREADS, TABLE_ROWS_PER_WARP = 256, 4
-TB_THREADS, TB_ROWS, SUM_GROUPS = 256, 64, 8
+TB_THREADS, TB_ROWS, SUM_GROUPS = 256, 64, 16
 STATIC_SMEM_LIMIT = 48 * 1024
 
 
@@ -49,8 +50,8 @@ def row_geometry(H: int) -> tuple[int, int]:
 
 
 def rows_per_block(rows: int) -> int:
-    """Rows of one backward row range: the rows split into at most ROW_RANGES ranges."""
-    return max(1, math.ceil(rows / ROW_RANGES))
+    """Rows of one backward row range: ROW_RANGES ranges, each of at most ROW_LIST_MAX rows."""
+    return max(1, min(ROW_LIST_MAX, math.ceil(rows / ROW_RANGES)))
 
 
 def check_shapes(H: int, D: int, T: int) -> None:
@@ -99,24 +100,41 @@ def _module(device_index: int, H: int, D: int, T: int):
 _streams: dict[int, object] = {}
 
 
+def _current_stream_handle(device: torch.device) -> int:
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device.index) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+
+
 def _stream(device: torch.device):
-    """torch's current stream as a CuPy stream (cached per stream handle)."""
+    """torch's current stream as a CuPy stream object (cached per stream handle)."""
     import cupy
 
-    current = torch.cuda.current_stream(device)
-    handle = current.cuda_stream
-    if handle not in _streams:
-        try:
-            _streams[handle] = cupy.cuda.Stream.from_external(current)
-        except TypeError:  # a torch without the __cuda_stream__ protocol
-            _streams[handle] = cupy.cuda.ExternalStream(handle, device.index)
-    return _streams[handle]
+    handle = _current_stream_handle(device)
+    stream = _streams.get(handle)
+    if stream is None:
+        stream = _streams[handle] = cupy.cuda.Stream.from_external(_StreamHandle(handle))
+    return stream
+
+
+class _StreamHandle:
+    """A raw CUDA stream handle in the CUDA stream protocol, for cupy.cuda.Stream.from_external."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
 
 
 def _launch(device: torch.device, H: int, D: int, T: int, name: str, grid, block, args) -> None:
-    kernel = _module(device.index, H, D, T)[name]
-    with _stream(device):
-        kernel(grid, block, args)
+    """Launch one kernel of the (device, H, D, T) module on torch's current stream."""
+    _module(device.index, H, D, T)[name].kernel(grid, block, args, stream=_stream(device))
+
+
+def kernel_resources(device_index: int, H: int, D: int, T: int) -> dict:
+    """Registers per thread and local (spill) bytes of every kernel of one module."""
+    return {name: {"registers": k.num_regs, "local_bytes": k.local_size_bytes}
+            for name, k in _module(device_index, H, D, T).items()}
 
 
 def _ptr(t: torch.Tensor) -> int:

@@ -1,8 +1,8 @@
 // adaln_common.cuh: what every kernel of adaln_lab shares, written once.
 //
 // - bf16 <-> fp32 without cuda_bf16.h (so NVRTC needs no toolkit headers): bf16 is the upper
-//   half of an fp32 word; float -> bf16 rounds to nearest even, NaN stays NaN (same bits as
-//   __float2bfloat16_rn).
+//   half of an fp32 word; float -> bf16 is the hardware cvt.rn (round to nearest even, the
+//   rounding of __float2bfloat16_rn and of torch's bf16 casts).
 // - 16-byte vector loads and stores of 8 bf16 values.
 // - block_sum: THE reduction tree of a row. Each thread first sums its own values in a fixed
 //   order; then a butterfly inside each warp (offsets 16, 8, 4, 2, 1) whose lane-0 value is
@@ -23,17 +23,24 @@ typedef long long index_t;
 __device__ __forceinline__ float bf16_to_float(bf16_t v) { return __uint_as_float(((unsigned)v) << 16); }
 
 __device__ __forceinline__ bf16_t float_to_bf16(float f) {
-    unsigned u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);  // quiet NaN
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16_t)(u >> 16);
+    unsigned short r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+
+// two floats to one word of two bf16 (lo in the low half), one instruction on sm_80+
+__device__ __forceinline__ unsigned float2_to_bf16x2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
 }
 
 // round to bf16 and back: the rounding point of an op done "in the stream dtype"
 __device__ __forceinline__ float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
-__device__ __forceinline__ void load8(const bf16_t* p, float v[ADALN_VEC]) {
-    uint4 raw = *reinterpret_cast<const uint4*>(p);
+__device__ __forceinline__ uint4 load_raw8(const bf16_t* p) { return *reinterpret_cast<const uint4*>(p); }
+
+__device__ __forceinline__ void unpack8(uint4 raw, float v[ADALN_VEC]) {
     unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -42,11 +49,13 @@ __device__ __forceinline__ void load8(const bf16_t* p, float v[ADALN_VEC]) {
     }
 }
 
+__device__ __forceinline__ void load8(const bf16_t* p, float v[ADALN_VEC]) { unpack8(load_raw8(p), v); }
+
 __device__ __forceinline__ void store8(bf16_t* p, const float v[ADALN_VEC]) {
     unsigned w[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i)
-        w[i] = (unsigned)float_to_bf16(v[2 * i]) | ((unsigned)float_to_bf16(v[2 * i + 1]) << 16);
+        w[i] = float2_to_bf16x2(v[2 * i], v[2 * i + 1]);
     *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
@@ -80,7 +89,7 @@ __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
 // threadIdx.x picks the column, threadIdx.y one of SUM_GROUPS contiguous row ranges, each summed
 // in row order in double; the group sums are then added in group order. The order depends on n
 // alone. Every thread of the block must call it; the result is meaningful where threadIdx.y == 0.
-#define SUM_GROUPS 8
+#define SUM_GROUPS 16
 __device__ __forceinline__ double ordered_column_sum(const float* column, int n, size_t stride, bool valid,
                                                      double (*scratch)[32]) {
     const int per = (n + SUM_GROUPS - 1) / SUM_GROUPS;

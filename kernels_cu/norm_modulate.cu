@@ -8,6 +8,7 @@
 //
 // Launch geometry (shapes only): grid = rows (= x.numel() / H), block = ADALN_ROW_THREADS;
 // thread i holds the 8-wide vectors i, i + ADALN_ROW_THREADS, ... (ADALN_ROW_VPT of them).
+// Every load (x from DRAM; norm_weight, shift, scale from L2) is issued before the reduction.
 // Reduction order: per thread in vector then element order, then block_sum (adaln_common.cuh):
 // the same tree for every row, whatever the number of rows.
 // Run: adaln_lab.cupy_backend.norm_modulate(x, norm_weight, table, timestep_indices, eps).
@@ -17,42 +18,59 @@ norm_modulate_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ norm
                    const bf16_t* __restrict__ table, const index_t* __restrict__ timestep_indices,
                    bf16_t* __restrict__ out, float* __restrict__ rstd, int S, float eps) {
     __shared__ float scratch[ADALN_ROW_WARPS + 1];
-    const size_t row = blockIdx.x;
-    const bf16_t* xr = x + row * ADALN_H;
-    const index_t t = timestep_indices[row % S];
+    const unsigned row = blockIdx.x;
+    const bf16_t* xr = x + (size_t)row * ADALN_H;
+    uint4 x_raw[ADALN_ROW_VPT], w_raw[ADALN_ROW_VPT], shift_raw[ADALN_ROW_VPT], scale_raw[ADALN_ROW_VPT];
+#pragma unroll
+    for (int i = 0; i < ADALN_ROW_VPT; ++i) {
+        const int v = threadIdx.x + i * ADALN_ROW_THREADS;
+        if (v < ADALN_NVEC_H) {
+            x_raw[i] = load_raw8(xr + v * ADALN_VEC);
+            w_raw[i] = load_raw8(norm_weight + v * ADALN_VEC);
+        }
+    }
+    const index_t t = timestep_indices[row % (unsigned)S];
+    const bool valid = t >= 0 && t < ADALN_T;
+    const bf16_t* shift = table + (valid ? t : 0) * 2 * ADALN_H;
+#pragma unroll
+    for (int i = 0; i < ADALN_ROW_VPT; ++i) {
+        const int v = threadIdx.x + i * ADALN_ROW_THREADS;
+        if (v < ADALN_NVEC_H) {
+            shift_raw[i] = load_raw8(shift + v * ADALN_VEC);
+            scale_raw[i] = load_raw8(shift + ADALN_H + v * ADALN_VEC);
+        }
+    }
 
-    float xv[ADALN_ROW_VPT][ADALN_VEC];
     float ss = 0.0f;
 #pragma unroll
     for (int i = 0; i < ADALN_ROW_VPT; ++i) {
         const int v = threadIdx.x + i * ADALN_ROW_THREADS;
         if (v < ADALN_NVEC_H) {
-            load8(xr + v * ADALN_VEC, xv[i]);
+            float xv[ADALN_VEC];
+            unpack8(x_raw[i], xv);
 #pragma unroll
-            for (int e = 0; e < ADALN_VEC; ++e) ss = fmaf(xv[i][e], xv[i][e], ss);
+            for (int e = 0; e < ADALN_VEC; ++e) ss = fmaf(xv[e], xv[e], ss);
         }
     }
     const float r = rsqrtf(block_sum(ss, scratch) / (float)ADALN_H + eps);
     if (threadIdx.x == 0) rstd[row] = r;
-    const bool valid = t >= 0 && t < ADALN_T;
-    const bf16_t* shift = table + (valid ? t : 0) * 2 * ADALN_H;
-    const bf16_t* scale = shift + ADALN_H;
 
 #pragma unroll
     for (int i = 0; i < ADALN_ROW_VPT; ++i) {
         const int v = threadIdx.x + i * ADALN_ROW_THREADS;
         if (v < ADALN_NVEC_H) {
-            float w[ADALN_VEC], sh[ADALN_VEC], sc[ADALN_VEC], o[ADALN_VEC];
-            load8(norm_weight + v * ADALN_VEC, w);
-            load8(shift + v * ADALN_VEC, sh);
-            load8(scale + v * ADALN_VEC, sc);
+            float xv[ADALN_VEC], w[ADALN_VEC], sh[ADALN_VEC], sc[ADALN_VEC], o[ADALN_VEC];
+            unpack8(x_raw[i], xv);
+            unpack8(w_raw[i], w);
+            unpack8(shift_raw[i], sh);
+            unpack8(scale_raw[i], sc);
 #pragma unroll
             for (int e = 0; e < ADALN_VEC; ++e) {
-                const float n = round_bf16((xv[i][e] * r) * w[e]);
+                const float n = round_bf16((xv[e] * r) * w[e]);
                 const float p = round_bf16(n * round_bf16(1.0f + sc[e]));
                 o[e] = valid ? p + sh[e] : __int_as_float(0x7fc00000);
             }
-            store8(out + row * ADALN_H + v * ADALN_VEC, o);
+            store8(out + (size_t)row * ADALN_H + v * ADALN_VEC, o);
         }
     }
 }

@@ -1,8 +1,8 @@
 // norm_modulate_bwd.cu: the backward row pass: dx per row, and per-block partial sums over rows.
 //
 // With xhat = x * rstd, s1 = 1 + scale[t] (fp32 table) and g = dy * s1 * norm_weight:
-//   dx[r]              = bf16(rstd * (g - xhat * sum_h(g * xhat) / H))     per row, one rounding
-//   row_partials[b, t, 0, h] = sum over rows r of block b with timestep t of dy * xhat
+//   dx[r]                    = bf16(rstd * (g - xhat * sum_h(g * xhat) / H))   per row, one rounding
+//   row_partials[b, t, 0, h] = sum over the rows r of block b with timestep t of dy * xhat
 //   row_partials[b, t, 1, h] = sum over the same rows of dy
 // From these reduce_partials.cu forms d_shift[t] = sum_b [.,1], d_scale[t] = norm_weight * sum_b [.,0]
 // and d_norm_weight = sum_t s1[t] * sum_b [.,0]. No atomics: each block owns its slice.
@@ -10,12 +10,42 @@
 // error shows in every gradient (the op checks indices before launching unless told not to).
 //
 // Launch geometry: block = ADALN_ROW_THREADS (same thread/vector map as norm_modulate.cu),
-// grid = ceil(rows / rows_per_block); rows_per_block = ceil(rows / 264) is chosen by the loader
-// from the number of rows alone, never from the GPU.
+// grid = ceil(rows / rows_per_block), rows_per_block = min(ceil(rows / 132), ROW_LIST_MAX),
+// chosen by the loader from the number of rows alone, never from the GPU.
+// Pipeline: the block first copies its rows' timesteps to shared memory, then makes one pass
+// per timestep t = 0 .. T-1 over its rows of that timestep, with the next two rows' x and dy
+// already in flight while a row is reduced.
 // Reduction order: the row dot product uses block_sum (the forward's tree, so dx of a row never
-// depends on the other rows); the partials add the block's rows of timestep t in row order, one
-// pass per timestep t = 0 .. T-1.
+// depends on the other rows); the partials add the block's rows of timestep t in row order.
 // Run: adaln_lab.cupy_backend.norm_modulate_bwd(dy, x, rstd, norm_weight, table_f32, timestep_indices).
+
+#define ROW_LIST_MAX 2048
+
+struct RowData {
+    uint4 x[ADALN_ROW_VPT], dy[ADALN_ROW_VPT];
+    float rstd;
+};
+
+__device__ __forceinline__ void load_row(RowData& d, const bf16_t* x, const bf16_t* dy, const float* rstd, int row) {
+#pragma unroll
+    for (int i = 0; i < ADALN_ROW_VPT; ++i) {
+        const int v = threadIdx.x + i * ADALN_ROW_THREADS;
+        if (v < ADALN_NVEC_H) {
+            d.x[i] = load_raw8(x + (size_t)row * ADALN_H + v * ADALN_VEC);
+            d.dy[i] = load_raw8(dy + (size_t)row * ADALN_H + v * ADALN_VEC);
+        }
+    }
+    d.rstd = rstd[row];
+}
+
+// the next position after `i` in the block's row list that belongs to pass t (n when none)
+__device__ __forceinline__ int next_in_pass(const int* timesteps, int i, int n, int t) {
+    for (++i; i < n; ++i) {
+        const int ts = timesteps[i];
+        if (ts == t || (ts < 0 && t == 0)) break;
+    }
+    return i;
+}
 
 extern "C" __global__ void __launch_bounds__(ADALN_ROW_THREADS)
 norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__ x, const float* __restrict__ rstd,
@@ -23,8 +53,14 @@ norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__
                        const index_t* __restrict__ timestep_indices, bf16_t* __restrict__ dx,
                        float* __restrict__ row_partials, int S, int rows, int rows_per_block) {
     __shared__ float scratch[ADALN_ROW_WARPS + 1];
+    __shared__ int timesteps[ROW_LIST_MAX];
     const int r0 = blockIdx.x * rows_per_block;
-    const int r1 = min(rows, r0 + rows_per_block);
+    const int n = min(rows, r0 + rows_per_block) - r0;
+    for (int i = threadIdx.x; i < n; i += ADALN_ROW_THREADS) {
+        const index_t ts = timestep_indices[(unsigned)(r0 + i) % (unsigned)S];
+        timesteps[i] = (ts < 0 || ts >= ADALN_T) ? -1 : (int)ts;
+    }
+    __syncthreads();
 
 #pragma unroll 1
     for (int t = 0; t < ADALN_T; ++t) {
@@ -35,29 +71,33 @@ norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__
 #pragma unroll
             for (int e = 0; e < ADALN_VEC; ++e) sum_dy_xhat[i][e] = sum_dy[i][e] = 0.0f;
 
+        RowData cur, next1, next2;
+        int i0 = next_in_pass(timesteps, -1, n, t);
+        int i1 = next_in_pass(timesteps, i0, n, t);
+        if (i0 < n) load_row(cur, x, dy, rstd, r0 + i0);
+        if (i1 < n) load_row(next1, x, dy, rstd, r0 + i1);
 #pragma unroll 1
-        for (int row = r0; row < r1; ++row) {
-            const index_t tr = timestep_indices[row % S];
-            const bool invalid = tr < 0 || tr >= ADALN_T;
-            if (tr != t && !(invalid && t == 0)) continue;  // uniform over the block
-            const float rs = rstd[row];
+        while (i0 < n) {
+            const int i2 = next_in_pass(timesteps, i1, n, t);
+            if (i2 < n) load_row(next2, x, dy, rstd, r0 + i2);
+            const int row = r0 + i0;
+            const bool invalid = timesteps[i0] < 0;
             float xhat[ADALN_ROW_VPT][ADALN_VEC], g[ADALN_ROW_VPT][ADALN_VEC];
             float dot = 0.0f;
 #pragma unroll
             for (int i = 0; i < ADALN_ROW_VPT; ++i) {
                 const int v = threadIdx.x + i * ADALN_ROW_THREADS;
                 if (v < ADALN_NVEC_H) {
-                    float dyv[ADALN_VEC], w[ADALN_VEC], s1[ADALN_VEC];
-                    load8(x + (size_t)row * ADALN_H + v * ADALN_VEC, xhat[i]);
-                    load8(dy + (size_t)row * ADALN_H + v * ADALN_VEC, dyv);
+                    float dyv[ADALN_VEC], w[ADALN_VEC];
+                    unpack8(cur.x[i], xhat[i]);
+                    unpack8(cur.dy[i], dyv);
                     load8(norm_weight + v * ADALN_VEC, w);
                     const float4 sa = *reinterpret_cast<const float4*>(scale + v * ADALN_VEC);
                     const float4 sb = *reinterpret_cast<const float4*>(scale + v * ADALN_VEC + 4);
-                    s1[0] = sa.x; s1[1] = sa.y; s1[2] = sa.z; s1[3] = sa.w;
-                    s1[4] = sb.x; s1[5] = sb.y; s1[6] = sb.z; s1[7] = sb.w;
+                    const float s1[ADALN_VEC] = {sa.x, sa.y, sa.z, sa.w, sb.x, sb.y, sb.z, sb.w};
 #pragma unroll
                     for (int e = 0; e < ADALN_VEC; ++e) {
-                        xhat[i][e] *= rs;
+                        xhat[i][e] *= cur.rstd;
                         g[i][e] = dyv[e] * (1.0f + s1[e]) * w[e];
                         dot = fmaf(g[i][e], xhat[i][e], dot);
                         sum_dy_xhat[i][e] = fmaf(dyv[e], xhat[i][e], sum_dy_xhat[i][e]);
@@ -73,7 +113,7 @@ norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__
                     float d[ADALN_VEC];
 #pragma unroll
                     for (int e = 0; e < ADALN_VEC; ++e)
-                        d[e] = invalid ? __int_as_float(0x7fc00000) : rs * (g[i][e] - xhat[i][e] * mean_dot);
+                        d[e] = invalid ? __int_as_float(0x7fc00000) : cur.rstd * (g[i][e] - xhat[i][e] * mean_dot);
                     store8(dx + (size_t)row * ADALN_H + v * ADALN_VEC, d);
                 }
             }
@@ -83,6 +123,10 @@ norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__
 #pragma unroll
                     for (int e = 0; e < ADALN_VEC; ++e) sum_dy_xhat[i][e] = sum_dy[i][e] = __int_as_float(0x7fc00000);
             }
+            cur = next1;
+            next1 = next2;
+            i0 = i1;
+            i1 = i2;
         }
         float* slot = row_partials + ((size_t)blockIdx.x * ADALN_T + t) * 2 * ADALN_H;
 #pragma unroll

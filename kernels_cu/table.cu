@@ -5,7 +5,7 @@
 // (T, 2H) fp32, the same sums unrounded, which the backward uses.
 //
 // Launch geometry (shapes only): block = 256 threads = 8 warps, TABLE_ROWS_PER_WARP = 4 output
-// rows j per warp, grid = ceil(2H / 32). Shared memory: T * D bf16 activations (checked by the
+// rows j per warp (their weight rows loaded side by side), grid = ceil(2H / 32). Shared memory: T * D bf16 activations (checked by the
 // loader to fit 48 KiB).
 // Reduction order of one (t, j): lane l sums the 8-wide k-vectors l, l + 32, l + 64, ... in that
 // order (fmaf over the 8 elements in k order); the 32 lane sums go through warp_sum_lane0.
@@ -25,30 +25,39 @@ table_bf16(const float* __restrict__ temb, const bf16_t* __restrict__ weight, co
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int first = (blockIdx.x * (TABLE_THREADS / 32) + warp) * TABLE_ROWS_PER_WARP;
-#pragma unroll 1
+    float acc[TABLE_ROWS_PER_WARP][ADALN_T];
+#pragma unroll
+    for (int r = 0; r < TABLE_ROWS_PER_WARP; ++r)
+#pragma unroll
+        for (int t = 0; t < ADALN_T; ++t) acc[r][t] = 0.0f;
+#pragma unroll 2
+    for (int kv = lane; kv < ADALN_NVEC_D; kv += 32) {
+        uint4 w_raw[TABLE_ROWS_PER_WARP];
+#pragma unroll
+        for (int r = 0; r < TABLE_ROWS_PER_WARP; ++r)
+            w_raw[r] = first + r < 2 * ADALN_H ? load_raw8(weight + (size_t)(first + r) * ADALN_D + kv * ADALN_VEC)
+                                               : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int t = 0; t < ADALN_T; ++t) {
+            float a[ADALN_VEC];
+            load8(act + t * ADALN_D + kv * ADALN_VEC, a);
+#pragma unroll
+            for (int r = 0; r < TABLE_ROWS_PER_WARP; ++r) {
+                float w[ADALN_VEC];
+                unpack8(w_raw[r], w);
+#pragma unroll
+                for (int e = 0; e < ADALN_VEC; ++e) acc[r][t] = fmaf(w[e], a[e], acc[r][t]);
+            }
+        }
+    }
+#pragma unroll
     for (int r = 0; r < TABLE_ROWS_PER_WARP; ++r) {
         const int j = first + r;
         if (j >= 2 * ADALN_H) break;
-        float acc[ADALN_T];
-#pragma unroll
-        for (int t = 0; t < ADALN_T; ++t) acc[t] = 0.0f;
-        const bf16_t* wrow = weight + (size_t)j * ADALN_D;
-#pragma unroll 4
-        for (int kv = lane; kv < ADALN_NVEC_D; kv += 32) {
-            float w[ADALN_VEC];
-            load8(wrow + kv * ADALN_VEC, w);
-#pragma unroll
-            for (int t = 0; t < ADALN_T; ++t) {
-                float a[ADALN_VEC];
-                load8(act + t * ADALN_D + kv * ADALN_VEC, a);
-#pragma unroll
-                for (int e = 0; e < ADALN_VEC; ++e) acc[t] = fmaf(w[e], a[e], acc[t]);
-            }
-        }
         const float b = bf16_to_float(bias[j]);
 #pragma unroll
         for (int t = 0; t < ADALN_T; ++t) {
-            const float sum = warp_sum_lane0(acc[t]) + b;
+            const float sum = warp_sum_lane0(acc[r][t]) + b;
             if (lane == 0) {
                 table_f32[t * 2 * ADALN_H + j] = sum;
                 table[t * 2 * ADALN_H + j] = float_to_bf16(sum);

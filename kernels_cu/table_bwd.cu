@@ -33,7 +33,7 @@ table_bwd_bf16(const float* __restrict__ d_table, const float* __restrict__ temb
             act[t][e] = valid ? silu(temb[t * ADALN_D + kv * ADALN_VEC + e]) : 0.0f;
             dact[t][e] = 0.0f;
         }
-#pragma unroll 2
+#pragma unroll
     for (int i = 0; i < TB_ROWS_PER_WARP; ++i) {
         const int j = blockIdx.y * TB_ROWS + warp * TB_ROWS_PER_WARP + i;
         if (!valid || j >= 2 * ADALN_H) break;

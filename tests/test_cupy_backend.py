@@ -18,17 +18,33 @@ SHAPES = [dict(H=5376, D=2688, T=3), dict(H=264, D=64, T=1), dict(H=1024, D=256,
 def test_forward_parity_with_diffusers(shape, table_backend):
     inputs = make(1, 777, "cuda", **shape)
     result = parity(adaln_lab_candidate(table_backend).fn, diffusers_candidate().fn, inputs)
-    assert result["max_ulp"] <= 1
+    assert result["max_operand_ulp"] <= 1
     assert result["bitwise_equal_fraction"] >= (0.9999 if table_backend == "torch" else 0.999)
+
+
+def test_cuda_table_within_one_ulp_of_cublas():
+    from adaln_lab.cupy_backend import table
+    from adaln_lab.harness.accuracy import ulp_distance
+    from adaln_lab.reference import table_reference
+
+    inputs = make(1, 4, "cuda")
+    ours, _ = table(inputs.temb, inputs.weight, inputs.bias)
+    ulps = ulp_distance(ours, table_reference(inputs.temb, inputs.weight, inputs.bias))
+    assert int(ulps.max()) <= 1
+    assert float((ulps == 0).double().mean()) >= 0.99
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_gradients_beat_the_seed_bounds(shape):
     inputs = make(1, 1031, "cuda", **shape)
     acc = accuracy(adaln_lab_candidate().fn, inputs, upstream(1, inputs.x))
-    bounds = {"x": 0.0051, "nw": 0.0036, "temb": 0.0010, "w": 0.0038, "b": 0.0021}
+    # the seed report's rl_kernel figures (the smaller of its two sizes)
+    bounds = {"x": 0.0051, "nw": 0.0036, "temb": 0.0010, "w": 0.0038}
     for key, bound in bounds.items():
         assert acc["grad_rel_err"][key] <= bound, (key, acc["grad_rel_err"][key])
+    # d_bias is a bf16 output whose error is its own rounding: it must be the exact gradient
+    # rounded once, which no implementation can beat on the same data
+    assert acc["grad_correctly_rounded"]["b"] >= 0.999
     assert acc["fwd_rel_err"] <= 0.01
 
 
