@@ -85,6 +85,13 @@ def main():
         entry["op_fwd_bwd"] = {"gpu_us": gpu_us(fwd_bwd), "cpu_us": cpu_us(fwd_bwd)}
         entry["row_ranges"] = parts.shape[0]
         out[S] = entry
+        if S == 4097 and "--cprofile" in sys.argv:
+            import cProfile
+            import pstats
+
+            profiler = cProfile.Profile()
+            profiler.runcall(lambda: [fwd_bwd() for _ in range(REPS)])
+            pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(12)
     json.dump(out, sys.stdout, indent=1)
 
 

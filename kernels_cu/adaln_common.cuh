@@ -82,6 +82,24 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return scratch[ADALN_ROW_WARPS];
 }
 
+// block_sum of two independent values at once; each result has exactly the bits block_sum would
+// give it (same tree), so a row's reduction does not depend on which row it is paired with.
+__device__ __forceinline__ float2 block_sum2(float a, float b, float2* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    a = warp_sum_lane0(a);
+    b = warp_sum_lane0(b);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = make_float2(a, b);
+    __syncthreads();
+    if (warp == 0) {
+        const float2 w = lane < ADALN_ROW_WARPS ? scratch[lane] : make_float2(0.0f, 0.0f);
+        const float wa = warp_sum_lane0(w.x), wb = warp_sum_lane0(w.y);
+        if (lane == 0) scratch[ADALN_ROW_WARPS] = make_float2(wa, wb);
+    }
+    __syncthreads();
+    return scratch[ADALN_ROW_WARPS];
+}
+
 // SiLU as torch computes it in fp32: v / (1 + exp(-v)).
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
 
@@ -96,7 +114,8 @@ __device__ __forceinline__ double ordered_column_sum(const float* column, int n,
     const int b0 = threadIdx.y * per, b1 = min(n, b0 + per);
     double s = 0.0;
     if (valid)
-        for (int b = b0; b < b1; ++b) s += (double)column[(size_t)b * stride];
+#pragma unroll 8
+        for (int b = b0; b < b1; ++b) s += (double)column[(size_t)b * stride];  // loads issued 8 at a time
     scratch[threadIdx.y][threadIdx.x] = s;
     __syncthreads();
     double total = 0.0;
