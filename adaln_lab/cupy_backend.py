@@ -29,7 +29,6 @@ ROW_THREADS_MAX = 1024
 ROW_RANGES = 132          # row ranges of the backward row pass: a constant, never read from the GPU
 ROW_LIST_MAX = 2048       # most rows of one range (kernels_cu/norm_modulate_bwd.cu keeps their timesteps in shared memory)
 TABLE_THREADS, TABLE_ROWS_PER_WARP = 256, 4
-FWD_ROWS = 2              # rows per block of the forward (kernels_cu/norm_modulate.cu)
 TB_THREADS, TB_ROWS, SUM_GROUPS = 256, 64, 16
 STATIC_SMEM_LIMIT = 48 * 1024
 
@@ -163,9 +162,9 @@ def norm_modulate(x, norm_weight, table_bf16, timestep_indices, eps: float, D: i
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
         threads, _ = row_geometry(H)
-        _launch(x.device, H, D, T, "norm_modulate_bf16", (math.ceil(rows / FWD_ROWS),), (threads,),
+        _launch(x.device, H, D, T, "norm_modulate_bf16", (rows,), (threads,),
                 (_ptr(x), _ptr(norm_weight), _ptr(table_bf16), _ptr(timestep_indices), _ptr(out), _ptr(rstd),
-                 np.int32(S), np.int32(rows), np.float32(eps)))
+                 np.int32(S), np.float32(eps)))
     return out, rstd
 
 

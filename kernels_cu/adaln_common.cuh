@@ -82,24 +82,6 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return scratch[ADALN_ROW_WARPS];
 }
 
-// block_sum of two independent values at once; each result has exactly the bits block_sum would
-// give it (same tree), so a row's reduction does not depend on which row it is paired with.
-__device__ __forceinline__ float2 block_sum2(float a, float b, float2* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    a = warp_sum_lane0(a);
-    b = warp_sum_lane0(b);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = make_float2(a, b);
-    __syncthreads();
-    if (warp == 0) {
-        const float2 w = lane < ADALN_ROW_WARPS ? scratch[lane] : make_float2(0.0f, 0.0f);
-        const float wa = warp_sum_lane0(w.x), wb = warp_sum_lane0(w.y);
-        if (lane == 0) scratch[ADALN_ROW_WARPS] = make_float2(wa, wb);
-    }
-    __syncthreads();
-    return scratch[ADALN_ROW_WARPS];
-}
-
 // SiLU as torch computes it in fp32: v / (1 + exp(-v)).
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
 

@@ -20,17 +20,11 @@ extern "C" __global__ void __launch_bounds__(TABLE_THREADS)
 table_bf16(const float* __restrict__ temb, const bf16_t* __restrict__ weight, const bf16_t* __restrict__ bias,
            bf16_t* __restrict__ table, float* __restrict__ table_f32) {
     __shared__ __align__(16) bf16_t act[ADALN_T * ADALN_D];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int first = (blockIdx.x * (TABLE_THREADS / 32) + warp) * TABLE_ROWS_PER_WARP;
-    // weight loads of the first k-vector are in flight while the block fills act
-    uint4 w_next[TABLE_ROWS_PER_WARP];
-#pragma unroll
-    for (int r = 0; r < TABLE_ROWS_PER_WARP; ++r)
-        w_next[r] = first + r < 2 * ADALN_H && lane < ADALN_NVEC_D
-                        ? load_raw8(weight + (size_t)(first + r) * ADALN_D + lane * ADALN_VEC) : make_uint4(0, 0, 0, 0);
     for (int i = threadIdx.x; i < ADALN_T * ADALN_D; i += TABLE_THREADS) act[i] = float_to_bf16(silu(temb[i]));
     __syncthreads();
 
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int first = (blockIdx.x * (TABLE_THREADS / 32) + warp) * TABLE_ROWS_PER_WARP;
     float acc[TABLE_ROWS_PER_WARP][ADALN_T];
 #pragma unroll
     for (int r = 0; r < TABLE_ROWS_PER_WARP; ++r)
@@ -40,12 +34,9 @@ table_bf16(const float* __restrict__ temb, const bf16_t* __restrict__ weight, co
     for (int kv = lane; kv < ADALN_NVEC_D; kv += 32) {
         uint4 w_raw[TABLE_ROWS_PER_WARP];
 #pragma unroll
-        for (int r = 0; r < TABLE_ROWS_PER_WARP; ++r) {
-            w_raw[r] = w_next[r];
-            w_next[r] = first + r < 2 * ADALN_H && kv + 32 < ADALN_NVEC_D
-                            ? load_raw8(weight + (size_t)(first + r) * ADALN_D + (kv + 32) * ADALN_VEC)
-                            : make_uint4(0, 0, 0, 0);
-        }
+        for (int r = 0; r < TABLE_ROWS_PER_WARP; ++r)
+            w_raw[r] = first + r < 2 * ADALN_H ? load_raw8(weight + (size_t)(first + r) * ADALN_D + kv * ADALN_VEC)
+                                               : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int t = 0; t < ADALN_T; ++t) {
             float a[ADALN_VEC];

@@ -25,13 +25,6 @@ table_bwd_bf16(const float* __restrict__ d_table, const float* __restrict__ temb
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kv = blockIdx.x * 32 + lane;
     const bool valid = kv < ADALN_NVEC_D;
-    uint4 w_raw[TB_ROWS_PER_WARP];  // every weight load in flight before the activations are computed
-#pragma unroll
-    for (int i = 0; i < TB_ROWS_PER_WARP; ++i) {
-        const int j = blockIdx.y * TB_ROWS + warp * TB_ROWS_PER_WARP + i;
-        w_raw[i] = valid && j < 2 * ADALN_H ? load_raw8(weight + (size_t)j * ADALN_D + kv * ADALN_VEC)
-                                            : make_uint4(0, 0, 0, 0);
-    }
     float act[ADALN_T][ADALN_VEC], dact[ADALN_T][ADALN_VEC];
 #pragma unroll
     for (int t = 0; t < ADALN_T; ++t)
@@ -45,7 +38,7 @@ table_bwd_bf16(const float* __restrict__ d_table, const float* __restrict__ temb
         const int j = blockIdx.y * TB_ROWS + warp * TB_ROWS_PER_WARP + i;
         if (!valid || j >= 2 * ADALN_H) break;
         float w[ADALN_VEC], dw[ADALN_VEC], g[ADALN_T];
-        unpack8(w_raw[i], w);
+        load8(weight + (size_t)j * ADALN_D + kv * ADALN_VEC, w);
 #pragma unroll
         for (int t = 0; t < ADALN_T; ++t) g[t] = d_table[t * 2 * ADALN_H + j];
 #pragma unroll

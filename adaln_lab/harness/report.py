@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -43,6 +44,19 @@ def _git(*args: str):
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+def _provenance() -> dict:
+    """The commit measured and whether tracked files differ from it.
+
+    Without a git checkout (a copied tree), ADALN_LAB_COMMIT names the commit and the dirty flag
+    is null (unknown) rather than a guess.
+    """
+    commit = _git("rev-parse", "HEAD")
+    if commit is not None:
+        return {"adaln_lab_commit": commit,
+                "tracked_tree_dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))}
+    return {"adaln_lab_commit": os.environ.get("ADALN_LAB_COMMIT"), "tracked_tree_dirty": None}
 
 
 def environment(device: torch.device) -> dict:
@@ -112,8 +126,7 @@ def run_report(names: list[str], device: str | torch.device, quick: bool) -> dic
         "kind": "adaln_lab_report",
         "rfc": None,
         "op": "final_adaln_out",
-        "adaln_lab_commit": _git("rev-parse", "HEAD"),
-        "tracked_tree_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        **_provenance(),
         "environment": environment(device),
         "quick": quick,
         "protocol": {k: v for k, v in vars(protocol).items()} | {"sweep_sizes": protocol.sweep_sizes},
