@@ -25,7 +25,7 @@ import torch
 KERNEL_FILES = ("adaln_common.cuh", "table.cu", "norm_modulate.cu", "norm_modulate_bwd.cu",
                 "reduce_partials.cu", "table_bwd.cu")
 INCLUDE_LINE = '#include "adaln_common.cuh"'
-ROW_THREADS_MAX = 1024
+FWD_THREADS_MAX, BWD_THREADS_MAX = 256, 1024   # row kernels' block size caps (bench/NOTES.md, v4)
 ROW_RANGES = 132          # row ranges of the backward row pass: a constant, never read from the GPU
 ROW_LIST_MAX = 2048       # most rows of one range (kernels_cu/norm_modulate_bwd.cu keeps their timesteps in shared memory)
 TABLE_THREADS, TABLE_ROWS_PER_WARP = 256, 4
@@ -41,10 +41,10 @@ def kernel_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "kernels_cu"
 
 
-def row_geometry(H: int) -> tuple[int, int]:
-    """(threads, 8-wide vectors per thread) of the row kernels, from H alone."""
+def row_geometry(H: int, threads_max: int) -> tuple[int, int]:
+    """(threads, 8-wide vectors per thread) of a row kernel whose blocks hold at most threads_max, from H alone."""
     nvec = H // 8
-    vpt = math.ceil(nvec / ROW_THREADS_MAX)
+    vpt = math.ceil(nvec / threads_max)
     threads = 32 * math.ceil(math.ceil(nvec / vpt) / 32)
     return threads, vpt
 
@@ -76,9 +76,11 @@ def source(H: int, D: int, T: int) -> str:
         parts.append(f'#line 1 "kernels_cu/{name}"\n{text}')
     body = "\n".join(parts)
     digest = hashlib.sha256(body.encode()).hexdigest()
-    threads, vpt = row_geometry(H)
+    fwd_threads, fwd_vpt = row_geometry(H, FWD_THREADS_MAX)
+    bwd_threads, bwd_vpt = row_geometry(H, BWD_THREADS_MAX)
     defines = (f"#define ADALN_H {H}\n#define ADALN_D {D}\n#define ADALN_T {T}\n"
-               f"#define ADALN_ROW_THREADS {threads}\n#define ADALN_ROW_VPT {vpt}\n")
+               f"#define ADALN_FWD_THREADS {fwd_threads}\n#define ADALN_FWD_VPT {fwd_vpt}\n"
+               f"#define ADALN_BWD_THREADS {bwd_threads}\n#define ADALN_BWD_VPT {bwd_vpt}\n")
     return f"// adaln_lab kernels_cu sha256 {digest}\n{defines}{body}"
 
 
@@ -161,7 +163,7 @@ def norm_modulate(x, norm_weight, table_bf16, timestep_indices, eps: float, D: i
     out = torch.empty_like(x)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
-        threads, _ = row_geometry(H)
+        threads, _ = row_geometry(H, FWD_THREADS_MAX)
         _launch(x.device, H, D, T, "norm_modulate_bf16", (rows,), (threads,),
                 (_ptr(x), _ptr(norm_weight), _ptr(table_bf16), _ptr(timestep_indices), _ptr(out), _ptr(rstd),
                  np.int32(S), np.float32(eps)))
@@ -178,7 +180,7 @@ def norm_modulate_bwd(dy, x, rstd, norm_weight, table_f32, timestep_indices, D: 
     dx = torch.empty_like(x)
     row_partials = torch.empty(max(ranges, 1), T, 2, H, dtype=torch.float32, device=x.device)
     if rows:
-        threads, _ = row_geometry(H)
+        threads, _ = row_geometry(H, BWD_THREADS_MAX)
         _launch(x.device, H, D, T, "norm_modulate_bwd_bf16", (ranges,), (threads,),
                 (_ptr(dy), _ptr(x), _ptr(rstd), _ptr(norm_weight), _ptr(table_f32), _ptr(timestep_indices),
                  _ptr(dx), _ptr(row_partials), np.int32(S), np.int32(rows), np.int32(per)))

@@ -9,8 +9,10 @@
 //   kept; then warp 0 sums the per-warp values in the same butterfly. The tree depends only on
 //   blockDim (a function of H), never on the number of rows or the GPU.
 //
-// Shape constants come from the loader as macros: ADALN_H, ADALN_D, ADALN_T (the problem) and
-// ADALN_ROW_THREADS, ADALN_ROW_VPT (the row kernels' block size and 8-wide vectors per thread).
+// Shape constants come from the loader as macros: ADALN_H, ADALN_D, ADALN_T (the problem),
+// ADALN_FWD_THREADS, ADALN_FWD_VPT (the forward row kernel's block size and 8-wide vectors per
+// thread) and ADALN_BWD_THREADS, ADALN_BWD_VPT (the same for the backward row pass). All four
+// are functions of H alone (adaln_lab/cupy_backend.py: row_geometry).
 
 typedef unsigned short bf16_t;
 typedef long long index_t;
@@ -18,7 +20,6 @@ typedef long long index_t;
 #define ADALN_VEC 8
 #define ADALN_NVEC_H (ADALN_H / ADALN_VEC)
 #define ADALN_NVEC_D (ADALN_D / ADALN_VEC)
-#define ADALN_ROW_WARPS (ADALN_ROW_THREADS / 32)
 
 __device__ __forceinline__ float bf16_to_float(bf16_t v) { return __uint_as_float(((unsigned)v) << 16); }
 
@@ -65,8 +66,9 @@ __device__ __forceinline__ float warp_sum_lane0(float v) {
     return __shfl_sync(0xffffffffu, v, 0);  // every lane takes lane 0's association order
 }
 
-// Sum of one value per thread over the block, same bits in every thread. `scratch` holds
-// ADALN_ROW_WARPS + 1 floats of shared memory; the function syncs before reusing it.
+// Sum of one value per thread over a block of WARPS warps, same bits in every thread. `scratch`
+// holds WARPS + 1 floats of shared memory; the function syncs before reusing it.
+template <int WARPS>
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     v = warp_sum_lane0(v);
@@ -74,12 +76,12 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        float w = lane < ADALN_ROW_WARPS ? scratch[lane] : 0.0f;
+        float w = lane < WARPS ? scratch[lane] : 0.0f;
         w = warp_sum_lane0(w);
-        if (lane == 0) scratch[ADALN_ROW_WARPS] = w;
+        if (lane == 0) scratch[WARPS] = w;
     }
     __syncthreads();
-    return scratch[ADALN_ROW_WARPS];
+    return scratch[WARPS];
 }
 
 // SiLU as torch computes it in fp32: v / (1 + exp(-v)).

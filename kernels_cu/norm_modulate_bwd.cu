@@ -9,7 +9,7 @@
 // A row whose index is outside [0, T) gets NaN in dx and NaN in its block's partials, so the
 // error shows in every gradient (the op checks indices before launching unless told not to).
 //
-// Launch geometry: block = ADALN_ROW_THREADS (same thread/vector map as norm_modulate.cu),
+// Launch geometry: block = ADALN_BWD_THREADS (672 for H = 5376, one 8-wide vector per thread),
 // grid = ceil(rows / rows_per_block), rows_per_block = min(ceil(rows / 132), ROW_LIST_MAX),
 // chosen by the loader from the number of rows alone, never from the GPU.
 // Pipeline: the block first copies its rows' timesteps to shared memory, then makes one pass
@@ -22,14 +22,14 @@
 #define ROW_LIST_MAX 2048
 
 struct RowData {
-    uint4 x[ADALN_ROW_VPT], dy[ADALN_ROW_VPT];
+    uint4 x[ADALN_BWD_VPT], dy[ADALN_BWD_VPT];
     float rstd;
 };
 
 __device__ __forceinline__ void load_row(RowData& d, const bf16_t* x, const bf16_t* dy, const float* rstd, int row) {
 #pragma unroll
-    for (int i = 0; i < ADALN_ROW_VPT; ++i) {
-        const int v = threadIdx.x + i * ADALN_ROW_THREADS;
+    for (int i = 0; i < ADALN_BWD_VPT; ++i) {
+        const int v = threadIdx.x + i * ADALN_BWD_THREADS;
         if (v < ADALN_NVEC_H) {
             d.x[i] = load_raw8(x + (size_t)row * ADALN_H + v * ADALN_VEC);
             d.dy[i] = load_raw8(dy + (size_t)row * ADALN_H + v * ADALN_VEC);
@@ -47,16 +47,16 @@ __device__ __forceinline__ int next_in_pass(const int* timesteps, int i, int n, 
     return i;
 }
 
-extern "C" __global__ void __launch_bounds__(ADALN_ROW_THREADS)
+extern "C" __global__ void __launch_bounds__(ADALN_BWD_THREADS)
 norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__ x, const float* __restrict__ rstd,
                        const bf16_t* __restrict__ norm_weight, const float* __restrict__ table_f32,
                        const index_t* __restrict__ timestep_indices, bf16_t* __restrict__ dx,
                        float* __restrict__ row_partials, int S, int rows, int rows_per_block) {
-    __shared__ float scratch[ADALN_ROW_WARPS + 1];
+    __shared__ float scratch[ADALN_BWD_THREADS / 32 + 1];
     __shared__ int timesteps[ROW_LIST_MAX];
     const int r0 = blockIdx.x * rows_per_block;
     const int n = min(rows, r0 + rows_per_block) - r0;
-    for (int i = threadIdx.x; i < n; i += ADALN_ROW_THREADS) {
+    for (int i = threadIdx.x; i < n; i += ADALN_BWD_THREADS) {
         const index_t ts = timestep_indices[(unsigned)(r0 + i) % (unsigned)S];
         timesteps[i] = (ts < 0 || ts >= ADALN_T) ? -1 : (int)ts;
     }
@@ -65,9 +65,9 @@ norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__
 #pragma unroll 1
     for (int t = 0; t < ADALN_T; ++t) {
         const float* scale = table_f32 + t * 2 * ADALN_H + ADALN_H;
-        float sum_dy_xhat[ADALN_ROW_VPT][ADALN_VEC], sum_dy[ADALN_ROW_VPT][ADALN_VEC];
+        float sum_dy_xhat[ADALN_BWD_VPT][ADALN_VEC], sum_dy[ADALN_BWD_VPT][ADALN_VEC];
 #pragma unroll
-        for (int i = 0; i < ADALN_ROW_VPT; ++i)
+        for (int i = 0; i < ADALN_BWD_VPT; ++i)
 #pragma unroll
             for (int e = 0; e < ADALN_VEC; ++e) sum_dy_xhat[i][e] = sum_dy[i][e] = 0.0f;
 
@@ -82,11 +82,11 @@ norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__
             if (i2 < n) load_row(next2, x, dy, rstd, r0 + i2);
             const int row = r0 + i0;
             const bool invalid = timesteps[i0] < 0;
-            float xhat[ADALN_ROW_VPT][ADALN_VEC], g[ADALN_ROW_VPT][ADALN_VEC];
+            float xhat[ADALN_BWD_VPT][ADALN_VEC], g[ADALN_BWD_VPT][ADALN_VEC];
             float dot = 0.0f;
 #pragma unroll
-            for (int i = 0; i < ADALN_ROW_VPT; ++i) {
-                const int v = threadIdx.x + i * ADALN_ROW_THREADS;
+            for (int i = 0; i < ADALN_BWD_VPT; ++i) {
+                const int v = threadIdx.x + i * ADALN_BWD_THREADS;
                 if (v < ADALN_NVEC_H) {
                     float dyv[ADALN_VEC], w[ADALN_VEC];
                     unpack8(cur.x[i], xhat[i]);
@@ -105,10 +105,10 @@ norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__
                     }
                 }
             }
-            const float mean_dot = block_sum(dot, scratch) / (float)ADALN_H;
+            const float mean_dot = block_sum<ADALN_BWD_THREADS / 32>(dot, scratch) / (float)ADALN_H;
 #pragma unroll
-            for (int i = 0; i < ADALN_ROW_VPT; ++i) {
-                const int v = threadIdx.x + i * ADALN_ROW_THREADS;
+            for (int i = 0; i < ADALN_BWD_VPT; ++i) {
+                const int v = threadIdx.x + i * ADALN_BWD_THREADS;
                 if (v < ADALN_NVEC_H) {
                     float d[ADALN_VEC];
 #pragma unroll
@@ -119,7 +119,7 @@ norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__
             }
             if (invalid) {  // poison: this row belongs to no timestep
 #pragma unroll
-                for (int i = 0; i < ADALN_ROW_VPT; ++i)
+                for (int i = 0; i < ADALN_BWD_VPT; ++i)
 #pragma unroll
                     for (int e = 0; e < ADALN_VEC; ++e) sum_dy_xhat[i][e] = sum_dy[i][e] = __int_as_float(0x7fc00000);
             }
@@ -130,8 +130,8 @@ norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__
         }
         float* slot = row_partials + ((size_t)blockIdx.x * ADALN_T + t) * 2 * ADALN_H;
 #pragma unroll
-        for (int i = 0; i < ADALN_ROW_VPT; ++i) {
-            const int v = threadIdx.x + i * ADALN_ROW_THREADS;
+        for (int i = 0; i < ADALN_BWD_VPT; ++i) {
+            const int v = threadIdx.x + i * ADALN_BWD_THREADS;
             if (v < ADALN_NVEC_H) {
 #pragma unroll
                 for (int e = 0; e < ADALN_VEC; e += 4) {

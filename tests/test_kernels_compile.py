@@ -62,9 +62,10 @@ def test_source_carries_a_hash_of_every_file(tmp_path, monkeypatch):
 
 
 def test_geometry_is_a_function_of_the_shapes_only():
-    assert cupy_backend.row_geometry(5376) == (672, 1)
-    assert cupy_backend.row_geometry(264) == (64, 1)
-    assert cupy_backend.row_geometry(16384) == (1024, 2)
+    assert cupy_backend.row_geometry(5376, cupy_backend.FWD_THREADS_MAX) == (224, 3)
+    assert cupy_backend.row_geometry(5376, cupy_backend.BWD_THREADS_MAX) == (672, 1)
+    assert cupy_backend.row_geometry(264, 256) == (64, 1)
+    assert cupy_backend.row_geometry(16384, 1024) == (1024, 2)
     # the backward's row ranges depend on the number of rows alone
     assert cupy_backend.rows_per_block(1) == 1
     assert cupy_backend.rows_per_block(4097) == 32

@@ -1,4 +1,4 @@
-"""Development A/B of launch geometries in one run (same inputs, same process), plus a CPU profile
+"""Development A/B of launch geometries (forward and backward given the same cap) in one run (same inputs, same process), plus a CPU profile
 of one forward+backward at 4097 rows. Not evidence: it picks what the kernels should use."""
 
 import json
@@ -21,11 +21,12 @@ for S in (4097, 32768):
     tab, tab32 = cb.table(i.temb, i.weight, i.bias)
     for threads_max in (1024, 512, 256):
         for ranges in (132, 264, 528):
-            cb.ROW_THREADS_MAX, cb.ROW_RANGES = threads_max, ranges
+            cb.FWD_THREADS_MAX = cb.BWD_THREADS_MAX = threads_max
+            cb.ROW_RANGES = ranges
             cb._module.cache_clear()
             cb.source.cache_clear()
             y, rstd = cb.norm_modulate(i.x, i.norm_weight, tab, i.timestep_indices, 1e-5, D)
-            key = f"{S} thr{cb.row_geometry(5376)} ranges{ranges}"
+            key = f"{S} thr{cb.row_geometry(5376, threads_max)} ranges{ranges}"
             out[key] = {
                 "fwd": gpu_us(lambda: cb.norm_modulate(i.x, i.norm_weight, tab, i.timestep_indices, 1e-5, D)),
                 "bwd": gpu_us(lambda: cb.norm_modulate_bwd(dy, i.x, rstd, i.norm_weight, tab32, i.timestep_indices, D)),
@@ -33,7 +34,7 @@ for S in (4097, 32768):
                          if k.startswith("norm")},
             }
             print(key, json.dumps(out[key]), flush=True)
-cb.ROW_THREADS_MAX, cb.ROW_RANGES = 1024, 132
+cb.FWD_THREADS_MAX, cb.BWD_THREADS_MAX, cb.ROW_RANGES = 256, 1024, 132
 cb._module.cache_clear()
 cb.source.cache_clear()
 
