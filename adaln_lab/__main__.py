@@ -1,4 +1,8 @@
-"""Command line: `python -m adaln_lab report --out FILE.json [--quick] [--device cpu|cuda] [--candidates NAMES]`."""
+"""Command line of adaln_lab.
+
+    python -m adaln_lab report --out FILE.json [--quick] [--device cpu|cuda] [--candidates NAMES]
+    python -m adaln_lab table FILE.json          (markdown summary of a report)
+"""
 
 from __future__ import annotations
 
@@ -19,7 +23,18 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--candidates", default=None,
                         help="comma-separated names among diffusers, torch_compile, adaln_lab "
                              f"(default: {DEFAULT_CANDIDATES['cuda']} on cuda, {DEFAULT_CANDIDATES['cpu']} on cpu)")
+    table = commands.add_parser("table", help="print a report JSON as a markdown table")
+    table.add_argument("report_json")
     args = parser.parse_args(argv)
+
+    if args.command == "table":
+        import json
+        from pathlib import Path
+
+        from .harness.table import markdown
+
+        print(markdown(json.loads(Path(args.report_json).read_text())))
+        return 0
 
     import torch
 

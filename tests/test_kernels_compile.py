@@ -83,3 +83,18 @@ def test_shapes_the_kernels_cannot_take_are_refused_clearly():
         cupy_backend.check_shapes(256, 60, 3)
     with pytest.raises(ValueError, match="T \\* D"):
         cupy_backend.check_shapes(256, 8192, 4)
+
+
+def test_the_wheel_ships_the_kernels(tmp_path):
+    import subprocess
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    root = Path(cupy_backend.kernel_dir()).parent
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(root), "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path)], check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("adaln_lab-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for name in cupy_backend.KERNEL_FILES:
+        assert f"adaln_lab/kernels_cu/{name}" in names
