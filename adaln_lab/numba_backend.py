@@ -1,0 +1,225 @@
+"""The Numba-CUDA twin of kernels_cu/table.cu and kernels_cu/norm_modulate.cu, for reading and exploring.
+
+Same launch geometry (from `cupy_backend`'s shape-only functions), same reduction order, same
+rounding points, written in Python. On a GPU its table, output and rstd are meant to equal the
+CUDA C++ kernels' bit for bit (tests/test_numba_backend.py checks it there). Under numba's CUDA
+simulator (NUMBA_ENABLE_CUDASIM=1, a CPU) it runs too, on tiny shapes: warp shuffles do not exist
+there, so the twin writes every warp butterfly as shared-memory steps with the very association
+of `warp_sum_lane0` (lane l adds lane l + offset for offset 16, 8, 4, 2, 1; lane 0's sum is kept).
+What the simulator cannot reproduce: `cuda.fma` rounds twice there, and rsqrt is 1/sqrt.
+
+numba-cuda 0.30.4 calls `numpy.row_stack` at its first launch, which numpy 2.5 removed; `cuda()`
+puts `numpy.vstack` in its place before importing `numba.cuda`, and only when first called.
+
+Scope: the forward (table and norm_modulate). The backward has no twin yet.
+Tensors: bf16 tensors travel as their 16-bit patterns (uint16), fp32 as fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from .cupy_backend import FWD_THREADS_MAX, TABLE_ROWS_PER_WARP, TABLE_THREADS, row_geometry
+
+
+nc = None  # numba.cuda once cuda() ran; kernels name it as a module global so the simulator can swap it
+
+
+def cuda():
+    """`numba.cuda`, imported on first use, after the numpy >= 2.5 shim."""
+    global nc
+    if nc is None:
+        if not hasattr(np, "row_stack"):
+            np.row_stack = np.vstack
+        from numba import cuda as numba_cuda
+
+        nc = numba_cuda
+    return nc
+
+
+@lru_cache(maxsize=None)
+def _device_functions():
+    """bf16 conversions, rounding, the warp butterfly and SiLU, as numba device functions."""
+    cuda()
+    from numba import float32, uint16, uint32
+
+    @nc.jit(device=True)
+    def bf16_to_float(bits):
+        buf = nc.local.array(1, uint32)
+        buf[0] = uint32(bits & 0xFFFF) << uint32(16)
+        return buf.view(np.float32)[0]
+
+    @nc.jit(device=True)
+    def float_to_bf16(value):  # round to nearest even, like cvt.rn.bf16.f32
+        buf = nc.local.array(1, float32)
+        buf[0] = value
+        u = buf.view(np.uint32)[0]
+        if (u & uint32(0x7FFFFFFF)) > uint32(0x7F800000):
+            return uint16(0x7FFF)
+        u = uint32(u + uint32(0x7FFF) + ((u >> uint32(16)) & uint32(1)))
+        return uint16(u >> uint32(16))
+
+    @nc.jit(device=True)
+    def round_bf16(value):
+        return bf16_to_float(float_to_bf16(value))
+
+    @nc.jit(device=True)
+    def warp_sum_lane0(slots, lane):
+        """Lane 0's butterfly sum of slots[0:32], as warp_sum_lane0 in adaln_common.cuh.
+
+        Every thread of the block calls it (it syncs); only lanes below the offset write.
+        """
+        offset = 16
+        while offset > 0:
+            nc.syncthreads()
+            if lane < offset:
+                slots[lane] = slots[lane] + slots[lane + offset]
+            offset //= 2
+        nc.syncthreads()
+        return slots[0]
+
+    @nc.jit(device=True)
+    def silu(v):
+        return v / (float32(1.0) + float32(math.exp(-v)))
+
+    return bf16_to_float, float_to_bf16, round_bf16, warp_sum_lane0, silu
+
+
+@lru_cache(maxsize=None)
+def table_kernel(H: int, D: int, T: int):
+    """Twin of table_bf16 (kernels_cu/table.cu): 8 warps, 4 output rows per warp, lane-strided k."""
+    cuda()
+    from numba import float32
+
+    bf16_to_float, float_to_bf16, round_bf16, warp_sum_lane0, silu = _device_functions()
+    nvec_d = D // 8
+
+    @nc.jit
+    def kernel(temb, weight, bias, table, table_f32):
+        act = nc.shared.array(T * D, float32)
+        lanes = nc.shared.array((TABLE_THREADS // 32, 32), float32)
+        tid = nc.threadIdx.x
+        for i in range(tid, T * D, TABLE_THREADS):
+            act[i] = round_bf16(float32(silu(temb[i // D, i % D])))
+        nc.syncthreads()
+        lane, warp = tid % 32, tid // 32
+        first = (nc.blockIdx.x * (TABLE_THREADS // 32) + warp) * TABLE_ROWS_PER_WARP
+        for r in range(TABLE_ROWS_PER_WARP):
+            j = first + r
+            for t in range(T):
+                acc = float32(0.0)  # k-vectors lane, lane + 32, ... in order, 8 elements each in order
+                if j < 2 * H:
+                    for kv in range(lane, nvec_d, 32):
+                        for e in range(8):
+                            k = kv * 8 + e
+                            acc = nc.fma(bf16_to_float(weight[j, k]), act[t * D + k], acc)
+                lanes[warp, lane] = acc
+                total = warp_sum_lane0(lanes[warp], lane)
+                if lane == 0 and j < 2 * H:
+                    value = total + bf16_to_float(bias[j])
+                    table_f32[t, j] = value
+                    table[t, j] = float_to_bf16(value)
+
+    return kernel
+
+
+@lru_cache(maxsize=None)
+def norm_modulate_kernel(H: int, T: int):
+    """Twin of norm_modulate_bf16 (kernels_cu/norm_modulate.cu): one row per block, same thread map."""
+    cuda()
+    from numba import float32, int64, uint16
+
+    bf16_to_float, float_to_bf16, round_bf16, warp_sum_lane0, _ = _device_functions()
+    threads, vpt = row_geometry(H, FWD_THREADS_MAX)
+    nwarps, nvec_h = threads // 32, H // 8
+    simulated = _simulating()
+
+    @nc.jit
+    def kernel(x, norm_weight, table, timestep_indices, out, rstd, S, eps):
+        lanes = nc.shared.array(threads, float32)
+        warps = nc.shared.array(32, float32)
+        row, tid = nc.blockIdx.x, nc.threadIdx.x
+        lane, warp = tid % 32, tid // 32
+        ss = float32(0.0)  # this thread's vectors in order, 8 elements each in order
+        for i in range(vpt):
+            v = tid + i * threads
+            if v < nvec_h:
+                for e in range(8):
+                    xv = bf16_to_float(x[row, v * 8 + e])
+                    ss = nc.fma(xv, xv, ss)
+        lanes[tid] = ss  # block_sum: every warp's butterfly, then warp 0's over the warp sums
+        warp_sum_lane0(lanes[warp * 32:warp * 32 + 32], lane)
+        if tid < 32:
+            warps[tid] = lanes[tid * 32] if tid < nwarps else float32(0.0)
+        total = warp_sum_lane0(warps, tid)
+        mean = total / float32(H)
+        r = float32(1.0) / float32(math.sqrt(mean + eps)) if simulated else nc.libdevice.rsqrtf(mean + eps)
+        if tid == 0:
+            rstd[row] = r
+        t = timestep_indices[row % S]
+        valid = t >= 0 and t < T
+        tt = t if valid else int64(0)
+        for i in range(vpt):
+            v = tid + i * threads
+            if v < nvec_h:
+                for e in range(8):
+                    h = v * 8 + e
+                    n = round_bf16((bf16_to_float(x[row, h]) * r) * bf16_to_float(norm_weight[h]))
+                    p = round_bf16(n * round_bf16(float32(1.0) + bf16_to_float(table[tt, H + h])))
+                    out[row, h] = float_to_bf16(p + bf16_to_float(table[tt, h])) if valid else uint16(0x7FC0)
+
+    return kernel
+
+
+def _simulating() -> bool:
+    from numba import config
+
+    return bool(config.ENABLE_CUDASIM)
+
+
+def _bits(t: torch.Tensor):
+    """A bf16 tensor's 16-bit patterns, as the kernel argument numba takes (numpy on CPU)."""
+    bits = t.detach().contiguous().view(torch.int16)
+    return bits.numpy().view(np.uint16) if bits.device.type == "cpu" else bits
+
+
+def _plain(t: torch.Tensor):
+    t = t.detach().contiguous()
+    return t.numpy() if t.device.type == "cpu" else t
+
+
+def table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
+    """(T, 2H) bf16 table and (T, 2H) fp32 twin, as `cupy_backend.table` computes them."""
+    T, D = temb.shape
+    H = weight.shape[0] // 2
+    kernel = table_kernel(H, D, T)
+    out = torch.empty(T, 2 * H, dtype=torch.bfloat16, device=temb.device)
+    out_f32 = torch.empty(T, 2 * H, dtype=torch.float32, device=temb.device)
+    grid = math.ceil(2 * H / (TABLE_THREADS // 32 * TABLE_ROWS_PER_WARP))
+    kernel[grid, TABLE_THREADS](_plain(temb), _bits(weight), _bits(bias), _bits(out), _plain(out_f32))
+    return out, out_f32
+
+
+def norm_modulate(x: torch.Tensor, norm_weight: torch.Tensor, table_bf16: torch.Tensor,
+                  timestep_indices: torch.Tensor, eps: float):
+    """out (rows, H) bf16 and rstd (rows,) fp32 from x (rows, H) and the bf16 table (T, 2H)."""
+    rows, H = x.shape
+    T = table_bf16.shape[0]
+    kernel = norm_modulate_kernel(H, T)
+    out = torch.empty_like(x)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    threads, _ = row_geometry(H, FWD_THREADS_MAX)
+    kernel[rows, threads](_bits(x), _bits(norm_weight), _bits(table_bf16), _plain(timestep_indices),
+                          _bits(out), _plain(rstd), np.int64(timestep_indices.shape[0]), np.float32(eps))
+    return out, rstd
+
+
+def forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: float = 1e-5):
+    """The twin's whole forward: out (rows, H) bf16, rstd (rows,), table (T, 2H) bf16."""
+    table_bf16, _ = table(temb, weight, bias)
+    out, rstd = norm_modulate(x, norm_weight, table_bf16, timestep_indices, eps)
+    return out, rstd, table_bf16

@@ -1,0 +1,69 @@
+"""The Numba twin: on a CPU through numba's CUDA simulator (tiny shapes), on a GPU against kernels_cu bit for bit."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before numba is imported: run the twin in numba's CUDA simulator
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+from adaln_lab import numba_backend  # noqa: E402
+from adaln_lab.harness.accuracy import parity  # noqa: E402
+from adaln_lab.harness.inputs import make  # noqa: E402
+from adaln_lab.reference import replay  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TINY = {"H": 32, "D": 16, "T": 2}  # the simulator runs ~6,000 threads a second: keep grids tiny
+
+
+def twin_forward(*args):
+    return numba_backend.forward(*args)[0]
+
+
+def test_numpy_shim_is_in_place_once_numba_cuda_is_imported():
+    import numpy
+
+    numba_backend.cuda()
+    assert numpy.row_stack is not None
+
+
+def test_twin_table_rows_are_T_invariant():
+    full = make(1, 2, DEVICE, **{**TINY, "T": 3})
+    table_bf16, table_f32 = numba_backend.table(full.temb, full.weight, full.bias)
+    for picked in ([2], [2, 0]):
+        sub_bf16, sub_f32 = numba_backend.table(full.temb[picked].contiguous(), full.weight, full.bias)
+        assert torch.equal(sub_bf16, table_bf16[picked])
+        assert torch.equal(sub_f32, table_f32[picked])
+    assert torch.equal(table_bf16, table_f32.to(torch.bfloat16))
+
+
+def test_twin_rows_do_not_depend_on_the_batch():
+    batch = make(3, 6, DEVICE, **TINY)
+    out, rstd, table_bf16 = numba_backend.forward(*batch.args)
+    for r in (0, 5):
+        alone = batch.rows(torch.tensor([r]))
+        out_r, rstd_r = numba_backend.norm_modulate(alone.x, alone.norm_weight, table_bf16, alone.timestep_indices, 1e-5)
+        assert torch.equal(out_r[0], out[r]) and torch.equal(rstd_r[0], rstd[r])
+
+
+def test_twin_forward_is_diffusers_up_to_summation_order():
+    inputs = make(2, 5, DEVICE, **TINY)
+    result = parity(twin_forward, replay, inputs)
+    assert result["within_1_ulp_fraction"] >= 0.99
+    assert result["max_operand_ulp"] <= 4
+
+
+@pytest.mark.gpu
+def test_twin_equals_kernels_cu_bit_for_bit():
+    from adaln_lab import cupy_backend
+
+    inputs = make(1, 33, "cuda")
+    table_cu, table_f32_cu = cupy_backend.table(inputs.temb, inputs.weight, inputs.bias)
+    out_cu, rstd_cu = cupy_backend.norm_modulate(inputs.x, inputs.norm_weight, table_cu, inputs.timestep_indices,
+                                                 1e-5, inputs.temb.shape[1])
+    out, rstd, table_bf16 = numba_backend.forward(*inputs.args)
+    torch.cuda.synchronize()
+    assert torch.equal(table_bf16, table_cu)
+    assert torch.equal(rstd, rstd_cu)
+    assert torch.equal(out, out_cu)
