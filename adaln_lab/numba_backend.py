@@ -96,18 +96,18 @@ def table_kernel(H: int, D: int, T: int):
     from numba import float32
 
     bf16_to_float, float_to_bf16, round_bf16, warp_sum_lane0, silu = _device_functions()
-    nvec_d = D // 8
+    nvec_d, act_size, warps_per_block = D // 8, T * D, TABLE_THREADS // 32  # shared sizes: constants
 
     @nc.jit
     def kernel(temb, weight, bias, table, table_f32):
-        act = nc.shared.array(T * D, float32)
-        lanes = nc.shared.array((TABLE_THREADS // 32, 32), float32)
+        act = nc.shared.array(act_size, float32)
+        lanes = nc.shared.array((warps_per_block, 32), float32)
         tid = nc.threadIdx.x
         for i in range(tid, T * D, TABLE_THREADS):
             act[i] = round_bf16(float32(silu(temb[i // D, i % D])))
         nc.syncthreads()
         lane, warp = tid % 32, tid // 32
-        first = (nc.blockIdx.x * (TABLE_THREADS // 32) + warp) * TABLE_ROWS_PER_WARP
+        first = (nc.blockIdx.x * warps_per_block + warp) * TABLE_ROWS_PER_WARP
         for r in range(TABLE_ROWS_PER_WARP):
             j = first + r
             for t in range(T):
@@ -183,8 +183,8 @@ def _simulating() -> bool:
 
 def _bits(t: torch.Tensor):
     """A bf16 tensor's 16-bit patterns, as the kernel argument numba takes (numpy on CPU)."""
-    bits = t.detach().contiguous().view(torch.int16)
-    return bits.numpy().view(np.uint16) if bits.device.type == "cpu" else bits
+    t = t.detach().contiguous()
+    return t.view(torch.int16).numpy().view(np.uint16) if t.device.type == "cpu" else t.view(torch.uint16)
 
 
 def _plain(t: torch.Tensor):
