@@ -64,3 +64,18 @@ def test_golden_is_float64_and_rejects_unknown_flavour():
     assert golden(*inputs.args).dtype == torch.float64
     with pytest.raises(ValueError, match="flavour"):
         golden(*inputs.args, flavour="exact")
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(1, 40), H=st.integers(1, 48), D=st.integers(1, 24), T=st.integers(1, 5),
+       seed=st.integers(0, 10 ** 6), leading=st.integers(1, 2))
+def test_replay_equals_diffusers_on_random_shapes(n, H, D, T, seed, leading):
+    inputs = make(seed, n * leading, H=H, D=D, T=T)
+    x = inputs.x.view(leading, n, H) if leading > 1 else inputs.x
+    idx = inputs.timestep_indices[:n]
+    args = (x, inputs.norm_weight, inputs.temb, inputs.weight, inputs.bias, idx)
+    assert torch.equal(replay(*args), diffusers_candidate().fn(*args))
