@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .reference import table_reference
+
 KERNEL_FILES = ("adaln_common.cuh", "table.cu", "norm_modulate.cu", "norm_modulate_bwd.cu",
                 "reduce_partials.cu", "table_bwd.cu")
 INCLUDE_LINE = '#include "adaln_common.cuh"'
@@ -229,7 +231,7 @@ class FinalAdaLNOut(torch.autograd.Function):
     def forward(ctx, x, norm_weight, temb, weight, bias, timestep_indices, eps, table_backend):
         D = temb.shape[1]
         if table_backend == "torch":
-            table_bf16 = torch.nn.functional.linear(torch.nn.functional.silu(temb).to(weight.dtype), weight, bias)
+            table_bf16 = table_reference(temb, weight, bias)
             table_f32 = table_bf16.float()
         else:
             table_bf16, table_f32 = table(temb, weight, bias)

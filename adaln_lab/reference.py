@@ -20,9 +20,14 @@ import torch
 import torch.nn.functional as F
 
 
+def table_reference(temb, weight, bias):
+    """The modulation table `linear(silu(temb).to(weight.dtype))`, shape (T, 2H), as diffusers computes it."""
+    return F.linear(F.silu(temb).to(weight.dtype), weight, bias)
+
+
 def replay(x, norm_weight, temb, weight, bias, timestep_indices, eps: float = 1e-5):
     """diffusers' `MiniMaxH3AdaLayerNormOut.forward`, op for op (see module docstring)."""
-    shift, scale = F.linear(F.silu(temb).to(weight.dtype), weight, bias).chunk(2, dim=-1)
+    shift, scale = table_reference(temb, weight, bias).chunk(2, dim=-1)
     hidden_states = F.rms_norm(x, (x.shape[-1],), norm_weight, eps)
     return hidden_states * (1.0 + scale.index_select(0, timestep_indices)) + shift.index_select(0, timestep_indices)
 
@@ -56,7 +61,3 @@ def golden(x, norm_weight, temb, weight, bias, timestep_indices, eps: float = 1e
     normed = x * rstd * norm_weight
     return normed * (1.0 + scale[timestep_indices]) + shift[timestep_indices]
 
-
-def table_reference(temb, weight, bias):
-    """The modulation table `linear(silu(temb).to(weight.dtype))`, shape (T, 2H), as diffusers computes it."""
-    return F.linear(F.silu(temb).to(weight.dtype), weight, bias)

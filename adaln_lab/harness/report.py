@@ -129,7 +129,7 @@ def run_report(names: list[str], device: str | torch.device, quick: bool) -> dic
         **_provenance(),
         "environment": environment(device),
         "quick": quick,
-        "protocol": {k: v for k, v in vars(protocol).items()} | {"sweep_sizes": protocol.sweep_sizes},
+        "protocol": vars(protocol) | {"sweep_sizes": protocol.sweep_sizes},
         "copy_TBps": copy,
         "memory_floor": floors,
         "results": {"plain": {}},
