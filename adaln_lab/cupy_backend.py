@@ -29,10 +29,19 @@ KERNEL_FILES = ("adaln_common.cuh", "table.cu", "norm_modulate.cu", "norm_modula
 INCLUDE_LINE = '#include "adaln_common.cuh"'
 FWD_THREADS_MAX, BWD_THREADS_MAX = 256, 1024   # row kernels' block size caps (bench/NOTES.md, v4)
 ROW_RANGES = 132          # row ranges of the backward row pass: a constant, never read from the GPU
-ROW_LIST_MAX = 2048       # most rows of one range (kernels_cu/norm_modulate_bwd.cu keeps their timesteps in shared memory)
-TABLE_THREADS, TABLE_ROWS_PER_WARP = 256, 4
-TB_THREADS, TB_ROWS, SUM_GROUPS = 256, 64, 16
+# Constants of the kernels, emitted into the unit as `#define ADALN_<NAME>`: the one place they live
+# (bench/NOTES.md v5: the variants tried against these and why they lost).
+TUNING = {
+    "TABLE_THREADS": 512,       # table.cu: block size
+    "TABLE_ROWS_PER_WARP": 4,   # table.cu: output rows j per warp
+    "ROW_LIST_MAX": 2048,       # norm_modulate_bwd.cu: most rows of one range (their timesteps sit in shared memory)
+    "BWD_STAGES": 4,            # norm_modulate_bwd.cu: rows of x and dy in flight (cp.async), at most
+    "TB_THREADS": 256,          # table_bwd.cu: block size
+    "TB_ROWS": 128,             # table_bwd.cu: weight rows j per block
+    "SUM_GROUPS": 16,           # adaln_common.cuh: row groups of an ordered column sum
+}
 STATIC_SMEM_LIMIT = 48 * 1024
+STAGE_SMEM_BUDGET = 200 * 1024   # dynamic shared memory of a row kernel's stages (an H200/B200 SM has 227 KiB)
 
 
 def kernel_dir() -> Path:
@@ -52,16 +61,31 @@ def row_geometry(H: int, threads_max: int) -> tuple[int, int]:
 
 
 def rows_per_block(rows: int) -> int:
-    """Rows of one backward row range: ROW_RANGES ranges, each of at most ROW_LIST_MAX rows."""
-    return max(1, min(ROW_LIST_MAX, math.ceil(rows / ROW_RANGES)))
+    """Rows of one backward row range: ROW_RANGES ranges, each of at most TUNING['ROW_LIST_MAX'] rows."""
+    return max(1, min(TUNING["ROW_LIST_MAX"], math.ceil(rows / ROW_RANGES)))
 
 
+def stage_bytes(H: int) -> int:
+    """Shared memory of one pipeline stage of norm_modulate_bwd: one row of x and one of dy."""
+    threads, vpt = row_geometry(H, BWD_THREADS_MAX)
+    return 2 * threads * vpt * 16
+
+
+def stages(H: int) -> int:
+    """Pipeline stages of norm_modulate_bwd: TUNING's, fewer where H leaves no room."""
+    return min(TUNING["BWD_STAGES"], STAGE_SMEM_BUDGET // stage_bytes(H))
+
+
+@lru_cache(maxsize=None)
 def check_shapes(H: int, D: int, T: int) -> None:
     """The shapes the CUDA kernels support; a clear error (naming the argument) otherwise."""
     if H % 8:
         raise ValueError(f"backend='cupy' needs H (x.shape[-1]) divisible by 8, got {H}; use backend='torch'")
     if D % 8:
         raise ValueError(f"backend='cupy' needs D (temb.shape[1]) divisible by 8, got {D}; use backend='torch'")
+    if stages(H) < 1:
+        raise ValueError(f"backend='cupy' needs H (x.shape[-1]) <= {STAGE_SMEM_BUDGET // 4}, got {H}; "
+                         "use backend='torch'")
     if T * D * 2 > STATIC_SMEM_LIMIT:
         raise ValueError(f"backend='cupy' needs T * D <= {STATIC_SMEM_LIMIT // 2} (temb is {T} x {D}); "
                          "use backend='torch'")
@@ -80,9 +104,9 @@ def source(H: int, D: int, T: int) -> str:
     digest = hashlib.sha256(body.encode()).hexdigest()
     fwd_threads, fwd_vpt = row_geometry(H, FWD_THREADS_MAX)
     bwd_threads, bwd_vpt = row_geometry(H, BWD_THREADS_MAX)
-    defines = (f"#define ADALN_H {H}\n#define ADALN_D {D}\n#define ADALN_T {T}\n"
-               f"#define ADALN_FWD_THREADS {fwd_threads}\n#define ADALN_FWD_VPT {fwd_vpt}\n"
-               f"#define ADALN_BWD_THREADS {bwd_threads}\n#define ADALN_BWD_VPT {bwd_vpt}\n")
+    values = dict(H=H, D=D, T=T, FWD_THREADS=fwd_threads, FWD_VPT=fwd_vpt, BWD_THREADS=bwd_threads,
+                  BWD_VPT=bwd_vpt, **{**TUNING, "BWD_STAGES": stages(H)})
+    defines = "".join(f"#define ADALN_{name} {value}\n" for name, value in values.items())
     return f"// adaln_lab kernels_cu sha256 {digest}\n{defines}{body}"
 
 
@@ -98,7 +122,15 @@ def _module(device_index: int, H: int, D: int, T: int):
     check_shapes(H, D, T)
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=source(H, D, T), options=COMPILE_OPTIONS)
-        return {name: module.get_function(name) for name in KERNELS}
+        kernels = {name: module.get_function(name) for name in KERNELS}
+        # opt in: static plus dynamic shared memory may pass 48 KiB
+        kernels["norm_modulate_bwd_bf16"].max_dynamic_shared_size_bytes = dynamic_smem(H)
+        return kernels
+
+
+def dynamic_smem(H: int) -> int:
+    """Dynamic shared memory (bytes) of norm_modulate_bwd: its pipeline stages."""
+    return stage_bytes(H) * stages(H)
 
 
 _streams: dict[int, object] = {}
@@ -130,9 +162,24 @@ class _StreamHandle:
         return (0, self.handle)
 
 
-def _launch(device: torch.device, H: int, D: int, T: int, name: str, grid, block, args) -> None:
+@lru_cache(maxsize=None)
+def _functions(device_index: int, H: int, D: int, T: int) -> dict:
+    """The launchable cupy Function of every kernel of one module (resolved once, not per launch)."""
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        return {name: kernel.kernel for name, kernel in _module(device_index, H, D, T).items()}
+
+
+def clear_caches() -> None:
+    """Forget compiled modules and sources, e.g. after changing TUNING (bench/dev/sweep.py)."""
+    for cached in (source, check_shapes, _module, _functions):
+        cached.cache_clear()
+
+
+def _launch(device: torch.device, H: int, D: int, T: int, name: str, grid, block, args, shared_mem: int = 0) -> None:
     """Launch one kernel of the (device, H, D, T) module on torch's current stream."""
-    _module(device.index, H, D, T)[name].kernel(grid, block, args, stream=_stream(device))
+    _functions(device.index, H, D, T)[name](grid, block, args, shared_mem=shared_mem, stream=_stream(device))
 
 
 def kernel_resources(device_index: int, H: int, D: int, T: int) -> dict:
@@ -151,8 +198,9 @@ def table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tuple
     H = weight.shape[0] // 2
     out = torch.empty(T, 2 * H, dtype=torch.bfloat16, device=temb.device)
     out_f32 = torch.empty(T, 2 * H, dtype=torch.float32, device=temb.device)
-    grid = (math.ceil(2 * H / (TABLE_THREADS // 32 * TABLE_ROWS_PER_WARP)),)
-    _launch(temb.device, H, D, T, "table_bf16", grid, (TABLE_THREADS,),
+    threads = TUNING["TABLE_THREADS"]
+    grid = (math.ceil(2 * H / (threads // 32 * TUNING["TABLE_ROWS_PER_WARP"])),)
+    _launch(temb.device, H, D, T, "table_bf16", grid, (threads,),
             (_ptr(temb), _ptr(weight), _ptr(bias), _ptr(out), _ptr(out_f32)))
     return out, out_f32
 
@@ -185,7 +233,7 @@ def norm_modulate_bwd(dy, x, rstd, norm_weight, table_f32, timestep_indices, D: 
         threads, _ = row_geometry(H, BWD_THREADS_MAX)
         _launch(x.device, H, D, T, "norm_modulate_bwd_bf16", (ranges,), (threads,),
                 (_ptr(dy), _ptr(x), _ptr(rstd), _ptr(norm_weight), _ptr(table_f32), _ptr(timestep_indices),
-                 _ptr(dx), _ptr(row_partials), np.int32(S), np.int32(rows), np.int32(per)))
+                 _ptr(dx), _ptr(row_partials), np.int32(S), np.int32(rows), np.int32(per)), dynamic_smem(H))
     return dx, row_partials
 
 
@@ -195,7 +243,7 @@ def reduce_partials(row_partials, norm_weight, table_f32, D: int):
     d_table = torch.empty(T, 2 * H, dtype=torch.float32, device=row_partials.device)
     d_norm_weight = torch.empty(H, dtype=torch.bfloat16, device=row_partials.device)
     d_bias = torch.empty(2 * H, dtype=torch.bfloat16, device=row_partials.device)
-    _launch(row_partials.device, H, D, T, "reduce_partials_bf16", (math.ceil(H / 32),), (32, SUM_GROUPS),
+    _launch(row_partials.device, H, D, T, "reduce_partials_bf16", (math.ceil(H / 32),), (32, TUNING["SUM_GROUPS"]),
             (_ptr(row_partials), _ptr(norm_weight), _ptr(table_f32), _ptr(d_table), _ptr(d_norm_weight),
              _ptr(d_bias), np.int32(ranges)))
     return d_table, d_norm_weight, d_bias
@@ -205,13 +253,13 @@ def table_bwd(d_table, temb, weight):
     """d_weight (2H, D) bf16 and d_temb (T, D) fp32 from the fp32 table gradient d_table (T, 2H)."""
     T, D = temb.shape
     H = weight.shape[0] // 2
-    blocks_j = math.ceil(2 * H / TB_ROWS)
+    blocks_j = math.ceil(2 * H / TUNING["TB_ROWS"])
     d_weight = torch.empty_like(weight)
     dact_partials = torch.empty(blocks_j, T, D, dtype=torch.float32, device=temb.device)
     d_temb = torch.empty(T, D, dtype=torch.float32, device=temb.device)
-    _launch(temb.device, H, D, T, "table_bwd_bf16", (math.ceil(D / (32 * 8)), blocks_j), (TB_THREADS,),
+    _launch(temb.device, H, D, T, "table_bwd_bf16", (math.ceil(D / (32 * 8)), blocks_j), (TUNING["TB_THREADS"],),
             (_ptr(d_table), _ptr(temb), _ptr(weight), _ptr(d_weight), _ptr(dact_partials)))
-    _launch(temb.device, H, D, T, "table_bwd_reduce", (math.ceil(D / 32), T), (32, SUM_GROUPS),
+    _launch(temb.device, H, D, T, "table_bwd_reduce", (math.ceil(D / 32), T), (32, TUNING["SUM_GROUPS"]),
             (_ptr(dact_partials), _ptr(temb), _ptr(d_temb), np.int32(blocks_j)))
     return d_weight, d_temb
 
@@ -257,6 +305,9 @@ def final_adaln_out(x, norm_weight, temb, weight, bias, timestep_indices, eps, *
     if temb.dtype != torch.float32:
         raise TypeError(f"backend='cupy' needs temb in float32, got {temb.dtype}; use backend='torch'")
     check_shapes(x.shape[-1], temb.shape[1], temb.shape[0])
-    with torch.cuda.device(x.device):
-        return FinalAdaLNOut.apply(x.contiguous(), norm_weight.contiguous(), temb.contiguous(), weight.contiguous(),
-                                   bias.contiguous(), timestep_indices.contiguous(), float(eps), table_backend)
+    args = (x.contiguous(), norm_weight.contiguous(), temb.contiguous(), weight.contiguous(), bias.contiguous(),
+            timestep_indices.contiguous(), float(eps), table_backend)
+    if x.device.index == torch.cuda.current_device():
+        return FinalAdaLNOut.apply(*args)
+    with torch.cuda.device(x.device):  # kernels and allocations must see x's device as current
+        return FinalAdaLNOut.apply(*args)

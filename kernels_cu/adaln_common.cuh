@@ -12,7 +12,8 @@
 // Shape constants come from the loader as macros: ADALN_H, ADALN_D, ADALN_T (the problem),
 // ADALN_FWD_THREADS, ADALN_FWD_VPT (the forward row kernel's block size and 8-wide vectors per
 // thread) and ADALN_BWD_THREADS, ADALN_BWD_VPT (the same for the backward row pass). All four
-// are functions of H alone (adaln_lab/cupy_backend.py: row_geometry).
+// are functions of H alone (adaln_lab/cupy_backend.py: row_geometry). The other constants
+// (ADALN_TABLE_*, ADALN_TB_*, ADALN_ROW_LIST_MAX, ADALN_SUM_GROUPS) come from cupy_backend.TUNING.
 
 typedef unsigned short bf16_t;
 typedef long long index_t;
@@ -52,11 +53,26 @@ __device__ __forceinline__ void unpack8(uint4 raw, float v[ADALN_VEC]) {
 
 __device__ __forceinline__ void load8(const bf16_t* p, float v[ADALN_VEC]) { unpack8(load_raw8(p), v); }
 
+// Asynchronous 16-byte copies global -> shared (cp.async, sm_80+), in commit groups. A thread
+// that waits for its own group may read what it copied without a barrier.
+__device__ __forceinline__ void copy_async16(void* shared, const void* global) {
+    unsigned address;
+    asm("{ .reg .u64 p; cvta.to.shared.u64 p, %1; cvt.u32.u64 %0, p; }" : "=r"(address) : "l"(shared));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(global) : "memory");
+}
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// wait until at most `pending` of this thread's newest groups are still in flight
+template <int pending>
+__device__ __forceinline__ void copy_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(pending) : "memory"); }
+
+__device__ __forceinline__ void pack8(const float v[ADALN_VEC], unsigned w[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = float2_to_bf16x2(v[2 * i], v[2 * i + 1]);
+}
+
 __device__ __forceinline__ void store8(bf16_t* p, const float v[ADALN_VEC]) {
     unsigned w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-        w[i] = float2_to_bf16x2(v[2 * i], v[2 * i + 1]);
+    pack8(v, w);
     *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
@@ -87,14 +103,13 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 // SiLU as torch computes it in fp32: v / (1 + exp(-v)).
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
 
-// Ordered sum down one column of a (n, ...) fp32 array, for block shape (32, SUM_GROUPS):
-// threadIdx.x picks the column, threadIdx.y one of SUM_GROUPS contiguous row ranges, each summed
+// Ordered sum down one column of a (n, ...) fp32 array, for block shape (32, ADALN_SUM_GROUPS):
+// threadIdx.x picks the column, threadIdx.y one of ADALN_SUM_GROUPS contiguous row ranges, each summed
 // in row order in double; the group sums are then added in group order. The order depends on n
 // alone. Every thread of the block must call it; the result is meaningful where threadIdx.y == 0.
-#define SUM_GROUPS 16
 __device__ __forceinline__ double ordered_column_sum(const float* column, int n, size_t stride, bool valid,
                                                      double (*scratch)[32]) {
-    const int per = (n + SUM_GROUPS - 1) / SUM_GROUPS;
+    const int per = (n + ADALN_SUM_GROUPS - 1) / ADALN_SUM_GROUPS;
     const int b0 = threadIdx.y * per, b1 = min(n, b0 + per);
     double s = 0.0;
     if (valid)
@@ -105,7 +120,27 @@ __device__ __forceinline__ double ordered_column_sum(const float* column, int n,
     double total = 0.0;
     if (threadIdx.y == 0)
 #pragma unroll
-        for (int g = 0; g < SUM_GROUPS; ++g) total += scratch[g][threadIdx.x];
+        for (int g = 0; g < ADALN_SUM_GROUPS; ++g) total += scratch[g][threadIdx.x];
     __syncthreads();
     return total;
+}
+
+// The row list of a block that owns rows r0 .. r0 + n - 1: each row's timestep, -1 where the index
+// lies outside [0, T). Called by every thread; the caller syncs before reading it.
+__device__ __forceinline__ void fill_row_timesteps(int* timesteps, const index_t* timestep_indices, int r0, int n,
+                                                   int S) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const index_t ts = timestep_indices[(unsigned)(r0 + i) % (unsigned)S];
+        timesteps[i] = (ts < 0 || ts >= ADALN_T) ? -1 : (int)ts;
+    }
+}
+
+// The next position after `i` in a block's row list that belongs to the pass of timestep t
+// (rows with an invalid index go with pass 0); n when none.
+__device__ __forceinline__ int next_in_pass(const int* timesteps, int i, int n, int t) {
+    for (++i; i < n; ++i) {
+        const int ts = timesteps[i];
+        if (ts == t || (ts < 0 && t == 0)) break;
+    }
+    return min(i, n);
 }

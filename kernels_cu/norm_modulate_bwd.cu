@@ -10,101 +10,114 @@
 // error shows in every gradient (the op checks indices before launching unless told not to).
 //
 // Launch geometry: block = ADALN_BWD_THREADS (672 for H = 5376, one 8-wide vector per thread),
-// grid = ceil(rows / rows_per_block), rows_per_block = min(ceil(rows / 132), ROW_LIST_MAX),
+// grid = ceil(rows / rows_per_block), rows_per_block = min(ceil(rows / 132), ADALN_ROW_LIST_MAX),
 // chosen by the loader from the number of rows alone, never from the GPU.
+// Dynamic shared memory: ADALN_BWD_STAGES rows of x and dy (the loader sets the size).
 // Pipeline: the block first copies its rows' timesteps to shared memory, then makes one pass
-// per timestep t = 0 .. T-1 over its rows of that timestep, with the next two rows' x and dy
-// already in flight while a row is reduced.
+// per timestep t = 0 .. T-1 over its rows of that timestep (norm_weight and 1 + scale[t] held in
+// registers for the pass; a pass without rows writes zero partials and reads nothing), with
+// the next ADALN_BWD_STAGES rows' x and dy arriving through cp.async while a row is reduced.
 // Reduction order: the row dot product uses block_sum (the forward's tree, so dx of a row never
 // depends on the other rows); the partials add the block's rows of timestep t in row order.
 // Run: adaln_lab.cupy_backend.norm_modulate_bwd(dy, x, rstd, norm_weight, table_f32, timestep_indices).
 
-#define ROW_LIST_MAX 2048
-
-struct RowData {
-    uint4 x[ADALN_BWD_VPT], dy[ADALN_BWD_VPT];
-    float rstd;
-};
-
-__device__ __forceinline__ void load_row(RowData& d, const bf16_t* x, const bf16_t* dy, const float* rstd, int row) {
+// this thread's vectors of row `row` of x and dy into stage buffer `stage` ([2][VPT][THREADS]), as
+// one commit group (an empty group when the row is not present, so every iteration commits one)
+__device__ __forceinline__ void fetch_x_dy(uint4* stage, const bf16_t* x, const bf16_t* dy, int row, bool present) {
+    if (present) {
 #pragma unroll
-    for (int i = 0; i < ADALN_BWD_VPT; ++i) {
-        const int v = threadIdx.x + i * ADALN_BWD_THREADS;
-        if (v < ADALN_NVEC_H) {
-            d.x[i] = load_raw8(x + (size_t)row * ADALN_H + v * ADALN_VEC);
-            d.dy[i] = load_raw8(dy + (size_t)row * ADALN_H + v * ADALN_VEC);
+        for (int i = 0; i < ADALN_BWD_VPT; ++i) {
+            const int v = threadIdx.x + i * ADALN_BWD_THREADS;
+            if (v < ADALN_NVEC_H) {
+                copy_async16(stage + i * ADALN_BWD_THREADS + threadIdx.x, x + (size_t)row * ADALN_H + v * ADALN_VEC);
+                copy_async16(stage + (ADALN_BWD_VPT + i) * ADALN_BWD_THREADS + threadIdx.x,
+                             dy + (size_t)row * ADALN_H + v * ADALN_VEC);
+            }
         }
     }
-    d.rstd = rstd[row];
+    copy_async_commit();
 }
 
-// the next position after `i` in the block's row list that belongs to pass t (n when none)
-__device__ __forceinline__ int next_in_pass(const int* timesteps, int i, int n, int t) {
-    for (++i; i < n; ++i) {
-        const int ts = timesteps[i];
-        if (ts == t || (ts < 0 && t == 0)) break;
-    }
-    return i;
-}
+#define BWD_STAGE_VECTORS (2 * ADALN_BWD_VPT * ADALN_BWD_THREADS)
 
 extern "C" __global__ void __launch_bounds__(ADALN_BWD_THREADS)
 norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__ x, const float* __restrict__ rstd,
                        const bf16_t* __restrict__ norm_weight, const float* __restrict__ table_f32,
                        const index_t* __restrict__ timestep_indices, bf16_t* __restrict__ dx,
                        float* __restrict__ row_partials, int S, int rows, int rows_per_block) {
+    extern __shared__ __align__(16) uint4 stages[];  // [ADALN_BWD_STAGES][2][ADALN_BWD_VPT][ADALN_BWD_THREADS]
     __shared__ float scratch[ADALN_BWD_THREADS / 32 + 1];
-    __shared__ int timesteps[ROW_LIST_MAX];
+    __shared__ int timesteps[ADALN_ROW_LIST_MAX];
     const int r0 = blockIdx.x * rows_per_block;
     const int n = min(rows, r0 + rows_per_block) - r0;
-    for (int i = threadIdx.x; i < n; i += ADALN_BWD_THREADS) {
-        const index_t ts = timestep_indices[(unsigned)(r0 + i) % (unsigned)S];
-        timesteps[i] = (ts < 0 || ts >= ADALN_T) ? -1 : (int)ts;
-    }
+    fill_row_timesteps(timesteps, timestep_indices, r0, n, S);
     __syncthreads();
 
 #pragma unroll 1
     for (int t = 0; t < ADALN_T; ++t) {
+        float* slot = row_partials + ((size_t)blockIdx.x * ADALN_T + t) * 2 * ADALN_H;
+        if (next_in_pass(timesteps, -1, n, t) >= n) {  // no row of this timestep here: zeros, read nothing
+            for (int i = threadIdx.x; i < 2 * ADALN_H / 4; i += ADALN_BWD_THREADS)
+                reinterpret_cast<float4*>(slot)[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            continue;
+        }
         const float* scale = table_f32 + t * 2 * ADALN_H + ADALN_H;
+        float w[ADALN_BWD_VPT][ADALN_VEC], s1[ADALN_BWD_VPT][ADALN_VEC];  // norm_weight, 1 + scale[t] (fp32)
         float sum_dy_xhat[ADALN_BWD_VPT][ADALN_VEC], sum_dy[ADALN_BWD_VPT][ADALN_VEC];
 #pragma unroll
-        for (int i = 0; i < ADALN_BWD_VPT; ++i)
+        for (int i = 0; i < ADALN_BWD_VPT; ++i) {
+            const int v = threadIdx.x + i * ADALN_BWD_THREADS;
+            if (v < ADALN_NVEC_H) {
+                load8(norm_weight + v * ADALN_VEC, w[i]);
+                const float4 sa = *reinterpret_cast<const float4*>(scale + v * ADALN_VEC);
+                const float4 sb = *reinterpret_cast<const float4*>(scale + v * ADALN_VEC + 4);
+                const float sc[ADALN_VEC] = {sa.x, sa.y, sa.z, sa.w, sb.x, sb.y, sb.z, sb.w};
+#pragma unroll
+                for (int e = 0; e < ADALN_VEC; ++e) s1[i][e] = 1.0f + sc[e];
+            }
 #pragma unroll
             for (int e = 0; e < ADALN_VEC; ++e) sum_dy_xhat[i][e] = sum_dy[i][e] = 0.0f;
+        }
 
-        RowData cur, next1, next2;
-        int i0 = next_in_pass(timesteps, -1, n, t);
-        int i1 = next_in_pass(timesteps, i0, n, t);
-        if (i0 < n) load_row(cur, x, dy, rstd, r0 + i0);
-        if (i1 < n) load_row(next1, x, dy, rstd, r0 + i1);
+        int pos[ADALN_BWD_STAGES + 1];      // pos[0]: the row being reduced; then the rows in flight
+        float rstd_of[ADALN_BWD_STAGES + 1];
+#pragma unroll
+        for (int d = 0; d < ADALN_BWD_STAGES; ++d) {
+            pos[d] = next_in_pass(timesteps, d ? pos[d - 1] : -1, n, t);
+            fetch_x_dy(stages + d * BWD_STAGE_VECTORS, x, dy, r0 + pos[d], pos[d] < n);
+            rstd_of[d] = pos[d] < n ? rstd[r0 + pos[d]] : 0.0f;
+        }
 #pragma unroll 1
-        while (i0 < n) {
-            const int i2 = next_in_pass(timesteps, i1, n, t);
-            if (i2 < n) load_row(next2, x, dy, rstd, r0 + i2);
-            const int row = r0 + i0;
-            const bool invalid = timesteps[i0] < 0;
+        for (int k = 0; pos[0] < n; ++k) {
+            uint4* stage = stages + (k % ADALN_BWD_STAGES) * BWD_STAGE_VECTORS;
+            copy_async_wait<ADALN_BWD_STAGES - 1>();
+            const int row = r0 + pos[0];
+            const bool invalid = timesteps[pos[0]] < 0;
+            const float row_rstd = rstd_of[0];
             float xhat[ADALN_BWD_VPT][ADALN_VEC], g[ADALN_BWD_VPT][ADALN_VEC];
             float dot = 0.0f;
 #pragma unroll
             for (int i = 0; i < ADALN_BWD_VPT; ++i) {
                 const int v = threadIdx.x + i * ADALN_BWD_THREADS;
                 if (v < ADALN_NVEC_H) {
-                    float dyv[ADALN_VEC], w[ADALN_VEC];
-                    unpack8(cur.x[i], xhat[i]);
-                    unpack8(cur.dy[i], dyv);
-                    load8(norm_weight + v * ADALN_VEC, w);
-                    const float4 sa = *reinterpret_cast<const float4*>(scale + v * ADALN_VEC);
-                    const float4 sb = *reinterpret_cast<const float4*>(scale + v * ADALN_VEC + 4);
-                    const float s1[ADALN_VEC] = {sa.x, sa.y, sa.z, sa.w, sb.x, sb.y, sb.z, sb.w};
+                    float dyv[ADALN_VEC];
+                    unpack8(stage[i * ADALN_BWD_THREADS + threadIdx.x], xhat[i]);
+                    unpack8(stage[(ADALN_BWD_VPT + i) * ADALN_BWD_THREADS + threadIdx.x], dyv);
 #pragma unroll
                     for (int e = 0; e < ADALN_VEC; ++e) {
-                        xhat[i][e] *= cur.rstd;
-                        g[i][e] = dyv[e] * (1.0f + s1[e]) * w[e];
+                        xhat[i][e] *= row_rstd;
+                        g[i][e] = dyv[e] * s1[i][e] * w[i][e];
                         dot = fmaf(g[i][e], xhat[i][e], dot);
                         sum_dy_xhat[i][e] = fmaf(dyv[e], xhat[i][e], sum_dy_xhat[i][e]);
                         sum_dy[i][e] += dyv[e];
                     }
                 }
             }
+            // dot depends on every value read from the stage, so the refill cannot overtake the reads
+            pos[ADALN_BWD_STAGES] = next_in_pass(timesteps, pos[ADALN_BWD_STAGES - 1], n, t);
+            fetch_x_dy(stage, x, dy, r0 + pos[ADALN_BWD_STAGES], pos[ADALN_BWD_STAGES] < n);
+            rstd_of[ADALN_BWD_STAGES] = pos[ADALN_BWD_STAGES] < n ? rstd[r0 + pos[ADALN_BWD_STAGES]] : 0.0f;
+
             const float mean_dot = block_sum<ADALN_BWD_THREADS / 32>(dot, scratch) / (float)ADALN_H;
 #pragma unroll
             for (int i = 0; i < ADALN_BWD_VPT; ++i) {
@@ -113,7 +126,7 @@ norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__
                     float d[ADALN_VEC];
 #pragma unroll
                     for (int e = 0; e < ADALN_VEC; ++e)
-                        d[e] = invalid ? __int_as_float(0x7fc00000) : cur.rstd * (g[i][e] - xhat[i][e] * mean_dot);
+                        d[e] = invalid ? __int_as_float(0x7fc00000) : row_rstd * (g[i][e] - xhat[i][e] * mean_dot);
                     store8(dx + (size_t)row * ADALN_H + v * ADALN_VEC, d);
                 }
             }
@@ -123,12 +136,12 @@ norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__
 #pragma unroll
                     for (int e = 0; e < ADALN_VEC; ++e) sum_dy_xhat[i][e] = sum_dy[i][e] = __int_as_float(0x7fc00000);
             }
-            cur = next1;
-            next1 = next2;
-            i0 = i1;
-            i1 = i2;
+#pragma unroll
+            for (int d = 0; d < ADALN_BWD_STAGES; ++d) {
+                pos[d] = pos[d + 1];
+                rstd_of[d] = rstd_of[d + 1];
+            }
         }
-        float* slot = row_partials + ((size_t)blockIdx.x * ADALN_T + t) * 2 * ADALN_H;
 #pragma unroll
         for (int i = 0; i < ADALN_BWD_VPT; ++i) {
             const int v = threadIdx.x + i * ADALN_BWD_THREADS;

@@ -7,16 +7,16 @@
 //   d_norm_weight[h]   = bf16(sum_t (1 + scale[t, h]) * A[t, h])    scale from the fp32 table
 //   d_bias[j]          = bf16(sum_t d_table[t, j])
 //
-// Launch geometry (shapes only): block (32, SUM_GROUPS), grid = ceil(H / 32); one h per
+// Launch geometry (shapes only): block (32, ADALN_SUM_GROUPS), grid = ceil(H / 32); one h per
 // threadIdx.x. Reduction order: ordered_column_sum over the blocks b (adaln_common.cuh), in
 // double; then t = 0 .. T-1 in order, in double; each output rounded once.
 // Run: adaln_lab.cupy_backend.reduce_partials(row_partials, norm_weight, table_f32).
 
-extern "C" __global__ void __launch_bounds__(32 * SUM_GROUPS)
+extern "C" __global__ void __launch_bounds__(32 * ADALN_SUM_GROUPS)
 reduce_partials_bf16(const float* __restrict__ row_partials, const bf16_t* __restrict__ norm_weight,
                      const float* __restrict__ table_f32, float* __restrict__ d_table,
                      bf16_t* __restrict__ d_norm_weight, bf16_t* __restrict__ d_bias, int nblocks) {
-    __shared__ double scratch[SUM_GROUPS][32];
+    __shared__ double scratch[ADALN_SUM_GROUPS][32];
     const int h = blockIdx.x * 32 + threadIdx.x;
     const bool valid = h < ADALN_H;
     const double w = valid ? (double)bf16_to_float(norm_weight[h]) : 0.0;

@@ -10,18 +10,16 @@
 // ceil(2H / 64)); lane l of the block covers the 8 columns k of vector blockIdx.x * 32 + l, warp w
 // the rows j = blockIdx.y * 64 + 8w .. 8w + 7. Each thread sums its 8 rows in order; the 8 warps'
 // sums are added in warp order and stored to dact_partials[blockIdx.y, t, k].
-// table_bwd_reduce geometry: block (32, SUM_GROUPS), grid = (ceil(D / 32), T): one (t, k) per
+// table_bwd_reduce geometry: block (32, ADALN_SUM_GROUPS), grid = (ceil(D / 32), T): one (t, k) per
 // threadIdx.x, ordered_column_sum over the ceil(2H / 64) row blocks, in double.
 // Run: adaln_lab.cupy_backend.table_bwd(d_table, temb, weight).
 
-#define TB_THREADS 256
-#define TB_ROWS 64
-#define TB_ROWS_PER_WARP (TB_ROWS / (TB_THREADS / 32))
+#define TB_ROWS_PER_WARP (ADALN_TB_ROWS / (ADALN_TB_THREADS / 32))
 
-extern "C" __global__ void __launch_bounds__(TB_THREADS)
+extern "C" __global__ void __launch_bounds__(ADALN_TB_THREADS)
 table_bwd_bf16(const float* __restrict__ d_table, const float* __restrict__ temb, const bf16_t* __restrict__ weight,
                bf16_t* __restrict__ d_weight, float* __restrict__ dact_partials) {
-    __shared__ float combine[TB_THREADS / 32][32 * ADALN_VEC];
+    __shared__ float combine[ADALN_TB_THREADS / 32][32 * ADALN_VEC];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kv = blockIdx.x * 32 + lane;
     const bool valid = kv < ADALN_NVEC_D;
@@ -35,7 +33,7 @@ table_bwd_bf16(const float* __restrict__ d_table, const float* __restrict__ temb
         }
 #pragma unroll
     for (int i = 0; i < TB_ROWS_PER_WARP; ++i) {
-        const int j = blockIdx.y * TB_ROWS + warp * TB_ROWS_PER_WARP + i;
+        const int j = blockIdx.y * ADALN_TB_ROWS + warp * TB_ROWS_PER_WARP + i;
         if (!valid || j >= 2 * ADALN_H) break;
         float w[ADALN_VEC], dw[ADALN_VEC], g[ADALN_T];
         load8(weight + (size_t)j * ADALN_D + kv * ADALN_VEC, w);
@@ -58,21 +56,21 @@ table_bwd_bf16(const float* __restrict__ d_table, const float* __restrict__ temb
 #pragma unroll
         for (int e = 0; e < ADALN_VEC; ++e) combine[warp][lane * ADALN_VEC + e] = dact[t][e];
         __syncthreads();
-        const int k = blockIdx.x * 32 * ADALN_VEC + threadIdx.x * (32 * ADALN_VEC / TB_THREADS);
-        for (int c = 0; c < 32 * ADALN_VEC / TB_THREADS; ++c) {
+        const int k = blockIdx.x * 32 * ADALN_VEC + threadIdx.x * (32 * ADALN_VEC / ADALN_TB_THREADS);
+        for (int c = 0; c < 32 * ADALN_VEC / ADALN_TB_THREADS; ++c) {
             float s = 0.0f;
 #pragma unroll
-            for (int ww = 0; ww < TB_THREADS / 32; ++ww) s += combine[ww][threadIdx.x + c];
+            for (int ww = 0; ww < ADALN_TB_THREADS / 32; ++ww) s += combine[ww][threadIdx.x + c];
             if (k + c < ADALN_D) dact_partials[((size_t)blockIdx.y * ADALN_T + t) * ADALN_D + k + c] = s;
         }
         __syncthreads();
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32 * SUM_GROUPS)
+extern "C" __global__ void __launch_bounds__(32 * ADALN_SUM_GROUPS)
 table_bwd_reduce(const float* __restrict__ dact_partials, const float* __restrict__ temb,
                  float* __restrict__ d_temb, int nblocks) {
-    __shared__ double scratch[SUM_GROUPS][32];
+    __shared__ double scratch[ADALN_SUM_GROUPS][32];
     const int k = blockIdx.x * 32 + threadIdx.x, t = blockIdx.y;
     const bool valid = k < ADALN_D;
     const double dact = ordered_column_sum(dact_partials + (size_t)t * ADALN_D + k, nblocks,

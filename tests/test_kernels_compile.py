@@ -70,13 +70,19 @@ def test_geometry_is_a_function_of_the_shapes_only():
     assert cupy_backend.rows_per_block(1) == 1
     assert cupy_backend.rows_per_block(4097) == 32
     assert cupy_backend.rows_per_block(32768) == 249
-    assert cupy_backend.rows_per_block(10 ** 8) == cupy_backend.ROW_LIST_MAX
+    assert cupy_backend.rows_per_block(10 ** 8) == cupy_backend.TUNING["ROW_LIST_MAX"]
+    # the backward's pipeline stages and their shared memory follow H alone
+    assert cupy_backend.stages(5376) == cupy_backend.TUNING["BWD_STAGES"]
+    assert cupy_backend.dynamic_smem(5376) == 4 * 2 * 672 * 16
+    assert cupy_backend.stages(49152) == 1  # a wide row keeps one stage rather than failing
     # nothing in the launch path asks the device for its SM count
     text = (cupy_backend.kernel_dir().parent / "adaln_lab" / "cupy_backend.py").read_text()
     assert "multi_processor_count" not in text and "MultiProcessorCount" not in text
 
 
 def test_shapes_the_kernels_cannot_take_are_refused_clearly():
+    with pytest.raises(ValueError, match=r"H \(x.shape\[-1\]\) <= "):
+        cupy_backend.check_shapes(8 * 13000, 64, 1)
     with pytest.raises(ValueError, match="H .* divisible by 8"):
         cupy_backend.check_shapes(260, 64, 3)
     with pytest.raises(ValueError, match="D .* divisible by 8"):
