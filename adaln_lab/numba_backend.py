@@ -1,9 +1,7 @@
 """The Numba-CUDA twin of kernels_cu/table.cu and kernels_cu/norm_modulate.cu, for reading and exploring.
 
-Same thread map (from `cupy_backend`'s shape-only functions), same reduction order, same
-rounding points, written in Python. The twin gives each row its own block; the CUDA kernel lets a
-block walk a range of rows, grouped by timestep, with cp.async prefetch. That changes which block
-visits a row and when, never the arithmetic of the row, which is what the twin is for. On a GPU its table, output and rstd are meant to equal the
+Same launch geometry (from `cupy_backend`'s shape-only functions and TUNING), same reduction
+order, same rounding points, written in Python. On a GPU its table, output and rstd are meant to equal the
 CUDA C++ kernels' bit for bit (tests/test_numba_backend.py checks it there). Under numba's CUDA
 simulator (NUMBA_ENABLE_CUDASIM=1, a CPU) it runs too, on tiny shapes: warp shuffles do not exist
 there, so the twin writes every warp butterfly as shared-memory steps with the very association
@@ -95,7 +93,7 @@ def _device_functions():
 
 @lru_cache(maxsize=None)
 def table_kernel(H: int, D: int, T: int):
-    """Twin of table_bf16 (kernels_cu/table.cu): 8 warps, 4 output rows per warp, lane-strided k."""
+    """Twin of table_bf16 (kernels_cu/table.cu): TABLE_THREADS / 32 warps, TABLE_ROWS_PER_WARP rows each, lane-strided k."""
     cuda()
     from numba import float32
 
@@ -133,7 +131,7 @@ def table_kernel(H: int, D: int, T: int):
 
 @lru_cache(maxsize=None)
 def norm_modulate_kernel(H: int, T: int):
-    """Twin of norm_modulate_bf16 (kernels_cu/norm_modulate.cu): same thread map and tree, one row per block."""
+    """Twin of norm_modulate_bf16 (kernels_cu/norm_modulate.cu): one row per block, same thread map."""
     cuda()
     from numba import float32, int64, uint16
 
