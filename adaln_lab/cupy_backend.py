@@ -32,12 +32,12 @@ ROW_RANGES = 132          # row ranges of the backward row pass: a constant, nev
 # Constants of the kernels, emitted into the unit as `#define ADALN_<NAME>`: the one place they live
 # (bench/NOTES.md v5: the variants tried against these and why they lost).
 TUNING = {
-    "TABLE_THREADS": 1024,      # table.cu: block size
+    "TABLE_THREADS": 512,       # table.cu: block size
     "TABLE_ROWS_PER_WARP": 4,   # table.cu: output rows j per warp
     "ROW_LIST_MAX": 2048,       # norm_modulate_bwd.cu: most rows of one range (their timesteps sit in shared memory)
-    "BWD_STAGES": 3,            # norm_modulate_bwd.cu: rows of x and dy in flight (cp.async), at most
-    "TB_THREADS": 512,          # table_bwd.cu: block size
-    "TB_ROWS": 256,             # table_bwd.cu: weight rows j per block
+    "BWD_STAGES": 4,            # norm_modulate_bwd.cu: rows of x and dy in flight (cp.async), at most
+    "TB_THREADS": 256,          # table_bwd.cu: block size
+    "TB_ROWS": 128,             # table_bwd.cu: weight rows j per block
     "SUM_GROUPS": 16,           # adaln_common.cuh: row groups of an ordered column sum
 }
 STATIC_SMEM_LIMIT = 48 * 1024
