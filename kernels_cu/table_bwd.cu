@@ -15,6 +15,11 @@
 // Run: adaln_lab.cupy_backend.table_bwd(d_table, temb, weight).
 
 #define TB_ROWS_PER_WARP (ADALN_TB_ROWS / (ADALN_TB_THREADS / 32))
+// the combine step gives each thread 32 * 8 / ADALN_TB_THREADS whole columns: more threads than
+// columns would leave dact_partials unwritten (4e05566 ran 512 threads and got garbage d_temb)
+static_assert(ADALN_TB_THREADS <= 32 * ADALN_VEC && (32 * ADALN_VEC) % ADALN_TB_THREADS == 0,
+              "table_bwd_bf16 needs ADALN_TB_THREADS to divide 256");
+static_assert(ADALN_TB_ROWS % (ADALN_TB_THREADS / 32) == 0, "ADALN_TB_ROWS must split evenly over the warps");
 
 extern "C" __global__ void __launch_bounds__(ADALN_TB_THREADS)
 table_bwd_bf16(const float* __restrict__ d_table, const float* __restrict__ temb, const bf16_t* __restrict__ weight,

@@ -104,3 +104,15 @@ def test_the_wheel_ships_the_kernels(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for name in cupy_backend.KERNEL_FILES:
         assert f"adaln_lab/kernels_cu/{name}" in names
+
+
+def test_a_tuning_the_kernels_cannot_run_does_not_compile(monkeypatch):
+    """table_bwd's combine step covers 256 columns: 512 threads (run on the H200 in 4e05566, where it
+    left d_temb unwritten) must now stop at compile time, naming the constraint."""
+    monkeypatch.setitem(cupy_backend.TUNING, "TB_THREADS", 512)
+    cupy_backend.clear_caches()
+    try:
+        with pytest.raises(Exception, match="ADALN_TB_THREADS to divide 256"):
+            compile_unit(cupy_backend.source(5376, 2688, 3), "sm_90")
+    finally:
+        cupy_backend.clear_caches()
