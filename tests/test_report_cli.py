@@ -61,3 +61,19 @@ def test_cli_rejects_unknown_candidates_and_gpu_only_ones_on_cpu(tmp_path):
                              capture_output=True, text=True, timeout=120)
         assert run.returncode == 2 and message in run.stderr
         assert not (tmp_path / "x.json").exists()
+
+
+def test_provenance_prefers_the_named_commit_over_a_stale_git(monkeypatch):
+    """A copied tree may carry a stale .git: ADALN_LAB_COMMIT wins, and the dirty flag is only
+    git's answer when git's HEAD is the named commit."""
+    from adaln_lab.harness import report
+
+    answers = {("rev-parse", "HEAD"): "41b0f5953857cf4f6ec4aeac11da6b85a94ae448",
+               ("status", "--porcelain", "--untracked-files=no"): " M adaln_lab/op.py"}
+    monkeypatch.setattr(report, "_git", lambda *args: answers[args])
+    monkeypatch.setenv("ADALN_LAB_COMMIT", "574ba6f")
+    assert report._provenance() == {"adaln_lab_commit": "574ba6f", "tracked_tree_dirty": None}
+    monkeypatch.setenv("ADALN_LAB_COMMIT", "41b0f59")
+    assert report._provenance() == {"adaln_lab_commit": answers[("rev-parse", "HEAD")], "tracked_tree_dirty": True}
+    monkeypatch.delenv("ADALN_LAB_COMMIT")
+    assert report._provenance()["adaln_lab_commit"] == answers[("rev-parse", "HEAD")]

@@ -49,14 +49,18 @@ def _git(*args: str):
 def _provenance() -> dict:
     """The commit measured and whether tracked files differ from it.
 
-    Without a git checkout (a copied tree), ADALN_LAB_COMMIT names the commit and the dirty flag
-    is null (unknown) rather than a guess.
+    ADALN_LAB_COMMIT, when set, names the commit of a copied tree and wins over git: a copy can
+    carry a stale .git (the H200 run of 574ba6f found one at 41b0f59 and reported that commit,
+    dirty). The dirty flag is then git's answer only when git's HEAD is that very commit, else null
+    (unknown) rather than a guess. Without the variable, git's HEAD and status are used.
     """
-    commit = _git("rev-parse", "HEAD")
-    if commit is not None:
-        return {"adaln_lab_commit": commit,
-                "tracked_tree_dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))}
-    return {"adaln_lab_commit": os.environ.get("ADALN_LAB_COMMIT"), "tracked_tree_dirty": None}
+    named = os.environ.get("ADALN_LAB_COMMIT")
+    head = _git("rev-parse", "HEAD")
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if head is not None else None
+    if named:
+        same = head is not None and head.startswith(named)
+        return {"adaln_lab_commit": head if same else named, "tracked_tree_dirty": dirty if same else None}
+    return {"adaln_lab_commit": head, "tracked_tree_dirty": dirty}
 
 
 def environment(device: torch.device) -> dict:

@@ -2,8 +2,9 @@
 
 Each config is a full TUNING; every kernel is timed under every config (back-to-back GPU time,
 profile_kernels.gpu_us) at 4097 and 32768 rows, and its outputs are compared bitwise with the
-first config's; the previous session's kernels (bench/dev/v4_kernels) are timed in the same process as
-the baseline. Not evidence: it picks what TUNING should hold.
+first config's. When bench/dev/v4_kernels holds the previous session's kernels (ignored by git:
+`git show 3a1c845:kernels_cu/<file>` for each, carried to the device), they are timed in the same
+process as the baseline. Not evidence: it picks what TUNING should hold.
 Run: python bench/dev/sweep.py > sweep.json
 """
 
@@ -118,10 +119,11 @@ def main():
                      "d_temb_rel_diff": dtemb_diff, "regs_spill": regs, "tuning": dict(cb.TUNING)}
             result[f"{S} {name}"] = entry
             print(S, name, json.dumps(entry["us"]), [k for k, v in same.items() if not v], file=sys.stderr, flush=True)
-        use({})
-        outs = run_all(i, dy)
-        result[f"{S} v4"] = {"us": v4_timings(i, dy, outs["table"], outs["table_f32"], outs["rstd"])}
-        print(S, "v4", json.dumps(result[f"{S} v4"]["us"]), file=sys.stderr, flush=True)
+        if V4_DIR.is_dir():
+            use({})
+            outs = run_all(i, dy)
+            result[f"{S} v4"] = {"us": v4_timings(i, dy, outs["table"], outs["table_f32"], outs["rstd"])}
+            print(S, "v4", json.dumps(result[f"{S} v4"]["us"]), file=sys.stderr, flush=True)
     use({})
     json.dump(result, sys.stdout, indent=1)
 
