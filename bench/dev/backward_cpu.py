@@ -9,27 +9,21 @@ Run: python bench/dev/backward_cpu.py
 
 import json
 import statistics
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
-from adaln_lab import cupy_backend as cb
-from adaln_lab.harness.candidates import adaln_lab_candidate
-from adaln_lab.harness.inputs import make
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_costs import spent, timed  # noqa: E402  (one timing wrapper for both scripts)
+
+from adaln_lab import cupy_backend as cb  # noqa: E402
+from adaln_lab.harness.candidates import adaln_lab_candidate  # noqa: E402
+from adaln_lab.harness.inputs import make  # noqa: E402
 
 REPS = 30
-spent: dict[str, list[float]] = {}
-
-
-def timed(name, f):
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return f(*args, **kwargs)
-        finally:
-            spent.setdefault(name, []).append((time.perf_counter() - t0) * 1e6)
-    return wrapper
 
 
 def main():
