@@ -128,6 +128,7 @@ def _module(device_index: int, H: int, D: int, T: int):
         return kernels
 
 
+@lru_cache(maxsize=None)
 def dynamic_smem(H: int) -> int:
     """Dynamic shared memory (bytes) of norm_modulate_bwd: its pipeline stages."""
     return stage_bytes(H) * stages(H)
@@ -173,7 +174,7 @@ def _functions(device_index: int, H: int, D: int, T: int) -> dict:
 
 def clear_caches() -> None:
     """Forget compiled modules and sources, e.g. after changing TUNING (bench/dev/sweep.py)."""
-    for cached in (source, check_shapes, _module, _functions):
+    for cached in (source, check_shapes, dynamic_smem, _module, _functions):
         cached.cache_clear()
 
 
