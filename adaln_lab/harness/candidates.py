@@ -3,6 +3,11 @@
 A candidate is any callable `fn(x, norm_weight, temb, weight, bias, timestep_indices) -> out`
 that torch autograd can differentiate (shapes as in `adaln_lab.final_adaln_out`, eps = 1e-5).
 Users can hand the harness their own callable; the names below are the built-in ones.
+
+Each built-in says what it really runs on the device it is built for: `source` goes into the
+report, and `warning` (when set) is printed by the report because the row is not what its name
+suggests (the adaln_lab row on a CPU runs the torch replay; the diffusers row without diffusers
+installed is the replay too).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ class Named:
     name: str
     source: str
     fn: Candidate
+    warning: str | None = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,14 +40,17 @@ def _diffusers_module(H: int, D: int):
         return MiniMaxH3AdaLayerNormOut(H, D, eps=EPS)
 
 
-def diffusers_candidate() -> Named:
-    """The real diffusers module through `torch.func.functional_call`, else the replay."""
+def diffusers_candidate(device: str | torch.device | None = None) -> Named:
+    """The real diffusers module through `torch.func.functional_call`, else the replay (said loudly)."""
     try:
         import diffusers
         from diffusers.models.transformers import transformer_minimax_h3  # noqa: F401
-    except Exception as error:  # diffusers missing or too old: say so in the report
-        return Named("diffusers", f"op-for-op replay (diffusers not importable: {type(error).__name__})",
-                     lambda *a: replay(*a, eps=EPS))
+    except Exception as error:  # diffusers missing or too old: say so in the report and on screen
+        why = f"diffusers not importable: {type(error).__name__}"
+        return Named("diffusers", f"REPLAY, not diffusers: adaln_lab.reference.replay, the op-for-op replay of "
+                     f"MiniMaxH3AdaLayerNormOut ({why})", lambda *a: replay(*a, eps=EPS),
+                     warning=f"the 'diffusers' row is adaln_lab's op-for-op REPLAY, not the diffusers module ({why}); "
+                             "install diffusers==0.42.* for the real one")
 
     def call(x, norm_weight, temb, weight, bias, timestep_indices):
         module = _diffusers_module(x.shape[-1], temb.shape[-1])
@@ -52,20 +61,31 @@ def diffusers_candidate() -> Named:
                  "(real module via torch.func.functional_call)", call)
 
 
-def torch_compile_candidate() -> Named:
+def torch_compile_candidate(device: str | torch.device | None = None) -> Named:
     compiled = torch.compile(functools.partial(replay, eps=EPS))
     return Named("torch_compile", "torch.compile (default mode) of the op-for-op replay", compiled)
 
 
-def adaln_lab_candidate(table_backend: str = "cuda") -> Named:
+def adaln_lab_candidate(table_backend: str = "cuda", device: str | torch.device | None = "cuda") -> Named:
+    """`final_adaln_out` with backend "auto": the CUDA kernels for CUDA tensors, else the torch replay.
+
+    `device` is where the candidate will be called; its `source` (and, off CUDA, `warning`) say
+    which of the two runs there.
+    """
     from ..op import final_adaln_out
 
     def call(x, norm_weight, temb, weight, bias, timestep_indices):
         return final_adaln_out(x, norm_weight, temb, weight, bias, timestep_indices, EPS,
                                backend="auto", table_backend=table_backend, check_indices=False)
 
-    return Named("adaln_lab", f"adaln_lab final_adaln_out (backend auto, table_backend={table_backend}, "
-                 "check_indices=False)", call)
+    if device is not None and torch.device(device).type != "cuda":
+        kind = torch.device(device).type
+        return Named("adaln_lab", f"adaln_lab final_adaln_out (backend auto -> torch on {kind}: runs the "
+                     "op-for-op torch replay, NOT the CUDA kernels; table_backend unused; check_indices=False)",
+                     call, warning=f"the 'adaln_lab' row on {kind} runs the torch replay (backend auto falls "
+                                   "back to torch off CUDA), not the CUDA kernels")
+    return Named("adaln_lab", f"adaln_lab final_adaln_out (backend auto -> cupy CUDA kernels, "
+                 f"table_backend={table_backend}, check_indices=False)", call)
 
 
 BUILTIN = {
@@ -83,5 +103,5 @@ def resolve(names: list[str], device: torch.device) -> list[Named]:
             raise ValueError(f"unknown candidate {name!r}; known: {', '.join(BUILTIN)}")
         if name == "torch_compile" and device.type != "cuda":
             raise ValueError("candidate 'torch_compile' runs on CUDA only (use --device cuda)")
-        out.append(BUILTIN[name]())
+        out.append(BUILTIN[name](device=device))
     return out
