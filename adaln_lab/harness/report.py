@@ -2,9 +2,16 @@
 
 Same keys as ../shared/reference/seed_prior_art_b200.json (so the files read side by side), with
 `adaln_lab_commit` where the seed has `rl_kernel_commit`, plus: the measured copy bandwidth
-(`copy_TBps`), the memory floor per size (`memory_floor`), per size and candidate the pure
-forward+backward time and the fraction of copy bandwidth achieved, and for adaln_lab its forward
-parity with diffusers.
+(`copy_TBps`), the memory floor per size (`memory_floor`), the autograd floor of the run
+(`autograd_floor_us`, `autograd_floor_host_us`), per size and candidate the pure
+forward+backward time, CUDA-graph, inference-mode and host (issue) times and the fraction of copy
+bandwidth achieved, for adaln_lab its forward parity with diffusers, and `schema_notes`, which
+explains the keys kept only for the seed's schema and every timing key.
+
+Order of work: every candidate's invariance, accuracy and eager timings first, then the autograd
+floor, then the CUDA-graph timings of all candidates and sizes last (torch.compile's candidate
+last of all), on inputs made before the first capture: a failed capture can leave the CUDA RNG
+that `inputs.make` draws from unusable, and it must not cost the rest of the report.
 """
 
 from __future__ import annotations
@@ -24,12 +31,45 @@ from . import invariance
 from .accuracy import accuracy, parity
 from .candidates import Named, adaln_lab_candidate, diffusers_candidate, resolve
 from .inputs import make, upstream
-from .latency import copy_bandwidth, latency, memory_floor
+from .latency import (autograd_floor, copy_bandwidth, graph_latency, host_latency, inference_latency,
+                      latency, memory_floor)
 from .protocol import FULL, QUICK, Protocol
 
 LIBRARIES = ("torch", "triton", "diffusers", "cupy-cuda13x", "numba-cuda", "numpy", "ml_dtypes",
              "liger-kernel", "vllm", "flashinfer-python", "sglang", "transformer_engine", "megatron-core")
 REPO = Path(__file__).resolve().parents[2]
+GRAPH_KEYS = ("fwd_us_graph", "fwd_bwd_us_graph", "fwd_us_graph_error", "fwd_bwd_us_graph_error")
+
+SCHEMA_NOTES = {
+    "seed": "'seed' in names ('seed report', 'seed protocol', 'seed_prior_art') means the prior-art report "
+            "../shared/reference/seed_prior_art_b200.json (RL-Kernel, NVIDIA B200): this report copies its schema "
+            "key for key so the two read side by side, and runs its protocol. The protocol's `seeds`, "
+            "`sub_batch_seeds` and `accuracy_seed` are RNG seeds of `inputs.make`, unrelated.",
+    "rfc": "kept from the seed report's schema (there it names the RL-Kernel RFC the report belonged to); "
+           "unused here, always null.",
+    "kind": "'adaln_lab_report' (the seed's is 'h3_prior_art').",
+    "adaln_lab_commit": "the seed's rl_kernel_commit: the commit measured (ADALN_LAB_COMMIT wins over git).",
+    "fwd_us": "eager forward, leaves requiring grad; CUDA events around each call after a synchronize "
+              "(wall clock on CPU), median of protocol.iters samples after protocol.warmup calls.",
+    "fwd_bwd_us": "seed protocol: clone the five leaves, forward, backward with an all-ones gradient, all timed.",
+    "fwd_bwd_us_pure": "forward + backward (all-ones gradient) on prepared leaves whose grads are reset; timed "
+                       "like fwd_us.",
+    "fwd_us_inference": "forward under torch.inference_mode() on inputs not requiring grad; timed like fwd_us.",
+    "host_fwd_us": "CPU wall time (perf_counter) to issue the forward, nothing waited on (synchronize before "
+                   "each sample, outside the clock); median. On a CPU the work runs inside the call.",
+    "host_fwd_bwd_us": "like host_fwd_us for forward + .backward() (until it returns), grads reset outside the clock.",
+    "fwd_us_graph": "the forward captured once in a torch.cuda.CUDAGraph and replayed: median over samples of "
+                    "(CUDA-event time of 10 back-to-back replays) / 10, after warm-up replays; the GPU's own "
+                    "time. null when the capture failed or there is no CUDA, reason in fwd_us_graph_error.",
+    "fwd_bwd_us_graph": "like fwd_us_graph for forward + backward (all-ones gradient, grads made inside the "
+                        "capture); reason of a null in fwd_bwd_us_graph_error.",
+    "autograd_floor_us": "once per run: forward + backward of an identity autograd.Function over the five leaves "
+                         "(no GPU work, five AccumulateGrad of preallocated gradients), timed like fwd_bwd_us_pure, "
+                         "at the first accuracy size.",
+    "autograd_floor_host_us": "the same identity call timed like host_fwd_bwd_us: what torch autograd alone costs "
+                              "the host per forward+backward.",
+    "memory_floor": "per size: bytes read once and written once (fwd_bytes, fwd_bwd_bytes) over copy_TBps.",
+}
 
 
 def _version(name: str):
@@ -82,15 +122,25 @@ def environment(device: torch.device) -> dict:
 
 def batch_invariance(fn, protocol: Protocol, device: torch.device) -> dict:
     p = protocol
+    checks = tqdm(total=4, desc="batch invariance", unit="check", leave=True, dynamic_ncols=True)
+    checks.set_postfix_str("all_rows")
     report = {"all_rows": invariance.all_rows(fn, p.all_rows_sizes, p.seeds, device, p.shape)}
+    checks.update()
+    checks.set_postfix_str("params_repeatable")
     batch = make(p.seeds[0], p.accuracy_sizes[0], device, **p.shape)
     repeat = invariance.params_repeatable(fn, batch, upstream(p.seeds[0], batch.x))
     report["params_repeatable"] = all(repeat.values())
     report["params_repeatable_each"] = repeat
+    checks.update()
+    checks.set_postfix_str("full_vs_sub_batches")
     report["full_vs_sub_batches"] = invariance.full_vs_sub_batches(
         fn, p.full_batch, p.sub_batch_sizes, p.sub_batch_seeds, p.small_limit, p.small_step, device, p.shape)
+    checks.update()
+    checks.set_postfix_str("batch_size_sweep")
     report["batch_size_sweep"] = invariance.batch_size_sweep(
         fn, p.sweep_sizes, p.probe_rows, p.pool_size, p.seeds, device, p.shape)
+    checks.update()
+    checks.close()
     report["batch_invariant"] = invariance.batch_invariant(report)
     return report
 
@@ -101,6 +151,9 @@ def accuracy_latency(candidate: Named, protocol: Protocol, device: torch.device,
         inputs = make(protocol.accuracy_seed, S, device, **protocol.shape)
         entry = accuracy(candidate.fn, inputs, upstream(protocol.accuracy_seed, inputs.x))
         entry.update(latency(candidate.fn, inputs, protocol.warmup, protocol.iters))
+        entry["fwd_us_inference"] = inference_latency(candidate.fn, inputs, protocol.warmup, protocol.iters)
+        entry.update(host_latency(candidate.fn, inputs, protocol.warmup, protocol.iters))
+        entry.update(dict.fromkeys(GRAPH_KEYS))  # filled by graph_timings, after every other measurement
         floor = floors[str(S)]
         entry["fwd_floor_fraction"] = floor["fwd_us"] / entry["fwd_us"]
         entry["fwd_bwd_floor_fraction"] = floor["fwd_bwd_us"] / entry["fwd_bwd_us_pure"]
@@ -120,10 +173,37 @@ def forward_parity(protocol: Protocol, device: torch.device) -> dict:
     return out
 
 
+def graph_timings(candidates: list[Named], protocol: Protocol, device: torch.device, results: dict) -> None:
+    """CUDA-graph timings of every candidate and size into `results[name][S]` (accuracy_latency
+    entries). Inputs for all sizes are made before the first capture; torch.compile's candidate
+    goes last, so that a capture failure, which can leave CUDA unwell, touches the others least."""
+    inputs = {str(S): make(protocol.accuracy_seed, S, device, **protocol.shape) for S in protocol.accuracy_sizes}
+    order = sorted(candidates, key=lambda c: c.name == "torch_compile")
+    for candidate in tqdm(order, desc="cuda graphs", leave=True, dynamic_ncols=True,
+                          disable=device.type != "cuda"):
+        for S, batch in inputs.items():
+            figures = graph_latency(candidate.fn, batch, protocol.warmup, protocol.iters)
+            results[candidate.name][S].update(figures)
+            for key in ("fwd_us_graph", "fwd_bwd_us_graph"):
+                if figures[key] is None and figures[key + "_error"] != "no CUDA":
+                    tqdm.write(f"[adaln_lab report] {candidate.name} @{S}: {key} capture failed: "
+                               f"{figures[key + '_error']}", file=sys.stderr)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def announce(candidate: Named, device: torch.device) -> str:
+    """The one line the report prints per candidate: what its row really runs (and a warning)."""
+    line = f"[adaln_lab report] candidate {candidate.name} on {device}: {candidate.source}"
+    return line + (f"  !! WARNING: {candidate.warning}" if candidate.warning else "")
+
+
 def run_report(names: list[str], device: str | torch.device, quick: bool) -> dict:
     device = torch.device(device)
     protocol = QUICK if quick else FULL
     candidates = resolve(names, device)
+    for candidate in candidates:
+        tqdm.write(announce(candidate, device), file=sys.stderr)
     copy = copy_bandwidth(device, protocol.copy_bytes)
     floors = {str(S): memory_floor(S, protocol.H, protocol.D, protocol.T, copy) for S in protocol.accuracy_sizes}
     report = {
@@ -136,6 +216,9 @@ def run_report(names: list[str], device: str | torch.device, quick: bool) -> dic
         "protocol": vars(protocol) | {"sweep_sizes": protocol.sweep_sizes},
         "copy_TBps": copy,
         "memory_floor": floors,
+        "autograd_floor_us": None,
+        "autograd_floor_host_us": None,
+        "schema_notes": SCHEMA_NOTES,
         "results": {"plain": {}},
     }
     for candidate in tqdm(candidates, desc="candidates", leave=True, dynamic_ncols=True):
@@ -147,6 +230,10 @@ def run_report(names: list[str], device: str | torch.device, quick: bool) -> dic
         report["results"]["plain"][candidate.name] = entry
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    report.update(autograd_floor(make(protocol.accuracy_seed, protocol.accuracy_sizes[0], device, **protocol.shape),
+                                 protocol.warmup, protocol.iters))
+    graph_timings(candidates, protocol, device,
+                  {name: entry["accuracy_latency"] for name, entry in report["results"]["plain"].items()})
     return report
 
 
