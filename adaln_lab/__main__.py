@@ -1,7 +1,7 @@
 """Command line of adaln_lab.
 
     python -m adaln_lab report --out FILE.json [--quick] [--device cpu|cuda] [--candidates NAMES]
-    python -m adaln_lab table FILE.json          (markdown summary of a report)
+    python -m adaln_lab table FILE.json          (markdown summary of a report; exit 2 if unreadable)
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "table":
-        import json
-        from pathlib import Path
+        from .harness.table import ReportError, render
 
-        from .harness.table import markdown
-
-        print(markdown(json.loads(Path(args.report_json).read_text())))
+        try:
+            print(render(args.report_json))
+        except ReportError as error:
+            print(f"python -m adaln_lab table: error: {error}", file=sys.stderr)
+            return 2
         return 0
 
     import torch
