@@ -65,3 +65,16 @@ QUICK = Protocol(
     accuracy_sizes=(65, 257), accuracy_seed=1,
     warmup=2, iters=5, copy_bytes=64 << 20,
 )
+
+
+def invariance_calls(protocol: Protocol, repeats: int = 3) -> int:
+    """How many differentiated calls of the candidate `report.batch_invariance` makes: each check's
+    full batches plus its rows or sub-batches (FULL: 11483 at H = 5376; QUICK: 392 at H = 256)."""
+    from .invariance import sub_batch_starts, sweep_positions
+
+    p = protocol
+    all_rows = sum(len(p.seeds) * (1 + n) for n in p.all_rows_sizes)
+    sub = len(p.sub_batch_seeds) * (1 + sum(len(sub_batch_starts(p.full_batch, s, p.small_limit, p.small_step))
+                                            for s in p.sub_batch_sizes))
+    sweep = len(p.seeds) * (2 + len(p.probe_rows) * sum(len(sweep_positions(b)) for b in p.sweep_sizes))
+    return all_rows + repeats + sub + sweep
