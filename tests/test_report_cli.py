@@ -25,13 +25,28 @@ def schema(value, path="$"):
     return {path}
 
 
+OLD_REPORT = Path(__file__).parent.parent / "bench" / "results" / "h200" / "report.json"
+NEW_FIGURES = ("fwd_us_inference", "host_fwd_us", "host_fwd_bwd_us", "fwd_us_graph", "fwd_bwd_us_graph",
+               "fwd_us_graph_error", "fwd_bwd_us_graph_error")
+
+
 @pytest.fixture(scope="module")
-def quick_report(tmp_path_factory):
+def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("report") / "quick.json"
     run = subprocess.run([sys.executable, "-m", "adaln_lab", "report", "--quick", "--device", "cpu", "--out", str(out)],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(out.read_text())
+    return out, run
+
+
+@pytest.fixture(scope="module")
+def quick_report(quick_run):
+    return json.loads(quick_run[0].read_text())
+
+
+def table(path):
+    return subprocess.run([sys.executable, "-m", "adaln_lab", "table", str(path)], capture_output=True, text=True,
+                          timeout=120)
 
 
 def test_quick_report_has_every_key_of_the_seed_report(quick_report):
@@ -77,3 +92,97 @@ def test_provenance_prefers_the_named_commit_over_a_stale_git(monkeypatch):
     assert report._provenance() == {"adaln_lab_commit": answers[("rev-parse", "HEAD")], "tracked_tree_dirty": True}
     monkeypatch.delenv("ADALN_LAB_COMMIT")
     assert report._provenance()["adaln_lab_commit"] == answers[("rev-parse", "HEAD")]
+
+
+def test_quick_report_has_every_new_timing_key(quick_report):
+    assert quick_report["autograd_floor_us"] > 0 and quick_report["autograd_floor_host_us"] > 0
+    for entry in quick_report["results"]["plain"].values():
+        for figures in entry["accuracy_latency"].values():
+            assert set(NEW_FIGURES) <= set(figures)
+            assert figures["fwd_us_inference"] > 0
+            assert figures["host_fwd_us"] > 0 and figures["host_fwd_bwd_us"] > 0
+            assert figures["fwd_us_graph"] is None and figures["fwd_bwd_us_graph"] is None
+            assert figures["fwd_us_graph_error"] == figures["fwd_bwd_us_graph_error"] == "no CUDA"
+
+
+def test_quick_report_explains_the_seed_schema_keys(quick_report):
+    notes = quick_report["schema_notes"]
+    assert quick_report["rfc"] is None and "unused" in notes["rfc"]
+    assert "seed_prior_art_b200.json" in notes["seed"] and "RL-Kernel" in notes["seed"]
+    for key in ("fwd_us_graph", "fwd_us_inference", "host_fwd_bwd_us", "autograd_floor_us", "autograd_floor_host_us"):
+        assert key in notes
+
+
+def test_report_says_on_screen_what_each_row_ran(quick_run, quick_report):
+    lines = [line for line in quick_run[1].stderr.splitlines() if "[adaln_lab report] candidate" in line]
+    assert len(lines) == 2
+    lab = quick_report["results"]["plain"]["adaln_lab"]["source"]
+    assert "torch replay" in lab and "table_backend=cuda" not in lab
+    assert any("adaln_lab" in line and "WARNING" in line and "torch replay" in line for line in lines)
+
+
+def test_candidate_sources_say_what_runs(monkeypatch):
+    from adaln_lab.harness.candidates import adaln_lab_candidate, diffusers_candidate
+
+    assert "table_backend=cuda" in adaln_lab_candidate(device="cuda").source
+    cpu = adaln_lab_candidate(device="cpu")
+    assert "torch replay" in cpu.source and "table_backend=cuda" not in cpu.source and cpu.warning
+    monkeypatch.setitem(sys.modules, "diffusers", None)  # import diffusers now raises ImportError
+    missing = diffusers_candidate()
+    assert missing.source.startswith("REPLAY") and "not importable" in missing.source
+    assert "REPLAY" in missing.warning
+
+
+def test_table_renders_a_new_report(quick_run):
+    run = table(quick_run[0])
+    assert run.returncode == 0, run.stderr
+    text = run.stdout
+    assert "| graph fwd us (x floor) |" in text and "| inference fwd us |" in text
+    assert text.count("| adaln_lab |") == text.count("| diffusers |") == 2
+    assert "(floor " in text and "us host." in text and "graph columns: n/a (no CUDA" in text
+    assert "| rows | memory floor fwd us | memory floor fwd+bwd us |" in text
+    assert "- adaln_lab ran: " in text
+
+
+def test_table_renders_an_old_report_with_na():
+    from adaln_lab.harness.table import markdown
+
+    report = json.loads(OLD_REPORT.read_text())
+    run = table(OLD_REPORT)
+    assert run.returncode == 0, run.stderr
+    for entry in report["results"]["plain"].values():  # the same report without any of the new keys
+        for figures in entry["accuracy_latency"].values():
+            for key in NEW_FIGURES:
+                figures.pop(key, None)
+    for key in ("autograd_floor_us", "autograd_floor_host_us", "schema_notes"):
+        report.pop(key, None)
+    text = markdown(report)
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line.split(" | ")[1].isdigit()]
+    assert len(rows) == len(report["memory_floor"]) * len(report["results"]["plain"])
+    for row in rows:
+        cells = row.strip("| ").split(" | ")
+        assert cells[4] == cells[5] == cells[8] == cells[9] == "n/a"  # graph, inference, host
+        assert "x)" in cells[6] and "x)" in cells[7]  # eager figures and their floor multiples remain
+    assert "autograd floor" in text and "n/a (not in this report)" in text
+
+
+def test_table_names_a_failed_capture():
+    from adaln_lab.harness.table import markdown
+
+    report = json.loads(OLD_REPORT.read_text())
+    figures = next(iter(report["results"]["plain"]["adaln_lab"]["accuracy_latency"].values()))
+    figures.update(fwd_us_graph=None, fwd_us_graph_error="RuntimeError: operation not permitted when stream is "
+                   "capturing", fwd_bwd_us_graph=123.0, fwd_bwd_us_graph_error=None)
+    text = markdown(report)
+    assert "graph fwd of adaln_lab @" in text and "failed to capture: RuntimeError" in text
+    assert "| 123 (" in text
+
+
+def test_table_of_a_missing_or_broken_file_is_a_one_line_error(tmp_path):
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    for path, message in ((tmp_path / "missing.json", "no such report file"), (broken, "is not JSON"),
+                          (tmp_path, "cannot read")):
+        run = table(path)
+        assert run.returncode == 2 and message in run.stderr, run.stderr
+        assert "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1

@@ -11,6 +11,23 @@ def test_replay_passes():
     assert report["batch_invariant"]
 
 
+def test_it_says_up_front_how_much_work_it_is_and_how_to_make_it_small(capsys):
+    assert "quick=True" in assert_batch_invariant.__doc__.split("\n\n")[1]
+    assert_batch_invariant(replay, quick=True, H=32, D=16)
+    err = capsys.readouterr().err
+    assert "assert_batch_invariant: quick protocol on cpu: ~392 calls" in err
+    assert "batch invariance" in err  # the per-check progress bar
+
+
+def test_the_full_protocol_estimate_points_to_quick():
+    from adaln_lab.harness.protocol import FULL, QUICK, invariance_calls
+    from adaln_lab.testing import estimate
+
+    line = estimate(FULL, False, "cuda")
+    assert "full protocol" in line and "~11483 calls" in line and "quick=True" in line
+    assert invariance_calls(QUICK) == 392
+
+
 def test_planted_counter_example_fails_with_its_counts():
     def every_row_sees_the_batch_mean(x, *rest):
         return replay(x, *rest) + 2.0 ** -4 * x.mean(dim=0, keepdim=True)
