@@ -1,6 +1,6 @@
 """The Numba-CUDA twin of kernels_cu/table.cu and kernels_cu/norm_modulate.cu, for reading and exploring.
 
-Same launch geometry (from `cupy_backend`'s shape-only functions and TUNING), same reduction
+Same launch geometry (from `adaln_lab.plan`: the plan of the shape), same reduction
 order, same rounding points, written in Python. On a GPU its table, output and rstd are meant to equal the
 CUDA C++ kernels' bit for bit (tests/test_numba_backend.py checks it there). Under numba's CUDA
 simulator (NUMBA_ENABLE_CUDASIM=1, a CPU) it runs too, on tiny shapes: warp shuffles do not exist
@@ -23,9 +23,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from .cupy_backend import FWD_THREADS_MAX, TUNING, row_geometry
-
-TABLE_THREADS, TABLE_ROWS_PER_WARP = TUNING["TABLE_THREADS"], TUNING["TABLE_ROWS_PER_WARP"]
+from .plan import plan as make_plan
 
 
 nc = None  # numba.cuda once cuda() ran; kernels name it as a module global so the simulator can swap it
@@ -93,24 +91,27 @@ def _device_functions():
 
 @lru_cache(maxsize=None)
 def table_kernel(H: int, D: int, T: int):
-    """Twin of table_bf16 (kernels_cu/table.cu): TABLE_THREADS / 32 warps, TABLE_ROWS_PER_WARP rows each, lane-strided k."""
+    """Twin of table_bf16 (kernels_cu/table.cu): the plan's table_threads / 32 warps, TABLE_ROWS_PER_WARP rows
+    each, lane-strided k (the kernel's weight prefetch changes when loads are issued, not the sums)."""
     cuda()
     from numba import float32
 
     bf16_to_float, float_to_bf16, round_bf16, warp_sum_lane0, silu = _device_functions()
-    nvec_d, act_size, warps_per_block = D // 8, T * D, TABLE_THREADS // 32  # shared sizes: constants
+    plan = make_plan(H, D, T)
+    threads, rows_per_warp = plan.table_threads, dict(plan.tuning)["TABLE_ROWS_PER_WARP"]
+    nvec_d, act_size, warps_per_block = D // 8, T * D, threads // 32  # shared sizes: constants
 
     @nc.jit
     def kernel(temb, weight, bias, table, table_f32):
         act = nc.shared.array(act_size, float32)
         lanes = nc.shared.array((warps_per_block, 32), float32)
         tid = nc.threadIdx.x
-        for i in range(tid, T * D, TABLE_THREADS):
+        for i in range(tid, T * D, threads):
             act[i] = round_bf16(float32(silu(temb[i // D, i % D])))
         nc.syncthreads()
         lane, warp = tid % 32, tid // 32
-        first = (nc.blockIdx.x * warps_per_block + warp) * TABLE_ROWS_PER_WARP
-        for r in range(TABLE_ROWS_PER_WARP):
+        first = (nc.blockIdx.x * warps_per_block + warp) * rows_per_warp
+        for r in range(rows_per_warp):
             j = first + r
             for t in range(T):
                 acc = float32(0.0)  # k-vectors lane, lane + 32, ... in order, 8 elements each in order
@@ -131,12 +132,14 @@ def table_kernel(H: int, D: int, T: int):
 
 @lru_cache(maxsize=None)
 def norm_modulate_kernel(H: int, T: int):
-    """Twin of norm_modulate_bf16 (kernels_cu/norm_modulate.cu): one row per block, same thread map."""
+    """Twin of the row math of kernels_cu/norm_modulate.cu: one row per block (the rowwise kernel's launch;
+    the staged kernel walks ranges of rows with the same thread map and tree, so the same bits per row)."""
     cuda()
     from numba import float32, int64, uint16
 
     bf16_to_float, float_to_bf16, round_bf16, warp_sum_lane0, _ = _device_functions()
-    threads, vpt = row_geometry(H, FWD_THREADS_MAX)
+    plan = make_plan(H, 8, T)
+    threads, vpt = plan.fwd_threads, plan.fwd_vpt
     nwarps, nvec_h = threads // 32, H // 8
     simulated = _simulating()
 
@@ -195,14 +198,14 @@ def _plain(t: torch.Tensor):
 
 
 def table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
-    """(T, 2H) bf16 table and (T, 2H) fp32 twin, as `cupy_backend.table` computes them."""
+    """(T, 2H) bf16 table and (T, 2H) fp32 twin, as `cuda_op.table` computes them."""
     T, D = temb.shape
     H = weight.shape[0] // 2
     kernel = table_kernel(H, D, T)
     out = torch.empty(T, 2 * H, dtype=torch.bfloat16, device=temb.device)
     out_f32 = torch.empty(T, 2 * H, dtype=torch.float32, device=temb.device)
-    grid = math.ceil(2 * H / (TABLE_THREADS // 32 * TABLE_ROWS_PER_WARP))
-    kernel[grid, TABLE_THREADS](_plain(temb), _bits(weight), _bits(bias), _bits(out), _plain(out_f32))
+    plan = make_plan(H, D, T)
+    kernel[plan.table_grid, plan.table_threads](_plain(temb), _bits(weight), _bits(bias), _bits(out), _plain(out_f32))
     return out, out_f32
 
 
@@ -214,8 +217,7 @@ def norm_modulate(x: torch.Tensor, norm_weight: torch.Tensor, table_bf16: torch.
     kernel = norm_modulate_kernel(H, T)
     out = torch.empty_like(x)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
-    threads, _ = row_geometry(H, FWD_THREADS_MAX)
-    kernel[rows, threads](_bits(x), _bits(norm_weight), _bits(table_bf16), _plain(timestep_indices),
+    kernel[rows, make_plan(H, 8, T).fwd_threads](_bits(x), _bits(norm_weight), _bits(table_bf16), _plain(timestep_indices),
                           _bits(out), _plain(rstd), np.int64(timestep_indices.shape[0]), np.float32(eps))
     return out, rstd
 

@@ -21,7 +21,7 @@ TABLE_BACKENDS = ("cuda", "torch")
 def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor, timestep_indices: torch.Tensor, eps: float = 1e-5, *,
                     backend: str = "auto", numerics: str = "diffusers", table_backend: str = "cuda",
-                    check_indices: bool = True) -> torch.Tensor:
+                    check_indices: bool | None = None) -> torch.Tensor:
     """MiniMax-H3's final AdaLN output (diffusers `MiniMaxH3AdaLayerNormOut`), differentiable.
 
     Args:
@@ -38,11 +38,18 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
         table_backend: cupy backend only: "cuda" computes the table with the fixed-order GEMV
             of kernels_cu (T-invariant rows), "torch" with F.linear (bitwise diffusers' table on
             the same GPU, but cuBLAS's reduction order).
-        check_indices: check that every timestep index lies in [0, T) (one host sync on CUDA).
+        check_indices: check that every timestep index lies in [0, T) and raise IndexError if not.
+            Default (None): check on the CPU, where it is free, but not on CUDA, where it would
+            wait for the GPU (one host synchronisation per call, and no CUDA-graph capture).
+            Unchecked on CUDA, an index outside [0, T) never reads outside the table: with
+            backend "cupy" that row's output and dx are NaN and so are the parameter gradients
+            (the error shows instead of hiding); backend "torch" hits torch's device-side assert.
 
     Returns:
         (..., S, H) tensor in x's dtype.
     """
+    if check_indices is None:
+        check_indices = not x.is_cuda
     validate(x, norm_weight, temb, weight, bias, timestep_indices, eps, check_indices=check_indices)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -56,7 +63,7 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
         return replay(x, norm_weight, temb, weight, bias, timestep_indices, eps)
     if not x.is_cuda:
         raise ValueError(f"backend='cupy' needs CUDA tensors, but x is on {x.device}")
-    from . import cupy_backend
+    from . import cuda_op
 
-    return cupy_backend.final_adaln_out(x, norm_weight, temb, weight, bias, timestep_indices, eps,
-                                        table_backend=table_backend)
+    return cuda_op.final_adaln_out(x, norm_weight, temb, weight, bias, timestep_indices, eps,
+                                   table_backend=table_backend)

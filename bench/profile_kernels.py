@@ -1,9 +1,12 @@
-"""Per-kernel cost of the cupy backend at the seed sizes: development aid for bench/NOTES.md.
+"""Where the time of the CUDA op goes, at the seed sizes: development aid for bench/NOTES.md.
 
-For each launcher: `gpu_us` (20 back-to-back calls between two CUDA events, divided by 20: the
-GPU time when the CPU keeps ahead), `cpu_us` (Python time of one call, no sync), the bytes it
-must move and the bandwidth that makes; plus registers and spill bytes of every kernel. Then the
-whole op as the report times it (sync before each sample) and back to back.
+- per kernel: `gpu_us` (20 back-to-back launches between two CUDA events, divided by 20: the GPU's
+  time when the CPU keeps ahead) and the bytes it must move, as TB/s;
+- the whole op: forward and forward+backward as CUDA-graph replays (GPU time), eager with a sync
+  before each sample (the report's protocol), and the host's time to issue one call;
+- host costs of the parts: validate, torch.empty, one kernel launch, the identity autograd floor;
+- registers and spill bytes of every kernel.
+Run: python bench/profile_kernels.py > profile_kernels.json
 """
 
 import json
@@ -13,14 +16,16 @@ import time
 
 import torch
 
-from adaln_lab import cupy_backend as cb
-from adaln_lab.harness.candidates import adaln_lab_candidate
+from adaln_lab import final_adaln_out, launchers, loader, validate
+from adaln_lab.cuda_op import current_stream
 from adaln_lab.harness.inputs import make, upstream
+from adaln_lab.plan import plan as make_plan
 
 REPS = 20
 
 
-def gpu_us(step):
+def gpu_us(step, reps: int = REPS) -> float:
+    """Median over 5 samples of `reps` back-to-back calls between two CUDA events, per call."""
     for _ in range(3):
         step()
     samples = []
@@ -28,70 +33,111 @@ def gpu_us(step):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         a.record()
-        for _ in range(REPS):
+        for _ in range(reps):
             step()
         b.record()
         b.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3 / REPS)
+        samples.append(a.elapsed_time(b) * 1e3 / reps)
     return statistics.median(samples)
 
 
-def cpu_us(step):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(REPS):
+def graph_us(step, reps: int = REPS) -> float:
+    """`step` captured once in a CUDA graph (after a warm-up on a side stream), replays timed like gpu_us."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         step()
-    t1 = time.perf_counter()
+    return gpu_us(graph.replay, reps)
+
+
+def host_us(step, reps: int = 50) -> float:
+    """Median CPU time to issue one call (synchronised before each, nothing waited on inside)."""
+    for _ in range(5):
+        step()
+    samples = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        samples.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
-    return (t1 - t0) * 1e6 / REPS
+    return statistics.median(samples)
+
+
+class Identity(torch.autograd.Function):
+    """torch's own floor: five leaves in, x out, a prepared gradient for each leaf back."""
+
+    @staticmethod
+    def forward(ctx, x, norm_weight, temb, weight, bias, grads):
+        ctx.grads = grads
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return (*ctx.grads, None)
 
 
 def main():
     H, D, T = 5376, 2688, 3
-    out = {"resources": cb.kernel_resources(0, H, D, T)}
+    plan = make_plan(H, D, T)
+    out = {"resources": loader.kernel_resources(0, plan)}
     for S in (4097, 32768):
         i = make(1, S, "cuda")
-        dy = upstream(1, i.x)
-        tab, tab32 = cb.table(i.temb, i.weight, i.bias)
-        y, rstd = cb.norm_modulate(i.x, i.norm_weight, tab, i.timestep_indices, 1e-5, D)
-        dx, parts = cb.norm_modulate_bwd(dy, i.x, rstd, i.norm_weight, tab32, i.timestep_indices, D)
-        dtab, dnw, db = cb.reduce_partials(parts, i.norm_weight, tab32, D)
-        row = S * H * 2
-        steps = {
-            "table": (lambda: cb.table(i.temb, i.weight, i.bias), 2 * H * D * 2),
-            "norm_modulate": (lambda: cb.norm_modulate(i.x, i.norm_weight, tab, i.timestep_indices, 1e-5, D), 2 * row),
-            "norm_modulate_bwd": (lambda: cb.norm_modulate_bwd(dy, i.x, rstd, i.norm_weight, tab32,
-                                                               i.timestep_indices, D), 3 * row + parts.numel() * 4),
-            "reduce_partials": (lambda: cb.reduce_partials(parts, i.norm_weight, tab32, D), parts.numel() * 4),
-            "table_bwd": (lambda: cb.table_bwd(dtab, i.temb, i.weight), 2 * 2 * H * D * 2),
-        }
-        entry = {}
-        for name, (step, nbytes) in steps.items():
-            g = gpu_us(step)
-            entry[name] = {"gpu_us": g, "cpu_us": cpu_us(step), "TBps": nbytes / g / 1e6}
-        fn = adaln_lab_candidate().fn
         leaves = [t.detach().clone().requires_grad_(True) for t in i.leaves]
         ones = torch.ones_like(i.x)
 
         def fwd():
-            fn(*leaves, i.timestep_indices)
+            return final_adaln_out(*leaves, i.timestep_indices)
 
         def fwd_bwd():
             for leaf in leaves:
                 leaf.grad = None
-            fn(*leaves, i.timestep_indices).backward(ones)
+            final_adaln_out(*leaves, i.timestep_indices).backward(ones)
 
-        entry["op_fwd"] = {"gpu_us": gpu_us(fwd), "cpu_us": cpu_us(fwd)}
-        entry["op_fwd_bwd"] = {"gpu_us": gpu_us(fwd_bwd), "cpu_us": cpu_us(fwd_bwd)}
-        entry["row_ranges"] = parts.shape[0]
-        out[S] = entry
-        if S == 4097 and "--cprofile" in sys.argv:
-            import cProfile
-            import pstats
+        def fwd_inference():
+            with torch.inference_mode():
+                final_adaln_out(*i.args)
 
-            profiler = cProfile.Profile()
-            profiler.runcall(lambda: [fwd_bwd() for _ in range(REPS)])
-            pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(12)
+        grads = [torch.zeros_like(t) for t in i.leaves]
+
+        def floor():
+            for leaf in leaves:
+                leaf.grad = None
+            Identity.apply(*leaves, grads).backward(ones)
+
+        entry = {"graph_fwd_us": graph_us(lambda: fwd()), "graph_fwd_bwd_us": graph_us(fwd_bwd),
+                 "eager_fwd_back_to_back_us": gpu_us(fwd), "eager_fwd_bwd_back_to_back_us": gpu_us(fwd_bwd),
+                 "host_fwd_us": host_us(fwd), "host_fwd_bwd_us": host_us(fwd_bwd),
+                 "host_fwd_inference_us": host_us(fwd_inference),
+                 "host_autograd_floor_us": host_us(floor), "gpu_autograd_floor_us": gpu_us(floor)}
+        if S == 4097:
+            stream = current_stream(0)
+            k = launchers.kernels(0, plan)
+            rows = plan.rows(S)
+            ws = torch.zeros(rows.bwd_bytes, dtype=torch.uint8, device="cuda")
+            o, b = rows.bwd_offsets, ws.data_ptr()
+            table_f32 = torch.zeros(T, 2 * H, device="cuda")
+            d_nw, d_bias = torch.empty_like(i.norm_weight), torch.empty_like(i.bias)
+
+            def one_launch():  # reduce_partials over zeros: the host cost of one launch
+                k["reduce_partials_bf16"]((-(-H // 32), 1, 1), (32, plan.sum_groups, 1), 0, stream, b + o["row_partials"],
+                                          i.norm_weight.data_ptr(), table_f32.data_ptr(), b + o["d_table"],
+                                          d_nw.data_ptr(), d_bias.data_ptr(), rows.bwd_ranges, b + o["counters"])
+
+            entry["host_parts_us"] = {
+                "validate": host_us(lambda: validate(*i.args, 1e-5, check_indices=False)),
+                "torch_empty_small": host_us(lambda: torch.empty(1024, device="cuda")),
+                "torch_empty_like_x": host_us(lambda: torch.empty_like(i.x)),
+                "kernel_launch": host_us(one_launch),
+                "current_device": host_us(torch.cuda.current_device),
+            }
+        out[S] = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in entry.items()}
+        print(S, json.dumps(out[S]), file=sys.stderr, flush=True)
     json.dump(out, sys.stdout, indent=1)
 
 

@@ -3,17 +3,16 @@
 // - bf16 <-> fp32 without cuda_bf16.h (so NVRTC needs no toolkit headers): bf16 is the upper
 //   half of an fp32 word; float -> bf16 is the hardware cvt.rn (round to nearest even, the
 //   rounding of __float2bfloat16_rn and of torch's bf16 casts).
-// - 16-byte vector loads and stores of 8 bf16 values.
+// - 16-byte vector loads and stores of 8 bf16 values; cp.async copies in commit groups.
 // - block_sum: THE reduction tree of a row. Each thread first sums its own values in a fixed
 //   order; then a butterfly inside each warp (offsets 16, 8, 4, 2, 1) whose lane-0 value is
 //   kept; then warp 0 sums the per-warp values in the same butterfly. The tree depends only on
 //   blockDim (a function of H), never on the number of rows or the GPU.
+// - The ordered sum of a column over n partial rows: ADALN_SUM_GROUPS contiguous groups, each
+//   summed in row order in double, then the group sums in group order (group_bounds).
 //
-// Shape constants come from the loader as macros: ADALN_H, ADALN_D, ADALN_T (the problem),
-// ADALN_FWD_THREADS, ADALN_FWD_VPT (the forward row kernel's block size and 8-wide vectors per
-// thread) and ADALN_BWD_THREADS, ADALN_BWD_VPT (the same for the backward row pass). All four
-// are functions of H alone (adaln_lab/cupy_backend.py: row_geometry). The other constants
-// (ADALN_TABLE_*, ADALN_TB_*, ADALN_ROW_LIST_MAX, ADALN_SUM_GROUPS) come from cupy_backend.TUNING.
+// Every ADALN_* macro comes from the launch plan (adaln_lab/plan.py: Plan.defines): the problem's
+// shapes (H, D, T), the row kernels' block sizes (functions of H alone) and the constants of TUNING.
 
 typedef unsigned short bf16_t;
 typedef long long index_t;
@@ -52,6 +51,13 @@ __device__ __forceinline__ void unpack8(uint4 raw, float v[ADALN_VEC]) {
 }
 
 __device__ __forceinline__ void load8(const bf16_t* p, float v[ADALN_VEC]) { unpack8(load_raw8(p), v); }
+
+// 16-byte load that bypasses L1 (ld.global.cg): for data other blocks of the same launch wrote
+__device__ __forceinline__ float4 load_float4_cg(const float* p) {
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+    return v;
+}
 
 // Asynchronous 16-byte copies global -> shared (cp.async, sm_80+), in commit groups. A thread
 // that waits for its own group may read what it copied without a barrier.
@@ -103,26 +109,11 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 // SiLU as torch computes it in fp32: v / (1 + exp(-v)).
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
 
-// Ordered sum down one column of a (n, ...) fp32 array, for block shape (32, ADALN_SUM_GROUPS):
-// threadIdx.x picks the column, threadIdx.y one of ADALN_SUM_GROUPS contiguous row ranges, each summed
-// in row order in double; the group sums are then added in group order. The order depends on n
-// alone. Every thread of the block must call it; the result is meaningful where threadIdx.y == 0.
-__device__ __forceinline__ double ordered_column_sum(const float* column, int n, size_t stride, bool valid,
-                                                     double (*scratch)[32]) {
+// Rows [b0, b1) of group g of an ordered sum over n rows: ADALN_SUM_GROUPS contiguous groups.
+__device__ __forceinline__ void group_bounds(int n, int g, int& b0, int& b1) {
     const int per = (n + ADALN_SUM_GROUPS - 1) / ADALN_SUM_GROUPS;
-    const int b0 = threadIdx.y * per, b1 = min(n, b0 + per);
-    double s = 0.0;
-    if (valid)
-#pragma unroll 8
-        for (int b = b0; b < b1; ++b) s += (double)column[(size_t)b * stride];  // loads issued 8 at a time
-    scratch[threadIdx.y][threadIdx.x] = s;
-    __syncthreads();
-    double total = 0.0;
-    if (threadIdx.y == 0)
-#pragma unroll
-        for (int g = 0; g < ADALN_SUM_GROUPS; ++g) total += scratch[g][threadIdx.x];
-    __syncthreads();
-    return total;
+    b0 = min(n, g * per);
+    b1 = min(n, b0 + per);
 }
 
 // The row list of a block that owns rows r0 .. r0 + n - 1: each row's timestep, -1 where the index

@@ -1,32 +1,163 @@
-// norm_modulate.cu: fused RMSNorm + modulation, one row per block, diffusers' rounding points.
+// norm_modulate.cu: fused RMSNorm + modulation, diffusers' rounding points.
 //
 //   rstd[r] = rsqrt(sum_h x[r,h]^2 / H + eps)                          fp32, saved for backward
 //   n       = bf16(x * rstd * norm_weight)                              (F.rms_norm rounds once)
 //   out     = bf16(bf16(n * bf16(1 + scale[t])) + shift[t]),  t = timestep_indices[r % S]
 // with shift = table[t, :H], scale = table[t, H:] (bf16). A row whose index is outside [0, T)
-// gets NaN (the op checks indices before launching unless told not to).
+// reads no table row and gets NaN.
 //
-// Launch geometry (shapes only): grid = rows (= x.numel() / H), block = ADALN_FWD_THREADS
-// (224 for H = 5376: 3 vectors per thread measured 1.3x faster than 1, bench/NOTES.md);
-// thread i holds the 8-wide vectors i, i + ADALN_FWD_THREADS, ... (ADALN_FWD_VPT of them).
-// Every load (x from DRAM; norm_weight, shift, scale from L2) is issued before the reduction.
-// Reduction order: per thread in vector then element order, then block_sum (adaln_common.cuh):
-// the same tree for every row, whatever the number of rows.
-// Run: adaln_lab.cupy_backend.norm_modulate(x, norm_weight, table, timestep_indices, eps).
+// Thread i of a row's block holds the 8-wide vectors i, i + ADALN_FWD_THREADS, ... (ADALN_FWD_VPT
+// of them); ADALN_FWD_THREADS and ADALN_FWD_VPT come from H alone (adaln_lab/plan.py). Reduction
+// order: per thread in vector then element order, then block_sum (adaln_common.cuh): the same tree
+// for every row, whatever the number of rows, their order, or which block owns them. Both kernels
+// below share that mapping and the per-row functions, so they give the same bits for every row.
+//
+// norm_modulate_bf16 (the default): each block owns a range of rows_per_range consecutive rows
+// (plan: Rows.fwd_rows_per_range; grid = ranges) and keeps in dynamic shared memory the shift and
+// bf16(1 + scale) of EVERY timestep, staged once per block (the row-per-block kernel read them from
+// L2 for every row: three times the DRAM bytes), with ADALN_FWD_STAGES rows of x arriving through
+// cp.async ahead of the row being normalised. Each thread reads back only the slots it wrote.
+// norm_modulate_rowwise_bf16: one row per block, every load issued before the reduction; used when
+// the staged kernel's shared memory (T timesteps of modulation) does not fit (plan.fwd_stages == 0).
+// Run: adaln_lab.launchers.norm_modulate(x, norm_weight, table, timestep_indices, eps).
+
+#define FWD_SLOTS (ADALN_FWD_VPT * ADALN_FWD_THREADS)  // uint4 slots of one row in shared memory
+
+// this thread's share of sum(x^2) of one row
+__device__ __forceinline__ float row_sum_squares(const uint4 x_raw[ADALN_FWD_VPT]) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < ADALN_FWD_VPT; ++i) {
+        if (threadIdx.x + i * ADALN_FWD_THREADS < ADALN_NVEC_H) {
+            float xv[ADALN_VEC];
+            unpack8(x_raw[i], xv);
+#pragma unroll
+            for (int e = 0; e < ADALN_VEC; ++e) ss = fmaf(xv[e], xv[e], ss);
+        }
+    }
+    return ss;
+}
+
+// out of one vector: n = bf16(x * r * w), p = bf16(n * s1), out = bf16(p + shift); NaN if !valid
+__device__ __forceinline__ void modulate_store(bf16_t* out, uint4 x_raw, uint4 w_raw, uint4 shift_raw, uint4 s1_raw,
+                                               float r, bool valid) {
+    float xv[ADALN_VEC], w[ADALN_VEC], sh[ADALN_VEC], s1[ADALN_VEC], o[ADALN_VEC];
+    unpack8(x_raw, xv);
+    unpack8(w_raw, w);
+    unpack8(shift_raw, sh);
+    unpack8(s1_raw, s1);
+#pragma unroll
+    for (int e = 0; e < ADALN_VEC; ++e) {
+        const float n = round_bf16((xv[e] * r) * w[e]);
+        o[e] = valid ? round_bf16(n * s1[e]) + sh[e] : __int_as_float(0x7fc00000);
+    }
+    store8(out, o);
+}
+
+// bf16(1 + scale) of one vector of the bf16 table
+__device__ __forceinline__ uint4 one_plus(uint4 scale_raw) {
+    float sc[ADALN_VEC];
+    unpack8(scale_raw, sc);
+#pragma unroll
+    for (int e = 0; e < ADALN_VEC; ++e) sc[e] = 1.0f + sc[e];
+    unsigned packed[4];
+    pack8(sc, packed);
+    return make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
+// this thread's vectors of row `row` of x into stage buffer `stage`, as one commit group (an empty
+// group when the row is not present, so every iteration commits exactly one)
+__device__ __forceinline__ void fetch_x(uint4* stage, const bf16_t* x, size_t row, bool present) {
+    if (present) {
+#pragma unroll
+        for (int i = 0; i < ADALN_FWD_VPT; ++i) {
+            const int v = threadIdx.x + i * ADALN_FWD_THREADS;
+            if (v < ADALN_NVEC_H) copy_async16(stage + i * ADALN_FWD_THREADS + threadIdx.x, x + row * ADALN_H + v * ADALN_VEC);
+        }
+    }
+    copy_async_commit();
+}
 
 extern "C" __global__ void __launch_bounds__(ADALN_FWD_THREADS)
 norm_modulate_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ norm_weight,
                    const bf16_t* __restrict__ table, const index_t* __restrict__ timestep_indices,
-                   bf16_t* __restrict__ out, float* __restrict__ rstd, int S, float eps) {
+                   bf16_t* __restrict__ out, float* __restrict__ rstd, int S, float eps, int rows,
+                   int rows_per_range) {
+    // [T][2][FWD_SLOTS] shift, bf16(1 + scale) of every timestep; then [ADALN_FWD_STAGES][FWD_SLOTS] x
+    extern __shared__ __align__(16) uint4 dynamic_smem[];
+    uint4* const modulation = dynamic_smem;
+    uint4* const stages = dynamic_smem + 2 * ADALN_T * FWD_SLOTS;
     __shared__ float scratch[ADALN_FWD_THREADS / 32 + 1];
-    const unsigned row = blockIdx.x;
-    const bf16_t* xr = x + (size_t)row * ADALN_H;
+    __shared__ int timesteps[ADALN_FWD_ROW_LIST_MAX];
+    const int r0 = blockIdx.x * rows_per_range;
+    const int n = min(rows, r0 + rows_per_range) - r0;
+
+#pragma unroll
+    for (int d = 0; d < ADALN_FWD_STAGES; ++d) fetch_x(stages + d * FWD_SLOTS, x, (size_t)r0 + d, d < n);
+    uint4 w_raw[ADALN_FWD_VPT];
+#pragma unroll
+    for (int i = 0; i < ADALN_FWD_VPT; ++i) {
+        const int v = threadIdx.x + i * ADALN_FWD_THREADS;
+        if (v < ADALN_NVEC_H) w_raw[i] = load_raw8(norm_weight + v * ADALN_VEC);
+    }
+#pragma unroll 1
+    for (int t = 0; t < ADALN_T; ++t) {
+        const bf16_t* shift = table + t * 2 * ADALN_H;
+#pragma unroll
+        for (int i = 0; i < ADALN_FWD_VPT; ++i) {
+            const int v = threadIdx.x + i * ADALN_FWD_THREADS;
+            if (v < ADALN_NVEC_H) {
+                modulation[(2 * t) * FWD_SLOTS + i * ADALN_FWD_THREADS + threadIdx.x] = load_raw8(shift + v * ADALN_VEC);
+                modulation[(2 * t + 1) * FWD_SLOTS + i * ADALN_FWD_THREADS + threadIdx.x] =
+                    one_plus(load_raw8(shift + ADALN_H + v * ADALN_VEC));
+            }
+        }
+    }
+    fill_row_timesteps(timesteps, timestep_indices, r0, n, S);
+    __syncthreads();
+
+#pragma unroll 1
+    for (int k = 0; k < n; ++k) {
+        uint4* stage = stages + (k % ADALN_FWD_STAGES) * FWD_SLOTS;
+        copy_async_wait<ADALN_FWD_STAGES - 1>();
+        uint4 x_raw[ADALN_FWD_VPT];
+#pragma unroll
+        for (int i = 0; i < ADALN_FWD_VPT; ++i)
+            if (threadIdx.x + i * ADALN_FWD_THREADS < ADALN_NVEC_H) x_raw[i] = stage[i * ADALN_FWD_THREADS + threadIdx.x];
+        const float ss = row_sum_squares(x_raw);
+        // ss depends on every value read from the stage, so the refill cannot overtake the reads
+        fetch_x(stage, x, (size_t)r0 + k + ADALN_FWD_STAGES, k + ADALN_FWD_STAGES < n);
+
+        const size_t row = (size_t)r0 + k;
+        const float r = rsqrtf(block_sum<ADALN_FWD_THREADS / 32>(ss, scratch) / (float)ADALN_H + eps);
+        if (threadIdx.x == 0) rstd[row] = r;
+        const int ts = timesteps[k];
+        const uint4* shift_slots = modulation + (2 * max(ts, 0)) * FWD_SLOTS;
+#pragma unroll
+        for (int i = 0; i < ADALN_FWD_VPT; ++i) {
+            const int v = threadIdx.x + i * ADALN_FWD_THREADS;
+            if (v < ADALN_NVEC_H) {
+                const int slot = i * ADALN_FWD_THREADS + threadIdx.x;
+                modulate_store(out + row * ADALN_H + v * ADALN_VEC, x_raw[i], w_raw[i], shift_slots[slot],
+                               shift_slots[FWD_SLOTS + slot], r, ts >= 0);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ADALN_FWD_THREADS)
+norm_modulate_rowwise_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ norm_weight,
+                           const bf16_t* __restrict__ table, const index_t* __restrict__ timestep_indices,
+                           bf16_t* __restrict__ out, float* __restrict__ rstd, int S, float eps, int rows,
+                           int rows_per_range) {
+    __shared__ float scratch[ADALN_FWD_THREADS / 32 + 1];
+    const size_t row = blockIdx.x;
     uint4 x_raw[ADALN_FWD_VPT], w_raw[ADALN_FWD_VPT], shift_raw[ADALN_FWD_VPT], scale_raw[ADALN_FWD_VPT];
 #pragma unroll
     for (int i = 0; i < ADALN_FWD_VPT; ++i) {
         const int v = threadIdx.x + i * ADALN_FWD_THREADS;
         if (v < ADALN_NVEC_H) {
-            x_raw[i] = load_raw8(xr + v * ADALN_VEC);
+            x_raw[i] = load_raw8(x + row * ADALN_H + v * ADALN_VEC);
             w_raw[i] = load_raw8(norm_weight + v * ADALN_VEC);
         }
     }
@@ -41,37 +172,13 @@ norm_modulate_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ norm
             scale_raw[i] = load_raw8(shift + ADALN_H + v * ADALN_VEC);
         }
     }
-
-    float ss = 0.0f;
-#pragma unroll
-    for (int i = 0; i < ADALN_FWD_VPT; ++i) {
-        const int v = threadIdx.x + i * ADALN_FWD_THREADS;
-        if (v < ADALN_NVEC_H) {
-            float xv[ADALN_VEC];
-            unpack8(x_raw[i], xv);
-#pragma unroll
-            for (int e = 0; e < ADALN_VEC; ++e) ss = fmaf(xv[e], xv[e], ss);
-        }
-    }
-    const float r = rsqrtf(block_sum<ADALN_FWD_THREADS / 32>(ss, scratch) / (float)ADALN_H + eps);
+    const float r = rsqrtf(block_sum<ADALN_FWD_THREADS / 32>(row_sum_squares(x_raw), scratch) / (float)ADALN_H + eps);
     if (threadIdx.x == 0) rstd[row] = r;
-
 #pragma unroll
     for (int i = 0; i < ADALN_FWD_VPT; ++i) {
         const int v = threadIdx.x + i * ADALN_FWD_THREADS;
-        if (v < ADALN_NVEC_H) {
-            float xv[ADALN_VEC], w[ADALN_VEC], sh[ADALN_VEC], sc[ADALN_VEC], o[ADALN_VEC];
-            unpack8(x_raw[i], xv);
-            unpack8(w_raw[i], w);
-            unpack8(shift_raw[i], sh);
-            unpack8(scale_raw[i], sc);
-#pragma unroll
-            for (int e = 0; e < ADALN_VEC; ++e) {
-                const float n = round_bf16((xv[e] * r) * w[e]);
-                const float p = round_bf16(n * round_bf16(1.0f + sc[e]));
-                o[e] = valid ? p + sh[e] : __int_as_float(0x7fc00000);
-            }
-            store8(out + (size_t)row * ADALN_H + v * ADALN_VEC, o);
-        }
+        if (v < ADALN_NVEC_H)
+            modulate_store(out + row * ADALN_H + v * ADALN_VEC, x_raw[i], w_raw[i], shift_raw[i], one_plus(scale_raw[i]),
+                           r, valid);
     }
 }

@@ -9,17 +9,17 @@
 // A row whose index is outside [0, T) gets NaN in dx and NaN in its block's partials, so the
 // error shows in every gradient (the op checks indices before launching unless told not to).
 //
-// Launch geometry: block = ADALN_BWD_THREADS (672 for H = 5376, one 8-wide vector per thread),
-// grid = ceil(rows / rows_per_block), rows_per_block = min(ceil(rows / 132), ADALN_ROW_LIST_MAX),
-// chosen by the loader from the number of rows alone, never from the GPU.
-// Dynamic shared memory: ADALN_BWD_STAGES rows of x and dy (the loader sets the size).
+// Geometry (adaln_lab/plan.py): block = ADALN_BWD_THREADS x ADALN_BWD_VPT 8-wide vectors per thread
+// (from H alone), grid = Rows.bwd_ranges ranges of Rows.bwd_rows_per_range consecutive rows
+// (from the number of rows alone, never from the GPU).
+// Dynamic shared memory: ADALN_BWD_STAGES rows of x and dy (plan.bwd_smem; the loader opts in).
 // Pipeline: the block first copies its rows' timesteps to shared memory, then makes one pass
 // per timestep t = 0 .. T-1 over its rows of that timestep (norm_weight and 1 + scale[t] held in
 // registers for the pass; a pass without rows writes zero partials and reads nothing), with
 // the next ADALN_BWD_STAGES rows' x and dy arriving through cp.async while a row is reduced.
 // Reduction order: the row dot product uses block_sum (the forward's tree, so dx of a row never
 // depends on the other rows); the partials add the block's rows of timestep t in row order.
-// Run: adaln_lab.cupy_backend.norm_modulate_bwd(dy, x, rstd, norm_weight, table_f32, timestep_indices).
+// Run: adaln_lab.launchers.norm_modulate_bwd(dy, x, rstd, norm_weight, table_f32, timestep_indices).
 
 // this thread's vectors of row `row` of x and dy into stage buffer `stage` ([2][VPT][THREADS]), as
 // one commit group (an empty group when the row is not present, so every iteration commits one)

@@ -1,11 +1,13 @@
-"""Development A/B of kernel variants (cupy_backend.TUNING) in one process, on the same inputs.
+"""Development A/B of kernel variants (adaln_lab.plan.TUNING) in one process, on the same inputs.
 
-Each config is a full TUNING; every kernel is timed under every config (back-to-back GPU time,
-profile_kernels.gpu_us) at 4097 and 32768 rows, and its outputs are compared bitwise with the
-first config's. When bench/dev/v4_kernels holds the previous session's kernels (ignored by git:
-`git show 3a1c845:kernels_cu/<file>` for each, carried to the device), they are timed in the same
-process as the baseline. Not evidence: it picks what TUNING should hold.
-Run: python bench/dev/sweep.py > sweep.json
+Nothing is timed before it is validated: every config's forward and gradients are first held to
+the float64 golden with the GPU tests' bounds (tests/test_cuda_op.py) and compared bitwise with
+the first config; a config that fails is reported and not timed. Then each kernel is timed back to
+back (profile_kernels.gpu_us) and the whole forward / forward+backward as CUDA-graph replays.
+When bench/dev/baseline_kernels/ holds the kernels of an earlier commit (ignored by git:
+`git show <commit>:kernels_cu/<file>`), they are timed in the same process as the baseline.
+Not evidence: it picks what TUNING should hold.
+Run: python bench/dev/sweep.py [CONFIG ...] > sweep.json
 """
 
 import json
@@ -14,116 +16,223 @@ from pathlib import Path
 
 import torch
 
-from adaln_lab import cupy_backend as cb
+from adaln_lab import launchers, loader, plan as plan_module
+from adaln_lab.cuda_op import current_stream
+from adaln_lab.harness.accuracy import correctly_rounded, golden_result, rel_err
 from adaln_lab.harness.inputs import make, upstream
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from profile_kernels import gpu_us  # noqa: E402
+from profile_kernels import gpu_us, graph_us  # noqa: E402
 
 H, D, T = 5376, 2688, 3
-BASE = dict(cb.TUNING)
-CONFIGS = {  # TUNING overrides
+BASE = dict(plan_module.TUNING)
+CONFIGS = {  # TUNING overrides, each against the first
     "default": {},
-    "s3": dict(BWD_STAGES=3, TABLE_THREADS=1024),
-    "s6": dict(BWD_STAGES=6, TB_ROWS=256),  # TB_THREADS > 256 no longer compiles (table_bwd.cu static_assert)
+    "fwd672": dict(FWD_THREADS_MAX=1024),
+    "fwd_r132": dict(FWD_RANGES=132),
+    "fwd_s2": dict(FWD_STAGES=2),
+    "fwd_s4": dict(FWD_STAGES=4),
+    "table512": dict(TABLE_THREADS=512),
+    "table512_nopf": dict(TABLE_THREADS=512, TABLE_PREFETCH=0),
+    "table_r2": dict(TABLE_ROWS_PER_WARP=2),
+    "tb512x256": dict(TB_THREADS=512, TB_ROWS=256),
+    "tb256x64": dict(TB_ROWS=64),
+    "bwd_s3": dict(BWD_STAGES=3),
 }
-V4_DIR = Path(__file__).resolve().parent / "v4_kernels"
-
-
-def v4_timings(i, dy, tab, tab32, rstd) -> dict:
-    """The previous session's table, norm_modulate and norm_modulate_bwd (bench/dev/v4_kernels), timed in
-    this process with their own launch convention: the baseline of this sweep."""
-    import cupy
-    import numpy as np
-
-    S = i.x.shape[-2]
-    rows = i.x.numel() // H
-    parts = []
-    for name in cb.KERNEL_FILES:
-        text = (V4_DIR / name).read_text().replace(cb.INCLUDE_LINE, "")
-        parts.append(f'#line 1 "v4/{name}"\n{text}')
-    defines = (f"#define ADALN_H {H}\n#define ADALN_D {D}\n#define ADALN_T {T}\n#define ADALN_FWD_THREADS 224\n"
-               "#define ADALN_FWD_VPT 3\n#define ADALN_BWD_THREADS 672\n#define ADALN_BWD_VPT 1\n")
-    module = cupy.RawModule(code=defines + "\n".join(parts), options=cb.COMPILE_OPTIONS)
-    k = {n: module.get_function(n).kernel for n in ("table_bf16", "norm_modulate_bf16", "norm_modulate_bwd_bf16")}
-    stream = cb._stream(i.x.device)
-    out, rstd4 = torch.empty_like(i.x), torch.empty_like(rstd)
-    t_bf16, t_f32 = torch.empty_like(tab), torch.empty_like(tab32)
-    per = max(1, min(2048, -(-rows // 132)))
-    dx = torch.empty_like(i.x)
-    row_partials = torch.empty(-(-rows // per), T, 2, H, device="cuda")
-    p = lambda t: t.data_ptr()  # noqa: E731
-    steps = {
-        "table": lambda: k["table_bf16"]((336,), (256,), (p(i.temb), p(i.weight), p(i.bias), p(t_bf16), p(t_f32)),
-                                         stream=stream),
-        "norm_modulate": lambda: k["norm_modulate_bf16"](
-            (rows,), (224,), (p(i.x), p(i.norm_weight), p(tab), p(i.timestep_indices), p(out), p(rstd4),
-                              np.int32(S), np.float32(1e-5)), stream=stream),
-        "norm_modulate_bwd": lambda: k["norm_modulate_bwd_bf16"](
-            (-(-rows // per),), (672,), (p(dy), p(i.x), p(rstd), p(i.norm_weight), p(tab32), p(i.timestep_indices),
-                                         p(dx), p(row_partials), np.int32(S), np.int32(rows), np.int32(per)),
-            stream=stream),
-    }
-    return {name: round(gpu_us(step), 2) for name, step in steps.items()}
+BOUNDS = {"x": 0.0051, "norm_weight": 0.0036, "temb": 0.0010, "weight": 0.0038}  # the GPU tests' bounds
+BASELINE_DIR = Path(__file__).resolve().parent / "baseline_kernels"
 
 
 def use(config: dict):
-    cb.TUNING.clear()
-    cb.TUNING.update(BASE, **config)
-    cb.clear_caches()
+    plan_module.TUNING.clear()
+    plan_module.TUNING.update(BASE, **config)
+    plan_module.clear_caches()
+    loader.clear_caches()
+    launchers.kernels.cache_clear()
 
 
-def run_all(i, dy):
-    tab, tab32 = cb.table(i.temb, i.weight, i.bias)
-    y, rstd = cb.norm_modulate(i.x, i.norm_weight, tab, i.timestep_indices, 1e-5, D)
-    dx, parts = cb.norm_modulate_bwd(dy, i.x, rstd, i.norm_weight, tab32, i.timestep_indices, D)
-    dtab, dnw, db = cb.reduce_partials(parts, i.norm_weight, tab32, D)
-    dw, dtemb = cb.table_bwd(dtab, i.temb, i.weight)
-    torch.cuda.synchronize()
-    return dict(table=tab, table_f32=tab32, out=y, rstd=rstd, dx=dx, row_partials=parts, d_table=dtab,
-                d_norm_weight=dnw, d_bias=db, d_weight=dw, d_temb=dtemb)
+class Op:
+    """The op's kernels on fixed buffers, for one config and one input."""
+
+    def __init__(self, i, dy):
+        self.i, self.dy = i, dy
+        self.p = plan_module.plan(H, D, T)
+        self.r = self.p.rows(i.x.shape[0])
+        self.k = launchers.kernels(0, self.p)
+        self.s = current_stream(0)
+        dev = i.x.device
+        self.out, self.dx = torch.empty_like(i.x), torch.empty_like(i.x)
+        self.fwd_ws = torch.empty(self.r.fwd_bytes, dtype=torch.uint8, device=dev)
+        self.bwd_ws = torch.empty(self.r.bwd_bytes, dtype=torch.uint8, device=dev)
+        self.d_nw, self.d_temb = torch.empty_like(i.norm_weight), torch.empty_like(i.temb)
+        self.d_w, self.d_b = torch.empty_like(i.weight), torch.empty_like(i.bias)
+        o, b = self.r.fwd_offsets, self.fwd_ws.data_ptr()
+        self.table, self.table_f32, self.rstd = b + o["table"], b + o["table_f32"], b + o["rstd"]
+
+    def table_step(self):
+        i = self.i
+        launchers.launch_table(self.k, self.p, self.s, i.temb.data_ptr(), i.weight.data_ptr(), i.bias.data_ptr(),
+                               self.table, self.table_f32)
+
+    def rows_step(self):
+        i = self.i
+        launchers.launch_norm_modulate(self.k, self.p, self.r, self.s, i.x.data_ptr(), i.norm_weight.data_ptr(),
+                                       self.table, i.timestep_indices.data_ptr(), self.out.data_ptr(), self.rstd,
+                                       i.x.shape[0], 1e-5)
+
+    def backward(self):
+        i = self.i
+        launchers.launch_backward(
+            self.k, self.p, self.r, self.s, dy=self.dy.data_ptr(), x=i.x.data_ptr(), rstd=self.rstd,
+            norm_weight=i.norm_weight.data_ptr(), table_f32=self.table_f32,
+            timestep_indices=i.timestep_indices.data_ptr(), temb=i.temb.data_ptr(), weight=i.weight.data_ptr(),
+            workspace=self.bwd_ws.data_ptr(), dx=self.dx.data_ptr(), d_norm_weight=self.d_nw.data_ptr(),
+            d_temb=self.d_temb.data_ptr(), d_weight=self.d_w.data_ptr(), d_bias=self.d_b.data_ptr(), S=i.x.shape[0])
+
+    def forward(self):
+        self.table_step()
+        self.rows_step()
+
+    def fwd_bwd(self):
+        self.forward()
+        self.backward()
+
+    def results(self):
+        rstd = self.fwd_ws[self.r.fwd_offsets["rstd"]:][: self.r.rows * 4].view(torch.float32)
+        return {"out": self.out.clone(), "rstd": rstd.clone(), "x": self.dx.clone(), "norm_weight": self.d_nw.clone(),
+                "temb": self.d_temb.clone(), "weight": self.d_w.clone(), "bias": self.d_b.clone()}
+
+    def step_timings(self):
+        """Back-to-back GPU us of each launcher, and graph replays of the forward and forward+backward."""
+        o = self.r.bwd_offsets
+        ws = self.bwd_ws.data_ptr()
+        i = self.i
+
+        def row_pass():
+            self.k["norm_modulate_bwd_bf16"]((self.r.bwd_ranges, 1, 1), (self.p.bwd_threads, 1, 1), self.p.bwd_smem,
+                                             self.s, self.dy.data_ptr(), i.x.data_ptr(), self.rstd,
+                                             i.norm_weight.data_ptr(), self.table_f32, i.timestep_indices.data_ptr(),
+                                             self.dx.data_ptr(), ws + o["row_partials"], i.x.shape[0], self.r.rows,
+                                             self.r.bwd_rows_per_range)
+
+        def reduce():
+            self.k["reduce_partials_bf16"]((-(-H // 32), 1, 1), (32, self.p.sum_groups, 1), 0, self.s,
+                                           ws + o["row_partials"], i.norm_weight.data_ptr(), self.table_f32,
+                                           ws + o["d_table"], self.d_nw.data_ptr(), self.d_b.data_ptr(),
+                                           self.r.bwd_ranges, ws + o["counters"])
+
+        def reduce_and_table_bwd():
+            reduce()
+            self.k["table_bwd_bf16"]((self.p.d_tiles, self.p.blocks_j, 1), (self.p.tb_threads, 1, 1), 0, self.s,
+                                     ws + o["d_table"], i.temb.data_ptr(), i.weight.data_ptr(), self.d_w.data_ptr(),
+                                     ws + o["dact_partials"], self.d_temb.data_ptr(), ws + o["counters"])
+
+        us = {"table": gpu_us(self.table_step), "norm_modulate": gpu_us(self.rows_step),
+              "norm_modulate_bwd": gpu_us(row_pass), "reduce_partials": gpu_us(reduce),
+              "reduce+table_bwd": gpu_us(reduce_and_table_bwd),
+              "graph_fwd": graph_us(self.forward), "graph_fwd_bwd": graph_us(self.fwd_bwd)}
+        return {k: round(v, 2) for k, v in us.items()}
+
+
+def check(results: dict, gold_out, gold_grads, i) -> dict:
+    """Errors against the float64 golden and whether each is within the GPU tests' bounds."""
+    errs = {"fwd": rel_err(results["out"], gold_out)}
+    errs.update({k: rel_err(results[k], gold_grads[k]) for k in ("x", "norm_weight", "temb", "weight", "bias")})
+    errs["bias_correctly_rounded"] = correctly_rounded(results["bias"], gold_grads["bias"])
+    ok = (errs["fwd"] <= 0.01 and errs["bias_correctly_rounded"] >= 0.999
+          and all(errs[k] <= b for k, b in BOUNDS.items())
+          and all(bool(torch.isfinite(v.float()).all()) for v in results.values()))
+    return {"ok": ok, **{k: float(f"{v:.4g}") for k, v in errs.items()}}
+
+
+def baseline_timings(i, dy, op: Op) -> dict:
+    """The kernels of an earlier commit (BASELINE_DIR), with its own launch convention (commit 574ba6f's)."""
+    import cupy
+
+    parts = [f'#line 1 "baseline/{n}"\n' + (BASELINE_DIR / n).read_text().replace(loader.INCLUDE_LINE, "")
+             for n in loader.KERNEL_FILES]
+    defines = dict(H=H, D=D, T=T, FWD_THREADS=224, FWD_VPT=3, BWD_THREADS=672, BWD_VPT=1, TABLE_THREADS=512,
+                   TABLE_ROWS_PER_WARP=4, ROW_LIST_MAX=2048, BWD_STAGES=4, TB_THREADS=256, TB_ROWS=128, SUM_GROUPS=16)
+    code = "".join(f"#define ADALN_{k} {v}\n" for k, v in defines.items()) + "\n".join(parts)
+    module = cupy.RawModule(code=code, options=loader.COMPILE_OPTIONS)
+    names = ("table_bf16", "norm_modulate_bf16", "norm_modulate_bwd_bf16", "reduce_partials_bf16", "table_bwd_bf16",
+             "table_bwd_reduce")
+    k = {n: module.get_function(n) for n in names}
+    k["norm_modulate_bwd_bf16"].max_dynamic_shared_size_bytes = 4 * 2 * 672 * 16
+    stream = cupy.cuda.ExternalStream(current_stream(0))
+    rows = i.x.shape[0]
+    per = max(1, min(2048, -(-rows // 132)))
+    ranges = -(-rows // per)
+    p = lambda t: t.data_ptr()  # noqa: E731
+    table, table_f32 = torch.empty(T, 2 * H, dtype=torch.bfloat16, device="cuda"), torch.empty(T, 2 * H, device="cuda")
+    out, rstd, dx = torch.empty_like(i.x), torch.empty(rows, device="cuda"), torch.empty_like(i.x)
+    parts_t = torch.empty(ranges, T, 2, H, device="cuda")
+    d_table, d_nw, d_b = torch.empty(T, 2 * H, device="cuda"), torch.empty_like(i.norm_weight), torch.empty_like(i.bias)
+    d_w, dact, d_temb = torch.empty_like(i.weight), torch.empty(84, T, D, device="cuda"), torch.empty_like(i.temb)
+    import numpy as np
+
+    steps = {
+        "table": lambda: k["table_bf16"]((168,), (512,), (p(i.temb), p(i.weight), p(i.bias), p(table), p(table_f32)),
+                                         stream=stream),
+        "norm_modulate": lambda: k["norm_modulate_bf16"](
+            (rows,), (224,), (p(i.x), p(i.norm_weight), p(table), p(i.timestep_indices), p(out), p(rstd),
+                              np.int32(rows), np.float32(1e-5)), stream=stream),
+        "norm_modulate_bwd": lambda: k["norm_modulate_bwd_bf16"](
+            (ranges,), (672,), (p(dy), p(i.x), p(rstd), p(i.norm_weight), p(table_f32), p(i.timestep_indices), p(dx),
+                                p(parts_t), np.int32(rows), np.int32(rows), np.int32(per)),
+            stream=stream, shared_mem=4 * 2 * 672 * 16),
+        "reduce_partials": lambda: k["reduce_partials_bf16"](
+            (168,), (32, 16), (p(parts_t), p(i.norm_weight), p(table_f32), p(d_table), p(d_nw), p(d_b),
+                               np.int32(ranges)), stream=stream),
+        "table_bwd+reduce": lambda: (
+            k["table_bwd_bf16"]((11, 84), (256,), (p(d_table), p(i.temb), p(i.weight), p(d_w), p(dact)), stream=stream),
+            k["table_bwd_reduce"]((84, T), (32, 16), (p(dact), p(i.temb), p(d_temb), np.int32(84)), stream=stream)),
+    }
+    return {n: round(gpu_us(s), 2) for n, s in steps.items()}
 
 
 def main():
-    configs = dict(CONFIGS)
+    names = [a for a in sys.argv[1:] if a in CONFIGS] or list(CONFIGS)
     result = {}
     for S in (4097, 32768):
         i = make(1, S, "cuda")
         dy = upstream(1, i.x)
+        gold_out, gold_grads = golden_result(i, dy)
         reference = None
-        for name, config in configs.items():
-            use(config)
+        for name in names:
+            use(CONFIGS[name])
+            key = f"{S} {name}"
             try:
-                outs = run_all(i, dy)
+                op = Op(i, dy)
+                op.fwd_bwd()
+                torch.cuda.synchronize()
             except Exception as error:  # a variant that does not compile or launch: say so, go on
-                result[f"{S} {name}"] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-                print(name, "failed", error, file=sys.stderr, flush=True)
+                result[key] = {"error": f"{type(error).__name__}: {str(error)[:400]}"}
+                print(key, "failed", error, file=sys.stderr, flush=True)
                 continue
+            res = op.results()
+            again = (op.fwd_bwd(), torch.cuda.synchronize(), op.results())[2]
+            entry = {"check": check(res, gold_out, gold_grads, i),
+                     "repeatable": all(torch.equal(res[k].view(torch.uint8) if res[k].dtype != torch.uint8 else res[k],
+                                                   again[k].view(torch.uint8)) for k in res)}
             if reference is None:
-                reference = outs
-            same = {k: bool(torch.equal(v, reference[k])) for k, v in outs.items()}
-            dtemb_diff = float((outs["d_temb"] - reference["d_temb"]).abs().max() /
-                               reference["d_temb"].abs().max())
-            tab, tab32 = outs["table"], outs["table_f32"]
-            rstd, parts, dtab = outs["rstd"], outs["row_partials"], outs["d_table"]
-            timings = {
-                "table": gpu_us(lambda: cb.table(i.temb, i.weight, i.bias)),
-                "norm_modulate": gpu_us(lambda: cb.norm_modulate(i.x, i.norm_weight, tab, i.timestep_indices, 1e-5, D)),
-                "norm_modulate_bwd": gpu_us(lambda: cb.norm_modulate_bwd(dy, i.x, rstd, i.norm_weight, tab32,
-                                                                         i.timestep_indices, D)),
-                "reduce_partials": gpu_us(lambda: cb.reduce_partials(parts, i.norm_weight, tab32, D)),
-                "table_bwd": gpu_us(lambda: cb.table_bwd(dtab, i.temb, i.weight)),
-            }
-            regs = {k: [v["registers"], v["local_bytes"]] for k, v in cb.kernel_resources(0, H, D, T).items()}
-            entry = {"us": {k: round(v, 2) for k, v in timings.items()}, "bitwise_same": same,
-                     "d_temb_rel_diff": dtemb_diff, "regs_spill": regs, "tuning": dict(cb.TUNING)}
-            result[f"{S} {name}"] = entry
-            print(S, name, json.dumps(entry["us"]), [k for k, v in same.items() if not v], file=sys.stderr, flush=True)
-        if V4_DIR.is_dir():
+                reference = res
+            entry["bitwise_same_as_first"] = {k: bool(torch.equal(v, reference[k])) for k, v in res.items()}
+            if entry["check"]["ok"] and entry["repeatable"]:
+                entry["us"] = op.step_timings()
+            res_regs = loader.kernel_resources(0, op.p)
+            entry["regs_spill"] = {k: [v["registers"], v["local_bytes"]] for k, v in res_regs.items()}
+            result[key] = entry
+            print(key, json.dumps(entry.get("us")), json.dumps(entry["check"]),
+                  [k for k, v in entry["bitwise_same_as_first"].items() if not v], file=sys.stderr, flush=True)
+            del op
+        if BASELINE_DIR.is_dir():
             use({})
-            outs = run_all(i, dy)
-            result[f"{S} v4"] = {"us": v4_timings(i, dy, outs["table"], outs["table_f32"], outs["rstd"])}
-            print(S, "v4", json.dumps(result[f"{S} v4"]["us"]), file=sys.stderr, flush=True)
+            op = Op(i, dy)
+            result[f"{S} baseline"] = {"us": baseline_timings(i, dy, op)}
+            print(S, "baseline", json.dumps(result[f"{S} baseline"]["us"]), file=sys.stderr, flush=True)
+        del i, dy, gold_out, gold_grads
+        torch.cuda.empty_cache()
     use({})
     json.dump(result, sys.stdout, indent=1)
 

@@ -1,0 +1,114 @@
+"""Launchers: kernels_cu on raw device pointers, on a given CUDA stream, geometry from the plan.
+
+Two layers:
+- `launch_forward` / `launch_backward` take device pointers (ints), the plan, its `Rows` and a raw
+  stream handle. Whoever allocates (torch in `cuda_op`, CuPy in `dlpack`) passes pointers in.
+- `Kernel`: one kernel's launch through the driver (`cuLaunchKernel`) from a preallocated
+  argument block, so a launch costs the driver call and a few field writes.
+
+Pointer arguments: x, dy, dx, out (rows, H) bf16 row-major; norm_weight (H,) bf16; temb (T, D)
+fp32; weight (2H, D) bf16; bias (2H,) bf16; timestep_indices (S,) int64; rows = x.numel() / H and
+row r uses timestep_indices[r % S]. Workspace pieces are laid out by `plan.Rows`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from functools import lru_cache
+
+from . import loader
+from .plan import Plan, Rows
+
+_C_TYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int32, "f": ctypes.c_float}
+SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
+    "table_bf16": "ppppp",
+    "norm_modulate_bf16": "ppppppifii",
+    "norm_modulate_rowwise_bf16": "ppppppifii",
+    "norm_modulate_bwd_bf16": "ppppppppiii",
+    "reduce_partials_bf16": "ppppppip",
+    "table_bwd_bf16": "ppppppp",
+}
+
+
+class Kernel:
+    """A compiled kernel launched by `cuLaunchKernel` from an argument block built once.
+
+    `__call__(grid, block, shared_mem, stream, *args)`: grid and block are 3-tuples, stream a raw
+    `cudaStream_t` handle (int), args in the order and kinds of `SIGNATURES[name]`. Thread-safe:
+    a lock covers the few field writes and the launch (the driver copies the arguments).
+    """
+
+    def __init__(self, name: str, raw_kernel):
+        from cupy.cuda import driver
+
+        self.name = name
+        self.function = raw_kernel.kernel  # keeps the module alive
+        self._launch = driver.launchKernel
+        self._slots = [_C_TYPES[kind]() for kind in SIGNATURES[name]]
+        self._params = (ctypes.c_void_p * len(self._slots))(*[ctypes.addressof(s) for s in self._slots])
+        self._params_address = ctypes.addressof(self._params)
+        self._lock = threading.Lock()
+
+    def __call__(self, grid, block, shared_mem: int, stream: int, *args) -> None:
+        if len(args) != len(self._slots):
+            raise TypeError(f"{self.name} takes {len(self._slots)} arguments, got {len(args)}")
+        with self._lock:
+            for slot, value in zip(self._slots, args):
+                slot.value = value
+            self._launch(self.function.ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                         shared_mem, stream, self._params_address, 0)
+
+
+@lru_cache(maxsize=None)
+def kernels(device_index: int, plan: Plan) -> dict:
+    """{name: Kernel} of one plan on one device (compiled on first use)."""
+    return {name: Kernel(name, raw) for name, raw in loader.module(device_index, plan).items()}
+
+
+def launch_table(k: dict, plan: Plan, stream: int, temb: int, weight: int, bias: int, table: int,
+                 table_f32: int) -> None:
+    """table (T, 2H) bf16 and table_f32 (T, 2H) fp32 = linear(bf16(silu(temb)), weight, bias)."""
+    k["table_bf16"]((plan.table_grid, 1, 1), (plan.table_threads, 1, 1), 0, stream,
+                    temb, weight, bias, table, table_f32)
+
+
+def launch_norm_modulate(k: dict, plan: Plan, rows: Rows, stream: int, x: int, norm_weight: int, table: int,
+                         timestep_indices: int, out: int, rstd: int, S: int, eps: float) -> None:
+    """out (rows, H) bf16 and rstd (rows,) fp32 from x and the bf16 table; nothing when rows == 0."""
+    if not rows.rows:
+        return
+    if plan.fwd_staged:
+        k["norm_modulate_bf16"]((rows.fwd_ranges, 1, 1), (plan.fwd_threads, 1, 1), plan.fwd_smem, stream,
+                                x, norm_weight, table, timestep_indices, out, rstd, S, eps, rows.rows,
+                                rows.fwd_rows_per_range)
+    else:
+        k["norm_modulate_rowwise_bf16"]((rows.rows, 1, 1), (plan.fwd_threads, 1, 1), 0, stream,
+                                        x, norm_weight, table, timestep_indices, out, rstd, S, eps, rows.rows, 1)
+
+
+def launch_backward(k: dict, plan: Plan, rows: Rows, stream: int, *, dy: int, x: int, rstd: int, norm_weight: int,
+                    table_f32: int, timestep_indices: int, temb: int, weight: int, workspace: int, dx: int,
+                    d_norm_weight: int, d_temb: int, d_weight: int, d_bias: int, S: int) -> None:
+    """dx and the four parameter gradients; every reduction in a fixed order (see kernels_cu/).
+
+    `workspace` holds rows.bwd_bytes bytes laid out by `rows.bwd_offsets`. With no rows the row
+    pass launches nothing and row_partials is zeroed here (one range of zeros), so every
+    parameter gradient is exactly zero.
+    """
+    o = rows.bwd_offsets
+    row_partials = workspace + o["row_partials"]
+    if rows.rows:
+        k["norm_modulate_bwd_bf16"]((rows.bwd_ranges, 1, 1), (plan.bwd_threads, 1, 1), plan.bwd_smem, stream,
+                                    dy, x, rstd, norm_weight, table_f32, timestep_indices, dx, row_partials,
+                                    S, rows.rows, rows.bwd_rows_per_range)
+    else:
+        from cupy.cuda import runtime
+
+        runtime.memsetAsync(row_partials, 0, plan.T * 2 * plan.H * 4, stream)
+        k["reduce_partials_bf16"]((-(-plan.H // 32), 1, 1), (32, plan.sum_groups, 1), 0, stream,
+                              row_partials, norm_weight, table_f32, workspace + o["d_table"], d_norm_weight, d_bias,
+                              max(rows.bwd_ranges, 1), workspace + o["counters"])
+    k["table_bwd_bf16"]((plan.d_tiles, plan.blocks_j, 1), (plan.tb_threads, 1, 1), 0, stream,
+                        workspace + o["d_table"], temb, weight, d_weight, workspace + o["dact_partials"], d_temb,
+                        workspace + o["counters"])

@@ -1,0 +1,200 @@
+"""The launch plan of one shape: every kernel's grid, block, shared memory and constant, computed once.
+
+Read by the launchers, the Numba twin, the sweep and the profiler; the kernels receive the same
+numbers as `#define ADALN_<NAME>` macros (`Plan.defines`), so nothing is written twice.
+
+Rules (bench/NOTES.md has the measurements behind each number):
+- Every number is a function of the shapes (H, D, T) and, for the row ranges only, of the number
+  of rows; never of the GPU (no SM count is read anywhere).
+- A row's reductions use the tree of its row kernel's block (`fwd_threads`, `fwd_vpt` and
+  `bwd_threads`, `bwd_vpt`), a function of H alone; which rows share a block never changes a bit.
+
+Shapes the CUDA path supports: H and D divisible by 8, H <= `H_MAX`, T * D <= `TD_MAX`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+# Constants of the kernels: the one place they live. Changing one changes the compiled unit
+# (its text carries the values), and `clear_caches()` forgets every derived plan.
+TUNING = {
+    "TABLE_THREADS": 256,       # table.cu: block size
+    "TABLE_ROWS_PER_WARP": 4,   # table.cu: output rows j per warp, their weight rows loaded side by side
+    "TABLE_PREFETCH": 1,        # table.cu: 1 issues a warp's first weight loads before the SiLU prologue
+    "FWD_THREADS_MAX": 256,     # norm_modulate.cu: row block size cap (H = 5376: 224 threads x 3 vectors)
+    "FWD_RANGES": 264,          # norm_modulate.cu: row ranges of the staged kernel (a constant, not the SM count)
+    "FWD_MIN_ROWS": 8,          # norm_modulate.cu: fewest rows of one range (the table staging is per range)
+    "FWD_STAGES": 3,            # norm_modulate.cu: rows of x in flight per block (cp.async)
+    "FWD_ROW_LIST_MAX": 1024,   # norm_modulate.cu: most rows of one range (their timesteps sit in shared memory)
+    "BWD_THREADS_MAX": 1024,    # norm_modulate_bwd.cu: row block size cap (H = 5376: 672 threads x 1 vector)
+    "BWD_RANGES": 132,          # norm_modulate_bwd.cu: row ranges (a constant, not the SM count)
+    "BWD_STAGES": 4,            # norm_modulate_bwd.cu: rows of x and dy in flight (cp.async)
+    "ROW_LIST_MAX": 2048,       # norm_modulate_bwd.cu: most rows of one range
+    "TB_THREADS": 256,          # table_bwd.cu: block size
+    "TB_ROWS": 128,             # table_bwd.cu: weight rows j per block
+    "SUM_GROUPS": 16,           # adaln_common.cuh: row groups of an ordered column sum
+}
+SMEM_BLOCK_MAX = 227 * 1024       # dynamic + static shared memory one block may opt in to (sm_90, sm_100)
+BWD_STAGE_BUDGET = 200 * 1024     # dynamic shared memory of the backward's stages (static scratch beside it)
+H_MAX = 51200                      # the backward's pipeline needs one stage of an x row and a dy row
+TD_MAX = 24576                     # table.cu keeps T * D bf16 activations in 48 KiB of static shared memory
+TB_COLUMNS = 256                   # table_bwd.cu: columns k of one block (32 lanes x 8)
+
+
+def row_geometry(H: int, threads_max: int) -> tuple[int, int]:
+    """(threads, 8-wide vectors per thread) of a row kernel whose blocks hold at most threads_max, from H alone."""
+    nvec = H // 8
+    vpt = math.ceil(nvec / threads_max)
+    threads = 32 * math.ceil(math.ceil(nvec / vpt) / 32)
+    return threads, vpt
+
+
+def check_shapes(H: int, D: int, T: int) -> None:
+    """The shapes the CUDA kernels support; a clear error (naming the argument) otherwise."""
+    if H % 8 or H < 8:
+        raise ValueError(f"backend='cupy' needs H (x.shape[-1]) divisible by 8, got {H}; use backend='torch'")
+    if D % 8 or D < 8:
+        raise ValueError(f"backend='cupy' needs D (temb.shape[1]) divisible by 8, got {D}; use backend='torch'")
+    if H > H_MAX:
+        raise ValueError(f"backend='cupy' needs H (x.shape[-1]) <= {H_MAX}, got {H}; use backend='torch'")
+    if T * D > TD_MAX:
+        raise ValueError(f"backend='cupy' needs T * D <= {TD_MAX} (temb is {T} x {D}); use backend='torch'")
+
+
+ALIGN = 256  # bytes: every piece of a workspace starts on this boundary
+
+
+def layout(sizes: dict) -> tuple[dict, int]:
+    """Byte offsets of named pieces laid out one after another (each ALIGN-aligned), and the total."""
+    offsets, total = {}, 0
+    for name, nbytes in sizes.items():
+        offsets[name] = total
+        total += -(-nbytes // ALIGN) * ALIGN
+    return offsets, max(total, ALIGN)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The parts of a plan that depend on the number of rows (x.numel() / H): row ranges and workspaces.
+
+    fwd_offsets / fwd_bytes: one forward workspace holding `table` (T, 2H) bf16, `table_f32` (T, 2H)
+    fp32 and `rstd` (rows,) fp32. bwd_offsets / bwd_bytes: one backward workspace holding
+    `row_partials` (bwd_ranges, T, 2, H) fp32, `d_table` (T, 2H) fp32, `dact_partials`
+    (blocks_j, T, D) fp32 and `counters` (d_tiles,) uint32.
+    """
+
+    rows: int
+    fwd_rows_per_range: int
+    fwd_ranges: int
+    bwd_rows_per_range: int
+    bwd_ranges: int
+    fwd_offsets: dict
+    fwd_bytes: int
+    bwd_offsets: dict
+    bwd_bytes: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Geometry and constants of every kernel for one (H, D, T); see the module docstring."""
+
+    H: int
+    D: int
+    T: int
+    fwd_threads: int
+    fwd_vpt: int
+    fwd_stages: int          # 0: the row-per-block kernel (the staged one does not fit shared memory)
+    bwd_threads: int
+    bwd_vpt: int
+    bwd_stages: int
+    table_grid: int
+    table_threads: int
+    tb_grid: tuple[int, int]
+    tb_threads: int
+    sum_groups: int
+    tuning: tuple
+
+    @property
+    def fwd_staged(self) -> bool:
+        return self.fwd_stages > 0
+
+    @property
+    def fwd_smem(self) -> int:
+        """Dynamic shared memory of the staged forward: the modulation of every timestep, then the x stages."""
+        return (2 * self.T + self.fwd_stages) * self.fwd_threads * self.fwd_vpt * 16
+
+    @property
+    def bwd_smem(self) -> int:
+        """Dynamic shared memory of norm_modulate_bwd: its stages, one row of x and one of dy each."""
+        return self.bwd_stages * 2 * self.bwd_threads * self.bwd_vpt * 16
+
+    @property
+    def blocks_j(self) -> int:
+        return self.tb_grid[1]
+
+    @property
+    def d_tiles(self) -> int:
+        return self.tb_grid[0]
+
+    def rows(self, rows: int) -> Rows:
+        return _rows(self, rows)
+
+    def defines(self) -> dict:
+        """Every macro of the compiled unit, by name without the ADALN_ prefix."""
+        t = dict(self.tuning)
+        return dict(H=self.H, D=self.D, T=self.T, FWD_THREADS=self.fwd_threads, FWD_VPT=self.fwd_vpt,
+                    FWD_STAGES=max(self.fwd_stages, 1), BWD_THREADS=self.bwd_threads, BWD_VPT=self.bwd_vpt,
+                    BWD_STAGES=self.bwd_stages, TABLE_THREADS=t["TABLE_THREADS"],
+                    TABLE_ROWS_PER_WARP=t["TABLE_ROWS_PER_WARP"], TABLE_PREFETCH=t["TABLE_PREFETCH"],
+                    FWD_ROW_LIST_MAX=t["FWD_ROW_LIST_MAX"], ROW_LIST_MAX=t["ROW_LIST_MAX"],
+                    TB_THREADS=t["TB_THREADS"], TB_ROWS=t["TB_ROWS"], TB_COLUMNS=TB_COLUMNS,
+                    SUM_GROUPS=t["SUM_GROUPS"], D_TILES=self.d_tiles)
+
+
+@lru_cache(maxsize=4096)
+def _rows(plan: Plan, rows: int) -> Rows:
+    t = dict(plan.tuning)
+    fwd_per = max(1, min(t["FWD_ROW_LIST_MAX"], max(t["FWD_MIN_ROWS"], math.ceil(rows / t["FWD_RANGES"]))))
+    bwd_per = max(1, min(t["ROW_LIST_MAX"], math.ceil(rows / t["BWD_RANGES"])))
+    bwd_ranges = math.ceil(rows / bwd_per) if rows else 0
+    T, H, D = plan.T, plan.H, plan.D
+    fwd_offsets, fwd_bytes = layout({"table": T * 2 * H * 2, "table_f32": T * 2 * H * 4, "rstd": rows * 4})
+    bwd_offsets, bwd_bytes = layout({"row_partials": max(bwd_ranges, 1) * T * 2 * H * 4, "d_table": T * 2 * H * 4,
+                                     "dact_partials": plan.blocks_j * T * D * 4, "counters": plan.d_tiles * 4})
+    return Rows(rows, fwd_per, math.ceil(rows / fwd_per) if rows else 0, bwd_per, bwd_ranges,
+                fwd_offsets, fwd_bytes, bwd_offsets, bwd_bytes)
+
+
+@lru_cache(maxsize=None)
+def plan(H: int, D: int, T: int) -> Plan:
+    """The plan of one shape (checked first: an unsupported shape raises ValueError naming the argument)."""
+    check_shapes(H, D, T)
+    t = TUNING
+    fwd_threads, fwd_vpt = row_geometry(H, t["FWD_THREADS_MAX"])
+    bwd_threads, bwd_vpt = row_geometry(H, t["BWD_THREADS_MAX"])
+    slot = fwd_threads * fwd_vpt * 16
+    fwd_static = 4 * t["FWD_ROW_LIST_MAX"] + 4 * (fwd_threads // 32 + 1)
+    fwd_stages = t["FWD_STAGES"]
+    while fwd_stages >= 2 and (2 * T + fwd_stages) * slot + fwd_static > SMEM_BLOCK_MAX:
+        fwd_stages -= 1
+    if fwd_stages < 2:
+        fwd_stages = 0  # fall back to one row per block: same threads, same tree, same bits per row
+    bwd_stage = 2 * bwd_threads * bwd_vpt * 16
+    bwd_stages = min(t["BWD_STAGES"], BWD_STAGE_BUDGET // bwd_stage)  # a wide row keeps fewer stages
+    if bwd_stages < 1:
+        raise ValueError(f"backend='cupy' needs H (x.shape[-1]) <= {H_MAX}, got {H}; use backend='torch'")
+    rows_per_block = t["TABLE_THREADS"] // 32 * t["TABLE_ROWS_PER_WARP"]
+    return Plan(H=H, D=D, T=T, fwd_threads=fwd_threads, fwd_vpt=fwd_vpt, fwd_stages=fwd_stages,
+                bwd_threads=bwd_threads, bwd_vpt=bwd_vpt, bwd_stages=bwd_stages,
+                table_grid=math.ceil(2 * H / rows_per_block), table_threads=t["TABLE_THREADS"],
+                tb_grid=(math.ceil(D / TB_COLUMNS), math.ceil(2 * H / t["TB_ROWS"])), tb_threads=t["TB_THREADS"],
+                sum_groups=t["SUM_GROUPS"], tuning=tuple(sorted(t.items())))
+
+
+def clear_caches() -> None:
+    """Forget every plan, e.g. after changing TUNING (bench/dev/sweep.py)."""
+    plan.cache_clear()
+    _rows.cache_clear()
