@@ -58,6 +58,7 @@ def forward_tensors(x, norm_weight, temb, weight, bias, timestep_indices, eps: f
     rows = plan.rows(x.numel() // H)
     device = x.device
     k = launchers.kernels(device.index, plan)
+    launchers.bind(device.index)
     stream = current_stream(device.index)
     out = torch.empty_like(x)
     if fused_workspace:
@@ -90,6 +91,7 @@ def backward_tensors(dy, x, norm_weight, temb, weight, timestep_indices, saved):
     plan, rows, _, table_f32, rstd = saved
     device = x.device
     k = launchers.kernels(device.index, plan)
+    launchers.bind(device.index)
     stream = current_stream(device.index)
     dy = dy.contiguous()
     dx = torch.empty_like(x)

@@ -60,6 +60,19 @@ class Kernel:
                          shared_mem, stream, self._params_address, 0)
 
 
+def bind(device_index: int) -> None:
+    """Make the device's primary context current on this thread (the driver launch needs it).
+
+    torch's autograd engine runs the backward on a thread of its own, where torch may never have
+    made a CUDA runtime call that binds the context (torch skips setting device 0, the default):
+    cuLaunchKernel then fails with CUDA_ERROR_INVALID_CONTEXT. cudaSetDevice binds it; it is cheap
+    when the device is already current.
+    """
+    from cupy.cuda import runtime
+
+    runtime.setDevice(device_index)
+
+
 @lru_cache(maxsize=None)
 def kernels(device_index: int, plan: Plan) -> dict:
     """{name: Kernel} of one plan on one device (compiled on first use)."""
@@ -106,7 +119,7 @@ def launch_backward(k: dict, plan: Plan, rows: Rows, stream: int, *, dy: int, x:
         from cupy.cuda import runtime
 
         runtime.memsetAsync(row_partials, 0, plan.T * 2 * plan.H * 4, stream)
-        k["reduce_partials_bf16"]((-(-plan.H // 32), 1, 1), (32, plan.sum_groups, 1), 0, stream,
+    k["reduce_partials_bf16"]((-(-plan.H // 32), 1, 1), (32, plan.sum_groups, 1), 0, stream,
                               row_partials, norm_weight, table_f32, workspace + o["d_table"], d_norm_weight, d_bias,
                               max(rows.bwd_ranges, 1), workspace + o["counters"])
     k["table_bwd_bf16"]((plan.d_tiles, plan.blocks_j, 1), (plan.tb_threads, 1, 1), 0, stream,

@@ -1,0 +1,154 @@
+"""The kernels on any array that speaks DLPack (CuPy, torch, ...): zero-copy in, zero-copy out.
+
+    import cupy, adaln_lab.dlpack as adaln
+    out, table_f32, rstd = adaln.forward(x, norm_weight, temb, weight, bias, timestep_indices)
+    dx, d_norm_weight, d_temb, d_weight, d_bias = adaln.backward(dy, x, norm_weight, temb, weight,
+                                                                 timestep_indices, table_f32, rstd)
+
+Inputs are read in place through DLPack (`torch.from_dlpack`, no copy). Outputs are allocated by
+the library of `x` (CuPy arrays for CuPy input, torch tensors otherwise) and the kernels run on the
+caller's stream: CuPy's current stream for CuPy input, torch's current stream for torch input, or
+the raw `cudaStream_t` handle given as `stream=`. Results are bitwise those of
+`adaln_lab.final_adaln_out` (same kernels, same plan). On the CPU (torch tensors) the same two
+functions run the custom ops' CPU kernels: the diffusers replay forward and the analytic backward.
+
+Shapes: x (..., S, H) bf16, norm_weight (H,) bf16, temb (T, D) fp32, weight (2H, D) bf16, bias (2H,)
+bf16, timestep_indices (S,) int64; table_f32 (T, 2H) fp32 and rstd (rows,) fp32 are the forward's
+saved values the backward takes; gradients have their inputs' shapes (d_bias (2H,)).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import launchers
+from .plan import plan as make_plan
+from .validate import validate
+
+_TORCH_TO_CUPY = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def _torch(a) -> torch.Tensor:
+    return a if isinstance(a, torch.Tensor) else torch.from_dlpack(a)
+
+
+def _is_cupy(a) -> bool:
+    return type(a).__module__.split(".")[0] == "cupy"
+
+
+class _Allocator:
+    """Outputs from the library of the reference array; each output also viewed as a torch tensor."""
+
+    def __init__(self, like):
+        self.cupy = _is_cupy(like)
+
+    def empty(self, shape, dtype: torch.dtype, device: torch.device):
+        if self.cupy:
+            import cupy
+
+            if dtype == torch.bfloat16:
+                import ml_dtypes
+
+                array = cupy.empty(shape, dtype=ml_dtypes.bfloat16)
+            else:
+                array = cupy.empty(shape, dtype=_TORCH_TO_CUPY[dtype])
+            return array, torch.from_dlpack(array)
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        return tensor, tensor
+
+    def stream(self, device: torch.device, stream: int | None) -> int:
+        if stream is not None:
+            return int(stream)
+        if self.cupy:
+            import cupy
+
+            return cupy.cuda.get_current_stream().ptr
+        from .cuda_op import current_stream
+
+        return current_stream(device.index)
+
+
+def _check(x, norm_weight, temb, weight, bias, timestep_indices):
+    validate(x, norm_weight, temb, weight, bias, timestep_indices, 1e-5, check_indices=False)
+    for name, t in (("x", x), ("norm_weight", norm_weight), ("weight", weight), ("bias", bias)):
+        if t.dtype != torch.bfloat16:
+            raise TypeError(f"adaln_lab.dlpack needs {name} in bfloat16, got {t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"adaln_lab.dlpack needs {name} contiguous (C order)")
+    if temb.dtype != torch.float32 or not temb.is_contiguous():
+        raise TypeError(f"adaln_lab.dlpack needs temb contiguous float32, got {temb.dtype}")
+
+
+def forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: float = 1e-5, *, stream: int | None = None):
+    """(out (..., S, H) bf16, table_f32 (T, 2H) fp32, rstd (rows,) fp32) as arrays of x's library."""
+    like = x
+    x, norm_weight, temb, weight, bias, timestep_indices = map(_torch, (x, norm_weight, temb, weight, bias,
+                                                                       timestep_indices))
+    _check(x, norm_weight, temb, weight, bias, timestep_indices)
+    if not x.is_cuda:
+        from .cuda_op import final_adaln_out_fwd
+
+        return final_adaln_out_fwd(x, norm_weight, temb, weight, bias, timestep_indices, float(eps), "cuda")
+    H = x.shape[-1]
+    T, D = temb.shape
+    plan = make_plan(H, D, T)
+    rows = plan.rows(x.numel() // H)
+    alloc = _Allocator(like)
+    with torch.cuda.device(x.device):
+        out, out_t = alloc.empty(tuple(x.shape), torch.bfloat16, x.device)
+        table_f32, table_f32_t = alloc.empty((T, 2 * H), torch.float32, x.device)
+        rstd, rstd_t = alloc.empty((rows.rows,), torch.float32, x.device)
+        table, table_t = alloc.empty((T, 2 * H), torch.bfloat16, x.device)
+        s = alloc.stream(x.device, stream)
+        launchers.bind(x.device.index)
+        k = launchers.kernels(x.device.index, plan)
+        launchers.launch_table(k, plan, s, temb.data_ptr(), weight.data_ptr(), bias.data_ptr(), table_t.data_ptr(),
+                               table_f32_t.data_ptr())
+        launchers.launch_norm_modulate(k, plan, rows, s, x.data_ptr(), norm_weight.data_ptr(), table_t.data_ptr(),
+                                       timestep_indices.data_ptr(), out_t.data_ptr(), rstd_t.data_ptr(), x.shape[-2],
+                                       float(eps))
+        if not alloc.cupy:  # torch's allocator may hand `table` out again once freed: only after this stream's work
+            table_t.record_stream(torch.cuda.ExternalStream(s))
+    return out, table_f32, rstd
+
+
+def backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd, *, stream: int | None = None):
+    """(dx, d_norm_weight, d_temb, d_weight, d_bias) as arrays of x's library; fixed-order reductions."""
+    like = x
+    dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd = map(
+        _torch, (dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd))
+    _check(x, norm_weight, temb, weight, weight[:, 0].contiguous(), timestep_indices)  # a bias of the right shape
+    if dy.shape != x.shape or dy.dtype != x.dtype or not dy.is_contiguous():
+        raise ValueError(f"dy must be a contiguous {x.dtype} array of x's shape {tuple(x.shape)}")
+    T, H = temb.shape[0], x.shape[-1]
+    if table_f32.shape != (T, 2 * H) or table_f32.dtype != torch.float32:
+        raise ValueError(f"table_f32 must be the forward's (T, 2H) = ({T}, {2 * H}) float32 array")
+    if rstd.shape != (x.numel() // H,) or rstd.dtype != torch.float32:
+        raise ValueError(f"rstd must be the forward's ({x.numel() // H},) float32 array")
+    if not x.is_cuda:
+        from .cuda_op import final_adaln_out_bwd
+
+        return final_adaln_out_bwd(dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd)
+    H = x.shape[-1]
+    T, D = temb.shape
+    plan = make_plan(H, D, T)
+    rows = plan.rows(x.numel() // H)
+    alloc = _Allocator(like)
+    with torch.cuda.device(x.device):
+        dx, dx_t = alloc.empty(tuple(x.shape), torch.bfloat16, x.device)
+        d_norm_weight, d_norm_weight_t = alloc.empty((H,), torch.bfloat16, x.device)
+        d_temb, d_temb_t = alloc.empty((T, D), torch.float32, x.device)
+        d_weight, d_weight_t = alloc.empty((2 * H, D), torch.bfloat16, x.device)
+        d_bias, d_bias_t = alloc.empty((2 * H,), torch.bfloat16, x.device)
+        workspace, workspace_t = alloc.empty((rows.bwd_bytes // 4,), torch.float32, x.device)
+        s = alloc.stream(x.device, stream)
+        launchers.bind(x.device.index)
+        launchers.launch_backward(
+            launchers.kernels(x.device.index, plan), plan, rows, s, dy=dy.data_ptr(), x=x.data_ptr(),
+            rstd=rstd.data_ptr(), norm_weight=norm_weight.data_ptr(), table_f32=table_f32.data_ptr(),
+            timestep_indices=timestep_indices.data_ptr(), temb=temb.data_ptr(), weight=weight.data_ptr(),
+            workspace=workspace_t.data_ptr(), dx=dx_t.data_ptr(), d_norm_weight=d_norm_weight_t.data_ptr(),
+            d_temb=d_temb_t.data_ptr(), d_weight=d_weight_t.data_ptr(), d_bias=d_bias_t.data_ptr(), S=x.shape[-2])
+        if not alloc.cupy:
+            workspace_t.record_stream(torch.cuda.ExternalStream(s))
+    return dx, d_norm_weight, d_temb, d_weight, d_bias

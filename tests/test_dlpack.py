@@ -1,0 +1,73 @@
+"""The DLPack kernel API: CPU (torch tensors, the custom ops' CPU kernels) and GPU (CuPy arrays and
+torch tensors, bitwise equal to adaln_lab.final_adaln_out, zero-copy, on the caller's stream)."""
+
+import pytest
+import torch
+
+from adaln_lab import dlpack
+from adaln_lab.harness.candidates import adaln_lab_candidate
+from adaln_lab.harness.inputs import make, upstream
+from adaln_lab.reference import replay
+
+SMALL = dict(H=264, D=64, T=3)
+
+
+def test_cpu_forward_is_the_replay_and_backward_has_every_gradient():
+    inputs = make(1, 20, "cpu", **SMALL)
+    out, table_f32, rstd = dlpack.forward(*inputs.args)
+    assert torch.equal(out, replay(*inputs.args))
+    assert table_f32.shape == (3, 528) and rstd.shape == (20,)
+    grads = dlpack.backward(upstream(1, inputs.x), inputs.x, inputs.norm_weight, inputs.temb, inputs.weight,
+                            inputs.timestep_indices, table_f32, rstd)
+    for g, leaf in zip(grads, inputs.leaves):
+        assert g.shape == leaf.shape and bool(torch.isfinite(g.float()).all())
+
+
+def test_bad_arrays_are_refused_naming_the_argument():
+    inputs = make(1, 8, "cpu", **SMALL)
+    with pytest.raises(TypeError, match="x in bfloat16"):
+        dlpack.forward(inputs.x.float(), *inputs.args[1:])
+    out, table_f32, rstd = dlpack.forward(*inputs.args)
+    with pytest.raises(ValueError, match="rstd"):
+        dlpack.backward(out, inputs.x, inputs.norm_weight, inputs.temb, inputs.weight, inputs.timestep_indices,
+                        table_f32, rstd[:3])
+
+
+def _op_result(inputs, dy):
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs.leaves]
+    out = adaln_lab_candidate().fn(*leaves, inputs.timestep_indices)
+    out.backward(dy)
+    return out.detach(), [leaf.grad for leaf in leaves]
+
+
+@pytest.mark.gpu
+def test_torch_tensors_on_cuda_equal_the_op_bit_for_bit():
+    inputs = make(1, 1000, "cuda")
+    dy = upstream(1, inputs.x)
+    out_ref, grads_ref = _op_result(inputs, dy)
+    out, table_f32, rstd = dlpack.forward(*inputs.args)
+    grads = dlpack.backward(dy, inputs.x, inputs.norm_weight, inputs.temb, inputs.weight, inputs.timestep_indices,
+                            table_f32, rstd)
+    assert torch.equal(out, out_ref)
+    for g, r in zip(grads, grads_ref):
+        assert torch.equal(g, r)
+
+
+@pytest.mark.gpu
+def test_cupy_arrays_zero_copy_on_cupys_stream_equal_the_op():
+    cupy = pytest.importorskip("cupy")
+    inputs = make(2, 513, "cuda", **SMALL)
+    dy = upstream(2, inputs.x)
+    out_ref, grads_ref = _op_result(inputs, dy)
+    arrays = [cupy.from_dlpack(t) for t in inputs.args]
+    assert arrays[0].data.ptr == inputs.x.data_ptr()  # zero-copy in
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        out, table_f32, rstd = dlpack.forward(*arrays)
+        grads = dlpack.backward(cupy.from_dlpack(dy), arrays[0], arrays[1], arrays[2], arrays[3], arrays[5],
+                                table_f32, rstd)
+    stream.synchronize()
+    assert isinstance(out, cupy.ndarray) and all(isinstance(g, cupy.ndarray) for g in grads)
+    assert torch.equal(torch.from_dlpack(out), out_ref)
+    for g, r in zip(grads, grads_ref):
+        assert torch.equal(torch.from_dlpack(g), r)

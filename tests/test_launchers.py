@@ -1,0 +1,76 @@
+"""The launch sequence of the CUDA op, checked on the CPU: a recorder stands in for every kernel, so CI
+sees which kernels a forward and a backward launch, with which geometry, and that every pointer they
+get lies inside a live buffer of the right size (the kernels themselves run in tests/test_cuda_op.py)."""
+
+import pytest
+import torch
+
+from adaln_lab import cuda_op, launchers
+from adaln_lab.harness.inputs import make, upstream
+
+
+class Recorder:
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def __call__(self, grid, block, shared_mem, stream, *args):
+        assert len(args) == len(launchers.SIGNATURES[self.name]), self.name
+        self.calls.append((self.name, grid, block, shared_mem, args))
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    recorded = []
+    monkeypatch.setattr(launchers, "kernels", lambda device, plan: {n: Recorder(n, recorded) for n in launchers.SIGNATURES})
+    monkeypatch.setattr(launchers, "bind", lambda device: None)
+    monkeypatch.setattr(cuda_op, "current_stream", lambda device: 0)
+    from cupy.cuda import runtime
+
+    monkeypatch.setattr(runtime, "memsetAsync", lambda ptr, value, size, stream: recorded.append(("memset", ptr, size)))
+    return recorded
+
+
+def _buffers(tensors):
+    return [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors if t.numel()]
+
+
+def _inside(pointer, buffers):
+    return any(a <= pointer < b for a, b in buffers)
+
+
+@pytest.mark.parametrize("rows", [1, 1031])
+def test_forward_and_backward_launch_each_kernel_once_on_live_buffers(calls, rows):
+    i = make(1, rows, "cpu")
+    out, saved = cuda_op.forward_tensors(*i.args, 1e-5, "cuda")
+    dy = upstream(1, i.x)
+    grads = cuda_op.backward_tensors(dy, i.x, i.norm_weight, i.temb, i.weight, i.timestep_indices, saved)
+    names = [c[0] for c in calls]
+    assert names == ["table_bf16", "norm_modulate_bf16", "norm_modulate_bwd_bf16", "reduce_partials_bf16",
+                     "table_bwd_bf16"]
+    plan, r = saved[0], saved[1]
+    assert calls[1][1] == (r.fwd_ranges, 1, 1) and calls[2][1] == (r.bwd_ranges, 1, 1)
+    assert calls[3][1] == (-(-plan.H // 32), 1, 1) and calls[4][1] == plan.tb_grid + (1,)
+    # every pointer argument points into something alive: inputs, outputs, the forward's workspace
+    # (kept for the backward) or the backward's workspace (the only allocation not returned)
+    live = _buffers([*i.args, dy, out, saved[2], *grads])
+    workspace_pointers = [a for c in calls[2:] for kind, a in zip(launchers.SIGNATURES[c[0]], c[4])
+                          if kind == "p" and not _inside(a, live)]
+    base = min(workspace_pointers)
+    for name, _, _, _, args in calls:
+        for kind, a in zip(launchers.SIGNATURES[name], args):
+            if kind == "p":
+                assert _inside(a, live) or 0 <= a - base < r.bwd_bytes, (name, a)
+    # the backward's workspace pieces are where the plan lays them out
+    assert sorted(a - base for a in set(workspace_pointers)) == sorted(r.bwd_offsets.values())
+
+
+def test_empty_batch_launches_no_row_kernel_and_zeroes_the_partials(calls):
+    i = make(1, 0, "cpu", H=264, D=64, T=2)
+    out, saved = cuda_op.forward_tensors(*i.args, 1e-5, "cuda")
+    assert out.shape == (0, 264)
+    cuda_op.backward_tensors(torch.empty_like(out), i.x, i.norm_weight, i.temb, i.weight, i.timestep_indices, saved)
+    names = [c[0] for c in calls]
+    assert names == ["table_bf16", "memset", "reduce_partials_bf16", "table_bwd_bf16"]
+    memset = calls[1]
+    assert memset[2] == 2 * 2 * 264 * 4  # one range of (T, 2, H) fp32 zeros
+    assert calls[2][4][6] == 1  # reduce_partials sums that one range
