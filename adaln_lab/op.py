@@ -31,8 +31,10 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
         weight: (2H, D) projection weight; bias: (2H,) projection bias, same dtype as weight.
         timestep_indices: (S,) int64 in [0, T): which table row modulates each row of x.
         eps: RMSNorm epsilon.
-        backend: "torch" (the diffusers replay, any device), "cupy" (kernels_cu, CUDA, bf16),
-            or "auto": "cupy" for CUDA tensors, "torch" otherwise.
+        backend: "torch" (the diffusers replay, any device, any float dtype), "cupy" (kernels_cu:
+            CUDA, bf16 x / norm_weight / weight / bias, fp32 temb, H and D divisible by 8; anything
+            else is refused with an error naming the argument), or "auto": "cupy" where it can run
+            (CUDA tensors of those dtypes and shapes), "torch" otherwise.
         numerics: "diffusers" rounds where diffusers rounds (SiLU cast, bf16 table, rms_norm
             output, then `1 + scale`, the product and `+ shift` each to x's dtype).
         table_backend: cupy backend only: "cuda" computes the table with the fixed-order GEMV
@@ -49,7 +51,7 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
         (..., S, H) tensor in x's dtype.
     """
     if check_indices is None:
-        check_indices = not x.is_cuda
+        check_indices = not getattr(x, "is_cuda", False)
     validate(x, norm_weight, temb, weight, bias, timestep_indices, eps, check_indices=check_indices)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -58,7 +60,7 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
     if table_backend not in TABLE_BACKENDS:
         raise ValueError(f"table_backend must be one of {TABLE_BACKENDS}, got {table_backend!r}")
     if backend == "auto":
-        backend = "cupy" if x.is_cuda else "torch"
+        backend = "cupy" if _cupy_can_run(x, norm_weight, temb, weight, bias) else "torch"
     if backend == "torch":
         return replay(x, norm_weight, temb, weight, bias, timestep_indices, eps)
     if not x.is_cuda:
@@ -67,3 +69,14 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
 
     return cuda_op.final_adaln_out(x, norm_weight, temb, weight, bias, timestep_indices, eps,
                                    table_backend=table_backend)
+
+
+def _cupy_can_run(x, norm_weight, temb, weight, bias) -> bool:
+    """Whether the CUDA kernels take these inputs (backend="auto" picks them then)."""
+    if not x.is_cuda or temb.dtype != torch.float32:
+        return False
+    if not (x.dtype == norm_weight.dtype == weight.dtype == bias.dtype == torch.bfloat16):
+        return False
+    from .plan import supported
+
+    return supported(x.shape[-1], temb.shape[1], temb.shape[0])

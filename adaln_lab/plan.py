@@ -76,6 +76,16 @@ def layout(sizes: dict) -> tuple[dict, int]:
     return offsets, max(total, ALIGN)
 
 
+def supported(H: int, D: int, T: int) -> bool:
+    """check_shapes as a yes / no."""
+    try:
+        check_shapes(H, D, T)
+    except ValueError:
+        return False
+    return True
+
+
+
 @dataclass(frozen=True)
 class Rows:
     """The parts of a plan that depend on the number of rows (x.numel() / H): row ranges and workspaces.

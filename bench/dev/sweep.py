@@ -30,13 +30,10 @@ CONFIGS = {  # TUNING overrides, each against the first
     "default": {},
     "fwd672": dict(FWD_THREADS_MAX=1024),
     "fwd_r132": dict(FWD_RANGES=132),
-    "fwd_s2": dict(FWD_STAGES=2),
     "fwd_s4": dict(FWD_STAGES=4),
     "table512": dict(TABLE_THREADS=512),
     "table512_nopf": dict(TABLE_THREADS=512, TABLE_PREFETCH=0),
-    "table_r2": dict(TABLE_ROWS_PER_WARP=2),
     "tb512x256": dict(TB_THREADS=512, TB_ROWS=256),
-    "tb256x64": dict(TB_ROWS=64),
     "bwd_s3": dict(BWD_STAGES=3),
 }
 BOUNDS = {"x": 0.0051, "norm_weight": 0.0036, "temb": 0.0010, "weight": 0.0038}  # the GPU tests' bounds
