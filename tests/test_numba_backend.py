@@ -56,12 +56,12 @@ def test_twin_forward_is_diffusers_up_to_summation_order():
 
 @pytest.mark.gpu
 def test_twin_equals_kernels_cu_bit_for_bit():
-    from adaln_lab import cupy_backend
+    from adaln_lab import cuda_op
 
     inputs = make(1, 33, "cuda")
-    table_cu, table_f32_cu = cupy_backend.table(inputs.temb, inputs.weight, inputs.bias)
-    out_cu, rstd_cu = cupy_backend.norm_modulate(inputs.x, inputs.norm_weight, table_cu, inputs.timestep_indices,
-                                                 1e-5, inputs.temb.shape[1])
+    table_cu, table_f32_cu = cuda_op.table(inputs.temb, inputs.weight, inputs.bias)
+    out_cu, rstd_cu = cuda_op.norm_modulate(inputs.x, inputs.norm_weight, table_cu, inputs.timestep_indices,
+                                            1e-5, inputs.temb.shape[1])
     out, rstd, table_bf16 = numba_backend.forward(*inputs.args)
     torch.cuda.synchronize()
     assert torch.equal(table_bf16, table_cu)

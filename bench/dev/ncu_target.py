@@ -1,4 +1,4 @@
-"""Two forward+backward calls of the cupy backend at 32768 rows, for Nsight Compute to profile
+"""Two forward+backward calls of the CUDA op at 32768 rows, for Nsight Compute to profile
 (development aid). Run: ncu -k regex:"table_bf16|norm_modulate|table_bwd_bf16" --launch-skip 4
 --launch-count 4 --section SpeedOfLight --section Occupancy --section WarpStateStats
 python bench/dev/ncu_target.py"""
