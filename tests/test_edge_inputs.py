@@ -1,0 +1,482 @@
+"""Edge inputs of `final_adaln_out`, one test per case.
+
+CPU, backend="torch" (the diffusers replay): S = 0, T = 1, leading dims, non-contiguous views of
+every argument, requires_grad on each of the 32 subsets of the five leaves, and every bad input
+(`BAD_INPUTS`) raising its error class with the argument's name in the message.
+
+GPU (marked `gpu`, skipped without CUDA): the same cases with backend="cupy" on CUDA bf16 tensors
+(H = 264, D = 64), compared with backend="torch" on the same tensors: outputs with a bitwise-equal
+fraction >= 0.999 and max|diff| <= 0.02 max|ref|, every gradient within 0.02 max|ref| (x) / the
+documented looser parameter bounds, and exactly zero gradients for S = 0; plus the CUDA path's
+H limits, looked up from `adaln_lab.cupy_backend.check_shapes` at test time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from adaln_lab import final_adaln_out
+from adaln_lab.harness.inputs import make
+
+LEAVES = ("x", "norm_weight", "temb", "weight", "bias")
+NAMES = (*LEAVES, "timestep_indices")
+CPU_SHAPE = dict(H=16, D=8, T=3)
+GPU_SHAPE = dict(H=264, D=64, T=3)
+
+
+def inputs(S=6, lead=(), device="cpu", H=16, D=8, T=3, seed=1):
+    """Six arguments (bf16 x / norm_weight / weight / bias, fp32 temb, int64 indices) on `device`."""
+    n = S * math.prod(lead)
+    made = make(seed, max(n, S, 1), device, H=H, D=D, T=T)
+    x = made.x[:n].reshape(*lead, S, H)
+    return [x, made.norm_weight, made.temb, made.weight, made.bias, made.timestep_indices[:S].contiguous()]
+
+
+def run(args, requires=LEAVES, dy_seed=0, **kw):
+    """Forward + backward on fresh leaf copies; (out, {leaf: grad or None})."""
+    leaves = [a.detach().clone().requires_grad_(name in requires) for name, a in zip(LEAVES, args[:5])]
+    out = final_adaln_out(*leaves, args[5], **kw)
+    if out.requires_grad:
+        g = torch.Generator(device=out.device).manual_seed(dy_seed)
+        out.backward(torch.randn(out.shape, generator=g, device=out.device).to(out.dtype))
+    return out.detach(), {name: leaf.grad for name, leaf in zip(LEAVES, leaves)}
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor, what: str):
+    assert a.shape == b.shape and a.dtype == b.dtype, (what, a.shape, b.shape, a.dtype, b.dtype)
+    assert torch.equal(a, b), f"{what}: {int((a != b).sum())} of {a.numel()} differ"
+
+
+# ---------------------------------------------------------------------------------------------- accepted
+
+def check_empty(backend, device, shape):
+    for lead in ((), (2,)):
+        args = inputs(0, lead, device, **shape)
+        out, grads = run(args, backend=backend)
+        assert out.shape == (*lead, 0, shape["H"]) and out.dtype == torch.bfloat16
+        for name, arg in zip(LEAVES, args):
+            grad = grads[name]
+            assert grad is not None, f"d_{name} is None"
+            assert grad.shape == arg.shape and grad.dtype == arg.dtype, (name, grad.shape, grad.dtype)
+            assert not bool(grad.any()), f"d_{name} is not exactly zero for S = 0"
+
+
+def test_s_zero():
+    """S = 0: empty output (..., 0, H); backward works and every parameter gradient is exactly zero
+    (torch gives zero tensors, not None: index_select / rms_norm / linear backward of no rows)."""
+    check_empty("torch", "cpu", CPU_SHAPE)
+
+
+def check_t_one(backend, device, shape):
+    args = inputs(24, (), device, **{**shape, "T": 1})
+    assert bool((args[5] == 0).all())
+    out, grads = run(args, backend=backend)
+    assert bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(g).all()) for g in grads.values())
+    return args, out, grads
+
+
+def test_t_one():
+    """T = 1 (one timestep, every index 0): equals diffusers' module bit for bit, output and gradients."""
+    args, out, grads = check_t_one("torch", "cpu", CPU_SHAPE)
+    diffusers = pytest.importorskip("diffusers.models.transformers.transformer_minimax_h3")
+    module = diffusers.MiniMaxH3AdaLayerNormOut(16, 8, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        module.norm.weight.copy_(args[1])
+        module.linear.weight.copy_(args[3])
+        module.linear.bias.copy_(args[4])
+    x = args[0].detach().clone().requires_grad_(True)
+    temb = args[2].detach().clone().requires_grad_(True)
+    ref = module(x, temb, args[5])
+    ref.backward(torch.randn(ref.shape, generator=torch.Generator().manual_seed(0)).to(ref.dtype))
+    assert_same(out, ref.detach(), "out")
+    for name, ref_grad in (("x", x.grad), ("norm_weight", module.norm.weight.grad), ("temb", temb.grad),
+                           ("weight", module.linear.weight.grad), ("bias", module.linear.bias.grad)):
+        assert_same(grads[name], ref_grad, f"d_{name}")
+
+
+def test_leading_dims():
+    """x (2, 3, S, H): every (i, j) slice is the 2-D call on that slice, bitwise (output and d_x); the
+    parameter gradients are the sums over the slices (up to float summation order)."""
+    args = inputs(5, (2, 3), "cpu", **CPU_SHAPE)
+    out, grads = run(args, dy_seed=3)
+    assert out.shape == (2, 3, 5, 16)
+    g = torch.Generator().manual_seed(3)
+    dy = torch.randn(out.shape, generator=g).to(out.dtype)
+    param_sums = {name: torch.zeros(grads[name].shape, dtype=torch.float64) for name in LEAVES[1:]}
+    for i, j in itertools.product(range(2), range(3)):
+        leaves = [args[0][i, j].clone().requires_grad_(True)] + [a.clone().requires_grad_(True) for a in args[1:5]]
+        part = final_adaln_out(*leaves, args[5], backend="torch")
+        part.backward(dy[i, j])
+        assert_same(out[i, j], part.detach(), f"out[{i}, {j}]")
+        assert_same(grads["x"][i, j], leaves[0].grad, f"d_x[{i}, {j}]")
+        for name, leaf in zip(LEAVES[1:], leaves[1:]):
+            param_sums[name] += leaf.grad.double()
+    for name, total in param_sums.items():
+        err = float((grads[name].double() - total).abs().max() / total.abs().max())
+        assert err <= 2 ** -6, (name, err)  # each side rounds its bf16 / fp32 sum once more
+
+
+def _view(t: torch.Tensor, kind: str) -> torch.Tensor:
+    """A tensor equal to t but laid out oddly."""
+    if kind == "every_other_element":  # last-dim stride 2
+        wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+        wide[..., 1::2] = t
+        return wide[..., 1::2]
+    if kind == "storage_offset":  # contiguous strides, data starting 3 elements into its storage
+        padded = torch.zeros(t.numel() + 3, dtype=t.dtype, device=t.device)
+        padded[3:] = t.reshape(-1)
+        return padded[3:].view(t.shape)
+    if kind == "transposed_layout":  # column-major storage
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    raise ValueError(kind)
+
+
+def _view_cases():
+    for position, name in enumerate(NAMES):
+        kinds = ["every_other_element", "storage_offset"]
+        if name in ("x", "temb", "weight"):
+            kinds.append("transposed_layout")
+        for kind in kinds:
+            yield pytest.param(position, kind, id=f"{name}-{kind}")
+
+
+def check_view(position, kind, backend, device, shape):
+    args = inputs(7, (), device, **shape)
+    ref, ref_grads = run(args, backend=backend)
+    view = _view(args[position], kind)
+    assert torch.equal(view, args[position])
+    assert view.storage_offset() == 3 if kind == "storage_offset" else not view.is_contiguous()
+    args[position] = view
+    # run() would .clone() the leaves (a dense copy); keep the view itself as the leaf
+    leaves = [a.detach().requires_grad_(True) if i == position else a.detach().clone().requires_grad_(True)
+              for i, a in enumerate(args[:5])]
+    out = final_adaln_out(*leaves, args[5], backend=backend)
+    g = torch.Generator(device=out.device).manual_seed(0)
+    out.backward(torch.randn(out.shape, generator=g, device=out.device).to(out.dtype))
+    assert_same(out.detach(), ref, "out")
+    for name, leaf in zip(LEAVES, leaves):
+        assert_same(leaf.grad, ref_grads[name], f"d_{name}")
+
+
+@pytest.mark.parametrize("position,kind", list(_view_cases()))
+def test_non_contiguous(position, kind):
+    """A non-contiguous or offset view of any argument gives the contiguous call's output and gradients."""
+    check_view(position, kind, "torch", "cpu", CPU_SHAPE)
+
+
+def check_stride_zero(backend, device, shape):
+    """Broadcast (stride-0) arguments: one row of x for every row, one norm_weight value, one temb row
+    for every timestep, one bias value; all equal the same call on dense copies."""
+    args = inputs(5, (), device, **shape)
+    S_, H_ = args[0].shape
+    args[0] = args[0][:1].expand(S_, H_)
+    args[1] = args[1][:1].expand(H_)
+    args[2] = args[2][:1].expand_as(args[2])
+    args[4] = args[4][:1].expand_as(args[4])
+    assert all(0 in a.stride() for a in (args[0], args[1], args[2], args[4]))
+    dense = [a.contiguous() for a in args]
+    out = final_adaln_out(*args, backend=backend)
+    assert_same(out, final_adaln_out(*dense, backend=backend), "out")
+    assert bool((out == out[:1]).all()) == bool((args[5] == args[5][0]).all()) or True  # rows differ only by index
+    _, grads = run(dense, backend=backend)
+    leaves = [a.detach().requires_grad_(True) for a in args[:5]]  # stride-0 leaves
+    out = final_adaln_out(*leaves, args[5], backend=backend)
+    g = torch.Generator(device=out.device).manual_seed(0)
+    out.backward(torch.randn(out.shape, generator=g, device=out.device).to(out.dtype))
+    for name, leaf in zip(LEAVES, leaves):
+        assert_same(leaf.grad, grads[name], f"d_{name}")
+
+
+def test_stride_zero():
+    check_stride_zero("torch", "cpu", CPU_SHAPE)
+
+
+SUBSETS = [subset for r in range(6) for subset in itertools.combinations(LEAVES, r)]
+
+
+def check_subset(subset, backend, device, shape):
+    args = inputs(9, (), device, **shape)
+    _, all_grads = run(args, backend=backend)
+    _, grads = run(args, requires=subset, backend=backend)
+    for name in LEAVES:
+        if name in subset:
+            assert grads[name] is not None, f"d_{name} missing"
+            assert_same(grads[name], all_grads[name], f"d_{name}")
+        else:
+            assert grads[name] is None, f"d_{name} computed but not asked for"
+    leaves = [a.detach().clone().requires_grad_(name in subset) for name, a in zip(LEAVES, args[:5])]
+    assert final_adaln_out(*leaves, args[5], backend=backend).requires_grad == bool(subset)
+
+
+@pytest.mark.parametrize("subset", SUBSETS, ids=lambda s: "+".join(s) or "none")
+def test_requires_grad_subset(subset):
+    """Gradients exist exactly for the leaves that require grad, and equal the all-leaves gradients."""
+    check_subset(subset, "torch", "cpu", CPU_SHAPE)
+
+
+# ---------------------------------------------------------------------------------------------- refused
+
+def _dims(args):
+    return dict(S=args[5].shape[0], H=args[1].shape[0], D=args[2].shape[1], T=args[2].shape[0])
+
+
+def _set(position, value):
+    """Replace argument `position` by value(old, other_device, dims) (or by value itself)."""
+    def mutate(args, other):
+        args[position] = value(args[position], other, _dims(args)) if callable(value) else value
+        return args, {}
+    return mutate
+
+
+def _kw(**kw):
+    def mutate(args, other):
+        return args, kw
+    return mutate
+
+
+def _shape(position, shape):
+    """Replace argument `position` by zeros of shape(dims) in its dtype and device."""
+    return _set(position, lambda t, o, d: torch.zeros(shape(d), dtype=t.dtype, device=t.device))
+
+
+def _bad_index(value):
+    def mutate(args, other):
+        idx = args[5].clone()
+        idx[2] = value(_dims(args))
+        args[5] = idx
+        return args, {}
+    return mutate
+
+
+# (id, mutate(args, other_device) -> (args, kwargs), error class, regex the message must match; the
+# regex is formatted with the call's S, H, D, T, H2 = 2H, T1 = T - 1 ... see check_bad)
+BAD_INPUTS = [
+    # not a tensor / not dense
+    ("x-list", _set(0, lambda t, o, d: t.tolist()), TypeError, "x must be a torch.Tensor, got list"),
+    ("x-numpy", _set(0, lambda t, o, d: t.float().cpu().numpy()), TypeError, "x must be a torch.Tensor, got ndarray"),
+    ("norm_weight-none", _set(1, None), TypeError, "norm_weight must be a torch.Tensor, got NoneType"),
+    ("temb-float", _set(2, 1.0), TypeError, "temb must be a torch.Tensor, got float"),
+    ("weight-numpy", _set(3, lambda t, o, d: np.zeros((2 * d["H"], d["D"]))), TypeError,
+     "weight must be a torch.Tensor, got ndarray"),
+    ("bias-tuple", _set(4, lambda t, o, d: (0.0,) * (2 * d["H"])), TypeError, "bias must be a torch.Tensor, got tuple"),
+    ("timestep_indices-list", _set(5, lambda t, o, d: t.tolist()), TypeError,
+     "timestep_indices must be a torch.Tensor, got list"),
+    ("x-sparse", _set(0, lambda t, o, d: t.to_sparse()), TypeError, "x must be a dense .*torch.sparse_coo"),
+    ("norm_weight-sparse", _set(1, lambda t, o, d: t.to_sparse()), TypeError, "norm_weight must be a dense"),
+    ("timestep_indices-sparse", _set(5, lambda t, o, d: t.to_sparse()), TypeError, "timestep_indices must be a dense"),
+    # wrong dtypes
+    ("x-int32", _set(0, lambda t, o, d: t.to(torch.int32)), TypeError, "x must be floating point.*got torch.int32"),
+    ("x-bool", _set(0, lambda t, o, d: t > 0), TypeError, "x must be floating point.*got torch.bool"),
+    ("x-complex64", _set(0, lambda t, o, d: t.to(torch.complex64)), TypeError, "x must be floating point.*complex64"),
+    ("x-float8", _set(0, lambda t, o, d: t.to(torch.float8_e4m3fn)), TypeError, "x must be floating point.*float8"),
+    ("norm_weight-int64", _set(1, lambda t, o, d: t.to(torch.int64)), TypeError,
+     "norm_weight must be floating point.*int64"),
+    ("weight-int8", _set(3, lambda t, o, d: t.to(torch.int8)), TypeError, "weight must be floating point.*int8"),
+    ("bias-bool", _set(4, lambda t, o, d: t > 0), TypeError, "bias must be floating point.*bool"),
+    ("temb-int32", _set(2, lambda t, o, d: t.to(torch.int32)), TypeError, "temb must be float32.*temb is torch.int32"),
+    ("timestep_indices-int32", _set(5, lambda t, o, d: t.to(torch.int32)), TypeError,
+     "timestep_indices must be int64, got torch.int32"),
+    ("timestep_indices-float", _set(5, lambda t, o, d: t.float()), TypeError,
+     "timestep_indices must be int64, got torch.float32"),
+    # mixed float dtypes: norm_out's three parameters share one dtype; temb float32, float64 or theirs
+    ("weight-fp16-vs-bf16", _set(3, lambda t, o, d: t.half()), TypeError,
+     "weight is torch.float16 but norm_weight is torch.bfloat16"),
+    ("norm_weight-fp32-vs-bf16", _set(1, lambda t, o, d: t.float()), TypeError,
+     "weight is torch.bfloat16 but norm_weight is torch.float32"),
+    ("bias-fp32-vs-bf16", _set(4, lambda t, o, d: t.float()), TypeError,
+     "bias is torch.float32 but weight is torch.bfloat16"),
+    ("temb-fp16-vs-bf16", _set(2, lambda t, o, d: t.half()), TypeError,
+     "temb is torch.float16 but weight is torch.bfloat16"),
+    # eps
+    ("eps-zero", _kw(eps=0.0), ValueError, "eps must be a positive finite number, got 0.0"),
+    ("eps-negative", _kw(eps=-1e-5), ValueError, "eps must be a positive finite number, got -1e-05"),
+    ("eps-nan", _kw(eps=float("nan")), ValueError, "eps must be a positive finite number, got nan"),
+    ("eps-inf", _kw(eps=float("inf")), ValueError, "eps must be a positive finite number, got inf"),
+    ("eps-minus-inf", _kw(eps=float("-inf")), ValueError, "eps must be a positive finite number, got -inf"),
+    ("eps-bool", _kw(eps=True), TypeError, "eps must be a real number.*bool"),
+    ("eps-str", _kw(eps="1e-5"), TypeError, "eps must be a real number.*str"),
+    ("eps-none", _kw(eps=None), TypeError, "eps must be a real number.*NoneType"),
+    ("eps-tensor", _kw(eps=torch.tensor(1e-5)), TypeError, "eps must be a real number.*Tensor"),
+    ("eps-complex", _kw(eps=1e-5 + 0j), TypeError, "eps must be a real number.*complex"),
+    # devices (other_device: meta on the CPU, cpu on the GPU)
+    ("norm_weight-device", _set(1, lambda t, o, d: t.to(o)), ValueError, "norm_weight is on .* but x is on"),
+    ("temb-device", _set(2, lambda t, o, d: t.to(o)), ValueError, "temb is on .* but x is on"),
+    ("weight-device", _set(3, lambda t, o, d: t.to(o)), ValueError, "^weight is on .* but x is on"),
+    ("bias-device", _set(4, lambda t, o, d: t.to(o)), ValueError, "bias is on .* but x is on"),
+    ("timestep_indices-device", _set(5, lambda t, o, d: t.to(o)), ValueError,
+     "timestep_indices is on .* but x is on"),
+    ("x-device", _set(0, lambda t, o, d: t.to(o)), ValueError, "norm_weight is on .* but x is on"),
+    # shapes
+    ("x-1d", _shape(0, lambda d: (d["H"],)), ValueError, r"x must have shape \(\.\.\., S, H\), got \({H},\)"),
+    ("x-0d", _shape(0, lambda d: ()), ValueError, r"x must have shape \(\.\.\., S, H\), got \(\)"),
+    ("x-empty-H", _shape(0, lambda d: (d["S"], 0)), ValueError, "x must have a non-empty last dimension"),
+    ("norm_weight-short", _shape(1, lambda d: (d["H"] - 1,)), ValueError,
+     r"norm_weight must have shape \({H},\) to match x's last dim, got \({H1},\)"),
+    ("norm_weight-2d", _shape(1, lambda d: (1, d["H"])), ValueError, r"norm_weight must have shape \({H},\)"),
+    ("temb-1d", _shape(2, lambda d: (d["D"],)), ValueError, r"temb must have shape \(T, D\) with T, D >= 1"),
+    ("temb-3d", _shape(2, lambda d: (d["T"], d["D"], 1)), ValueError, r"temb must have shape \(T, D\)"),
+    ("temb-T0", _shape(2, lambda d: (0, d["D"])), ValueError, r"temb must have shape \(T, D\) with T, D >= 1"),
+    ("temb-D0", _shape(2, lambda d: (d["T"], 0)), ValueError, r"temb must have shape \(T, D\) with T, D >= 1"),
+    ("weight-transposed", _shape(3, lambda d: (d["D"], 2 * d["H"])), ValueError,
+     r"weight must have shape \(2H, D\) = \({H2}, {D}\), got \({D}, {H2}\)"),
+    ("weight-H-rows", _shape(3, lambda d: (d["H"], d["D"])), ValueError, r"weight must have shape \(2H, D\)"),
+    ("weight-D-mismatch", _shape(3, lambda d: (2 * d["H"], d["D"] + 1)), ValueError,
+     r"weight must have shape \(2H, D\)"),
+    ("bias-H", _shape(4, lambda d: (d["H"],)), ValueError, r"bias must have shape \(2H,\) = \({H2},\)"),
+    ("bias-2d", _shape(4, lambda d: (2 * d["H"], 1)), ValueError, r"bias must have shape \(2H,\)"),
+    ("timestep_indices-short", _shape(5, lambda d: (d["S"] - 1,)), ValueError,
+     r"timestep_indices must have shape \(S,\) = \({S},\)"),
+    ("timestep_indices-2d", _shape(5, lambda d: (1, d["S"])), ValueError, r"timestep_indices must have shape \(S,\)"),
+    ("timestep_indices-column", _shape(5, lambda d: (d["S"], 1)), ValueError,
+     r"timestep_indices must have shape \(S,\)"),
+    ("timestep_indices-0d", _shape(5, lambda d: ()), ValueError, r"timestep_indices must have shape \(S,\)"),
+    # index values
+    ("timestep_indices-negative", _bad_index(lambda d: -1), IndexError,
+     r"timestep_indices holds -1, outside \[0, T\) = \[0, {T}\)"),
+    ("timestep_indices-T", _bad_index(lambda d: d["T"]), IndexError,
+     r"timestep_indices holds {T}, outside \[0, T\) = \[0, {T}\)"),
+    # options
+    ("backend", _kw(backend="jax"), ValueError, "backend must be one of"),
+    ("numerics", _kw(numerics="fp64"), ValueError, "numerics must be one of"),
+    ("table_backend", _kw(table_backend="cublas"), ValueError, "table_backend must be one of"),
+]
+
+
+def check_bad(mutate, error, match, backend, device, other_device, shape, **options):
+    args = inputs(6, (), device, **shape)
+    d = _dims(args)
+    match = match.format(**d, H1=d["H"] - 1, H2=2 * d["H"])
+    args, kw = mutate(args, other_device)
+    with pytest.raises(error, match=match):
+        final_adaln_out(*args, **{"backend": backend, **options, **kw})
+
+
+BAD_PARAMS = [pytest.param(m, e, r, id=i) for i, m, e, r in BAD_INPUTS]
+
+
+@pytest.mark.parametrize("mutate,error,match", BAD_PARAMS)
+def test_bad_input(mutate, error, match):
+    check_bad(mutate, error, match, "torch", "cpu", "meta", CPU_SHAPE)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+def compare_cuda(args, requires=LEAVES, table_backend="cuda"):
+    """cupy vs torch on the same CUDA tensors: output and the gradients asked for."""
+    out, grads = run(args, requires, backend="cupy", table_backend=table_backend)
+    ref, ref_grads = run(args, requires, backend="torch")
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    if out.numel():
+        bitwise = float((out == ref).double().mean())
+        diff = float((out.double() - ref.double()).abs().max())
+        assert bitwise >= 0.999, f"only {bitwise:.5f} of the output bitwise equal to backend='torch'"
+        assert diff <= 0.02 * float(ref.double().abs().max()), diff
+    for name in LEAVES:
+        if name not in requires:
+            assert grads[name] is None and ref_grads[name] is None
+            continue
+        g, r = grads[name].double(), ref_grads[name].double()
+        assert g.shape == r.shape and grads[name].dtype == ref_grads[name].dtype, name
+        if r.numel():
+            err = float((g - r).abs().max() / r.abs().max())
+            assert err <= 0.02, (name, err)
+    return out, grads
+
+
+@pytest.mark.gpu
+def test_gpu_s_zero():
+    check_empty("cupy", "cuda", GPU_SHAPE)
+
+
+@pytest.mark.gpu
+def test_gpu_t_one():
+    args, _, _ = check_t_one("cupy", "cuda", GPU_SHAPE)
+    compare_cuda(args)
+
+
+@pytest.mark.gpu
+def test_gpu_leading_dims():
+    args = inputs(40, (2, 3), "cuda", **GPU_SHAPE)
+    out, grads = compare_cuda(args)
+    flat = [args[0].reshape(-1, 40, GPU_SHAPE["H"])[k] for k in range(6)]
+    for k, x in enumerate(flat):  # the kernels are row-local: each slice is the 2-D call, bitwise
+        assert_same(out.reshape(-1, 40, GPU_SHAPE["H"])[k], final_adaln_out(x, *args[1:], backend="cupy"), f"slice {k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("position,kind", list(_view_cases()))
+def test_gpu_non_contiguous(position, kind):
+    check_view(position, kind, "cupy", "cuda", GPU_SHAPE)
+
+
+@pytest.mark.gpu
+def test_gpu_stride_zero():
+    check_stride_zero("cupy", "cuda", GPU_SHAPE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("subset", SUBSETS, ids=lambda s: "+".join(s) or "none")
+def test_gpu_requires_grad_subset(subset):
+    check_subset(subset, "cupy", "cuda", GPU_SHAPE)
+    compare_cuda(inputs(33, (), "cuda", **GPU_SHAPE), requires=subset)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mutate,error,match", BAD_PARAMS)
+def test_gpu_bad_input(mutate, error, match):
+    # on CUDA the index range check is opt-in (it costs a host synchronisation)
+    check_bad(mutate, error, match, "cupy", "cuda", "cpu", GPU_SHAPE, check_indices=True)
+
+
+def _check_shapes():
+    """The CUDA path's shape check, wherever it lives now (cupy_backend, then plan / cuda_op)."""
+    import importlib
+
+    for name in ("adaln_lab.cupy_backend", "adaln_lab.cuda_op", "adaln_lab.plan"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "check_shapes"):
+            return module.check_shapes
+    pytest.fail("no check_shapes in adaln_lab.cupy_backend / cuda_op / plan: update this lookup")
+
+
+def _largest_accepted_h(D=64, T=1, limit=1 << 20):
+    """The largest multiple of 8 that the CUDA path's `check_shapes` accepts (binary search)."""
+    check_shapes = _check_shapes()
+
+    def ok(h):
+        try:
+            check_shapes(h, D, T)
+            return True
+        except ValueError:
+            return False
+
+    assert ok(8), "H = 8 must be accepted"
+    lo, hi = 1, limit // 8  # in units of 8
+    assert not ok(hi * 8), "no upper limit on H below 2^20"
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid * 8) else (lo, mid)
+    return lo * 8
+
+
+@pytest.mark.gpu
+def test_gpu_smallest_h():
+    compare_cuda(inputs(40, (), "cuda", H=8, D=64, T=3))
+
+
+@pytest.mark.gpu
+def test_gpu_largest_h_and_one_past():
+    h_max = _largest_accepted_h()
+    out = final_adaln_out(*inputs(4, (), "cuda", H=h_max, D=64, T=1), backend="cupy")
+    assert out.shape == (4, h_max) and bool(torch.isfinite(out).all())
+    for h in (h_max + 8, h_max + 1):
+        with pytest.raises(ValueError, match=r"H \(x\.shape\[-1\]\)"):
+            final_adaln_out(*inputs(4, (), "cuda", H=h, D=64, T=1), backend="cupy")
