@@ -366,8 +366,26 @@ def test_bad_input(mutate, error, match):
 
 # ---------------------------------------------------------------------------------------------- GPU
 
+def golden_grads(args, requires, dy_seed=0):
+    """Gradients of the float64 golden (no rounding anywhere) for the leaves in `requires`."""
+    from adaln_lab.reference import golden
+
+    leaves = [a.detach().double().requires_grad_(name in requires) for name, a in zip(LEAVES, args[:5])]
+    out = golden(*leaves, args[5])
+    g = torch.Generator(device=out.device).manual_seed(dy_seed)
+    dy = torch.randn(out.shape, generator=g, device=out.device).to(args[0].dtype)  # run()'s dy
+    out.backward(dy.double())
+    return {name: leaf.grad for name, leaf in zip(LEAVES, leaves)}
+
+
 def compare_cuda(args, requires=LEAVES, table_backend="cuda"):
-    """cupy vs torch on the same CUDA tensors: output and the gradients asked for."""
+    """cupy vs torch on the same CUDA tensors.
+
+    Output: bitwise-equal fraction >= 0.999 and max|diff| <= 0.02 max|ref|. d_x: within 0.02
+    max|ref| of torch's. Parameter gradients: within 0.02 max|golden| of the float64 golden rather
+    than of torch's, whose own bf16 reductions are off by up to 0.03 (d_temb) and 0.09 (d_weight) at
+    the seed's sizes (README's table); the kernels' are within 0.003.
+    """
     out, grads = run(args, requires, backend="cupy", table_backend=table_backend)
     ref, ref_grads = run(args, requires, backend="torch")
     assert out.shape == ref.shape and out.dtype == ref.dtype
@@ -376,14 +394,16 @@ def compare_cuda(args, requires=LEAVES, table_backend="cuda"):
         diff = float((out.double() - ref.double()).abs().max())
         assert bitwise >= 0.999, f"only {bitwise:.5f} of the output bitwise equal to backend='torch'"
         assert diff <= 0.02 * float(ref.double().abs().max()), diff
+    exact = golden_grads(args, requires)
     for name in LEAVES:
         if name not in requires:
             assert grads[name] is None and ref_grads[name] is None
             continue
-        g, r = grads[name].double(), ref_grads[name].double()
-        assert g.shape == r.shape and grads[name].dtype == ref_grads[name].dtype, name
-        if r.numel():
-            err = float((g - r).abs().max() / r.abs().max())
+        g = grads[name]
+        assert g.shape == ref_grads[name].shape and g.dtype == ref_grads[name].dtype, name
+        r = ref_grads[name] if name == "x" else exact[name]
+        if r.numel() and bool(r.any()):
+            err = float((g.double() - r.double()).abs().max() / r.double().abs().max())
             assert err <= 0.02, (name, err)
     return out, grads
 

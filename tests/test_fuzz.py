@@ -270,7 +270,7 @@ def upstream(case: Case, like: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------- CPU
 
 @pytest.mark.skipif(importlib.util.find_spec("diffusers") is None, reason="the test extra brings diffusers 0.42")
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(case=cpu_cases(dtypes=DTYPE_MIXES))
 def test_replay_bitwise_equals_diffusers_on_extreme_inputs(case):
     args = case.build()
@@ -279,7 +279,7 @@ def test_replay_bitwise_equals_diffusers_on_extreme_inputs(case):
     check_bitwise(torch_fn(case.eps), diffusers_fn(case.eps), args, dy)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(case=cpu_cases())
 def test_replay_within_the_derived_bound_of_the_golden(case):
     args = case.build()
@@ -294,7 +294,7 @@ def test_replay_within_the_derived_bound_of_the_golden(case):
         assert torch.equal(out[rows], shift.expand_as(out)[rows])  # == : a -0 shift gives +0 here
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(case=cpu_cases(), where=st.sampled_from(LEAVES), data=st.data())
 def test_nan_poisons_exactly_what_it_feeds(case, where, data):
     """One NaN in an input makes NaN exactly the outputs that read it; everything else is unchanged, bitwise."""
