@@ -89,6 +89,7 @@ class Case:
     seed: int
     eps: float = 1e-5
     dtypes: tuple = (BF16, BF16, F32)
+    no_x_classes: tuple = ()  # value classes never given to x (mixed_rows included)
 
     def build(self, device="cpu"):
         """(x, norm_weight, temb, weight, bias, timestep_indices) on `device`."""
@@ -106,8 +107,9 @@ class Case:
         elif x_cls == "holes":
             x = x * (torch.rand(*self.lead, S, H, generator=g, dtype=F64) < 0.5)
         elif x_cls == "mixed_rows":
-            pick = torch.randint(0, len(SCALES), (*self.lead, S, 1), generator=g)
-            x = x * torch.tensor(list(SCALES.values()), dtype=F64)[pick]
+            scales = [v for k, v in SCALES.items() if k not in self.no_x_classes]
+            pick = torch.randint(0, len(scales), (*self.lead, S, 1), generator=g)
+            x = x * torch.tensor(scales, dtype=F64)[pick]
         else:
             x = scaled(x, x_cls)
         norm_weight = scaled(0.5 + torch.rand(H, generator=g, dtype=F64), nw_cls)
@@ -128,8 +130,9 @@ def _indices(pattern, S, T, g):
     return drawn.sort().values if pattern == "sorted" else drawn
 
 
-def _classes(draw, x_classes=X_CLASSES):
+def _classes(draw, no_x_classes=()):
     others = st.sampled_from(tuple(SCALES))
+    x_classes = tuple(c for c in X_CLASSES if c not in no_x_classes)
     return (draw(st.sampled_from(x_classes)), *(draw(others) for _ in range(4)))
 
 
@@ -402,13 +405,23 @@ GPU_SHAPES = ((8, 8, 1), (8, 256, 8), (16, 8, 3), (136, 40, 2), (264, 64, 3), (2
               (512, 256, 8))
 
 
+# CuPy compiles every kernel with -ftz=true (appended unconditionally by cupy.cuda.compiler), so
+# the kernels flush subnormal fp32 operands and results to zero where torch keeps them. Subnormal
+# weights, biases, temb and norm_weight stay inside the golden bound anyway (the table's DAZ / FTZ
+# term and the 2^-132 floors); a row of subnormal x does not (x * rstd is flushed, the row's
+# normalised value lost: 4e-8 instead of 0 with norm_weight ~ 2^100). So the GPU fuzz gives x no
+# subnormal rows, and test_gpu_subnormal_x_rows_match_the_replay pins that deviation on its own.
+GPU_NO_X_CLASSES = ("denormal",)
+
+
 @st.composite
 def gpu_cases(draw):
     H, D, T = draw(st.sampled_from(GPU_SHAPES))
     return Case(H=H, D=D, T=T, S=draw(st.integers(0, 64)),
                 lead=tuple(draw(st.lists(st.integers(0, 3), min_size=0, max_size=2))),
-                pattern=draw(st.sampled_from(INDEX_PATTERNS)), classes=_classes(draw),
-                seed=draw(st.integers(0, 2 ** 31)), eps=draw(st.sampled_from((1e-5, 1e-6, 1e-3))))
+                pattern=draw(st.sampled_from(INDEX_PATTERNS)), classes=_classes(draw, GPU_NO_X_CLASSES),
+                seed=draw(st.integers(0, 2 ** 31)), eps=draw(st.sampled_from((1e-5, 1e-6, 1e-3))),
+                no_x_classes=GPU_NO_X_CLASSES)
 
 
 def check_parity(out, ref, args, table_backend, stats=None):
@@ -467,3 +480,17 @@ def test_gpu_fuzz_cupy_against_golden_and_replay():
     for table_backend in ("torch", "cuda"):
         n = stats[f"elements_{table_backend}"]
         assert stats[f"beyond_1_ulp_{table_backend}"] <= 0.001 * n, (table_backend, stats)
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="CuPy's -ftz=true: the kernels flush a subnormal x * rstd to zero, torch "
+                                       "(diffusers) keeps it; found by the GPU fuzz")
+def test_gpu_subnormal_x_rows_match_the_replay():
+    """Rows of bf16-subnormal x (|x| < 2^-126): the kernels should give the replay's output."""
+    case = Case(H=264, D=64, T=3, S=16, lead=(), pattern="random", classes=("denormal", "huge", "normal", "tiny",
+                                                                            "tiny"), seed=3)
+    args = case.build("cuda")
+    out = final_adaln_out(*args, backend="cupy", table_backend="torch")
+    ref = final_adaln_out(*args, backend="torch")
+    check_parity(out, ref, args, "torch")
+    check_against_golden(out, expected(args, case.eps))
