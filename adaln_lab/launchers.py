@@ -26,8 +26,9 @@ SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
     "norm_modulate_bf16": "ppppppifii",
     "norm_modulate_rowwise_bf16": "ppppppifii",
     "norm_modulate_bwd_bf16": "ppppppppiii",
-    "reduce_partials_bf16": "ppppppip",
-    "table_bwd_bf16": "ppppppp",
+    "reduce_partials_bf16": "ppppppi",
+    "table_bwd_bf16": "ppppp",
+    "table_bwd_reduce": "pppi",
 }
 
 
@@ -121,7 +122,8 @@ def launch_backward(k: dict, plan: Plan, rows: Rows, stream: int, *, dy: int, x:
         runtime.memsetAsync(row_partials, 0, plan.T * 2 * plan.H * 4, stream)
     k["reduce_partials_bf16"]((-(-plan.H // 32), 1, 1), (32, plan.sum_groups, 1), 0, stream,
                               row_partials, norm_weight, table_f32, workspace + o["d_table"], d_norm_weight, d_bias,
-                              max(rows.bwd_ranges, 1), workspace + o["counters"])
+                              max(rows.bwd_ranges, 1))
     k["table_bwd_bf16"]((plan.d_tiles, plan.blocks_j, 1), (plan.tb_threads, 1, 1), 0, stream,
-                        workspace + o["d_table"], temb, weight, d_weight, workspace + o["dact_partials"], d_temb,
-                        workspace + o["counters"])
+                        workspace + o["d_table"], temb, weight, d_weight, workspace + o["dact_partials"])
+    k["table_bwd_reduce"]((-(-plan.D // 32), plan.T, 1), (32, plan.sum_groups, 1), 0, stream,
+                          workspace + o["dact_partials"], temb, d_temb, plan.blocks_j)

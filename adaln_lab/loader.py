@@ -20,7 +20,7 @@ KERNEL_FILES = ("adaln_common.cuh", "table.cu", "norm_modulate.cu", "norm_modula
 INCLUDE_LINE = '#include "adaln_common.cuh"'
 COMPILE_OPTIONS = ("--std=c++17",)
 KERNELS = ("table_bf16", "norm_modulate_bf16", "norm_modulate_rowwise_bf16", "norm_modulate_bwd_bf16",
-           "reduce_partials_bf16", "table_bwd_bf16")
+           "reduce_partials_bf16", "table_bwd_bf16", "table_bwd_reduce")
 
 
 def kernel_dir() -> Path:

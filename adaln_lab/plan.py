@@ -21,9 +21,9 @@ from functools import lru_cache
 # Constants of the kernels: the one place they live. Changing one changes the compiled unit
 # (its text carries the values), and `clear_caches()` forgets every derived plan.
 TUNING = {
-    "TABLE_THREADS": 256,       # table.cu: block size
+    "TABLE_THREADS": 512,       # table.cu: block size
     "TABLE_ROWS_PER_WARP": 4,   # table.cu: output rows j per warp, their weight rows loaded side by side
-    "TABLE_PREFETCH": 1,        # table.cu: 1 issues a warp's first weight loads before the SiLU prologue
+    "TABLE_PREFETCH": 0,        # table.cu: 1 issues a warp's first weight loads before the SiLU prologue (v8: slower)
     "FWD_THREADS_MAX": 256,     # norm_modulate.cu: row block size cap (H = 5376: 224 threads x 3 vectors)
     "FWD_RANGES": 264,          # norm_modulate.cu: row ranges of the staged kernel (a constant, not the SM count)
     "FWD_MIN_ROWS": 8,          # norm_modulate.cu: fewest rows of one range (the table staging is per range)
@@ -93,7 +93,7 @@ class Rows:
     fwd_offsets / fwd_bytes: one forward workspace holding `table` (T, 2H) bf16, `table_f32` (T, 2H)
     fp32 and `rstd` (rows,) fp32. bwd_offsets / bwd_bytes: one backward workspace holding
     `row_partials` (bwd_ranges, T, 2, H) fp32, `d_table` (T, 2H) fp32, `dact_partials`
-    (blocks_j, T, D) fp32 and `counters` (d_tiles,) uint32.
+    (blocks_j, T, D) fp32.
     """
 
     rows: int
@@ -161,7 +161,7 @@ class Plan:
                     TABLE_ROWS_PER_WARP=t["TABLE_ROWS_PER_WARP"], TABLE_PREFETCH=t["TABLE_PREFETCH"],
                     FWD_ROW_LIST_MAX=t["FWD_ROW_LIST_MAX"], ROW_LIST_MAX=t["ROW_LIST_MAX"],
                     TB_THREADS=t["TB_THREADS"], TB_ROWS=t["TB_ROWS"], TB_COLUMNS=TB_COLUMNS,
-                    SUM_GROUPS=t["SUM_GROUPS"], D_TILES=self.d_tiles)
+                    SUM_GROUPS=t["SUM_GROUPS"])
 
 
 @lru_cache(maxsize=4096)
@@ -173,7 +173,7 @@ def _rows(plan: Plan, rows: int) -> Rows:
     T, H, D = plan.T, plan.H, plan.D
     fwd_offsets, fwd_bytes = layout({"table": T * 2 * H * 2, "table_f32": T * 2 * H * 4, "rstd": rows * 4})
     bwd_offsets, bwd_bytes = layout({"row_partials": max(bwd_ranges, 1) * T * 2 * H * 4, "d_table": T * 2 * H * 4,
-                                     "dact_partials": plan.blocks_j * T * D * 4, "counters": plan.d_tiles * 4})
+                                     "dact_partials": plan.blocks_j * T * D * 4})
     return Rows(rows, fwd_per, math.ceil(rows / fwd_per) if rows else 0, bwd_per, bwd_ranges,
                 fwd_offsets, fwd_bytes, bwd_offsets, bwd_bytes)
 

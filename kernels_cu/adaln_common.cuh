@@ -52,13 +52,6 @@ __device__ __forceinline__ void unpack8(uint4 raw, float v[ADALN_VEC]) {
 
 __device__ __forceinline__ void load8(const bf16_t* p, float v[ADALN_VEC]) { unpack8(load_raw8(p), v); }
 
-// 16-byte load that bypasses L1 (ld.global.cg): for data other blocks of the same launch wrote
-__device__ __forceinline__ float4 load_float4_cg(const float* p) {
-    float4 v;
-    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
-    return v;
-}
-
 // Asynchronous 16-byte copies global -> shared (cp.async, sm_80+), in commit groups. A thread
 // that waits for its own group may read what it copied without a barrier.
 __device__ __forceinline__ void copy_async16(void* shared, const void* global) {
@@ -114,6 +107,28 @@ __device__ __forceinline__ void group_bounds(int n, int g, int& b0, int& b1) {
     const int per = (n + ADALN_SUM_GROUPS - 1) / ADALN_SUM_GROUPS;
     b0 = min(n, g * per);
     b1 = min(n, b0 + per);
+}
+
+// Ordered sum down one column of a (n, ...) fp32 array, for block shape (32, ADALN_SUM_GROUPS):
+// threadIdx.x picks the column, threadIdx.y one group of group_bounds, summed in row order in double;
+// the group sums are then added in group order. The order depends on n alone. Every thread of the
+// block must call it; the result is meaningful where threadIdx.y == 0.
+__device__ __forceinline__ double ordered_column_sum(const float* column, int n, size_t stride, bool valid,
+                                                     double (*scratch)[32]) {
+    int b0, b1;
+    group_bounds(n, threadIdx.y, b0, b1);
+    double s = 0.0;
+    if (valid)
+#pragma unroll 8
+        for (int b = b0; b < b1; ++b) s += (double)column[(size_t)b * stride];  // loads issued 8 at a time
+    scratch[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    double total = 0.0;
+    if (threadIdx.y == 0)
+#pragma unroll
+        for (int g = 0; g < ADALN_SUM_GROUPS; ++g) total += scratch[g][threadIdx.x];
+    __syncthreads();
+    return total;
 }
 
 // The row list of a block that owns rows r0 .. r0 + n - 1: each row's timestep, -1 where the index

@@ -12,19 +12,15 @@
 // in adaln_common.cuh: ADALN_SUM_GROUPS groups in row order, in double, then the groups in order);
 // then t = 0 .. T-1 in order, in double; each output rounded once. Up to RP_T timesteps are summed
 // at once, so every thread has 2 * RP_T loads in flight per row range instead of one.
-// Block 0 also zeroes the tile counters of table_bwd.cu (which runs next on the same stream).
-// Run: adaln_lab.launchers.reduce_partials(row_partials, norm_weight, table_f32, counters).
+// Run: adaln_lab.launchers.launch_backward (its second kernel).
 
 #define RP_T (ADALN_T < 4 ? ADALN_T : 4)
 
 extern "C" __global__ void __launch_bounds__(32 * ADALN_SUM_GROUPS)
 reduce_partials_bf16(const float* __restrict__ row_partials, const bf16_t* __restrict__ norm_weight,
                      const float* __restrict__ table_f32, float* __restrict__ d_table,
-                     bf16_t* __restrict__ d_norm_weight, bf16_t* __restrict__ d_bias, int nblocks,
-                     unsigned* __restrict__ counters) {
+                     bf16_t* __restrict__ d_norm_weight, bf16_t* __restrict__ d_bias, int nblocks) {
     __shared__ double scratch[ADALN_SUM_GROUPS][2 * RP_T][32];
-    if (blockIdx.x == 0)
-        for (int i = threadIdx.y * 32 + threadIdx.x; i < ADALN_D_TILES; i += 32 * ADALN_SUM_GROUPS) counters[i] = 0u;
     const int h = blockIdx.x * 32 + threadIdx.x;
     const bool valid = h < ADALN_H;
     const double w = valid ? (double)bf16_to_float(norm_weight[h]) : 0.0;

@@ -4,36 +4,29 @@
 //   dact[t, k]     = sum_j d_table[t, j] * weight[j, k]
 //   d_temb[t, k]   = dact[t, k] * silu'(temb[t, k])                      (double, stored fp32)
 // The activation is used unrounded (straight-through the declared bf16 cast, and closer to the
-// exact gradient). weight is read once and d_weight written once.
+// exact gradient). weight is read once and d_weight written once, by table_bwd_bf16.
 //
-// Geometry (adaln_lab/plan.py): block = ADALN_TB_THREADS (warps W = ADALN_TB_THREADS / 32), grid =
-// plan.tb_grid = (D tiles of 256 columns, ceil(2H / ADALN_TB_ROWS) row blocks). Lane l of a block
-// covers the 8 columns k of vector blockIdx.x * 32 + l, warp w the ADALN_TB_ROWS / W consecutive
-// rows j from blockIdx.y * ADALN_TB_ROWS + w * ADALN_TB_ROWS / W. Each thread sums its rows in
-// order; the W warps' sums are added in warp order and stored to dact_partials[blockIdx.y, t, k].
-// The last block of a D tile to finish (a counter per tile, zeroed by reduce_partials.cu, which
-// runs just before on the same stream) then forms d_temb of that tile: an ordered sum over the row
-// blocks b (group_bounds: ADALN_SUM_GROUPS groups in row order, in double, then groups in order).
-// Which block is last changes nothing but who adds: the order is fixed by the shapes.
-// Run: adaln_lab.launchers.table_bwd(d_table, temb, weight, counters).
+// table_bwd_bf16 geometry (adaln_lab/plan.py): block = ADALN_TB_THREADS (W = ADALN_TB_THREADS / 32
+// warps), grid = plan.tb_grid = (D tiles of 256 columns, ceil(2H / ADALN_TB_ROWS) row blocks). Lane l
+// covers the 8 columns k of vector blockIdx.x * 32 + l, warp w the ADALN_TB_ROWS / W consecutive rows j
+// from blockIdx.y * ADALN_TB_ROWS + w * ADALN_TB_ROWS / W. Each thread sums its rows in order; the W
+// warps' sums are added in warp order (any block size: threads stride over the tile's 256 columns)
+// and stored to dact_partials[blockIdx.y, t, k].
+// table_bwd_reduce geometry: block (32, ADALN_SUM_GROUPS), grid = (ceil(D / 32), T): one (t, k) per
+// threadIdx.x, ordered_column_sum over the row blocks (adaln_common.cuh), in double.
+// (A version that let the last row block of each tile do this sum, one launch fewer, measured
+// 152 us against 61 us for both kernels at 32768 rows: bench/NOTES.md v8.)
+// Run: adaln_lab.launchers.launch_backward (its third and fourth kernels).
 
 #define TB_WARPS (ADALN_TB_THREADS / 32)
 #define TB_ROWS_PER_WARP (ADALN_TB_ROWS / TB_WARPS)
-#define TB_QUADS (ADALN_TB_COLUMNS / 4)
 static_assert(ADALN_TB_ROWS % TB_WARPS == 0, "ADALN_TB_ROWS must split evenly over the warps");
 static_assert(ADALN_TB_COLUMNS == 32 * ADALN_VEC, "a D tile is one 8-wide vector per lane");
 
 extern "C" __global__ void __launch_bounds__(ADALN_TB_THREADS)
 table_bwd_bf16(const float* __restrict__ d_table, const float* __restrict__ temb, const bf16_t* __restrict__ weight,
-               bf16_t* __restrict__ d_weight, float* __restrict__ dact_partials, float* __restrict__ d_temb,
-               unsigned* __restrict__ counters) {
-    // the warps' dact sums [TB_WARPS][TB_COLUMNS] floats, then (last block) group sums [SUM_GROUPS][TB_COLUMNS] doubles
-    constexpr int SHARED_DOUBLES = (TB_WARPS * ADALN_TB_COLUMNS / 2 > ADALN_SUM_GROUPS * ADALN_TB_COLUMNS)
-                                       ? TB_WARPS * ADALN_TB_COLUMNS / 2 : ADALN_SUM_GROUPS * ADALN_TB_COLUMNS;
-    __shared__ double shared_raw[SHARED_DOUBLES];
-    __shared__ bool last;
-    float (*combine)[ADALN_TB_COLUMNS] = reinterpret_cast<float (*)[ADALN_TB_COLUMNS]>(shared_raw);
-    double (*group_sums)[ADALN_TB_COLUMNS] = reinterpret_cast<double (*)[ADALN_TB_COLUMNS]>(shared_raw);
+               bf16_t* __restrict__ d_weight, float* __restrict__ dact_partials) {
+    __shared__ float combine[TB_WARPS][ADALN_TB_COLUMNS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kv = blockIdx.x * 32 + lane;
     const int k0 = blockIdx.x * ADALN_TB_COLUMNS;
@@ -79,45 +72,18 @@ table_bwd_bf16(const float* __restrict__ d_table, const float* __restrict__ temb
         }
         __syncthreads();
     }
+}
 
-    // the last row block of this D tile forms d_temb of the tile
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == gridDim.y - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const int nb = gridDim.y;
-#pragma unroll 1
-    for (int t = 0; t < ADALN_T; ++t) {
-        for (int p = threadIdx.x; p < TB_QUADS * ADALN_SUM_GROUPS; p += ADALN_TB_THREADS) {
-            const int quad = p % TB_QUADS, g = p / TB_QUADS;
-            int b0, b1;
-            group_bounds(nb, g, b0, b1);
-            double s[4] = {0.0, 0.0, 0.0, 0.0};
-            if (k0 + quad * 4 < ADALN_D)
-#pragma unroll 4
-                for (int b = b0; b < b1; ++b) {
-                    const float4 v = load_float4_cg(dact_partials + ((size_t)b * ADALN_T + t) * ADALN_D + k0 + quad * 4);
-                    s[0] += (double)v.x;
-                    s[1] += (double)v.y;
-                    s[2] += (double)v.z;
-                    s[3] += (double)v.w;
-                }
-#pragma unroll
-            for (int e = 0; e < 4; ++e) group_sums[g][quad * 4 + e] = s[e];
-        }
-        __syncthreads();
-        for (int c = threadIdx.x; c < ADALN_TB_COLUMNS; c += ADALN_TB_THREADS) {
-            const int k = k0 + c;
-            if (k < ADALN_D) {
-                double total = 0.0;
-#pragma unroll
-                for (int g = 0; g < ADALN_SUM_GROUPS; ++g) total += group_sums[g][c];
-                const double v = temb[t * ADALN_D + k], sg = 1.0 / (1.0 + exp(-v));
-                d_temb[t * ADALN_D + k] = (float)(total * sg * (1.0 + v * (1.0 - sg)));
-            }
-        }
-        __syncthreads();
+extern "C" __global__ void __launch_bounds__(32 * ADALN_SUM_GROUPS)
+table_bwd_reduce(const float* __restrict__ dact_partials, const float* __restrict__ temb,
+                 float* __restrict__ d_temb, int nblocks) {
+    __shared__ double scratch[ADALN_SUM_GROUPS][32];
+    const int k = blockIdx.x * 32 + threadIdx.x, t = blockIdx.y;
+    const bool valid = k < ADALN_D;
+    const double dact = ordered_column_sum(dact_partials + (size_t)t * ADALN_D + k, nblocks,
+                                           (size_t)ADALN_T * ADALN_D, valid, scratch);
+    if (threadIdx.y == 0 && valid) {
+        const double v = temb[t * ADALN_D + k], s = 1.0 / (1.0 + exp(-v));
+        d_temb[t * ADALN_D + k] = (float)(dact * s * (1.0 + v * (1.0 - s)));
     }
 }

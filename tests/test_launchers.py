@@ -46,10 +46,11 @@ def test_forward_and_backward_launch_each_kernel_once_on_live_buffers(calls, row
     grads = cuda_op.backward_tensors(dy, i.x, i.norm_weight, i.temb, i.weight, i.timestep_indices, saved)
     names = [c[0] for c in calls]
     assert names == ["table_bf16", "norm_modulate_bf16", "norm_modulate_bwd_bf16", "reduce_partials_bf16",
-                     "table_bwd_bf16"]
+                     "table_bwd_bf16", "table_bwd_reduce"]
     plan, r = saved[0], saved[1]
     assert calls[1][1] == (r.fwd_ranges, 1, 1) and calls[2][1] == (r.bwd_ranges, 1, 1)
     assert calls[3][1] == (-(-plan.H // 32), 1, 1) and calls[4][1] == plan.tb_grid + (1,)
+    assert calls[5][1] == (-(-plan.D // 32), plan.T, 1) and calls[5][4][3] == plan.blocks_j
     # every pointer argument points into something alive: inputs, outputs, the forward's workspace
     # (kept for the backward) or the backward's workspace (the only allocation not returned)
     live = _buffers([*i.args, dy, out, saved[2], *grads])
@@ -70,7 +71,7 @@ def test_empty_batch_launches_no_row_kernel_and_zeroes_the_partials(calls):
     assert out.shape == (0, 264)
     cuda_op.backward_tensors(torch.empty_like(out), i.x, i.norm_weight, i.temb, i.weight, i.timestep_indices, saved)
     names = [c[0] for c in calls]
-    assert names == ["table_bf16", "memset", "reduce_partials_bf16", "table_bwd_bf16"]
+    assert names == ["table_bf16", "memset", "reduce_partials_bf16", "table_bwd_bf16", "table_bwd_reduce"]
     memset = calls[1]
     assert memset[2] == 2 * 2 * 264 * 4  # one range of (T, 2, H) fp32 zeros
     assert calls[2][4][6] == 1  # reduce_partials sums that one range

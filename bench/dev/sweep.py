@@ -116,17 +116,19 @@ class Op:
             self.k["reduce_partials_bf16"]((-(-H // 32), 1, 1), (32, self.p.sum_groups, 1), 0, self.s,
                                            ws + o["row_partials"], i.norm_weight.data_ptr(), self.table_f32,
                                            ws + o["d_table"], self.d_nw.data_ptr(), self.d_b.data_ptr(),
-                                           self.r.bwd_ranges, ws + o["counters"])
+                                           self.r.bwd_ranges)
 
-        def reduce_and_table_bwd():
-            reduce()
+        def table_bwd():
             self.k["table_bwd_bf16"]((self.p.d_tiles, self.p.blocks_j, 1), (self.p.tb_threads, 1, 1), 0, self.s,
                                      ws + o["d_table"], i.temb.data_ptr(), i.weight.data_ptr(), self.d_w.data_ptr(),
-                                     ws + o["dact_partials"], self.d_temb.data_ptr(), ws + o["counters"])
+                                     ws + o["dact_partials"])
+            self.k["table_bwd_reduce"]((-(-D // 32), T, 1), (32, self.p.sum_groups, 1), 0, self.s,
+                                       ws + o["dact_partials"], i.temb.data_ptr(), self.d_temb.data_ptr(),
+                                       self.p.blocks_j)
 
         us = {"table": gpu_us(self.table_step), "norm_modulate": gpu_us(self.rows_step),
               "norm_modulate_bwd": gpu_us(row_pass), "reduce_partials": gpu_us(reduce),
-              "reduce+table_bwd": gpu_us(reduce_and_table_bwd),
+              "table_bwd+reduce": gpu_us(table_bwd),
               "graph_fwd": graph_us(self.forward), "graph_fwd_bwd": graph_us(self.fwd_bwd)}
         return {k: round(v, 2) for k, v in us.items()}
 
