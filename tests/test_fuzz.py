@@ -8,7 +8,8 @@ CPU, backend="torch" (the diffusers replay):
       never gives NaN / inf on finite inputs, and a NaN input poisons exactly the rows / columns it
       feeds.
 GPU (marked `gpu`): backend="cupy" over 1000 drawn cases against the same golden bound and against
-backend="torch" on the same CUDA tensors.
+backend="torch" on the same CUDA tensors. On the H200 (2026-12-02, working tree of 538d1d6): 1000
+cases, 5.8 M elements, none more than one ulp from the replay with either table backend, 15 s.
 
 Every checker is a plain function that raises AssertionError; `test_checkers_catch_planted_errors`
 shows each one failing on a deliberately wrong callable.
