@@ -52,6 +52,7 @@ def forward_tensors(x, norm_weight, temb, weight, bias, timestep_indices, eps: f
     table_f32 and rstd share one allocation (the eager path); otherwise `keep` is the tuple
     (table_f32 (T, 2H), rstd (rows,)) of separate tensors (the custom op's outputs).
     """
+    x, norm_weight, weight, bias = _aligned(x), _aligned(norm_weight), _aligned(weight), _aligned(bias)
     H = x.shape[-1]
     T, D = temb.shape
     plan = make_plan(H, D, T)
@@ -89,11 +90,12 @@ def forward_tensors(x, norm_weight, temb, weight, bias, timestep_indices, eps: f
 def backward_tensors(dy, x, norm_weight, temb, weight, timestep_indices, saved):
     """dx, d_norm_weight, d_temb, d_weight, d_bias (see the module docstring) for one forward's `saved`."""
     plan, rows, _, table_f32, rstd = saved
+    x, norm_weight, weight = _aligned(x), _aligned(norm_weight), _aligned(weight)
     device = x.device
     k = launchers.kernels(device.index, plan)
     launchers.bind(device.index)
     stream = current_stream(device.index)
-    dy = dy.contiguous()
+    dy = _aligned(dy)
     dx = torch.empty_like(x)
     d_norm_weight = torch.empty_like(norm_weight)
     d_temb = torch.empty_like(temb)
@@ -240,6 +242,12 @@ def _backward(ctx, d_out, d_table_f32, d_rstd):
 
 
 final_adaln_out_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous and starting on a 16-byte boundary (the kernels load 8 bf16 at a time); a copy only if not."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def final_adaln_out_op(x, norm_weight, temb, weight, bias, timestep_indices, eps, table_backend="cuda"):

@@ -73,8 +73,8 @@ def _check(x, norm_weight, temb, weight, bias, timestep_indices):
     for name, t in (("x", x), ("norm_weight", norm_weight), ("weight", weight), ("bias", bias)):
         if t.dtype != torch.bfloat16:
             raise TypeError(f"adaln_lab.dlpack needs {name} in bfloat16, got {t.dtype}")
-        if not t.is_contiguous():
-            raise ValueError(f"adaln_lab.dlpack needs {name} contiguous (C order)")
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            raise ValueError(f"adaln_lab.dlpack needs {name} contiguous (C order) and 16-byte aligned (zero-copy)")
     if temb.dtype != torch.float32 or not temb.is_contiguous():
         raise TypeError(f"adaln_lab.dlpack needs temb contiguous float32, got {temb.dtype}")
 

@@ -39,7 +39,8 @@ TUNING = {
 }
 SMEM_BLOCK_MAX = 227 * 1024       # dynamic + static shared memory one block may opt in to (sm_90, sm_100)
 BWD_STAGE_BUDGET = 200 * 1024     # dynamic shared memory of the backward's stages (static scratch beside it)
-H_MAX = 51200                      # the backward's pipeline needs one stage of an x row and a dy row
+H_MAX = 50176                      # the largest H whose backward stage (an x and a dy row, padded to the
+                                   # row block) fits BWD_STAGE_BUDGET: tests/test_kernels_compile.py checks it
 TD_MAX = 24576                     # table.cu keeps T * D bf16 activations in 48 KiB of static shared memory
 TB_COLUMNS = 256                   # table_bwd.cu: columns k of one block (32 lanes x 8)
 

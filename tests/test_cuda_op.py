@@ -128,7 +128,7 @@ def test_empty_batch_gives_an_empty_output_and_zero_gradients(shape):
 def test_staged_and_row_per_block_forward_agree_bit_for_bit(monkeypatch):
     """The staged kernel and the row-per-block fallback share the thread map and tree: same bits per row."""
     from adaln_lab import launchers, loader, plan as plan_module
-    from adaln_lab.cuda_op import norm_modulate
+    from adaln_lab.cuda_op import norm_modulate, table
 
     inputs = make(3, 1500, "cuda")
     tab, _ = table(inputs.temb, inputs.weight, inputs.bias)

@@ -107,6 +107,9 @@ def test_shapes_the_kernels_cannot_take_are_refused_clearly():
         check_shapes(256, 8192, 4)
     check_shapes(8, 8, 1)
     check_shapes(plan_module.H_MAX, 8, 1)
+    assert plan(plan_module.H_MAX, 8, 1).bwd_stages >= 1  # what check_shapes accepts, the plan can lay out
+    assert all(plan_module.supported(H, 8, 1) and plan(H, 8, 1).bwd_stages >= 1
+               for H in range(plan_module.H_MAX - 8 * 64, plan_module.H_MAX + 1, 8))
     check_shapes(8, 8, plan_module.TD_MAX // 8)
     with pytest.raises(ValueError, match="H "):
         check_shapes(plan_module.H_MAX + 8, 8, 1)
