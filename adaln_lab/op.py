@@ -25,10 +25,10 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
     """MiniMax-H3's final AdaLN output (diffusers `MiniMaxH3AdaLayerNormOut`), differentiable.
 
     Args:
-        x: (..., S, H) hidden states (bf16 for the cupy backend).
-        norm_weight: (H,) RMSNorm weight.
-        temb: (T, D) float32, one row per distinct timestep.
-        weight: (2H, D) projection weight; bias: (2H,) projection bias, same dtype as weight.
+        x: (..., S, H) hidden states, any float dtype (bf16 for the cupy backend).
+        norm_weight: (H,) RMSNorm weight; norm_weight, weight and bias share one dtype (one module's).
+        temb: (T, D) float32, float64 or the parameters' dtype, one row per distinct timestep.
+        weight: (2H, D) projection weight; bias: (2H,) projection bias.
         timestep_indices: (S,) int64 in [0, T): which table row modulates each row of x.
         eps: RMSNorm epsilon.
         backend: "torch" (the diffusers replay, any device, any float dtype), "cupy" (kernels_cu:
@@ -48,7 +48,8 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
             (the error shows instead of hiding); backend "torch" hits torch's device-side assert.
 
     Returns:
-        (..., S, H) tensor in x's dtype.
+        (..., S, H) tensor of dtype torch.promote_types(x.dtype, norm_weight.dtype), as diffusers
+        returns it: x's dtype when x and the parameters agree (always, for the cupy backend).
     """
     if check_indices is None:
         check_indices = not getattr(x, "is_cuda", False)
