@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # compute-sanitizer over the CUDA op's small calls (bench/sanitize/small_calls.py), one tool at a time.
-# Run from the repository root on a GPU machine: bash bench/sanitize/run.sh OUT_DIR
-# Each tool's report goes to OUT_DIR/sanitize_<tool>.txt; the last line of each says its error count.
+# Run from the repository root on a GPU machine: bash bench/sanitize/run.sh OUT_DIR [TOOL ...]
+# (default: all four tools). Each tool's report goes to OUT_DIR/sanitize_<tool>.txt; the line printed
+# per tool gives its exit status and error summary.
 set -u
 out=${1:-.}
-for tool in memcheck racecheck initcheck synccheck; do
+shift || true
+tools=${*:-memcheck racecheck initcheck synccheck}
+for tool in $tools; do
   extra=""
   [ "$tool" = memcheck ] && extra="--leak-check full"
   timeout 170 compute-sanitizer --tool "$tool" $extra --target-processes all python3 bench/sanitize/small_calls.py \
