@@ -2,13 +2,14 @@
 
 Layers, one job each (as flash-attention's interface):
 - `final_adaln_out` (called by `adaln_lab.op` after validation): eager calls go straight to the
-  autograd node `FinalAdaLNOut` (the lean host path: two allocations and two launches forward, two
-  allocations per output plus one workspace and three launches backward); under `torch.compile`
+  autograd node `FinalAdaLNOut` (the lean host path: two allocations and two launches forward; one
+  allocation per gradient plus one workspace and four launches backward); under `torch.compile`
   the same computation goes through the custom ops below, which the compiler can trace.
 - `torch.ops.adaln_lab.final_adaln_out_fwd` / `final_adaln_out_bwd`: torch.library custom ops
   with fake kernels and `register_autograd`, so `torch.compile(fullgraph=True)`, CUDA graphs and
   `torch.library.opcheck` take the op. Their CPU kernels compute the same function with torch ops
-  (the diffusers replay forward and the analytic backward in fp32/fp64), for tests and CPU users.
+  (the diffusers replay forward; the analytic backward with the kernels' formulas in fp32 / fp64 and
+  torch's reduction order, so close to the CUDA kernels but not bitwise), for tests and CPU users.
 - `forward_tensors` / `backward_tensors`: allocate with torch and launch.
 
 Shapes and broadcast: x (..., S, H) bf16, norm_weight (H,) bf16, temb (T, D) fp32, weight (2H, D)
@@ -23,10 +24,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from . import launchers
 from .plan import check_shapes, plan as make_plan
-from .reference import replay, table_reference
+from .reference import replay
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
@@ -39,9 +41,10 @@ def current_stream(device_index: int) -> int:
 
 
 def _table_from_torch(temb, weight, bias):
-    """The table by F.linear (cuBLAS), and its fp32 twin, as tensors to keep alive."""
-    table = table_reference(temb, weight, bias)
-    return table, table.float()
+    """The table by F.linear (cuBLAS), diffusers' bits, and its fp32 twin: the same sums unrounded (as
+    table.cu's table_f32), which the backward uses. Tensors to keep alive."""
+    act = F.silu(temb).to(weight.dtype)
+    return F.linear(act, weight, bias), F.linear(act.float(), weight.float(), bias.float())
 
 
 def forward_tensors(x, norm_weight, temb, weight, bias, timestep_indices, eps: float, table_backend: str,
@@ -118,6 +121,7 @@ def table(temb, weight, bias):
     plan = make_plan(H, D, T)
     out = torch.empty(T, 2 * H, dtype=torch.bfloat16, device=temb.device)
     out_f32 = torch.empty(T, 2 * H, dtype=torch.float32, device=temb.device)
+    launchers.bind(temb.device.index)
     launchers.launch_table(launchers.kernels(temb.device.index, plan), plan, current_stream(temb.device.index),
                            temb.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(), out_f32.data_ptr())
     return out, out_f32
@@ -130,6 +134,7 @@ def norm_modulate(x, norm_weight, table_bf16, timestep_indices, eps: float, D: i
     rows = plan.rows(x.numel() // H)
     out = torch.empty_like(x)
     rstd = torch.empty(rows.rows, dtype=torch.float32, device=x.device)
+    launchers.bind(x.device.index)
     launchers.launch_norm_modulate(launchers.kernels(x.device.index, plan), plan, rows, current_stream(x.device.index),
                                    x.data_ptr(), norm_weight.data_ptr(), table_bf16.data_ptr(),
                                    timestep_indices.data_ptr(), out.data_ptr(), rstd.data_ptr(), x.shape[-2], eps)
@@ -150,6 +155,7 @@ class FinalAdaLNOut(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         x, norm_weight, temb, weight, timestep_indices = ctx.saved_tensors
         grads = backward_tensors(dy, x, norm_weight, temb, weight, timestep_indices, ctx.adaln_saved)
@@ -164,8 +170,11 @@ def final_adaln_out_fwd(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.
                         bias: torch.Tensor, timestep_indices: torch.Tensor, eps: float,
                         table_backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out (..., S, H), table_f32 (T, 2H) fp32, rstd (rows,) fp32) on CUDA through kernels_cu."""
-    out, (_, _, keep, _, _) = forward_tensors(x, norm_weight, temb, weight, bias, timestep_indices, eps,
-                                              table_backend, fused_workspace=False)
+    _refuse_unsupported(x, norm_weight, temb, weight, bias)
+    with torch.cuda.device(x.device):
+        out, (_, _, keep, _, _) = forward_tensors(x, norm_weight, temb.contiguous(), weight, bias,
+                                                  timestep_indices.contiguous(), eps, table_backend,
+                                                  fused_workspace=False)
     return out, keep[0], keep[1]
 
 
@@ -173,14 +182,14 @@ def final_adaln_out_fwd(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.
 def _(x, norm_weight, temb, weight, bias, timestep_indices, eps, table_backend):
     T, H = temb.shape[0], x.shape[-1]
     rows = x.numel() // H
-    return (torch.empty_like(x), x.new_empty((T, 2 * H), dtype=torch.float32),
+    return (x.new_empty(x.shape), x.new_empty((T, 2 * H), dtype=torch.float32),
             x.new_empty((rows,), dtype=torch.float32))
 
 
 @final_adaln_out_fwd.register_kernel("cpu")
 def _(x, norm_weight, temb, weight, bias, timestep_indices, eps, table_backend):
-    out = replay(x, norm_weight, temb, weight, bias, timestep_indices, eps)
-    table_f32 = table_reference(temb, weight, bias).float()
+    out = replay(x, norm_weight, temb, weight, bias, timestep_indices, eps).contiguous()
+    table_f32 = _table_from_torch(temb, weight, bias)[1]
     xf = x.float().reshape(-1, x.shape[-1])
     rstd = torch.rsqrt(xf.pow(2).mean(dim=-1) + eps)
     return out, table_f32, rstd
@@ -192,17 +201,20 @@ def final_adaln_out_bwd(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Te
                         rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                      torch.Tensor]:
     """(dx, d_norm_weight, d_temb, d_weight, d_bias) on CUDA through kernels_cu."""
+    _refuse_unsupported(x, norm_weight, temb, weight)
     H = x.shape[-1]
     T, D = temb.shape
     plan = make_plan(H, D, T)
+    table_f32, rstd = _aligned(table_f32), rstd.contiguous()
     saved = (plan, plan.rows(x.numel() // H), None, table_f32.data_ptr(), rstd.data_ptr())
-    return backward_tensors(dy, x, norm_weight, temb, weight, timestep_indices, saved)
+    with torch.cuda.device(x.device):
+        return backward_tensors(dy, x, norm_weight, temb.contiguous(), weight, timestep_indices.contiguous(), saved)
 
 
 @final_adaln_out_bwd.register_fake
 def _(dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd):
-    return (torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(temb), torch.empty_like(weight),
-            weight.new_empty((weight.shape[0],)))
+    return (x.new_empty(x.shape), norm_weight.new_empty(norm_weight.shape), temb.new_empty(temb.shape),
+            weight.new_empty(weight.shape), weight.new_empty((weight.shape[0],)))
 
 
 @final_adaln_out_bwd.register_kernel("cpu")
@@ -224,7 +236,7 @@ def _(dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd):
     d_weight = d_table.double().T @ act
     sig = torch.sigmoid(temb.double())
     d_temb = (d_table.double() @ weight.double()) * sig * (1.0 + temb.double() * (1.0 - sig))
-    return (dx.to(x.dtype).reshape(x.shape), d_norm_weight.to(norm_weight.dtype), d_temb.to(temb.dtype),
+    return (dx.to(x.dtype).reshape(x.shape).contiguous(), d_norm_weight.to(norm_weight.dtype), d_temb.to(temb.dtype),
             d_weight.to(weight.dtype), d_table.double().sum(0).to(weight.dtype))
 
 
@@ -244,10 +256,34 @@ def _backward(ctx, d_out, d_table_f32, d_rstd):
 final_adaln_out_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def unsupported(x, norm_weight, temb, weight, bias=None) -> Exception | None:
+    """Why the CUDA kernels cannot take these (validated) inputs, as the error to raise (naming the
+    argument: TypeError for a dtype, ValueError for a device or shape); None if they can. The one
+    place this rule lives: backend "auto", backend "cupy", the custom ops and adaln_lab.dlpack ask it."""
+    for name, t in (("x", x), ("norm_weight", norm_weight), ("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype != torch.bfloat16:
+            return TypeError(f"backend='cupy' needs {name} in bfloat16, got {t.dtype}; use backend='torch'")
+    if temb.dtype != torch.float32:
+        return TypeError(f"backend='cupy' needs temb in float32, got {temb.dtype}; use backend='torch'")
+    if x.device.type != "cuda":
+        return ValueError(f"backend='cupy' needs CUDA tensors, but x is on {x.device}")
+    try:
+        check_shapes(x.shape[-1], temb.shape[1], temb.shape[0])
+    except ValueError as error:
+        return error
+    return None
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """t contiguous and starting on a 16-byte boundary (the kernels load 8 bf16 at a time); a copy only if not."""
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _refuse_unsupported(x, norm_weight, temb, weight, bias=None) -> None:
+    error = unsupported(x, norm_weight, temb, weight, bias)
+    if error is not None:
+        raise error
 
 
 def final_adaln_out_op(x, norm_weight, temb, weight, bias, timestep_indices, eps, table_backend="cuda"):
@@ -257,12 +293,7 @@ def final_adaln_out_op(x, norm_weight, temb, weight, bias, timestep_indices, eps
 
 def final_adaln_out(x, norm_weight, temb, weight, bias, timestep_indices, eps, *, table_backend="cuda"):
     """The CUDA backend of `adaln_lab.final_adaln_out` (inputs already validated by `adaln_lab.op`)."""
-    for name, t in (("x", x), ("norm_weight", norm_weight), ("weight", weight), ("bias", bias)):
-        if t.dtype != torch.bfloat16:
-            raise TypeError(f"backend='cupy' needs {name} in bfloat16, got {t.dtype}; use backend='torch'")
-    if temb.dtype != torch.float32:
-        raise TypeError(f"backend='cupy' needs temb in float32, got {temb.dtype}; use backend='torch'")
-    check_shapes(x.shape[-1], temb.shape[1], temb.shape[0])  # unsupported shapes raise here, naming the argument
+    _refuse_unsupported(x, norm_weight, temb, weight, bias)
     args = (x.contiguous(), norm_weight.contiguous(), temb.contiguous(), weight.contiguous(), bias.contiguous(),
             timestep_indices.contiguous(), float(eps), table_backend)
     if torch.compiler.is_compiling():

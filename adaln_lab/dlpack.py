@@ -5,10 +5,11 @@
     dx, d_norm_weight, d_temb, d_weight, d_bias = adaln.backward(dy, x, norm_weight, temb, weight,
                                                                  timestep_indices, table_f32, rstd)
 
-Inputs are read in place through DLPack (`torch.from_dlpack`, no copy). Outputs are allocated by
-the library of `x` (CuPy arrays for CuPy input, torch tensors otherwise) and the kernels run on the
-caller's stream: CuPy's current stream for CuPy input, torch's current stream for torch input, or
-the raw `cudaStream_t` handle given as `stream=`. Results are bitwise those of
+Inputs are read in place through DLPack (`torch.from_dlpack`, no copy), so they must be contiguous
+and 16-byte aligned (a clear error otherwise). Outputs are allocated by the library of `x` (CuPy
+arrays for CuPy input, torch tensors otherwise) and the kernels run on that library's current stream
+(`with cupy.cuda.Stream(...)` or `with torch.cuda.stream(...)` picks it), where the library's own
+allocator orders the reuse of every temporary. Results are bitwise those of
 `adaln_lab.final_adaln_out` (same kernels, same plan). On the CPU (torch tensors) the same two
 functions run the custom ops' CPU kernels: the diffusers replay forward and the analytic backward.
 
@@ -56,9 +57,7 @@ class _Allocator:
         tensor = torch.empty(shape, dtype=dtype, device=device)
         return tensor, tensor
 
-    def stream(self, device: torch.device, stream: int | None) -> int:
-        if stream is not None:
-            return int(stream)
+    def stream(self, device: torch.device) -> int:
         if self.cupy:
             import cupy
 
@@ -68,23 +67,33 @@ class _Allocator:
         return current_stream(device.index)
 
 
-def _check(x, norm_weight, temb, weight, bias, timestep_indices):
-    validate(x, norm_weight, temb, weight, bias, timestep_indices, 1e-5, check_indices=False)
-    for name, t in (("x", x), ("norm_weight", norm_weight), ("weight", weight), ("bias", bias)):
-        if t.dtype != torch.bfloat16:
-            raise TypeError(f"adaln_lab.dlpack needs {name} in bfloat16, got {t.dtype}")
-        if not t.is_contiguous() or t.data_ptr() % 16:
-            raise ValueError(f"adaln_lab.dlpack needs {name} contiguous (C order) and 16-byte aligned (zero-copy)")
-    if temb.dtype != torch.float32 or not temb.is_contiguous():
-        raise TypeError(f"adaln_lab.dlpack needs temb contiguous float32, got {temb.dtype}")
+def _check(x, norm_weight, temb, weight, bias, timestep_indices, eps):
+    validate(x, norm_weight, temb, weight, bias, timestep_indices, eps, check_indices=False)
+    if x.is_cuda:
+        from .cuda_op import unsupported
+
+        error = unsupported(x, norm_weight, temb, weight, bias)
+        if error is not None:
+            raise error
+    elif x.dtype != torch.bfloat16 or temb.dtype != torch.float32:
+        raise TypeError(f"adaln_lab.dlpack needs x in bfloat16 and temb in float32, got {x.dtype} and {temb.dtype}")
+    _in_place(x=x, norm_weight=norm_weight, temb=temb, weight=weight, bias=bias, timestep_indices=timestep_indices)
 
 
-def forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: float = 1e-5, *, stream: int | None = None):
+def _in_place(**arrays):
+    """Arrays read in place by the kernels: contiguous and 16-byte aligned, or a clear error."""
+    for name, t in arrays.items():
+        if not t.is_contiguous() or (t.is_cuda and t.data_ptr() % 16):
+            raise ValueError(f"adaln_lab.dlpack needs {name} contiguous (C order) and 16-byte aligned: it is read "
+                             "in place (zero-copy)")
+
+
+def forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: float = 1e-5):
     """(out (..., S, H) bf16, table_f32 (T, 2H) fp32, rstd (rows,) fp32) as arrays of x's library."""
     like = x
     x, norm_weight, temb, weight, bias, timestep_indices = map(_torch, (x, norm_weight, temb, weight, bias,
                                                                        timestep_indices))
-    _check(x, norm_weight, temb, weight, bias, timestep_indices)
+    _check(x, norm_weight, temb, weight, bias, timestep_indices, eps)
     if not x.is_cuda:
         from .cuda_op import final_adaln_out_fwd
 
@@ -99,7 +108,7 @@ def forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: float = 1
         table_f32, table_f32_t = alloc.empty((T, 2 * H), torch.float32, x.device)
         rstd, rstd_t = alloc.empty((rows.rows,), torch.float32, x.device)
         table, table_t = alloc.empty((T, 2 * H), torch.bfloat16, x.device)
-        s = alloc.stream(x.device, stream)
+        s = alloc.stream(x.device)
         launchers.bind(x.device.index)
         k = launchers.kernels(x.device.index, plan)
         launchers.launch_table(k, plan, s, temb.data_ptr(), weight.data_ptr(), bias.data_ptr(), table_t.data_ptr(),
@@ -107,19 +116,18 @@ def forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: float = 1
         launchers.launch_norm_modulate(k, plan, rows, s, x.data_ptr(), norm_weight.data_ptr(), table_t.data_ptr(),
                                        timestep_indices.data_ptr(), out_t.data_ptr(), rstd_t.data_ptr(), x.shape[-2],
                                        float(eps))
-        if not alloc.cupy:  # torch's allocator may hand `table` out again once freed: only after this stream's work
-            table_t.record_stream(torch.cuda.ExternalStream(s))
     return out, table_f32, rstd
 
 
-def backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd, *, stream: int | None = None):
+def backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd):
     """(dx, d_norm_weight, d_temb, d_weight, d_bias) as arrays of x's library; fixed-order reductions."""
     like = x
     dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd = map(
         _torch, (dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd))
-    _check(x, norm_weight, temb, weight, weight[:, 0].contiguous(), timestep_indices)  # a bias of the right shape
-    if dy.shape != x.shape or dy.dtype != x.dtype or not dy.is_contiguous():
-        raise ValueError(f"dy must be a contiguous {x.dtype} array of x's shape {tuple(x.shape)}")
+    _check(x, norm_weight, temb, weight, weight[:, 0].contiguous(), timestep_indices, 1e-5)  # a bias of the right shape
+    if dy.shape != x.shape or dy.dtype != x.dtype:
+        raise ValueError(f"dy must be a {x.dtype} array of x's shape {tuple(x.shape)}")
+    _in_place(dy=dy, table_f32=table_f32, rstd=rstd)
     T, H = temb.shape[0], x.shape[-1]
     if table_f32.shape != (T, 2 * H) or table_f32.dtype != torch.float32:
         raise ValueError(f"table_f32 must be the forward's (T, 2H) = ({T}, {2 * H}) float32 array")
@@ -141,7 +149,7 @@ def backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd
         d_weight, d_weight_t = alloc.empty((2 * H, D), torch.bfloat16, x.device)
         d_bias, d_bias_t = alloc.empty((2 * H,), torch.bfloat16, x.device)
         workspace, workspace_t = alloc.empty((rows.bwd_bytes // 4,), torch.float32, x.device)
-        s = alloc.stream(x.device, stream)
+        s = alloc.stream(x.device)
         launchers.bind(x.device.index)
         launchers.launch_backward(
             launchers.kernels(x.device.index, plan), plan, rows, s, dy=dy.data_ptr(), x=x.data_ptr(),
@@ -149,6 +157,4 @@ def backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd
             timestep_indices=timestep_indices.data_ptr(), temb=temb.data_ptr(), weight=weight.data_ptr(),
             workspace=workspace_t.data_ptr(), dx=dx_t.data_ptr(), d_norm_weight=d_norm_weight_t.data_ptr(),
             d_temb=d_temb_t.data_ptr(), d_weight=d_weight_t.data_ptr(), d_bias=d_bias_t.data_ptr(), S=x.shape[-2])
-        if not alloc.cupy:
-            workspace_t.record_stream(torch.cuda.ExternalStream(s))
     return dx, d_norm_weight, d_temb, d_weight, d_bias

@@ -1,8 +1,8 @@
 """Launchers: kernels_cu on raw device pointers, on a given CUDA stream, geometry from the plan.
 
 Two layers:
-- `launch_forward` / `launch_backward` take device pointers (ints), the plan, its `Rows` and a raw
-  stream handle. Whoever allocates (torch in `cuda_op`, CuPy in `dlpack`) passes pointers in.
+- `launch_table`, `launch_norm_modulate` and `launch_backward` take device pointers (ints), the plan,
+  its `Rows` and a raw stream handle. Whoever allocates (torch in `cuda_op`, CuPy in `dlpack`) passes pointers in.
 - `Kernel`: one kernel's launch through the driver (`cuLaunchKernel`) from a preallocated
   argument block, so a launch costs the driver call and a few field writes.
 
@@ -76,8 +76,12 @@ def bind(device_index: int) -> None:
 
 @lru_cache(maxsize=None)
 def kernels(device_index: int, plan: Plan) -> dict:
-    """{name: Kernel} of one plan on one device (compiled on first use)."""
-    return {name: Kernel(name, raw) for name, raw in loader.module(device_index, plan).items()}
+    """{name: Kernel} of one plan on one device (compiled on first use; resolved on that device, whatever
+    device is current)."""
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        return {name: Kernel(name, raw) for name, raw in loader.module(device_index, plan).items()}
 
 
 def launch_table(k: dict, plan: Plan, stream: int, temb: int, weight: int, bias: int, table: int,

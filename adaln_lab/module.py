@@ -101,9 +101,17 @@ class AdaLNOut(nn.Module):
         return module
 
     def _resolved_backend(self, hidden_states: torch.Tensor) -> str:
-        if self.backend == "auto":
-            return "cupy" if hidden_states.is_cuda else "torch"
-        return self.backend
+        """The backend this call runs: "auto" asks the op's own rule (the kernels where they run), with
+        temb as it will reach them (float32)."""
+        if self.backend != "auto":
+            return self.backend
+        if not hidden_states.is_cuda:
+            return "torch"
+        from .cuda_op import unsupported
+
+        temb_f32 = hidden_states.new_empty((1, self.linear.weight.shape[1]), dtype=torch.float32, device="meta")
+        error = unsupported(hidden_states, self.norm.weight, temb_f32, self.linear.weight, self.linear.bias)
+        return "torch" if error is not None else "cupy"
 
     def forward(self, hidden_states: torch.Tensor, temb: torch.Tensor, timestep_indices: torch.Tensor) -> torch.Tensor:
         weight, bias, norm_weight = self.linear.weight, self.linear.bias, self.norm.weight

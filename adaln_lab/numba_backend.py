@@ -11,7 +11,7 @@ What the simulator cannot reproduce: `cuda.fma` rounds twice there, and rsqrt is
 numba-cuda 0.30.4 calls `numpy.row_stack` at its first launch, which numpy 2.5 removed; `cuda()`
 puts `numpy.vstack` in its place before importing `numba.cuda`, and only when first called.
 
-Scope: the forward (table and norm_modulate). The backward has no twin yet.
+Scope: the forward (table and norm_modulate); the backward's twin is `adaln_lab.numba_backward`.
 Tensors: bf16 tensors travel as their 16-bit patterns (uint16), fp32 as fp32.
 """
 

@@ -9,7 +9,8 @@ Rules (bench/NOTES.md has the measurements behind each number):
 - A row's reductions use the tree of its row kernel's block (`fwd_threads`, `fwd_vpt` and
   `bwd_threads`, `bwd_vpt`), a function of H alone; which rows share a block never changes a bit.
 
-Shapes the CUDA path supports: H and D divisible by 8, H <= `H_MAX`, T * D <= `TD_MAX`.
+Shapes the CUDA path supports: H and D divisible by 8, H <= `H_MAX`, T <= `T_MAX`, T * D <= `TD_MAX`,
+fewer than 2^31 rows.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from functools import lru_cache
 TUNING = {
     "TABLE_THREADS": 512,       # table.cu: block size
     "TABLE_ROWS_PER_WARP": 4,   # table.cu: output rows j per warp, their weight rows loaded side by side
-    "TABLE_PREFETCH": 0,        # table.cu: 1 issues a warp's first weight loads before the SiLU prologue (v8: slower)
     "FWD_THREADS_MAX": 256,     # norm_modulate.cu: row block size cap (H = 5376: 224 threads x 3 vectors)
     "FWD_RANGES": 264,          # norm_modulate.cu: row ranges of the staged kernel (a constant, not the SM count)
     "FWD_MIN_ROWS": 8,          # norm_modulate.cu: fewest rows of one range (the table staging is per range)
@@ -42,6 +42,8 @@ BWD_STAGE_BUDGET = 200 * 1024     # dynamic shared memory of the backward's stag
 H_MAX = 50176                      # the largest H whose backward stage (an x and a dy row, padded to the
                                    # row block) fits BWD_STAGE_BUDGET: tests/test_kernels_compile.py checks it
 TD_MAX = 24576                     # table.cu keeps T * D bf16 activations in 48 KiB of static shared memory
+T_MAX = 32                         # table.cu / table_bwd.cu keep per-timestep arrays in registers, unrolled over T
+ROWS_MAX = 2 ** 31 - 1             # rows and S travel as int32
 TB_COLUMNS = 256                   # table_bwd.cu: columns k of one block (32 lanes x 8)
 
 
@@ -61,6 +63,8 @@ def check_shapes(H: int, D: int, T: int) -> None:
         raise ValueError(f"backend='cupy' needs D (temb.shape[1]) divisible by 8, got {D}; use backend='torch'")
     if H > H_MAX:
         raise ValueError(f"backend='cupy' needs H (x.shape[-1]) <= {H_MAX}, got {H}; use backend='torch'")
+    if T > T_MAX:
+        raise ValueError(f"backend='cupy' needs T (temb.shape[0]) <= {T_MAX}, got {T}; use backend='torch'")
     if T * D > TD_MAX:
         raise ValueError(f"backend='cupy' needs T * D <= {TD_MAX} (temb is {T} x {D}); use backend='torch'")
 
@@ -159,7 +163,7 @@ class Plan:
         return dict(H=self.H, D=self.D, T=self.T, FWD_THREADS=self.fwd_threads, FWD_VPT=self.fwd_vpt,
                     FWD_STAGES=max(self.fwd_stages, 1), BWD_THREADS=self.bwd_threads, BWD_VPT=self.bwd_vpt,
                     BWD_STAGES=self.bwd_stages, TABLE_THREADS=t["TABLE_THREADS"],
-                    TABLE_ROWS_PER_WARP=t["TABLE_ROWS_PER_WARP"], TABLE_PREFETCH=t["TABLE_PREFETCH"],
+                    TABLE_ROWS_PER_WARP=t["TABLE_ROWS_PER_WARP"],
                     FWD_ROW_LIST_MAX=t["FWD_ROW_LIST_MAX"], ROW_LIST_MAX=t["ROW_LIST_MAX"],
                     TB_THREADS=t["TB_THREADS"], TB_ROWS=t["TB_ROWS"], TB_COLUMNS=TB_COLUMNS,
                     SUM_GROUPS=t["SUM_GROUPS"])
@@ -167,6 +171,8 @@ class Plan:
 
 @lru_cache(maxsize=4096)
 def _rows(plan: Plan, rows: int) -> Rows:
+    if rows > ROWS_MAX:
+        raise ValueError(f"backend='cupy' takes fewer than 2^31 rows (x.numel() / H), got {rows}; split the batch")
     t = dict(plan.tuning)
     fwd_per = max(1, min(t["FWD_ROW_LIST_MAX"], max(t["FWD_MIN_ROWS"], math.ceil(rows / t["FWD_RANGES"]))))
     bwd_per = max(1, min(t["ROW_LIST_MAX"], math.ceil(rows / t["BWD_RANGES"])))

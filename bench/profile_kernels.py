@@ -1,11 +1,11 @@
 """Where the time of the CUDA op goes, at the seed sizes: development aid for bench/NOTES.md.
 
-- per kernel: `gpu_us` (20 back-to-back launches between two CUDA events, divided by 20: the GPU's
-  time when the CPU keeps ahead) and the bytes it must move, as TB/s;
-- the whole op: forward and forward+backward as CUDA-graph replays (GPU time), eager with a sync
-  before each sample (the report's protocol), and the host's time to issue one call;
-- host costs of the parts: validate, torch.empty, one kernel launch, the identity autograd floor;
-- registers and spill bytes of every kernel.
+- the whole op: forward and forward+backward as CUDA-graph replays (GPU time), back to back (20
+  calls between two CUDA events), and the host's time to issue one call;
+- host costs of the parts: validate, torch.empty, one kernel launch, an identity autograd.Function
+  over the five leaves (returning the same gradient list each call, so AccumulateGrad copies: a
+  higher floor than the report's `autograd_floor_host_us`, whose gradients are stolen);
+- registers and spill bytes of every kernel. Per-kernel times: bench/dev/sweep.py.
 Run: python bench/profile_kernels.py > profile_kernels.json
 """
 
@@ -18,7 +18,7 @@ import torch
 
 from adaln_lab import final_adaln_out, launchers, loader, validate
 from adaln_lab.cuda_op import current_stream
-from adaln_lab.harness.inputs import make, upstream
+from adaln_lab.harness.inputs import make
 from adaln_lab.plan import plan as make_plan
 
 REPS = 20

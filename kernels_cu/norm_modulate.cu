@@ -4,7 +4,7 @@
 //   n       = bf16(x * rstd * norm_weight)                              (F.rms_norm rounds once)
 //   out     = bf16(bf16(n * bf16(1 + scale[t])) + shift[t]),  t = timestep_indices[r % S]
 // with shift = table[t, :H], scale = table[t, H:] (bf16). A row whose index is outside [0, T)
-// reads no table row and gets NaN.
+// reads nothing outside the table and gets NaN.
 //
 // Thread i of a row's block holds the 8-wide vectors i, i + ADALN_FWD_THREADS, ... (ADALN_FWD_VPT
 // of them); ADALN_FWD_THREADS and ADALN_FWD_VPT come from H alone (adaln_lab/plan.py). Reduction
@@ -19,7 +19,7 @@
 // cp.async ahead of the row being normalised. Each thread reads back only the slots it wrote.
 // norm_modulate_rowwise_bf16: one row per block, every load issued before the reduction; used when
 // the staged kernel's shared memory (T timesteps of modulation) does not fit (plan.fwd_stages == 0).
-// Run: adaln_lab.launchers.norm_modulate(x, norm_weight, table, timestep_indices, eps).
+// Run: adaln_lab.cuda_op.norm_modulate(x, norm_weight, table, timestep_indices, eps, D).
 
 #define FWD_SLOTS (ADALN_FWD_VPT * ADALN_FWD_THREADS)  // uint4 slots of one row in shared memory
 

@@ -19,7 +19,7 @@
 // the next ADALN_BWD_STAGES rows' x and dy arriving through cp.async while a row is reduced.
 // Reduction order: the row dot product uses block_sum (the forward's tree, so dx of a row never
 // depends on the other rows); the partials add the block's rows of timestep t in row order.
-// Run: adaln_lab.launchers.norm_modulate_bwd(dy, x, rstd, norm_weight, table_f32, timestep_indices).
+// Run: adaln_lab.launchers.launch_backward (its first kernel).
 
 // this thread's vectors of row `row` of x and dy into stage buffer `stage` ([2][VPT][THREADS]), as
 // one commit group (an empty group when the row is not present, so every iteration commits one)

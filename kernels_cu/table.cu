@@ -7,22 +7,20 @@
 // Geometry (adaln_lab/plan.py): block = ADALN_TABLE_THREADS, each warp owns ADALN_TABLE_ROWS_PER_WARP
 // consecutive output rows j (their weight rows loaded side by side), grid = plan.table_grid =
 // ceil(2H / (warps * rows per warp)). Static shared memory: the T * D bf16 activations
-// (plan.check_shapes keeps them within 48 KiB). With ADALN_TABLE_PREFETCH a warp issues its first
-// weight loads before the block computes the activations, so the SiLU prologue overlaps them.
+// (plan.check_shapes keeps them within 48 KiB).
 // Reduction order of one (t, j): lane l sums the 8-wide k-vectors l, l + 32, l + 64, ... in that
 // order (fmaf over the 8 elements in k order); the 32 lane sums go through warp_sum_lane0.
 // Each timestep has its own accumulator, so row t has the same bits whatever T is and whichever
 // other timesteps are present. weight is read once.
-// Run: adaln_lab.launchers.table(temb, weight, bias) on CUDA tensors.
+// Run: adaln_lab.cuda_op.table(temb, weight, bias) on CUDA tensors.
 
 #define TABLE_R ADALN_TABLE_ROWS_PER_WARP
 
 __device__ __forceinline__ void load_weight_step(uint4 w_raw[TABLE_R], const bf16_t* weight, int first, int kv) {
 #pragma unroll
     for (int r = 0; r < TABLE_R; ++r)
-        w_raw[r] = first + r < 2 * ADALN_H && kv < ADALN_NVEC_D
-                       ? load_raw8(weight + (size_t)(first + r) * ADALN_D + kv * ADALN_VEC)
-                       : make_uint4(0, 0, 0, 0);
+        w_raw[r] = first + r < 2 * ADALN_H ? load_raw8(weight + (size_t)(first + r) * ADALN_D + kv * ADALN_VEC)
+                                           : make_uint4(0, 0, 0, 0);
 }
 
 __device__ __forceinline__ void accumulate_step(float acc[TABLE_R][ADALN_T], const uint4 w_raw[TABLE_R],
@@ -47,8 +45,6 @@ table_bf16(const float* __restrict__ temb, const bf16_t* __restrict__ weight, co
     __shared__ __align__(16) bf16_t act[ADALN_T * ADALN_D];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int first = (blockIdx.x * (ADALN_TABLE_THREADS / 32) + warp) * TABLE_R;
-    uint4 w_raw[TABLE_R];
-    if (ADALN_TABLE_PREFETCH) load_weight_step(w_raw, weight, first, lane);
     for (int i = threadIdx.x; i < ADALN_T * ADALN_D; i += ADALN_TABLE_THREADS) act[i] = float_to_bf16(silu(temb[i]));
     __syncthreads();
 
@@ -57,22 +53,11 @@ table_bf16(const float* __restrict__ temb, const bf16_t* __restrict__ weight, co
     for (int r = 0; r < TABLE_R; ++r)
 #pragma unroll
         for (int t = 0; t < ADALN_T; ++t) acc[r][t] = 0.0f;
-    if (ADALN_TABLE_PREFETCH) {
-        // software pipeline: the loads of step kv + 32 are in flight while step kv is summed
-#pragma unroll 1
-        for (int kv = lane; kv < ADALN_NVEC_D; kv += 32) {
-            uint4 next[TABLE_R];
-            load_weight_step(next, weight, first, kv + 32);
-            accumulate_step(acc, w_raw, act, kv);
-#pragma unroll
-            for (int r = 0; r < TABLE_R; ++r) w_raw[r] = next[r];
-        }
-    } else {
 #pragma unroll 2
-        for (int kv = lane; kv < ADALN_NVEC_D; kv += 32) {
-            load_weight_step(w_raw, weight, first, kv);
-            accumulate_step(acc, w_raw, act, kv);
-        }
+    for (int kv = lane; kv < ADALN_NVEC_D; kv += 32) {
+        uint4 w_raw[TABLE_R];
+        load_weight_step(w_raw, weight, first, kv);
+        accumulate_step(acc, w_raw, act, kv);
     }
 #pragma unroll
     for (int r = 0; r < TABLE_R; ++r) {

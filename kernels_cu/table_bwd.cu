@@ -14,8 +14,6 @@
 // and stored to dact_partials[blockIdx.y, t, k].
 // table_bwd_reduce geometry: block (32, ADALN_SUM_GROUPS), grid = (ceil(D / 32), T): one (t, k) per
 // threadIdx.x, ordered_column_sum over the row blocks (adaln_common.cuh), in double.
-// (A version that let the last row block of each tile do this sum, one launch fewer, measured
-// 152 us against 61 us for both kernels at 32768 rows: bench/NOTES.md v8.)
 // Run: adaln_lab.launchers.launch_backward (its third and fourth kernels).
 
 #define TB_WARPS (ADALN_TB_THREADS / 32)

@@ -59,7 +59,7 @@ def test_compile_fullgraph_traces_the_op_forward_and_backward():
     dy = upstream(4, inputs.x)
 
     def fn(x, norm_weight, temb, weight, bias, timestep_indices):
-        return cuda_op.final_adaln_out(x, norm_weight, temb, weight, bias, timestep_indices, 1e-5)
+        return cuda_op.final_adaln_out_op(x, norm_weight, temb, weight, bias, timestep_indices, 1e-5)
 
     eager = _leaves(inputs)
     out_eager = cuda_op.final_adaln_out_op(*eager, inputs.timestep_indices, 1e-5)
@@ -71,3 +71,26 @@ def test_compile_fullgraph_traces_the_op_forward_and_backward():
     assert torch.equal(out, out_eager)
     for a, b in zip(leaves, eager):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_opcheck_of_the_backward_op_and_of_non_contiguous_inputs():
+    """The backward op on its own, and a permuted x: outputs are contiguous in the fake and the real kernel."""
+    inputs = make(5, 24, "cpu", **SHAPE)
+    out, table_f32, rstd = cuda_op.final_adaln_out_fwd(*inputs.args, 1e-5, "cuda")
+    dy = upstream(5, inputs.x)
+    torch.library.opcheck(cuda_op.final_adaln_out_bwd, (dy, inputs.x, inputs.norm_weight, inputs.temb, inputs.weight,
+                                                        inputs.timestep_indices, table_f32, rstd))
+    x3 = inputs.x.view(4, 6, 64).transpose(0, 1)  # (6, 4, 64) with S = 4: non-contiguous
+    args = (x3, *[t.detach().clone().requires_grad_(True) for t in inputs.leaves[1:]], inputs.timestep_indices[:4],
+            1e-5, "cuda")
+    torch.library.opcheck(cuda_op.final_adaln_out_fwd, args)
+
+
+def test_cpu_table_f32_is_the_unrounded_table():
+    """table_f32 is the fp32 sum before the table's bf16 rounding, as table.cu gives it."""
+    inputs = make(6, 3, "cpu", **SHAPE)
+    _, table_f32, _ = cuda_op.final_adaln_out_fwd(*inputs.args, 1e-5, "cuda")
+    act = torch.nn.functional.silu(inputs.temb).to(torch.bfloat16).double()
+    exact = act @ inputs.weight.double().T + inputs.bias.double()
+    assert (table_f32.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    assert not torch.equal(table_f32, table_f32.to(torch.bfloat16).float())

@@ -85,9 +85,12 @@ def test_geometry_is_a_function_of_the_shapes_only():
     # shared memory follows the shapes: the staged forward holds every timestep's modulation
     assert p.fwd_staged and p.fwd_smem == (2 * 3 + p.fwd_stages) * 224 * 3 * 16
     assert p.bwd_smem == p.bwd_stages * 2 * 672 * 16
-    wide = plan(8 * 4096, 64, 1)
-    assert wide.fwd_stages >= 2 or not wide.fwd_staged  # a wide row falls back rather than failing
-    assert not plan(5376, 8, 3000).fwd_staged  # too many timesteps to stage: the row-per-block kernel
+    wide = plan(8 * 4096, 64, 1)  # a wide row falls back or keeps fewer stages rather than failing
+    assert not wide.fwd_staged  # two stages and the modulation would need 256 KiB: the row-per-block kernel
+    assert wide.bwd_stages == 1 and wide.bwd_smem <= plan_module.BWD_STAGE_BUDGET
+    mid = plan(8 * 1024, 64, 1)
+    assert mid.fwd_stages == 3 and mid.fwd_smem <= plan_module.SMEM_BLOCK_MAX - 8 * 1024
+    assert not plan(5376, 8, 32).fwd_staged  # too many timesteps to stage: the row-per-block kernel
     # nothing in the launch path asks the device for its SM count
     root = loader.kernel_dir().parent / "adaln_lab"
     for name in ("plan.py", "loader.py", "launchers.py", "cuda_op.py"):
@@ -110,11 +113,11 @@ def test_shapes_the_kernels_cannot_take_are_refused_clearly():
     assert plan(plan_module.H_MAX, 8, 1).bwd_stages >= 1  # what check_shapes accepts, the plan can lay out
     assert all(plan_module.supported(H, 8, 1) and plan(H, 8, 1).bwd_stages >= 1
                for H in range(plan_module.H_MAX - 8 * 64, plan_module.H_MAX + 1, 8))
-    check_shapes(8, 8, plan_module.TD_MAX // 8)
+    check_shapes(8, plan_module.TD_MAX // plan_module.T_MAX, plan_module.T_MAX)
     with pytest.raises(ValueError, match="H "):
         check_shapes(plan_module.H_MAX + 8, 8, 1)
     with pytest.raises(ValueError, match="T \\* D"):
-        check_shapes(8, 8, plan_module.TD_MAX // 8 + 1)
+        check_shapes(8, plan_module.TD_MAX // plan_module.T_MAX + 8, plan_module.T_MAX)
 
 
 def test_the_wheel_ships_the_kernels(tmp_path):
@@ -142,3 +145,14 @@ def test_a_tuning_the_kernels_cannot_run_does_not_compile(monkeypatch):
             compile_unit(loader.source(plan(5376, 2688, 3)), "sm_90")
     finally:
         plan_module.clear_caches()
+
+
+def test_the_largest_T_accepted_compiles_in_seconds():
+    """check_shapes caps T (the table kernels unroll over it in registers): the largest accepted T compiles."""
+    import time
+
+    t0 = time.perf_counter()
+    code = compile_unit(loader.source(plan(64, 64, plan_module.T_MAX)), "sm_90").code
+    assert len(code) > 1000 and time.perf_counter() - t0 < 120
+    with pytest.raises(ValueError, match=r"T \(temb.shape\[0\]\) <= "):
+        plan_module.check_shapes(64, 64, plan_module.T_MAX + 1)

@@ -63,6 +63,36 @@ def test_forward_and_backward_launch_each_kernel_once_on_live_buffers(calls, row
                 assert _inside(a, live) or 0 <= a - base < r.bwd_bytes, (name, a)
     # the backward's workspace pieces are where the plan lays them out
     assert sorted(a - base for a in set(workspace_pointers)) == sorted(r.bwd_offsets.values())
+    # and every argument is the buffer its kernel parameter names (a swap of two would pass the checks above)
+    fws, o, b = saved[2].data_ptr(), r.fwd_offsets, r.bwd_offsets
+    p = {name: t.data_ptr() for name, t in zip(("x", "norm_weight", "temb", "weight", "bias", "idx"), i.args)}
+    expected = {
+        "table_bf16": [p["temb"], p["weight"], p["bias"], fws + o["table"], fws + o["table_f32"]],
+        "norm_modulate_bf16": [p["x"], p["norm_weight"], fws + o["table"], p["idx"], out.data_ptr(), fws + o["rstd"]],
+        "norm_modulate_bwd_bf16": [dy.data_ptr(), p["x"], fws + o["rstd"], p["norm_weight"], fws + o["table_f32"],
+                                   p["idx"], grads[0].data_ptr(), base + b["row_partials"]],
+        "reduce_partials_bf16": [base + b["row_partials"], p["norm_weight"], fws + o["table_f32"], base + b["d_table"],
+                                 grads[1].data_ptr(), grads[4].data_ptr()],
+        "table_bwd_bf16": [base + b["d_table"], p["temb"], p["weight"], grads[3].data_ptr(), base + b["dact_partials"]],
+        "table_bwd_reduce": [base + b["dact_partials"], p["temb"], grads[2].data_ptr()],
+    }
+    for name, _, _, _, args in calls:
+        pointers = [a for kind, a in zip(launchers.SIGNATURES[name], args) if kind == "p"]
+        assert pointers == expected[name], name
+
+
+def test_signatures_match_the_kernels():
+    """launchers.SIGNATURES (what the driver launch packs) against each kernel's parameter list in kernels_cu/."""
+    import re
+
+    from adaln_lab import loader
+
+    text = "".join((loader.kernel_dir() / n).read_text() for n in loader.KERNEL_FILES)
+    kinds = {"int": "i", "float": "f"}
+    for name, signature in launchers.SIGNATURES.items():
+        params = re.search(rf"{name}\(([^)]*)\)", text).group(1).split(",")
+        got = "".join("p" if "*" in param else kinds[param.split()[-2]] for param in params)
+        assert got == signature, (name, got, signature)
 
 
 def test_empty_batch_launches_no_row_kernel_and_zeroes_the_partials(calls):

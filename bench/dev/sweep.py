@@ -5,7 +5,7 @@ the float64 golden with the GPU tests' bounds (tests/test_cuda_op.py) and compar
 the first config; a config that fails is reported and not timed. Then each kernel is timed back to
 back (profile_kernels.gpu_us) and the whole forward / forward+backward as CUDA-graph replays.
 When bench/dev/baseline_kernels/ holds the kernels of an earlier commit (ignored by git:
-`git show <commit>:kernels_cu/<file>`), they are timed in the same process as the baseline.
+`git show <commit>:kernels_cu/<file>`, listed in .git/info/exclude), they are timed in the same process as the baseline.
 Not evidence: it picks what TUNING should hold.
 Run: python bench/dev/sweep.py [CONFIG ...] > sweep.json
 """
@@ -31,8 +31,8 @@ CONFIGS = {  # TUNING overrides, each against the first
     "fwd672": dict(FWD_THREADS_MAX=1024),
     "fwd_r132": dict(FWD_RANGES=132),
     "fwd_s4": dict(FWD_STAGES=4),
-    "table512": dict(TABLE_THREADS=512),
-    "table512_nopf": dict(TABLE_THREADS=512, TABLE_PREFETCH=0),
+    "table1024": dict(TABLE_THREADS=1024),
+    "table256": dict(TABLE_THREADS=256),
     "tb512x256": dict(TB_THREADS=512, TB_ROWS=256),
     "bwd_s3": dict(BWD_STAGES=3),
 }
@@ -144,7 +144,7 @@ def check(results: dict, gold_out, gold_grads, i) -> dict:
     return {"ok": ok, **{k: float(f"{v:.4g}") for k, v in errs.items()}}
 
 
-def baseline_timings(i, dy, op: Op) -> dict:
+def baseline_timings(i, dy) -> dict:
     """The kernels of an earlier commit (BASELINE_DIR), with its own launch convention (commit 574ba6f's)."""
     import cupy
 
@@ -227,8 +227,7 @@ def main():
             del op
         if BASELINE_DIR.is_dir():
             use({})
-            op = Op(i, dy)
-            result[f"{S} baseline"] = {"us": baseline_timings(i, dy, op)}
+            result[f"{S} baseline"] = {"us": baseline_timings(i, dy)}
             print(S, "baseline", json.dumps(result[f"{S} baseline"]["us"]), file=sys.stderr, flush=True)
         del i, dy, gold_out, gold_grads
         torch.cuda.empty_cache()
