@@ -88,6 +88,12 @@ def _in_place(**arrays):
                              "in place (zero-copy)")
 
 
+def _setup(x, temb, like):
+    """The plan, its rows and the output allocator of one call."""
+    plan = make_plan(x.shape[-1], temb.shape[1], temb.shape[0])
+    return plan, plan.rows(x.numel() // plan.H), _Allocator(like)
+
+
 def forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: float = 1e-5):
     """(out (..., S, H) bf16, table_f32 (T, 2H) fp32, rstd (rows,) fp32) as arrays of x's library."""
     like = x
@@ -98,11 +104,8 @@ def forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: float = 1
         from .cuda_op import final_adaln_out_fwd
 
         return final_adaln_out_fwd(x, norm_weight, temb, weight, bias, timestep_indices, float(eps), "cuda")
-    H = x.shape[-1]
-    T, D = temb.shape
-    plan = make_plan(H, D, T)
-    rows = plan.rows(x.numel() // H)
-    alloc = _Allocator(like)
+    plan, rows, alloc = _setup(x, temb, like)
+    H, T, D = plan.H, plan.T, plan.D
     with torch.cuda.device(x.device):
         out, out_t = alloc.empty(tuple(x.shape), torch.bfloat16, x.device)
         table_f32, table_f32_t = alloc.empty((T, 2 * H), torch.float32, x.device)
@@ -137,11 +140,8 @@ def backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd
         from .cuda_op import final_adaln_out_bwd
 
         return final_adaln_out_bwd(dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd)
-    H = x.shape[-1]
-    T, D = temb.shape
-    plan = make_plan(H, D, T)
-    rows = plan.rows(x.numel() // H)
-    alloc = _Allocator(like)
+    plan, rows, alloc = _setup(x, temb, like)
+    H, T, D = plan.H, plan.T, plan.D
     with torch.cuda.device(x.device):
         dx, dx_t = alloc.empty(tuple(x.shape), torch.bfloat16, x.device)
         d_norm_weight, d_norm_weight_t = alloc.empty((H,), torch.bfloat16, x.device)
