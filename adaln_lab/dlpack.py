@@ -105,7 +105,7 @@ def forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: float = 1
 
         return final_adaln_out_fwd(x, norm_weight, temb, weight, bias, timestep_indices, float(eps), "cuda")
     plan, rows, alloc = _setup(x, temb, like)
-    H, T, D = plan.H, plan.T, plan.D
+    H, T = plan.H, plan.T
     with torch.cuda.device(x.device):
         out, out_t = alloc.empty(tuple(x.shape), torch.bfloat16, x.device)
         table_f32, table_f32_t = alloc.empty((T, 2 * H), torch.float32, x.device)
