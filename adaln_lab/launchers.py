@@ -105,17 +105,9 @@ def launch_norm_modulate(k: dict, plan: Plan, rows: Rows, stream: int, x: int, n
                                         x, norm_weight, table, timestep_indices, out, rstd, S, eps, rows.rows, 1)
 
 
-def launch_backward(k: dict, plan: Plan, rows: Rows, stream: int, *, dy: int, x: int, rstd: int, norm_weight: int,
-                    table_f32: int, timestep_indices: int, temb: int, weight: int, workspace: int, dx: int,
-                    d_norm_weight: int, d_temb: int, d_weight: int, d_bias: int, S: int) -> None:
-    """dx and the four parameter gradients; every reduction in a fixed order (see kernels_cu/).
-
-    `workspace` holds rows.bwd_bytes bytes laid out by `rows.bwd_offsets`. With no rows the row
-    pass launches nothing and row_partials is zeroed here (one range of zeros), so every
-    parameter gradient is exactly zero.
-    """
-    o = rows.bwd_offsets
-    row_partials = workspace + o["row_partials"]
+def launch_row_pass(k: dict, plan: Plan, rows: Rows, stream: int, dy: int, x: int, rstd: int, norm_weight: int,
+                    table_f32: int, timestep_indices: int, dx: int, row_partials: int, S: int) -> None:
+    """dx and row_partials (bwd_ranges, T, 2, H) fp32; with no rows, one range of zero partials instead."""
     if rows.rows:
         k["norm_modulate_bwd_bf16"]((rows.bwd_ranges, 1, 1), (plan.bwd_threads, 1, 1), plan.bwd_smem, stream,
                                     dy, x, rstd, norm_weight, table_f32, timestep_indices, dx, row_partials,
@@ -124,10 +116,36 @@ def launch_backward(k: dict, plan: Plan, rows: Rows, stream: int, *, dy: int, x:
         from cupy.cuda import runtime
 
         runtime.memsetAsync(row_partials, 0, plan.T * 2 * plan.H * 4, stream)
+
+
+def launch_reduce_partials(k: dict, plan: Plan, rows: Rows, stream: int, row_partials: int, norm_weight: int,
+                           table_f32: int, d_table: int, d_norm_weight: int, d_bias: int) -> None:
+    """d_table (T, 2H) fp32, d_norm_weight and d_bias from the row partials, in a fixed order."""
     k["reduce_partials_bf16"]((-(-plan.H // 32), 1, 1), (32, plan.sum_groups, 1), 0, stream,
-                              row_partials, norm_weight, table_f32, workspace + o["d_table"], d_norm_weight, d_bias,
+                              row_partials, norm_weight, table_f32, d_table, d_norm_weight, d_bias,
                               max(rows.bwd_ranges, 1))
+
+
+def launch_table_bwd(k: dict, plan: Plan, stream: int, d_table: int, temb: int, weight: int, d_weight: int,
+                     dact_partials: int, d_temb: int) -> None:
+    """d_weight and d_temb from d_table: table_bwd_bf16, then the ordered sum of table_bwd_reduce."""
     k["table_bwd_bf16"]((plan.d_tiles, plan.blocks_j, 1), (plan.tb_threads, 1, 1), 0, stream,
-                        workspace + o["d_table"], temb, weight, d_weight, workspace + o["dact_partials"])
+                        d_table, temb, weight, d_weight, dact_partials)
     k["table_bwd_reduce"]((-(-plan.D // 32), plan.T, 1), (32, plan.sum_groups, 1), 0, stream,
-                          workspace + o["dact_partials"], temb, d_temb, plan.blocks_j)
+                          dact_partials, temb, d_temb, plan.blocks_j)
+
+
+def launch_backward(k: dict, plan: Plan, rows: Rows, stream: int, *, dy: int, x: int, rstd: int, norm_weight: int,
+                    table_f32: int, timestep_indices: int, temb: int, weight: int, workspace: int, dx: int,
+                    d_norm_weight: int, d_temb: int, d_weight: int, d_bias: int, S: int) -> None:
+    """dx and the four parameter gradients; every reduction in a fixed order (see kernels_cu/).
+
+    `workspace` holds rows.bwd_bytes bytes laid out by `rows.bwd_offsets`. With no rows the row
+    pass launches nothing and row_partials is zeroed (one range of zeros), so every parameter
+    gradient is exactly zero.
+    """
+    o = rows.bwd_offsets
+    row_partials, d_table = workspace + o["row_partials"], workspace + o["d_table"]
+    launch_row_pass(k, plan, rows, stream, dy, x, rstd, norm_weight, table_f32, timestep_indices, dx, row_partials, S)
+    launch_reduce_partials(k, plan, rows, stream, row_partials, norm_weight, table_f32, d_table, d_norm_weight, d_bias)
+    launch_table_bwd(k, plan, stream, d_table, temb, weight, d_weight, workspace + o["dact_partials"], d_temb)
