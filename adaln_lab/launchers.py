@@ -29,6 +29,9 @@ SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
     "reduce_partials_bf16": "ppppppi",
     "table_bwd_bf16": "ppppp",
     "table_bwd_reduce": "pppi",
+    "gated_residual_fwd_bf16": "pppppiii",
+    "gated_residual_bwd_bf16": "ppppppiiii",
+    "gated_residual_reduce": "ppi",
 }
 
 
@@ -149,3 +152,31 @@ def launch_backward(k: dict, plan: Plan, rows: Rows, stream: int, *, dy: int, x:
     launch_row_pass(k, plan, rows, stream, dy, x, rstd, norm_weight, table_f32, timestep_indices, dx, row_partials, S)
     launch_reduce_partials(k, plan, rows, stream, row_partials, norm_weight, table_f32, d_table, d_norm_weight, d_bias)
     launch_table_bwd(k, plan, stream, d_table, temb, weight, d_weight, workspace + o["dact_partials"], d_temb)
+
+
+def launch_gated_residual(k: dict, plan: Plan, rows: Rows, stream: int, x: int, gate: int, y: int, row_index: int,
+                          out: int, gate_stride: int, S: int) -> None:
+    """out (rows, H) bf16 = x + bf16(gate[i]) * y (diffusers' bf16 roundings); gate (T, H) fp32, row
+    stride gate_stride floats, T = plan.T table rows; nothing when rows == 0."""
+    if not rows.rows:
+        return
+    vectors = rows.rows * plan.H // 8
+    k["gated_residual_fwd_bf16"]((-(-vectors // plan.gr_threads), 1, 1), (plan.gr_threads, 1, 1), 0, stream,
+                                 x, gate, y, row_index, out, gate_stride, S, rows.rows)
+
+
+def launch_gated_residual_bwd(k: dict, plan: Plan, rows: Rows, stream: int, dout: int, gate: int, y: int,
+                              row_index: int, d_y: int, gate_partials: int, d_gate: int, gate_stride: int,
+                              S: int) -> None:
+    """d_y (rows, H) bf16 and d_gate (T, H) fp32 (ordered sums over rows.bwd_ranges ranges); gate_partials
+    holds max(bwd_ranges, 1) * T * H floats. With no rows, one range of zeros: d_gate is exactly zero."""
+    if rows.rows:
+        k["gated_residual_bwd_bf16"]((rows.bwd_ranges, -(-plan.H // (8 * plan.gr_threads)), 1),
+                                     (plan.gr_threads, 1, 1), plan.gr_smem, stream, dout, gate, y, row_index, d_y,
+                                     gate_partials, gate_stride, S, rows.rows, rows.bwd_rows_per_range)
+    else:
+        from cupy.cuda import runtime
+
+        runtime.memsetAsync(gate_partials, 0, plan.T * plan.H * 4, stream)
+    k["gated_residual_reduce"]((-(-plan.H // 32), plan.T, 1), (32, plan.sum_groups, 1), 0, stream,
+                               gate_partials, d_gate, max(rows.bwd_ranges, 1))

@@ -16,11 +16,12 @@ from pathlib import Path
 from .plan import Plan
 
 KERNEL_FILES = ("adaln_common.cuh", "table.cu", "norm_modulate.cu", "norm_modulate_bwd.cu",
-                "reduce_partials.cu", "table_bwd.cu")
+                "reduce_partials.cu", "table_bwd.cu", "gated_residual.cu")
 INCLUDE_LINE = '#include "adaln_common.cuh"'
 COMPILE_OPTIONS = ("--std=c++17",)
 KERNELS = ("table_bf16", "norm_modulate_bf16", "norm_modulate_rowwise_bf16", "norm_modulate_bwd_bf16",
-           "reduce_partials_bf16", "table_bwd_bf16", "table_bwd_reduce")
+           "reduce_partials_bf16", "table_bwd_bf16", "table_bwd_reduce",
+           "gated_residual_fwd_bf16", "gated_residual_bwd_bf16", "gated_residual_reduce")
 
 
 def kernel_dir() -> Path:
@@ -60,6 +61,7 @@ def module(device_index: int, plan: Plan) -> dict:
         if plan.fwd_staged:
             kernels["norm_modulate_bf16"].max_dynamic_shared_size_bytes = plan.fwd_smem
         kernels["norm_modulate_bwd_bf16"].max_dynamic_shared_size_bytes = plan.bwd_smem
+        kernels["gated_residual_bwd_bf16"].max_dynamic_shared_size_bytes = plan.gr_smem
         return kernels
 
 

@@ -36,6 +36,7 @@ TUNING = {
     "TB_THREADS": 256,          # table_bwd.cu: block size
     "TB_ROWS": 128,             # table_bwd.cu: weight rows j per block
     "SUM_GROUPS": 16,           # adaln_common.cuh: row groups of an ordered column sum
+    "GR_THREADS": 128,          # gated_residual.cu: block size (8 columns per thread)
 }
 SMEM_BLOCK_MAX = 227 * 1024       # dynamic + static shared memory one block may opt in to (sm_90, sm_100)
 BWD_STAGE_BUDGET = 200 * 1024     # dynamic shared memory of the backward's stages (static scratch beside it)
@@ -131,6 +132,8 @@ class Plan:
     tb_threads: int
     sum_groups: int
     tuning: tuple
+    table_n: int = 0               # table.cu / table_bwd.cu: columns of the table (0: 2H, norm_out's)
+    table_f32_rounded: bool = False  # table.cu: table_f32 holds the bf16 values (the blocks' table)
 
     @property
     def fwd_staged(self) -> bool:
@@ -145,6 +148,15 @@ class Plan:
     def bwd_smem(self) -> int:
         """Dynamic shared memory of norm_modulate_bwd: its stages, one row of x and one of dy each."""
         return self.bwd_stages * 2 * self.bwd_threads * self.bwd_vpt * 16
+
+    @property
+    def gr_threads(self) -> int:
+        return dict(self.tuning)["GR_THREADS"]
+
+    @property
+    def gr_smem(self) -> int:
+        """Dynamic shared memory of gated_residual_bwd_bf16: 8 fp32 sums per thread for each of the T table rows."""
+        return self.T * 8 * self.gr_threads * 4
 
     @property
     def blocks_j(self) -> int:
@@ -166,7 +178,13 @@ class Plan:
                     TABLE_ROWS_PER_WARP=t["TABLE_ROWS_PER_WARP"],
                     FWD_ROW_LIST_MAX=t["FWD_ROW_LIST_MAX"], ROW_LIST_MAX=t["ROW_LIST_MAX"],
                     TB_THREADS=t["TB_THREADS"], TB_ROWS=t["TB_ROWS"], TB_COLUMNS=TB_COLUMNS,
-                    SUM_GROUPS=t["SUM_GROUPS"])
+                    GR_THREADS=t["GR_THREADS"], SUM_GROUPS=t["SUM_GROUPS"], TABLE_N=self.columns,
+                    TABLE_F32_ROUNDED=int(self.table_f32_rounded))
+
+    @property
+    def columns(self) -> int:
+        """N, the table's columns: 2H (norm_out) unless the plan was made with table_n."""
+        return self.table_n or 2 * self.H
 
 
 @lru_cache(maxsize=4096)
@@ -186,9 +204,17 @@ def _rows(plan: Plan, rows: int) -> Rows:
 
 
 @lru_cache(maxsize=None)
-def plan(H: int, D: int, T: int) -> Plan:
-    """The plan of one shape (checked first: an unsupported shape raises ValueError naming the argument)."""
+def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = False) -> Plan:
+    """The plan of one shape (checked first: an unsupported shape raises ValueError naming the argument).
+
+    table_n: the table's columns N when not norm_out's 2H (an H3 block's adaln_proj: 18H), with
+    `table_f32_rounded` the table_f32 output holds the bf16 values. A plan used only for its table
+    kernels passes H = 8; one used only for its row kernels passes D = 8 (adaln_lab/block_cuda.py).
+    """
     check_shapes(H, D, T)
+    if table_n and (table_n % 8 or table_n < 8):
+        raise ValueError(f"backend='cupy' needs the table's columns (weight.shape[0]) divisible by 8, got {table_n}")
+    N = table_n or 2 * H
     t = TUNING
     fwd_threads, fwd_vpt = row_geometry(H, t["FWD_THREADS_MAX"])
     bwd_threads, bwd_vpt = row_geometry(H, t["BWD_THREADS_MAX"])
@@ -206,9 +232,10 @@ def plan(H: int, D: int, T: int) -> Plan:
     rows_per_block = t["TABLE_THREADS"] // 32 * t["TABLE_ROWS_PER_WARP"]
     return Plan(H=H, D=D, T=T, fwd_threads=fwd_threads, fwd_vpt=fwd_vpt, fwd_stages=fwd_stages,
                 bwd_threads=bwd_threads, bwd_vpt=bwd_vpt, bwd_stages=bwd_stages,
-                table_grid=math.ceil(2 * H / rows_per_block), table_threads=t["TABLE_THREADS"],
-                tb_grid=(math.ceil(D / TB_COLUMNS), math.ceil(2 * H / t["TB_ROWS"])), tb_threads=t["TB_THREADS"],
-                sum_groups=t["SUM_GROUPS"], tuning=tuple(sorted(t.items())))
+                table_grid=math.ceil(N / rows_per_block), table_threads=t["TABLE_THREADS"],
+                tb_grid=(math.ceil(D / TB_COLUMNS), math.ceil(N / t["TB_ROWS"])), tb_threads=t["TB_THREADS"],
+                sum_groups=t["SUM_GROUPS"], tuning=tuple(sorted(t.items())), table_n=table_n,
+                table_f32_rounded=table_f32_rounded)
 
 
 def clear_caches() -> None:

@@ -1,12 +1,14 @@
 // table.cu: the modulation table  table[t, j] = bias[j] + sum_k bf16(silu(temb[t, k])) * weight[j, k]
 //
-// Computes, for all T timesteps at once, table (T, 2H) bf16 (diffusers' rounding: the SiLU output
+// Computes, for all T timesteps at once, table (T, N) bf16 (diffusers' rounding: the SiLU output
 // is rounded to bf16 once, the fp32 dot product plus bias is rounded to bf16 once) and table_f32
-// (T, 2H) fp32, the same sums unrounded, which the backward uses.
+// (T, N) fp32: the same sums unrounded (final_adaln_out's backward uses them), or, with
+// ADALN_TABLE_F32_ROUNDED, the bf16 values in fp32 (the blocks' modulation table, adaln_lab/block_cuda.py).
+// N = ADALN_TABLE_N columns: 2H for norm_out (shift | scale), 18H for an H3 block's adaln_proj.
 //
 // Geometry (adaln_lab/plan.py): block = ADALN_TABLE_THREADS, each warp owns ADALN_TABLE_ROWS_PER_WARP
 // consecutive output rows j (their weight rows loaded side by side), grid = plan.table_grid =
-// ceil(2H / (warps * rows per warp)). Static shared memory: the T * D bf16 activations
+// ceil(N / (warps * rows per warp)). Static shared memory: the T * D bf16 activations
 // (plan.check_shapes keeps them within 48 KiB).
 // Reduction order of one (t, j): lane l sums the 8-wide k-vectors l, l + 32, l + 64, ... in that
 // order (fmaf over the 8 elements in k order); the 32 lane sums go through warp_sum_lane0.
@@ -19,7 +21,7 @@
 __device__ __forceinline__ void load_weight_step(uint4 w_raw[TABLE_R], const bf16_t* weight, int first, int kv) {
 #pragma unroll
     for (int r = 0; r < TABLE_R; ++r)
-        w_raw[r] = first + r < 2 * ADALN_H ? load_raw8(weight + (size_t)(first + r) * ADALN_D + kv * ADALN_VEC)
+        w_raw[r] = first + r < ADALN_TABLE_N ? load_raw8(weight + (size_t)(first + r) * ADALN_D + kv * ADALN_VEC)
                                            : make_uint4(0, 0, 0, 0);
 }
 
@@ -62,14 +64,14 @@ table_bf16(const float* __restrict__ temb, const bf16_t* __restrict__ weight, co
 #pragma unroll
     for (int r = 0; r < TABLE_R; ++r) {
         const int j = first + r;
-        if (j >= 2 * ADALN_H) break;
+        if (j >= ADALN_TABLE_N) break;
         const float b = bf16_to_float(bias[j]);
 #pragma unroll
         for (int t = 0; t < ADALN_T; ++t) {
             const float sum = warp_sum_lane0(acc[r][t]) + b;
             if (lane == 0) {
-                table_f32[t * 2 * ADALN_H + j] = sum;
-                table[t * 2 * ADALN_H + j] = float_to_bf16(sum);
+                table_f32[t * ADALN_TABLE_N + j] = ADALN_TABLE_F32_ROUNDED ? round_bf16(sum) : sum;
+                table[t * ADALN_TABLE_N + j] = float_to_bf16(sum);
             }
         }
     }

@@ -1,4 +1,4 @@
-// table_bwd.cu: the projection backward, from the fp32 table gradient d_table (T, 2H):
+// table_bwd.cu: the projection backward, from the fp32 table gradient d_table (T, N), N = ADALN_TABLE_N:
 //
 //   d_weight[j, k] = bf16(sum_t d_table[t, j] * silu(temb[t, k]))        (t in order, one rounding)
 //   dact[t, k]     = sum_j d_table[t, j] * weight[j, k]
@@ -7,7 +7,7 @@
 // exact gradient). weight is read once and d_weight written once, by table_bwd_bf16.
 //
 // table_bwd_bf16 geometry (adaln_lab/plan.py): block = ADALN_TB_THREADS (W = ADALN_TB_THREADS / 32
-// warps), grid = plan.tb_grid = (D tiles of 256 columns, ceil(2H / ADALN_TB_ROWS) row blocks). Lane l
+// warps), grid = plan.tb_grid = (D tiles of 256 columns, ceil(N / ADALN_TB_ROWS) row blocks). Lane l
 // covers the 8 columns k of vector blockIdx.x * 32 + l, warp w the ADALN_TB_ROWS / W consecutive rows j
 // from blockIdx.y * ADALN_TB_ROWS + w * ADALN_TB_ROWS / W. Each thread sums its rows in order; the W
 // warps' sums are added in warp order (any block size: threads stride over the tile's 256 columns)
@@ -40,11 +40,11 @@ table_bwd_bf16(const float* __restrict__ d_table, const float* __restrict__ temb
 #pragma unroll
     for (int i = 0; i < TB_ROWS_PER_WARP; ++i) {
         const int j = blockIdx.y * ADALN_TB_ROWS + warp * TB_ROWS_PER_WARP + i;
-        if (!valid || j >= 2 * ADALN_H) break;
+        if (!valid || j >= ADALN_TABLE_N) break;
         float w[ADALN_VEC], dw[ADALN_VEC], g[ADALN_T];
         load8(weight + (size_t)j * ADALN_D + kv * ADALN_VEC, w);
 #pragma unroll
-        for (int t = 0; t < ADALN_T; ++t) g[t] = d_table[t * 2 * ADALN_H + j];
+        for (int t = 0; t < ADALN_T; ++t) g[t] = d_table[t * ADALN_TABLE_N + j];
 #pragma unroll
         for (int e = 0; e < ADALN_VEC; ++e) {
             float s = 0.0f;

@@ -1,0 +1,181 @@
+"""CUDA implementations (kernels_cu) of the H3 blocks' AdaLN ops, on torch tensors and torch's current stream.
+
+The ops (adaln_lab/modulation_table.py, modulated_rms_norm.py, gated_residual.py) define shapes,
+rounding and autograd; these functions are their CUDA kernels:
+
+- `modulation_table_fwd(temb (T, D) fp32, weight (N, D) bf16, bias (N,) bf16) -> table (T, N) fp32`
+  holding bf16 values (table.cu with N columns: the fixed-order GEMV, each row T-invariant).
+- `modulation_table_bwd(d_table (T, N) fp32, temb, weight) -> d_temb (T, D) fp32, d_weight (N, D) bf16,
+  d_bias (N,) bf16` (table_bwd.cu in a fixed order; d_bias: the T values of a column summed in
+  double, in t order, rounded once).
+- `modulated_rms_norm_fwd(x (..., S, H) bf16, norm_weight (H,) bf16, shift (R, H), scale (R, H),
+  row_index (S,) int64, eps) -> out (..., S, H) bf16, rstd (rows,) fp32`, and
+  `modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd) -> dx, d_norm_weight (H,)
+  bf16, d_shift (R, H) fp32, d_scale (R, H) fp32`: norm_out's row kernels (norm_modulate.cu,
+  norm_modulate_bwd.cu, reduce_partials.cu) with the R table rows as their "timesteps"; shift and
+  scale (any strides, values in bf16) are gathered into the (R, 2H) shift | scale layout those
+  kernels read (bf16 for the forward, fp32 for the backward).
+- `gated_residual_fwd(x, gate (R, H) fp32, y, row_index) -> out` and
+  `gated_residual_bwd(dout, gate, y, row_index) -> d_gate (R, H) fp32, d_y` (gated_residual.cu);
+  gate may be a column slice of the table (row stride of 6H floats).
+
+Plans: the table's plan is `plan(8, D, T, table_n=N, table_f32_rounded=True)` (its row kernels
+unused), the rows' plan `plan(H, 8, R)` (its table kernels unused); see adaln_lab/plan.py.
+Inputs are validated by the ops; `unsupported_*` say why these kernels cannot take them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import launchers
+from .cuda_op import _aligned, current_stream
+from .plan import check_shapes
+from .plan import plan as make_plan
+
+
+def _setup(device: torch.device, plan):
+    launchers.bind(device.index)
+    return launchers.kernels(device.index, plan), current_stream(device.index)
+
+
+def _bf16(name: str, t: torch.Tensor) -> Exception | None:
+    if t.dtype != torch.bfloat16:
+        return TypeError(f"the CUDA kernels need {name} in bfloat16, got {t.dtype}")
+    return None
+
+
+def unsupported_table(temb, weight, bias) -> Exception | None:
+    """Why table.cu cannot take these inputs (None if it can)."""
+    if not temb.is_cuda:
+        return ValueError(f"the CUDA kernels need CUDA tensors, but temb is on {temb.device}")
+    if temb.dtype != torch.float32:
+        return TypeError(f"the CUDA kernels need temb in float32, got {temb.dtype}")
+    error = _bf16("weight", weight) or _bf16("bias", bias)
+    if error is not None:
+        return error
+    try:
+        make_plan(8, temb.shape[1], temb.shape[0], table_n=weight.shape[0], table_f32_rounded=True)
+    except ValueError as err:
+        return err
+    return None
+
+
+def unsupported_rows(x, table_rows: int, **bf16_tensors) -> Exception | None:
+    """Why the row kernels cannot take x (..., S, H) with `table_rows` table rows (None if they can)."""
+    if not x.is_cuda:
+        return ValueError(f"the CUDA kernels need CUDA tensors, but x is on {x.device}")
+    for name, t in (("x", x), *bf16_tensors.items()):
+        error = _bf16(name, t)
+        if error is not None:
+            return error
+    try:
+        check_shapes(x.shape[-1], 8, max(table_rows, 1))
+    except ValueError as err:
+        return err
+    return None
+
+
+def modulation_table_fwd(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    T, D = temb.shape
+    N = weight.shape[0]
+    plan = make_plan(8, D, T, table_n=N, table_f32_rounded=True)
+    temb, weight, bias = temb.contiguous(), _aligned(weight), _aligned(bias)
+    k, stream = _setup(temb.device, plan)
+    table = torch.empty(T, N, dtype=torch.float32, device=temb.device)
+    table_bf16 = torch.empty(T, N, dtype=torch.bfloat16, device=temb.device)
+    launchers.launch_table(k, plan, stream, temb.data_ptr(), weight.data_ptr(), bias.data_ptr(),
+                           table_bf16.data_ptr(), table.data_ptr())
+    return table
+
+
+def modulation_table_bwd(d_table: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor):
+    T, D = temb.shape
+    N = weight.shape[0]
+    plan = make_plan(8, D, T, table_n=N, table_f32_rounded=True)
+    d_table, temb, weight = d_table.float().contiguous(), temb.contiguous(), _aligned(weight)
+    k, stream = _setup(temb.device, plan)
+    d_temb = torch.empty_like(temb)
+    d_weight = torch.empty_like(weight)
+    dact_partials = torch.empty(plan.blocks_j, T, D, dtype=torch.float32, device=temb.device)
+    launchers.launch_table_bwd(k, plan, stream, d_table.data_ptr(), temb.data_ptr(), weight.data_ptr(),
+                               d_weight.data_ptr(), dact_partials.data_ptr(), d_temb.data_ptr())
+    d_bias = d_table.double().sum(0).to(weight.dtype)
+    return d_temb, d_weight, d_bias
+
+
+def _row_plan(x: torch.Tensor, table_rows: int):
+    H = x.shape[-1]
+    plan = make_plan(H, 8, table_rows)
+    return plan, plan.rows(x.numel() // H)
+
+
+def modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, eps: float):
+    R, H = shift.shape
+    plan, rows = _row_plan(x, R)
+    x, norm_weight = _aligned(x), _aligned(norm_weight)
+    table = torch.cat([shift, scale], dim=1).to(torch.bfloat16).contiguous()
+    row_index = row_index.contiguous()
+    k, stream = _setup(x.device, plan)
+    out = torch.empty_like(x)
+    rstd = torch.empty(rows.rows, dtype=torch.float32, device=x.device)
+    launchers.launch_norm_modulate(k, plan, rows, stream, x.data_ptr(), norm_weight.data_ptr(), table.data_ptr(),
+                                   row_index.data_ptr(), out.data_ptr(), rstd.data_ptr(), x.shape[-2], float(eps))
+    return out, rstd
+
+
+def modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd):
+    R, H = shift.shape
+    plan, rows = _row_plan(x, R)
+    dy, x, norm_weight = _aligned(dy), _aligned(x), _aligned(norm_weight)
+    table_f32 = torch.cat([shift, scale], dim=1).float().contiguous()
+    row_index, rstd = row_index.contiguous(), rstd.contiguous()
+    k, stream = _setup(x.device, plan)
+    dx = torch.empty_like(x)
+    d_norm_weight = torch.empty_like(norm_weight)
+    d_table = torch.empty(R, 2 * H, dtype=torch.float32, device=x.device)
+    d_sum_unused = torch.empty(2 * H, dtype=torch.bfloat16, device=x.device)
+    row_partials = torch.empty(max(rows.bwd_ranges, 1) * R * 2 * H, dtype=torch.float32, device=x.device)
+    launchers.launch_row_pass(k, plan, rows, stream, dy.data_ptr(), x.data_ptr(), rstd.data_ptr(),
+                              norm_weight.data_ptr(), table_f32.data_ptr(), row_index.data_ptr(), dx.data_ptr(),
+                              row_partials.data_ptr(), x.shape[-2])
+    launchers.launch_reduce_partials(k, plan, rows, stream, row_partials.data_ptr(), norm_weight.data_ptr(),
+                                     table_f32.data_ptr(), d_table.data_ptr(), d_norm_weight.data_ptr(),
+                                     d_sum_unused.data_ptr())
+    d_shift, d_scale = d_table.split(H, dim=1)
+    return dx, d_norm_weight, d_shift.contiguous(), d_scale.contiguous()
+
+
+def _gate_pointer(gate: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """gate as fp32 rows of H contiguous floats, 16-byte aligned rows: (tensor, row stride in floats)."""
+    gate = gate.float()
+    if gate.stride(-1) != 1 or gate.stride(0) % 4 or gate.data_ptr() % 16:
+        gate = gate.contiguous()
+    return gate, gate.stride(0)
+
+
+def gated_residual_fwd(x, gate, y, row_index):
+    R, H = gate.shape
+    plan, rows = _row_plan(x, R)
+    x, y, row_index = _aligned(x), _aligned(y), row_index.contiguous()
+    gate, stride = _gate_pointer(gate)
+    k, stream = _setup(x.device, plan)
+    out = torch.empty_like(x)
+    launchers.launch_gated_residual(k, plan, rows, stream, x.data_ptr(), gate.data_ptr(), y.data_ptr(),
+                                    row_index.data_ptr(), out.data_ptr(), stride, x.shape[-2])
+    return out
+
+
+def gated_residual_bwd(dout, gate, y, row_index):
+    R, H = gate.shape
+    plan, rows = _row_plan(y, R)
+    dout, y, row_index = _aligned(dout), _aligned(y), row_index.contiguous()
+    gate, stride = _gate_pointer(gate)
+    k, stream = _setup(y.device, plan)
+    d_y = torch.empty_like(y)
+    d_gate = torch.empty(R, H, dtype=torch.float32, device=y.device)
+    gate_partials = torch.empty(max(rows.bwd_ranges, 1) * R * H, dtype=torch.float32, device=y.device)
+    launchers.launch_gated_residual_bwd(k, plan, rows, stream, dout.data_ptr(), gate.data_ptr(), y.data_ptr(),
+                                        row_index.data_ptr(), d_y.data_ptr(), gate_partials.data_ptr(),
+                                        d_gate.data_ptr(), stride, y.shape[-2])
+    return d_gate, d_y

@@ -1,0 +1,140 @@
+"""GPU tests of adaln_lab/block_cuda.py, the CUDA kernels of the H3 blocks' AdaLN ops, on their own:
+the N-column table against diffusers' and T-invariant, the modulated norm bitwise equal to norm_out's
+kernels, the gated residual bitwise equal to diffusers' bf16 ops, every gradient against float64,
+repeatable, row-invariant, and exactly zero for an empty batch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from adaln_lab import block_cuda, final_adaln_out
+from adaln_lab.harness.inputs import make
+
+pytestmark = pytest.mark.gpu
+H, D, T = 1024, 256, 3
+R = 3 * T
+
+
+def _table_inputs(T_=T, N=18 * H, seed=0):
+    g = torch.Generator("cuda").manual_seed(seed)
+    temb = torch.randn(T_, D, device="cuda", generator=g)
+    weight = (torch.randn(N, D, device="cuda", generator=g) * 0.02).bfloat16()
+    bias = (torch.randn(N, device="cuda", generator=g) * 0.1).bfloat16()
+    return temb, weight, bias
+
+
+def _rows(S, seed=1):
+    g = torch.Generator("cuda").manual_seed(seed)
+    x = torch.randn(S, H, device="cuda", generator=g).bfloat16()
+    y = torch.randn(S, H, device="cuda", generator=g).bfloat16()
+    dy = torch.randn(S, H, device="cuda", generator=g).bfloat16()
+    idx = torch.randint(0, R, (S,), device="cuda", generator=g)
+    return x, y, dy, idx
+
+
+def test_table_matches_diffusers_and_is_t_invariant():
+    temb, weight, bias = _table_inputs()
+    table = block_cuda.modulation_table_fwd(temb, weight, bias)
+    assert table.dtype == torch.float32 and table.shape == (T, 18 * H)
+    assert torch.equal(table, table.bfloat16().float())  # bf16 values
+    diffusers = F.linear(F.silu(temb).bfloat16(), weight, bias).float()
+    assert (table == diffusers).float().mean().item() >= 0.999
+    assert ((table - diffusers).abs() <= diffusers.abs() * 2 ** -7).all()  # at most one bf16 ulp apart
+    for rows in ([1], [2, 0], [0]):
+        sub = block_cuda.modulation_table_fwd(temb[rows].contiguous(), weight, bias)
+        assert torch.equal(sub, table[rows])
+
+
+def test_table_backward_against_float64_and_repeatable():
+    temb, weight, bias = _table_inputs()
+    d_table = torch.randn(T, 18 * H, device="cuda")
+    d_temb, d_weight, d_bias = block_cuda.modulation_table_bwd(d_table, temb, weight)
+    again = block_cuda.modulation_table_bwd(d_table, temb, weight)
+    assert all(torch.equal(a, b) for a, b in zip((d_temb, d_weight, d_bias), again))
+    t64 = temb.double().requires_grad_(True)
+    w64 = weight.double().requires_grad_(True)
+    b64 = bias.double().requires_grad_(True)
+    (F.linear(F.silu(t64), w64, b64) * d_table.double()).sum().backward()
+    assert torch.allclose(d_weight.double(), w64.grad, rtol=2 ** -8, atol=1e-6)
+    assert torch.allclose(d_bias.double(), b64.grad, rtol=2 ** -8, atol=1e-6)
+    assert torch.allclose(d_temb.double(), t64.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_modulated_norm_is_norm_outs_kernels():
+    """With norm_out's table split into shift and scale, the forward is final_adaln_out's, bit for bit."""
+    inputs = make(1, 300, "cuda", H=H, D=D, T=T)
+    table = block_cuda.modulation_table_fwd(inputs.temb, inputs.weight, inputs.bias)
+    shift, scale = table[:, :H], table[:, H:]
+    out, rstd = block_cuda.modulated_rms_norm_fwd(inputs.x, inputs.norm_weight, shift, scale,
+                                                  inputs.timestep_indices, 1e-5)
+    expected = final_adaln_out(*inputs.args, 1e-5, backend="cupy")
+    assert torch.equal(out, expected)
+    assert rstd.shape == (inputs.x.numel() // H,)
+
+
+def test_modulated_norm_backward_against_float64_repeatable_and_row_invariant():
+    x, _, dy, idx = _rows(700)
+    temb, weight, bias = _table_inputs()
+    table = block_cuda.modulation_table_fwd(temb, weight, bias).view(R, 6 * H)
+    shift, scale = table[:, 3 * H:4 * H], table[:, 4 * H:5 * H]  # norm2's chunks: strided views
+    nw = (1 + 0.1 * torch.randn(H, device="cuda")).bfloat16()
+    out, rstd = block_cuda.modulated_rms_norm_fwd(x, nw, shift, scale, idx, 1e-5)
+    grads = block_cuda.modulated_rms_norm_bwd(dy, x, nw, shift, scale, idx, rstd)
+    again = block_cuda.modulated_rms_norm_bwd(dy, x, nw, shift, scale, idx, rstd)
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))
+    dx, d_nw, d_shift, d_scale = grads
+    perm = torch.randperm(700, device="cuda")[:333]
+    out_p, rstd_p = block_cuda.modulated_rms_norm_fwd(x[perm], nw, shift, scale, idx[perm], 1e-5)
+    dx_p = block_cuda.modulated_rms_norm_bwd(dy[perm], x[perm], nw, shift, scale, idx[perm], rstd_p)[0]
+    assert torch.equal(out_p, out[perm]) and torch.equal(dx_p, dx[perm])
+    x64, nw64 = x.double().requires_grad_(True), nw.double().requires_grad_(True)
+    sh64, sc64 = shift.double().requires_grad_(True), scale.double().requires_grad_(True)
+    normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * nw64
+    (normed * (1 + sc64[idx]) + sh64[idx]).backward(dy.double())
+    assert torch.allclose(dx.double(), x64.grad, rtol=2 ** -7, atol=1e-3)
+    assert torch.allclose(d_shift.double(), sh64.grad, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(d_scale.double(), sc64.grad, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(d_nw.double(), nw64.grad, rtol=2 ** -7, atol=1e-2)
+
+
+def test_gated_residual_matches_diffusers_bitwise():
+    x, y, dy, idx = _rows(513)
+    temb, weight, bias = _table_inputs()
+    gate = block_cuda.modulation_table_fwd(temb, weight, bias).view(R, 6 * H)[:, 2 * H:3 * H]  # gate_msa
+    gate_bf16 = gate.bfloat16()
+    out = block_cuda.gated_residual_fwd(x, gate, y, idx)
+    assert torch.equal(out, x + gate_bf16.index_select(0, idx) * y)
+    d_gate, d_y = block_cuda.gated_residual_bwd(dy, gate, y, idx)
+    assert torch.equal(d_y, dy * gate_bf16.index_select(0, idx))
+    exact = torch.zeros(R, H, dtype=torch.float64, device="cuda").index_add_(0, idx, dy.double() * y.double())
+    assert torch.allclose(d_gate.double(), exact, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip((d_gate, d_y), block_cuda.gated_residual_bwd(dy, gate, y, idx)))
+    perm = torch.randperm(513, device="cuda")[:200]
+    assert torch.equal(block_cuda.gated_residual_bwd(dy[perm], gate, y[perm], idx[perm])[1], d_y[perm])
+
+
+def test_empty_batch_gives_zero_gradients():
+    x, y, dy, idx = (t[:0] for t in _rows(4))
+    temb, weight, bias = _table_inputs()
+    table = block_cuda.modulation_table_fwd(temb, weight, bias).view(R, 6 * H)
+    gate, shift, scale = table[:, 2 * H:3 * H], table[:, :H], table[:, H:2 * H]
+    assert block_cuda.gated_residual_fwd(x, gate, y, idx).shape == (0, H)
+    d_gate, d_y = block_cuda.gated_residual_bwd(dy, gate, y, idx)
+    assert d_y.shape == (0, H) and torch.equal(d_gate, torch.zeros_like(d_gate))
+    nw = torch.ones(H, device="cuda", dtype=torch.bfloat16)
+    out, rstd = block_cuda.modulated_rms_norm_fwd(x, nw, shift, scale, idx, 1e-5)
+    dx, d_nw, d_shift, d_scale = block_cuda.modulated_rms_norm_bwd(dy, x, nw, shift, scale, idx, rstd)
+    assert out.shape == (0, H) and dx.shape == (0, H)
+    assert not d_nw.any() and not d_shift.any() and not d_scale.any()
+
+
+def test_out_of_range_index_gives_nan_not_a_wild_read():
+    x, y, dy, idx = _rows(64)
+    idx = idx.clone()
+    idx[5] = R + 7
+    temb, weight, bias = _table_inputs()
+    gate = block_cuda.modulation_table_fwd(temb, weight, bias).view(R, 6 * H)[:, 2 * H:3 * H]
+    out = block_cuda.gated_residual_fwd(x, gate, y, idx)
+    assert out[5].isnan().all() and not out[4].isnan().any()
+    d_gate, d_y = block_cuda.gated_residual_bwd(dy, gate, y, idx)
+    assert d_y[5].isnan().all() and d_gate.isnan().any()
