@@ -2,6 +2,8 @@
 
     python -m adaln_lab report --out FILE.json [--quick] [--device cpu|cuda] [--candidates NAMES]
     python -m adaln_lab table FILE.json          (markdown summary of a report; exit 2 if unreadable)
+    python -m adaln_lab block-report --out FILE.json [--quick] [--candidates NAMES]
+                                                 (one H3 block's AdaLN parts: time vs floor, accuracy, repeat)
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--candidates", default=None,
                         help="comma-separated names among diffusers, torch_compile, adaln_lab "
                              f"(default: {DEFAULT_CANDIDATES['cuda']} on cuda, {DEFAULT_CANDIDATES['cpu']} on cpu)")
+    block = commands.add_parser("block-report", help="one MiniMax-H3 block's AdaLN parts against their floor")
+    block.add_argument("--out", required=True, help="path of the JSON report to write")
+    block.add_argument("--quick", action="store_true", help="small shapes (a CPU finishes in a minute)")
+    block.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    block.add_argument("--candidates", default="diffusers,torch_compile,adaln_lab",
+                       help="comma-separated names among diffusers, torch_compile, adaln_lab")
     table = commands.add_parser("table", help="print a report JSON as a markdown table")
     table.add_argument("report_json")
     args = parser.parse_args(argv)
@@ -39,11 +47,20 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from .harness.report import run_report, write
+    from .harness.report import _provenance, run_report, write
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda asked for, but torch sees no CUDA device")
+    if args.command == "block-report":
+        from .harness.block_report import run_block_report
+
+        try:
+            result = run_block_report([n for n in args.candidates.split(",") if n], device, args.quick)
+        except ValueError as error:
+            parser.error(str(error))
+        write({**_provenance(), **result}, args.out)
+        return 0
     names = [n for n in (args.candidates or DEFAULT_CANDIDATES[device]).split(",") if n]
     try:
         result = run_report(names, device, args.quick)

@@ -1,0 +1,227 @@
+"""The block report: one MiniMax-H3 block's AdaLN parts, timed against their memory floor (issue 11).
+
+The AdaLN parts of diffusers' `MiniMaxH3TransformerBlock` are its modulation table (`adaln_proj`), the
+two modulated RMSNorms and the two gated residuals. Attention and feed-forward are replaced by
+pass-through maps (`PassThrough`, opaque to torch.compile), so what is timed is exactly the AdaLN
+work of one block; every candidate runs the real block forward with those maps:
+
+- `diffusers`: diffusers' block through `torch.func.functional_call`;
+- `torch_compile`: the same under `torch.compile` (the pass-through maps are `torch.compiler.disable`d,
+  so Inductor sees and may fuse each AdaLN stretch between them, as it would around real attention);
+- `adaln_lab`: `adaln_lab.block_module.AdaLNTransformerBlock` built from the same diffusers block.
+
+Per size: CUDA-graph replay time of forward and forward+backward, eager host time, the run's memory
+floor (`block_floor_bytes`) and ratios; per candidate the gradients' error against the float64 golden
+(diffusers' block run in float64 on the upcast inputs: no rounding anywhere) and whether two
+forward+backward passes give bitwise equal gradients.
+
+    python -m adaln_lab block-report --out FILE.json [--quick]
+
+Inputs: x (S, H) bf16, norm1_weight, norm2_weight (H,) bf16, temb (T, D) fp32, weight (18H, D) bf16,
+bias (18H,) bf16, adaln_indices (S,) int64 = timestep * 3 + modality tag, in [0, 3T).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from tqdm import tqdm
+
+from .accuracy import rel_err
+from .inputs import H_REAL, D_REAL, T_REAL, PARAMETER_SEED, SALT_X, _generator
+from .latency import copy_bandwidth, graph_latency, host_latency
+
+EPS = 1e-6
+MODALITIES = 3
+LEAVES = ("x", "norm1_weight", "norm2_weight", "temb", "weight", "bias")
+SALTS = {"norm1_weight": 31, "norm2_weight": 32, "temb": 33, "weight": 34, "bias": 35, "dy": 36}
+SIZES, QUICK_SIZES = (4097, 32768), (257, 1024)
+QUICK_SHAPE = {"H": 256, "D": 128, "T": 3}
+
+
+@dataclass
+class BlockInputs:
+    """One call's arguments; `leaves` are the six differentiable ones (`LEAVES` order).
+
+    `timestep_indices` is the adaln_indices (the harness's timing functions read that name)."""
+
+    x: torch.Tensor
+    norm1_weight: torch.Tensor
+    norm2_weight: torch.Tensor
+    temb: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor
+    timestep_indices: torch.Tensor
+
+    @property
+    def leaves(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, name) for name in LEAVES)
+
+    @property
+    def args(self) -> tuple[torch.Tensor, ...]:
+        return (*self.leaves, self.timestep_indices)
+
+
+def make_block(seed: int, n: int, device="cpu", *, H: int = H_REAL, D: int = D_REAL, T: int = T_REAL) -> BlockInputs:
+    """x (n, H) bf16 from `seed`; parameters from the fixed parameter seed; adaln_indices t * 3 + tag."""
+    device = torch.device(device)
+
+    def randn(*shape, salt, s=PARAMETER_SEED):
+        return torch.randn(*shape, generator=_generator(device, s, salt), device=device)
+
+    x = (randn(n, H, s=seed, salt=SALT_X) * 2).to(torch.bfloat16)
+    norms = [(0.5 + torch.rand(H, generator=_generator(device, PARAMETER_SEED, SALTS[name]), device=device))
+             .to(torch.bfloat16) for name in ("norm1_weight", "norm2_weight")]
+    temb = randn(T, D, salt=SALTS["temb"])
+    weight = (randn(6 * MODALITIES * H, D, salt=SALTS["weight"]) * D ** -0.5).to(torch.bfloat16)
+    bias = (randn(6 * MODALITIES * H, salt=SALTS["bias"]) * 0.02).to(torch.bfloat16)
+    layout = torch.Generator().manual_seed(seed)
+    tags = torch.randint(0, MODALITIES, (n,), generator=layout)
+    steps = torch.randint(0, T, (n,), generator=layout)
+    return BlockInputs(x, *norms, temb, weight, bias, (steps * MODALITIES + tags).to(device))
+
+
+def block_floor_bytes(S: int, H: int, D: int, T: int) -> dict:
+    """Bytes the AdaLN parts must move at least, with attention and FFN opaque between them.
+
+    u = S * H * 2 (one bf16 pass over the rows), W = 18 H D * 2 (the projection weight).
+    Forward 9u + W: norm1 reads x, writes h1 (2u); the first gated residual fused with norm2 reads x
+    and y1 and writes x1 and h2 (4u); the second gated residual reads x1, y2, writes out (3u).
+    Backward 13u + 2W: the second residual's backward reads dout, y2, writes d_y2 (3u); norm2's
+    backward fused with the first residual's reads d_h2, x1, dout, y1 and writes dx1, d_y1 (6u); norm1's
+    reads d_h1, x, dx1 and writes dx (4u); the table's backward reads W and writes d_weight (2W).
+    The small tensors (temb, bias, norm weights, indices, table) are left out: under 1 % here.
+    """
+    u, W = S * H * 2, 6 * MODALITIES * H * D * 2
+    fwd, bwd = 9 * u + W, 13 * u + 2 * W
+    return {"fwd_bytes": fwd, "fwd_bwd_bytes": fwd + bwd}
+
+
+class PassThrough(nn.Module):
+    """Attention / feed-forward stand-in: returns its first argument (row-wise, opaque to torch.compile)."""
+
+    @torch.compiler.disable
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+@functools.lru_cache(maxsize=None)
+def _diffusers_block(H: int, D: int):
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
+
+    with torch.device("meta"):
+        block = MiniMaxH3TransformerBlock(H, 1, H, 8, D, norm_eps=EPS, qk_norm_eps=EPS)
+    block.attn, block.ff = PassThrough(), PassThrough()
+    return block
+
+
+def _params(norm1_weight, norm2_weight, weight, bias) -> dict:
+    return {"norm1.weight": norm1_weight, "norm2.weight": norm2_weight,
+            "adaln_proj.linear.weight": weight, "adaln_proj.linear.bias": bias}
+
+
+def block_call(block: nn.Module):
+    """fn(x, norm1_weight, norm2_weight, temb, weight, bias, adaln_indices) -> out: `block`'s forward on
+    these tensors as its AdaLN parameters (torch.func.functional_call)."""
+
+    def call(x, norm1_weight, norm2_weight, temb, weight, bias, adaln_indices):
+        return torch.func.functional_call(block, _params(norm1_weight, norm2_weight, weight, bias),
+                                          (x, temb, adaln_indices, (None, None)))
+
+    return call
+
+
+def diffusers_block_call(x, norm1_weight, norm2_weight, temb, weight, bias, adaln_indices):
+    """diffusers' block forward with pass-through attention and FFN, on these tensors."""
+    return block_call(_diffusers_block(x.shape[-1], temb.shape[-1]))(
+        x, norm1_weight, norm2_weight, temb, weight, bias, adaln_indices)
+
+
+def _adaln_lab(H: int, D: int):
+    from ..block_module import AdaLNTransformerBlock
+
+    return block_call(AdaLNTransformerBlock.from_diffusers(_diffusers_block(H, D)))
+
+
+CANDIDATES = {  # name: (what it runs, build(H, D) -> fn)
+    "diffusers": ("diffusers MiniMaxH3TransformerBlock, attention/FFN pass-through",
+                  lambda H, D: block_call(_diffusers_block(H, D))),
+    "torch_compile": ("torch.compile (default mode) of the same block",
+                      lambda H, D: torch.compile(block_call(_diffusers_block(H, D)))),
+    "adaln_lab": ("adaln_lab AdaLNTransformerBlock.from_diffusers of the same block", _adaln_lab),
+}
+
+
+def forward_backward(fn, inputs: BlockInputs, dy: torch.Tensor):
+    """(out, {leaf name: grad}) of one call on fresh leaves."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs.leaves]
+    out = fn(*leaves, inputs.timestep_indices)
+    out.backward(dy)
+    return out.detach(), {name: leaf.grad for name, leaf in zip(LEAVES, leaves)}
+
+
+def golden(inputs: BlockInputs, dy: torch.Tensor):
+    """The float64 golden: diffusers' block in float64 on the upcast inputs (no rounding anywhere)."""
+    wide = BlockInputs(*(t.detach().double() for t in inputs.leaves), inputs.timestep_indices)
+    return forward_backward(diffusers_block_call, wide, dy.double())
+
+
+def accuracy(fn, inputs: BlockInputs, dy: torch.Tensor, reference) -> dict:
+    """Forward and each gradient's max|err| / max|ref| against the float64 golden; bitwise repeat."""
+    out, grads = forward_backward(fn, inputs, dy)
+    out2, grads2 = forward_backward(fn, inputs, dy)
+    ref_out, ref_grads = reference
+    return {"fwd_rel_err": rel_err(out, ref_out),
+            "grad_rel_err": {name: rel_err(grads[name], ref_grads[name]) for name in LEAVES},
+            "grads_repeat_bitwise": torch.equal(out, out2) and all(torch.equal(grads[n], grads2[n]) for n in LEAVES)}
+
+
+def run_block_report(names: list[str], device: str | torch.device, quick: bool, warmup: int = 10,
+                     iters: int = 30) -> dict:
+    device = torch.device(device)
+    shape = QUICK_SHAPE if quick else {"H": H_REAL, "D": D_REAL, "T": T_REAL}
+    sizes = QUICK_SIZES if quick else SIZES
+    unknown = [n for n in names if n not in CANDIDATES]
+    if unknown:
+        raise ValueError(f"unknown block candidate(s) {unknown}; known: {', '.join(CANDIDATES)}")
+    copy = copy_bandwidth(device, 1 << 30)
+    report = {"kind": "adaln_lab_block_report", "op": "MiniMaxH3TransformerBlock AdaLN parts", "quick": quick,
+              "shape": shape, "eps": EPS, "copy_TBps": copy, "sizes": {}, "notes": {
+                  "floor": block_floor_bytes.__doc__.strip(),
+                  "fwd_us_graph": "CUDA-graph replay of the forward (harness.latency.graph_latency)",
+                  "fwd_bwd_us_graph": "CUDA-graph replay of forward + backward with an all-ones gradient",
+                  "grad_rel_err": "max|err| / max|ref| against diffusers' block in float64 (random dy)"}}
+    built = {name: CANDIDATES[name][1](shape["H"], shape["D"]) for name in names}
+    for S in tqdm(sizes, desc="block report sizes", leave=True, dynamic_ncols=True):
+        inputs = make_block(1, S, device, **shape)
+        dy = torch.randn(inputs.x.shape, generator=_generator(device, 1, SALTS["dy"]), device=device,
+                         dtype=torch.float32).to(torch.bfloat16)
+        nbytes = block_floor_bytes(S, **shape)
+        floor = {**nbytes, "fwd_us": nbytes["fwd_bytes"] / copy / 1e6, "fwd_bwd_us": nbytes["fwd_bwd_bytes"] / copy / 1e6}
+        reference = golden(inputs, dy)
+        entry = {"floor": floor, "candidates": {}}
+        for name in names:
+            source, fn = CANDIDATES[name][0], built[name]
+            result = {"source": source, **accuracy(fn, inputs, dy, reference)}
+            result.update(host_latency(fn, inputs, warmup, iters))
+            result.update(graph_latency(fn, inputs, warmup, iters))
+            for key in ("fwd", "fwd_bwd"):
+                value = result[f"{key}_us_graph"]
+                result[f"{key}_graph_x_floor"] = None if value is None else value / floor[f"{key}_us"]
+            entry["candidates"][name] = result
+            tqdm.write(f"[block report] S={S} {name}: fwd {result['fwd_us_graph']} us, fwd+bwd "
+                       f"{result['fwd_bwd_us_graph']} us (floor {floor['fwd_us']:.0f} / {floor['fwd_bwd_us']:.0f})",
+                       file=sys.stderr)
+        base = entry["candidates"].get("adaln_lab", {}).get("fwd_bwd_us_graph")
+        for name, result in entry["candidates"].items():
+            other = result.get("fwd_bwd_us_graph")
+            result["fwd_bwd_graph_x_adaln_lab"] = None if base is None or other is None else other / base
+        report["sizes"][str(S)] = entry
+        del inputs, reference
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return report

@@ -1,0 +1,63 @@
+"""The block report (adaln_lab/harness/block_report.py): inputs, floor, golden, accuracy, CLI."""
+
+import json
+
+import pytest
+import torch
+
+from adaln_lab.__main__ import main
+from adaln_lab.harness import block_report as br
+
+
+def test_inputs_shapes_and_indices():
+    inputs = br.make_block(1, 50, H=16, D=8, T=4)
+    assert inputs.x.shape == (50, 16) and inputs.x.dtype == torch.bfloat16
+    assert inputs.weight.shape == (18 * 16, 8) and inputs.bias.shape == (18 * 16,)
+    assert inputs.temb.shape == (4, 8) and inputs.temb.dtype == torch.float32
+    idx = inputs.timestep_indices
+    assert idx.dtype == torch.int64 and int(idx.min()) >= 0 and int(idx.max()) < 3 * 4
+    assert len(set(idx.tolist())) > 6  # timesteps and tags both vary
+    again = br.make_block(2, 50, H=16, D=8, T=4)
+    assert torch.equal(inputs.weight, again.weight) and not torch.equal(inputs.x, again.x)
+
+
+def test_floor_counts_passes_over_rows_and_the_weight():
+    S, H, D, T = 4097, 5376, 2688, 3
+    u, W = S * H * 2, 18 * H * D * 2
+    floor = br.block_floor_bytes(S, H, D, T)
+    assert floor["fwd_bytes"] == 9 * u + W
+    assert floor["fwd_bwd_bytes"] == 22 * u + 3 * W
+    assert W == 520_224_768  # the issue's 520 MB per block
+
+
+def test_golden_is_the_diffusers_block_in_float64_and_catches_a_wrong_candidate():
+    inputs = br.make_block(1, 33, H=16, D=8, T=2)
+    dy = torch.randn(inputs.x.shape).to(torch.bfloat16)
+    reference = br.golden(inputs, dy)
+    assert reference[0].dtype == torch.float64
+    good = br.accuracy(br.diffusers_block_call, inputs, dy, reference)
+    assert good["fwd_rel_err"] < 0.02 and max(good["grad_rel_err"].values()) < 0.05
+    assert good["grads_repeat_bitwise"]
+
+    def wrong(x, n1, n2, temb, w, b, idx):  # norm2's weight ignored: its gradient is then zero
+        return br.diffusers_block_call(x, n1, n1 + 0 * n2, temb, w, b, idx)
+
+    bad = br.accuracy(wrong, inputs, dy, reference)
+    assert bad["grad_rel_err"]["norm2_weight"] > 0.5
+
+
+def test_cli_writes_a_block_report(tmp_path):
+    out = tmp_path / "block.json"
+    assert main(["block-report", "--out", str(out), "--quick", "--device", "cpu", "--candidates", "diffusers"]) == 0
+    report = json.loads(out.read_text())
+    assert report["kind"] == "adaln_lab_block_report" and report["quick"]
+    entry = report["sizes"]["257"]
+    assert entry["floor"]["fwd_bwd_bytes"] == br.block_floor_bytes(257, **br.QUICK_SHAPE)["fwd_bwd_bytes"]
+    result = entry["candidates"]["diffusers"]
+    assert result["fwd_us_graph"] is None and result["fwd_us_graph_error"] == "no CUDA"
+    assert result["host_fwd_bwd_us"] > 0 and result["grads_repeat_bitwise"]
+
+
+def test_cli_refuses_an_unknown_candidate(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["block-report", "--out", str(tmp_path / "x.json"), "--quick", "--device", "cpu", "--candidates", "nope"])
