@@ -1,8 +1,10 @@
-"""`patch` / `unpatch`: swap diffusers' `MiniMaxH3AdaLayerNormOut` modules of a model for `AdaLNOut` and back.
+"""`patch` / `unpatch`: swap diffusers' MiniMax-H3 AdaLN modules of a model for adaln_lab's and back.
 
-Both work in place on any `nn.Module` tree, share the swapped modules' `norm` and `linear` submodules
-(so parameters, state-dict keys, devices and dtypes are untouched) and return the qualified names they
-swapped. diffusers is imported inside these functions only, never at `import adaln_lab`.
+Parts: "norm_out" swaps every `MiniMaxH3AdaLayerNormOut` for `AdaLNOut`; "blocks" every
+`MiniMaxH3TransformerBlock` for `AdaLNTransformerBlock` (its AdaLN on adaln_lab's ops, its attention and
+feed-forward unchanged). Both work in place on any `nn.Module` tree, share the swapped modules'
+submodules (so parameters, state-dict keys, devices and dtypes are untouched) and return the qualified
+names they swapped. diffusers is imported inside these functions only, never at `import adaln_lab`.
 
 Hooks: a module carrying forward/backward hooks, a diffusers hook registry (`_diffusers_hook`: context
 parallelism, layerwise casting, group offloading) or an accelerate hook (`_hf_hook`) is refused with
@@ -14,24 +16,40 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from .block_module import AdaLNTransformerBlock
 from .module import AdaLNOut, _check_options
 
 _DIFFUSERS_MODULE = "diffusers.models.transformers.transformer_minimax_h3"
+PARTS = ("norm_out", "blocks")
 
 
-def _diffusers_class() -> type:
-    """diffusers' `MiniMaxH3AdaLayerNormOut`, imported now (a clear ImportError when it is missing)."""
+def _diffusers_class(name: str = "MiniMaxH3AdaLayerNormOut") -> type:
+    """diffusers' class `name` (default `MiniMaxH3AdaLayerNormOut`), imported now (a clear ImportError when
+    it is missing)."""
     try:
         import diffusers  # noqa: F401
     except ImportError as err:
         raise ImportError("adaln_lab.patch / unpatch need diffusers (MiniMax-H3 is in diffusers 0.42): "
                           "pip install 'diffusers>=0.42,<0.43', or install adaln_lab with its [test] extra") from err
     try:
-        from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AdaLayerNormOut
-    except ImportError as err:
-        raise ImportError(f"diffusers {getattr(diffusers, '__version__', '?')} has no MiniMaxH3AdaLayerNormOut "
+        import importlib
+
+        return getattr(importlib.import_module(_DIFFUSERS_MODULE), name)
+    except (ImportError, AttributeError) as err:
+        raise ImportError(f"diffusers {getattr(diffusers, '__version__', '?')} has no {name} "
                           f"({_DIFFUSERS_MODULE}); adaln_lab targets diffusers 0.42") from err
-    return MiniMaxH3AdaLayerNormOut
+
+
+def _diffusers_block_class() -> type:
+    """diffusers' `MiniMaxH3TransformerBlock`, imported now."""
+    return _diffusers_class("MiniMaxH3TransformerBlock")
+
+
+def _parts(parts) -> tuple[str, ...]:
+    parts = (parts,) if isinstance(parts, str) else tuple(parts)
+    if not parts or any(p not in PARTS for p in parts):
+        raise ValueError(f"parts must be a non-empty collection of {PARTS}, got {parts!r}")
+    return tuple(p for p in PARTS if p in parts)
 
 
 def _refuse_hooks(name: str, module: nn.Module) -> None:
@@ -48,16 +66,27 @@ def _refuse_hooks(name: str, module: nn.Module) -> None:
                              "them. Patch before registering hooks.")
 
 
+def _targets(model: nn.Module, match) -> list[tuple[str, nn.Module]]:
+    targets = [(name, module) for name, module in model.named_modules(remove_duplicate=False) if match(module)]
+    if any(name == "" for name, _ in targets):
+        raise ValueError(f"model is itself a {type(model).__name__}; it cannot be swapped in place "
+                         "(use from_diffusers / to_diffusers of AdaLNOut or AdaLNTransformerBlock)")
+    return targets
+
+
+def _refuse_all(model: nn.Module, match) -> None:
+    """The checks `_swap` makes, without swapping: so that several swaps are refused before any is made."""
+    for name, module in _targets(model, match):
+        _refuse_hooks(name, module)
+
+
 def _swap(model: nn.Module, match, build) -> list[str]:
     """Replace every submodule of `model` for which `match(module)` holds by `build(module)`, in place.
 
     A module reachable under several names is built once and set under each of them; the root itself
     cannot be replaced in place (ValueError). Returns the qualified names replaced, in `named_modules` order.
     """
-    targets = [(name, module) for name, module in model.named_modules(remove_duplicate=False) if match(module)]
-    if any(name == "" for name, _ in targets):
-        raise ValueError(f"model is itself a {type(model).__name__}; it cannot be swapped in place "
-                         "(use AdaLNOut.from_diffusers / AdaLNOut.to_diffusers)")
+    targets = _targets(model, match)
     for name, module in targets:
         _refuse_hooks(name, module)
     built: dict[int, nn.Module] = {}
@@ -70,21 +99,55 @@ def _swap(model: nn.Module, match, build) -> list[str]:
     return [name for name, _ in targets]
 
 
-def patch(model: nn.Module, *, backend: str = "auto", table_backend: str = "cuda") -> list[str]:
-    """Swap every diffusers `MiniMaxH3AdaLayerNormOut` inside `model` for `AdaLNOut.from_diffusers`, in place.
+def patch(model: nn.Module, *, parts=("norm_out",), backend: str = "auto", table_backend: str = "cuda") -> list[str]:
+    """Swap diffusers' MiniMax-H3 AdaLN modules inside `model` for adaln_lab's, in place.
 
-    Returns the qualified names swapped (e.g. `["norm_out"]` for a `MiniMaxH3Transformer3DModel`); a
-    model with none left (already patched) gives `[]`. To change the backend of a patched model, set
-    `module.backend` / `module.table_backend` on its `AdaLNOut` modules or `unpatch` and patch again.
+    Args:
+        parts: which modules: "norm_out" (every `MiniMaxH3AdaLayerNormOut` -> `AdaLNOut.from_diffusers`),
+            "blocks" (every `MiniMaxH3TransformerBlock` -> `AdaLNTransformerBlock.from_diffusers`), or both:
+            `parts=("norm_out", "blocks")`. Default: norm_out only.
+        backend: "auto", "torch" or "cupy" (see `AdaLNOut`; the blocks take the same names, "cupy" refusing
+            inputs their CUDA kernels cannot take, where "auto" falls back to torch code).
+        table_backend: "cuda" (kernels_cu's fixed-order table) or "torch" (F.linear), for every swapped module.
+
+    Returns the qualified names swapped, norm_out's first, then the blocks' (e.g. `["norm_out",
+    "transformer_blocks.0", ...]` for a `MiniMaxH3Transformer3DModel`); modules already swapped are left
+    as they are (patching twice returns `[]`). Nothing is swapped when an option or a module is refused.
+    To change the backend of a patched model, set `backend` / `table_backend` on its swapped modules or
+    `unpatch` and patch again.
     """
-    cls = _diffusers_class()
+    parts = _parts(parts)
     _check_options(backend, table_backend)  # before anything is swapped
-    return _swap(model, lambda m: type(m) is cls,
-                 lambda m: AdaLNOut.from_diffusers(m, backend=backend, table_backend=table_backend))
+    swaps = []
+    if "norm_out" in parts:
+        cls = _diffusers_class()
+        swaps.append((lambda m: type(m) is cls,
+                      lambda m: AdaLNOut.from_diffusers(m, backend=backend, table_backend=table_backend)))
+    if "blocks" in parts:
+        from .block_module import _check_options as _check_block_options, _check_submodules
+
+        block_cls = _diffusers_block_class()
+        _check_block_options(backend, table_backend)
+        for _, module in model.named_modules():  # refuse before swapping anything
+            if type(module) is block_cls:
+                _check_submodules(module)
+        swaps.append((lambda m: type(m) is block_cls,
+                      lambda m: AdaLNTransformerBlock.from_diffusers(m, backend=backend,
+                                                                    table_backend=table_backend)))
+    for match, _ in swaps:
+        _refuse_all(model, match)
+    return [name for match, build in swaps for name in _swap(model, match, build)]
 
 
-def unpatch(model: nn.Module) -> list[str]:
-    """Put diffusers `MiniMaxH3AdaLayerNormOut` modules back in place of every `AdaLNOut` of `model`
-    (sharing their `norm` and `linear`). Returns the qualified names swapped back."""
+def unpatch(model: nn.Module, *, parts=PARTS) -> list[str]:
+    """Put diffusers' modules back in place of adaln_lab's (`AdaLNOut` -> `MiniMaxH3AdaLayerNormOut`,
+    `AdaLNTransformerBlock` -> `MiniMaxH3TransformerBlock`, sharing their submodules), for the given parts
+    (default both). Returns the qualified names swapped back, norm_out's first."""
+    parts = _parts(parts)
     _diffusers_class()
-    return _swap(model, lambda m: isinstance(m, AdaLNOut), lambda m: m.to_diffusers())
+    names = []
+    if "norm_out" in parts:
+        names += _swap(model, lambda m: isinstance(m, AdaLNOut), lambda m: m.to_diffusers())
+    if "blocks" in parts:
+        names += _swap(model, lambda m: isinstance(m, AdaLNTransformerBlock), lambda m: m.to_diffusers())
+    return names

@@ -1,0 +1,190 @@
+"""`modulated_rms_norm`: an H3 block's `norm(x) * (1 + scale[row_index]) + shift[row_index]` as a custom op.
+
+    out = modulated_rms_norm(x (..., S, H), norm_weight (H,), shift (R, H), scale (R, H), row_index (S,), eps)
+
+Broadcast: row s of every leading index of x is modulated by table row row_index[s] (R = 3T table rows
+for a block: `adaln_indices = timestep_indices * 3 + token_tags`). shift and scale are usually column
+chunks of `modulation_table`'s (T, 18H) float32 table viewed (3T, 6H): any strides, float32 holding values
+of the projection's dtype `table_dtype` (default x's dtype). The forward casts them back to `table_dtype`
+(exact) and replays diffusers (`F.rms_norm` in x's dtype, `1 + scale` in table_dtype, then the product and
+`+ shift`, each rounded), so it is diffusers' output bit for bit on the CPU; out has dtype
+promote_types(x.dtype, table_dtype).
+
+Layers (as `adaln_lab.cuda_op`):
+- `torch.ops.adaln_lab.modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, eps, table_dtype)
+  -> (out (..., S, H), rstd (rows,))` and `torch.ops.adaln_lab.modulated_rms_norm_bwd(dy, x, norm_weight,
+  shift, scale, row_index, rstd) -> (dx, d_norm_weight, d_shift, d_scale)`: custom ops with fake kernels
+  and `register_autograd`. rows = x.numel() / H; rstd = rsqrt(mean(x^2) + eps) per row, in
+  promote_types(x.dtype, float32).
+- Default (CPU) kernels, torch code: the forward is the replay; the backward the exact derivative of
+  the unrounded function (the roundings straight-through), per row in float32 (float64 for float64 x):
+      xhat = x * rstd,  g = dy * (1 + scale[i]) * norm_weight,  dx = rstd * (g - xhat * mean(g * xhat))
+  (dx of a row depends on that row only), and the parameter sums in float64, each in a fixed order
+  (rows in order into their table row, then table rows in order), rounded once:
+      d_shift[r] = sum_{i(s)=r} dy,  d_scale[r] = norm_weight * sum_{i(s)=r} dy * xhat,
+      d_norm_weight = sum_r (1 + scale[r]) * sum_{i(s)=r} dy * xhat.
+- CUDA kernels (`adaln_lab.block_cuda`: norm_out's row kernels with the R table rows as timesteps) for
+  bf16 x, norm_weight and table_dtype with supported shapes; anything else runs the torch code.
+
+Gradients: dx in x's dtype, d_norm_weight in norm_weight's, d_shift / d_scale (R, H) in shift's / scale's
+(float32 for the table's chunks, so autograd adds the chunks' gradients into the table in float32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .block_reference import replay_modulated_rms_norm
+
+
+def _rows_index(row_index: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The table row of each of the x.numel() / H rows of x (row_index repeated over the leading dims)."""
+    S, H = x.shape[-2], x.shape[-1]
+    lead = x.numel() // H // S if S else 0
+    return row_index.repeat(lead) if S else row_index
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _fwd_torch(x, norm_weight, shift, scale, row_index, eps, table_dtype):
+    out = replay_modulated_rms_norm(x, norm_weight, shift.to(table_dtype), scale.to(table_dtype), row_index, eps)
+    xc = x.to(_compute_dtype(x)).reshape(-1, x.shape[-1])
+    rstd = torch.rsqrt(xc.pow(2).mean(dim=-1) + eps)
+    return out.contiguous(), rstd
+
+
+def _bwd_torch(dy, x, norm_weight, shift, scale, row_index, rstd):
+    H, R = x.shape[-1], shift.shape[0]
+    c = rstd.dtype
+    idx = _rows_index(row_index, x)
+    xc, dyc = x.to(c).reshape(-1, H), dy.to(c).reshape(-1, H)
+    xhat = xc * rstd[:, None]
+    g = dyc * (1.0 + scale.to(c)).index_select(0, idx) * norm_weight.to(c)
+    dx = rstd[:, None] * (g - xhat * (g * xhat).mean(dim=-1, keepdim=True))
+    f64 = torch.float64
+    a = torch.zeros(R, H, dtype=f64, device=x.device).index_add_(0, idx, (dyc * xhat).to(f64))
+    b = torch.zeros(R, H, dtype=f64, device=x.device).index_add_(0, idx, dyc.to(f64))
+    d_scale = norm_weight.to(f64) * a
+    d_norm_weight = ((1.0 + scale.to(f64)) * a).sum(0)
+    return (dx.to(x.dtype).reshape(x.shape).contiguous(), d_norm_weight.to(norm_weight.dtype), b.to(shift.dtype),
+            d_scale.to(scale.dtype))
+
+
+def _kernels_refuse(x, table_rows, table_dtype, **bf16_tensors) -> bool:
+    from . import block_cuda
+
+    return table_dtype != torch.bfloat16 or block_cuda.unsupported_rows(x, table_rows, **bf16_tensors) is not None
+
+
+@torch.library.custom_op("adaln_lab::modulated_rms_norm_fwd", mutates_args=())
+def modulated_rms_norm_fwd(x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                           row_index: torch.Tensor, eps: float,
+                           table_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (..., S, H), rstd (rows,)): diffusers' replay and the rows' rstd (module docstring)."""
+    return _fwd_torch(x, norm_weight, shift, scale, row_index, eps, table_dtype)
+
+
+@modulated_rms_norm_fwd.register_fake
+def _(x, norm_weight, shift, scale, row_index, eps, table_dtype):
+    H = x.shape[-1]
+    return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, table_dtype)),
+            x.new_empty((x.numel() // H,), dtype=_compute_dtype(x)))
+
+
+@modulated_rms_norm_fwd.register_kernel("cuda")
+def _(x, norm_weight, shift, scale, row_index, eps, table_dtype):
+    if _kernels_refuse(x, shift.shape[0], table_dtype, norm_weight=norm_weight):
+        return _fwd_torch(x, norm_weight, shift, scale, row_index, eps, table_dtype)
+    from . import block_cuda
+
+    with torch.cuda.device(x.device):
+        return block_cuda.modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, eps)
+
+
+@torch.library.custom_op("adaln_lab::modulated_rms_norm_bwd", mutates_args=())
+def modulated_rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor,
+                           scale: torch.Tensor, row_index: torch.Tensor,
+                           rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx (..., S, H), d_norm_weight (H,), d_shift (R, H), d_scale (R, H)) (module docstring)."""
+    return _bwd_torch(dy, x, norm_weight, shift, scale, row_index, rstd)
+
+
+@modulated_rms_norm_bwd.register_fake
+def _(dy, x, norm_weight, shift, scale, row_index, rstd):
+    return (x.new_empty(x.shape), norm_weight.new_empty(norm_weight.shape), shift.new_empty(shift.shape),
+            scale.new_empty(scale.shape))
+
+
+@modulated_rms_norm_bwd.register_kernel("cuda")
+def _(dy, x, norm_weight, shift, scale, row_index, rstd):
+    # dy is bf16 exactly when the forward's output was, i.e. when the forward ran the kernels
+    if (_kernels_refuse(x, shift.shape[0], torch.bfloat16, norm_weight=norm_weight, dy=dy)
+            or rstd.dtype != torch.float32):
+        return _bwd_torch(dy, x, norm_weight, shift, scale, row_index, rstd)
+    from . import block_cuda
+
+    with torch.cuda.device(x.device):
+        dx, d_norm_weight, d_shift, d_scale = block_cuda.modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale,
+                                                                               row_index, rstd)
+    return dx, d_norm_weight, d_shift.to(shift.dtype), d_scale.to(scale.dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    x, norm_weight, shift, scale, row_index, _, _ = inputs
+    _, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    ctx.save_for_backward(x, norm_weight, shift, scale, row_index, rstd)
+
+
+def _backward(ctx, d_out, d_rstd):
+    x, norm_weight, shift, scale, row_index, rstd = ctx.saved_tensors
+    grads = modulated_rms_norm_bwd(d_out.contiguous(), x, norm_weight, shift, scale, row_index, rstd)
+    return (*grads, None, None, None)
+
+
+modulated_rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def check_rows(op: str, x: torch.Tensor, row_index: torch.Tensor, **tables: torch.Tensor) -> None:
+    """Raise ValueError / TypeError naming the argument unless x (..., S, H), row_index (S,) int64 and each
+    table argument (R, H) (one R for all) fit."""
+    if x.dim() < 2:
+        raise ValueError(f"{op} needs x of shape (..., S, H), got {tuple(x.shape)}")
+    S, H = x.shape[-2], x.shape[-1]
+    if row_index.shape != (S,) or row_index.dtype != torch.int64:
+        raise ValueError(f"{op} needs row_index of shape (S,) = ({S},) and dtype int64, got "
+                         f"{tuple(row_index.shape)} {row_index.dtype}")
+    rows = {t.shape[0] for t in tables.values() if t.dim() == 2}
+    for name, t in tables.items():
+        if t.dim() != 2 or t.shape[1] != H or len(rows) != 1:
+            raise ValueError(f"{op} needs {', '.join(tables)} of one shape (R, H) with H = {H}, got {name} "
+                             f"{tuple(t.shape)}")
+    for name, t in (("x", x), *tables.items()):
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{op} needs a floating-point {name}, got {t.dtype}")
+
+
+def modulated_rms_norm(x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                       row_index: torch.Tensor, eps: float = 1e-5, *,
+                       table_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`rms_norm(x, norm_weight, eps) * (1 + scale[row_index]) + shift[row_index]`, differentiable.
+
+    Args:
+        x: (..., S, H) hidden states, any float dtype (the CUDA kernels take bf16).
+        norm_weight: (H,) RMSNorm weight.
+        shift, scale: (R, H) table chunks (any strides), float32 holding `table_dtype` values.
+        row_index: (S,) int64 in [0, R): the table row of each row of x (for every leading index).
+        eps: RMSNorm epsilon.
+        table_dtype: the projection's dtype the chunks are cast back to before diffusers' ops (default x's).
+
+    Returns:
+        (..., S, H) tensor of dtype promote_types(x.dtype, table_dtype), diffusers' output.
+    """
+    check_rows("modulated_rms_norm", x, row_index, shift=shift, scale=scale)
+    if norm_weight.shape != (x.shape[-1],):
+        raise ValueError(f"modulated_rms_norm needs norm_weight of shape ({x.shape[-1]},), got "
+                         f"{tuple(norm_weight.shape)}")
+    table_dtype = x.dtype if table_dtype is None else table_dtype
+    return modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, float(eps), table_dtype)[0]
