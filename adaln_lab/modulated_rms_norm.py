@@ -17,7 +17,8 @@ Layers (as `adaln_lab.cuda_op`):
   and `register_autograd`. rows = x.numel() / H; rstd = rsqrt(mean(x^2) + eps) per row, in
   promote_types(x.dtype, float32).
 - Default (CPU) kernels, torch code: the forward is the replay; the backward the exact derivative of
-  the unrounded function (the roundings straight-through), per row in float32 (float64 for float64 x):
+  the unrounded function at the given inputs (the forward's roundings, of `1 + scale` and of the
+  normalised rows, left out: the float64 golden's derivative), per row in float32 (float64 for float64 x):
       xhat = x * rstd,  g = dy * (1 + scale[i]) * norm_weight,  dx = rstd * (g - xhat * mean(g * xhat))
   (dx of a row depends on that row only), and the parameter sums in float64, each in a fixed order
   (rows in order into their table row, then table rows in order), rounded once:
