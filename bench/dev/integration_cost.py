@@ -75,7 +75,11 @@ def kernel_sequence(inputs, plan):
     S = x.shape[-2]
     rows = plan.rows(x.numel() // H)
     k = launchers.kernels(x.device.index, plan)
-    stream = current_stream(x.device.index)
+    device_index = x.device.index
+
+    def stream():  # read at launch time: inside a capture, torch's current stream is the capturing one
+        return current_stream(device_index)
+
     fwd_ws = torch.empty(rows.fwd_bytes, dtype=torch.uint8, device=x.device)
     bwd_ws = torch.empty(rows.bwd_bytes, dtype=torch.uint8, device=x.device)
     fo, bo = rows.fwd_offsets, rows.bwd_offsets
@@ -86,16 +90,16 @@ def kernel_sequence(inputs, plan):
     row_partials, d_table, dact = (bwd_ws.data_ptr() + bo[n] for n in ("row_partials", "d_table", "dact_partials"))
     keep = (fwd_ws, bwd_ws, out, dx, dy, grads)
     return keep, {
-        "table": lambda: launchers.launch_table(k, plan, stream, temb.data_ptr(), weight.data_ptr(), bias.data_ptr(),
+        "table": lambda: launchers.launch_table(k, plan, stream(), temb.data_ptr(), weight.data_ptr(), bias.data_ptr(),
                                                 table, table_f32),
-        "norm_modulate": lambda: launchers.launch_norm_modulate(k, plan, rows, stream, x.data_ptr(), nw.data_ptr(),
+        "norm_modulate": lambda: launchers.launch_norm_modulate(k, plan, rows, stream(), x.data_ptr(), nw.data_ptr(),
                                                                 table, idx.data_ptr(), out.data_ptr(), rstd, S, EPS),
-        "row_pass": lambda: launchers.launch_row_pass(k, plan, rows, stream, dy.data_ptr(), x.data_ptr(), rstd,
+        "row_pass": lambda: launchers.launch_row_pass(k, plan, rows, stream(), dy.data_ptr(), x.data_ptr(), rstd,
                                                       nw.data_ptr(), table_f32, idx.data_ptr(), dx.data_ptr(),
                                                       row_partials, S),
-        "reduce_partials": lambda: launchers.launch_reduce_partials(k, plan, rows, stream, row_partials, nw.data_ptr(),
+        "reduce_partials": lambda: launchers.launch_reduce_partials(k, plan, rows, stream(), row_partials, nw.data_ptr(),
                                                                     table_f32, d_table, d_nw, d_bias),
-        "table_bwd": lambda: launchers.launch_table_bwd(k, plan, stream, d_table, temb.data_ptr(), weight.data_ptr(),
+        "table_bwd": lambda: launchers.launch_table_bwd(k, plan, stream(), d_table, temb.data_ptr(), weight.data_ptr(),
                                                         d_weight, dact, d_temb),
     }
 
