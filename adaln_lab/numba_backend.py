@@ -197,28 +197,33 @@ def _plain(t: torch.Tensor):
     return t.numpy() if t.device.type == "cpu" else t
 
 
-def table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
-    """(T, 2H) bf16 table and (T, 2H) fp32 twin, as `cuda_op.table` computes them."""
+def table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, stream=0):
+    """(T, 2H) bf16 table and (T, 2H) fp32 twin, as `cuda_op.table` computes them.
+
+    stream: the numba stream to launch on (0: numba's default; `adaln_lab.numba_op` passes torch's current one)."""
     T, D = temb.shape
     H = weight.shape[0] // 2
     kernel = table_kernel(H, D, T)
     out = torch.empty(T, 2 * H, dtype=torch.bfloat16, device=temb.device)
     out_f32 = torch.empty(T, 2 * H, dtype=torch.float32, device=temb.device)
     plan = make_plan(H, D, T)
-    kernel[plan.table_grid, plan.table_threads](_plain(temb), _bits(weight), _bits(bias), _bits(out), _plain(out_f32))
+    kernel[plan.table_grid, plan.table_threads, stream](_plain(temb), _bits(weight), _bits(bias), _bits(out), _plain(out_f32))
     return out, out_f32
 
 
 def norm_modulate(x: torch.Tensor, norm_weight: torch.Tensor, table_bf16: torch.Tensor,
-                  timestep_indices: torch.Tensor, eps: float):
-    """out (rows, H) bf16 and rstd (rows,) fp32 from x (rows, H) and the bf16 table (T, 2H)."""
+                  timestep_indices: torch.Tensor, eps: float, *, stream=0):
+    """out (rows, H) bf16 and rstd (rows,) fp32 from x (rows, H) and the bf16 table (T, 2H); row r uses
+    timestep_indices[r % S]. No launch when rows == 0 (as launch_norm_modulate). stream: as in `table`."""
     rows, H = x.shape
     T = table_bf16.shape[0]
     kernel = norm_modulate_kernel(H, T)
     out = torch.empty_like(x)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
-    kernel[rows, make_plan(H, 8, T).fwd_threads](_bits(x), _bits(norm_weight), _bits(table_bf16), _plain(timestep_indices),
-                          _bits(out), _plain(rstd), np.int64(timestep_indices.shape[0]), np.float32(eps))
+    if rows:
+        kernel[rows, make_plan(H, 8, T).fwd_threads, stream](
+            _bits(x), _bits(norm_weight), _bits(table_bf16), _plain(timestep_indices), _bits(out), _plain(rstd),
+            np.int64(timestep_indices.shape[0]), np.float32(eps))
     return out, rstd
 
 

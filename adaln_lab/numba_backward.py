@@ -368,13 +368,15 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 
 def norm_modulate_bwd(dy, x, rstd, norm_weight, table_f32, timestep_indices, D: int, *,
-                      rows_per_range: int | None = None):
+                      rows_per_range: int | None = None, stream=0):
     """dx (rows, H) bf16 and row_partials (max(ranges, 1), T, 2, H) fp32 (zeros when rows == 0, as
     launch_backward's memset) from dy, x (rows, H) bf16, rstd (rows,) fp32, norm_weight (H,) bf16,
     table_f32 (T, 2H) fp32, timestep_indices (S,) int64 (row r uses index r % S); D picks the plan.
 
     rows_per_range: None takes the plan's (Rows.bwd_rows_per_range, what launch_backward passes); the
     kernel takes any, like the CUDA one, so a test can give a few rows several ranges' worth of work.
+    stream (here and in the other wrappers): the numba stream to launch on (0: numba's default;
+    `adaln_lab.numba_op` passes torch's current one, on which the outputs are allocated and zeroed).
     """
     rows, H = x.shape
     T = table_f32.shape[0]
@@ -387,13 +389,13 @@ def norm_modulate_bwd(dy, x, rstd, norm_weight, table_f32, timestep_indices, D: 
     dx = _empty(x.shape, x.dtype, x.device)
     row_partials = torch.zeros(max(ranges, 1), T, 2, H, dtype=torch.float32, device=x.device)
     if rows:
-        norm_modulate_bwd_kernel(plan)[ranges, plan.bwd_threads](
+        norm_modulate_bwd_kernel(plan)[ranges, plan.bwd_threads, stream](
             _bits(dy), _bits(x), _plain(rstd), _bits(norm_weight), _plain(table_f32), _plain(timestep_indices),
             _bits(dx), _plain(row_partials), np.int64(timestep_indices.shape[0]), np.int64(rows), np.int64(per))
     return dx, row_partials
 
 
-def reduce_partials(row_partials, norm_weight, table_f32, D: int):
+def reduce_partials(row_partials, norm_weight, table_f32, D: int, *, stream=0):
     """d_table (T, 2H) fp32 (d_shift | d_scale), d_norm_weight (H,) bf16 and d_bias (2H,) bf16 from
     row_partials (nblocks, T, 2, H) fp32, norm_weight (H,) bf16 and table_f32 (T, 2H) fp32."""
     nblocks, T, _, H = row_partials.shape
@@ -401,34 +403,34 @@ def reduce_partials(row_partials, norm_weight, table_f32, D: int):
     d_table = torch.empty(T, 2 * H, dtype=torch.float32, device=row_partials.device)
     d_norm_weight = _empty(norm_weight.shape, norm_weight.dtype, row_partials.device)
     d_bias = torch.empty(2 * H, dtype=norm_weight.dtype, device=row_partials.device)
-    reduce_partials_kernel(plan)[-(-H // 32), (32, plan.sum_groups)](
+    reduce_partials_kernel(plan)[-(-H // 32), (32, plan.sum_groups), stream](
         _plain(row_partials), _bits(norm_weight), _plain(table_f32), _plain(d_table), _bits(d_norm_weight),
         _bits(d_bias), np.int64(nblocks))
     return d_table, d_norm_weight, d_bias
 
 
-def table_bwd(d_table, temb, weight):
+def table_bwd(d_table, temb, weight, *, stream=0):
     """d_weight (2H, D) bf16 and dact_partials (plan.blocks_j, T, D) fp32 from d_table (T, 2H) fp32,
     temb (T, D) fp32 and weight (2H, D) bf16."""
     plan = make_plan(weight.shape[0] // 2, temb.shape[1], temb.shape[0])
     d_weight = _empty(weight.shape, weight.dtype, weight.device)
     dact_partials = torch.empty(plan.blocks_j, plan.T, plan.D, dtype=torch.float32, device=weight.device)
-    table_bwd_kernel(plan)[plan.tb_grid, plan.tb_threads](
+    table_bwd_kernel(plan)[plan.tb_grid, plan.tb_threads, stream](
         _plain(d_table), _plain(temb), _bits(weight), _bits(d_weight), _plain(dact_partials))
     return d_weight, dact_partials
 
 
-def table_bwd_reduce(dact_partials, temb, H: int):
+def table_bwd_reduce(dact_partials, temb, H: int, *, stream=0):
     """d_temb (T, D) fp32 from dact_partials (nblocks, T, D) fp32 and temb (T, D) fp32; H picks the plan."""
     T, D = temb.shape
     plan = make_plan(H, D, T)
     d_temb = _empty(temb.shape, temb.dtype, temb.device)
-    table_bwd_reduce_kernel(plan)[(-(-D // 32), T), (32, plan.sum_groups)](
+    table_bwd_reduce_kernel(plan)[(-(-D // 32), T), (32, plan.sum_groups), stream](
         _plain(dact_partials), _plain(temb), _plain(d_temb), np.int64(dact_partials.shape[0]))
     return d_temb
 
 
-def backward(dy, x, rstd, norm_weight, table_f32, timestep_indices, temb, weight):
+def backward(dy, x, rstd, norm_weight, table_f32, timestep_indices, temb, weight, *, stream=0):
     """The twin's whole backward, in launch_backward's order.
 
     Args:
@@ -439,6 +441,7 @@ def backward(dy, x, rstd, norm_weight, table_f32, timestep_indices, temb, weight
             (shift | scale). timestep_indices: (S,) int64; an index outside [0, T) makes that row's dx
             and every parameter gradient that sums it NaN, as the kernels do.
         temb: (T, D) fp32. weight: (2H, D) bf16.
+        stream: the numba stream of the four launches (0: numba's default).
 
     Returns:
         dx (..., S, H) bf16, d_norm_weight (H,) bf16, d_temb (T, D) fp32, d_weight (2H, D) bf16,
@@ -453,8 +456,10 @@ def backward(dy, x, rstd, norm_weight, table_f32, timestep_indices, temb, weight
     H = x.shape[-1]
     shape = x.shape
     x2, dy2 = x.reshape(-1, H), dy.reshape(-1, H)
-    dx, row_partials = norm_modulate_bwd(dy2, x2, rstd, norm_weight, table_f32, timestep_indices, temb.shape[1])
-    d_table, d_norm_weight, d_bias = reduce_partials(row_partials, norm_weight, table_f32, temb.shape[1])
-    d_weight, dact_partials = table_bwd(d_table, temb, weight)
-    d_temb = table_bwd_reduce(dact_partials, temb, H)
+    dx, row_partials = norm_modulate_bwd(dy2, x2, rstd, norm_weight, table_f32, timestep_indices, temb.shape[1],
+                                         stream=stream)
+    d_table, d_norm_weight, d_bias = reduce_partials(row_partials, norm_weight, table_f32, temb.shape[1],
+                                                     stream=stream)
+    d_weight, dact_partials = table_bwd(d_table, temb, weight, stream=stream)
+    d_temb = table_bwd_reduce(dact_partials, temb, H, stream=stream)
     return dx.reshape(shape), d_norm_weight, d_temb, d_weight, d_bias

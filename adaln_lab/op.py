@@ -13,7 +13,7 @@ import torch
 from .reference import replay
 from .validate import validate
 
-BACKENDS = ("auto", "torch", "cupy")
+BACKENDS = ("auto", "torch", "cupy", "numba")
 NUMERICS = ("diffusers",)
 TABLE_BACKENDS = ("cuda", "torch")
 
@@ -25,7 +25,7 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
     """MiniMax-H3's final AdaLN output (diffusers `MiniMaxH3AdaLayerNormOut`), differentiable.
 
     Args:
-        x: (..., S, H) hidden states, any float dtype (bf16 for the cupy backend).
+        x: (..., S, H) hidden states, any float dtype (bf16 for the cupy and numba backends).
         norm_weight: (H,) RMSNorm weight; norm_weight, weight and bias share one dtype (one module's).
         temb: (T, D) float32, float64 or the parameters' dtype, one row per distinct timestep.
         weight: (2H, D) projection weight; bias: (2H,) projection bias.
@@ -33,23 +33,27 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
         eps: RMSNorm epsilon.
         backend: "torch" (the diffusers replay, any device, any float dtype), "cupy" (kernels_cu:
             CUDA, bf16 x / norm_weight / weight / bias, fp32 temb, H and D divisible by 8; anything
-            else is refused with an error naming the argument), or "auto": "cupy" where it can run
-            (CUDA tensors of those dtypes and shapes), "torch" otherwise.
+            else is refused with an error naming the argument), "numba" (the Numba-CUDA twin of
+            kernels_cu, `adaln_lab.numba_op`: the same inputs and bits as "cupy", for reading and
+            exploring the kernels in Python; also T * D <= 11776; CPU tensors under numba's CUDA
+            simulator, NUMBA_ENABLE_CUDASIM=1, at tiny shapes; numba is imported on the first call),
+            or "auto": "cupy" where it can run (CUDA tensors of those dtypes and shapes), "torch"
+            otherwise ("auto" never picks "numba").
         numerics: "diffusers" rounds where diffusers rounds (SiLU cast, bf16 table, rms_norm
             output, then `1 + scale`, the product and `+ shift` each to x's dtype).
-        table_backend: cupy backend only: "cuda" computes the table with the fixed-order GEMV
-            of kernels_cu (T-invariant rows), "torch" with F.linear (bitwise diffusers' table on
-            the same GPU, but cuBLAS's reduction order).
+        table_backend: cupy and numba backends only: "cuda" computes the table with the
+            fixed-order GEMV of kernels_cu (numba: its twin; T-invariant rows), "torch" with F.linear
+            (bitwise diffusers' table on the same GPU, but cuBLAS's reduction order).
         check_indices: check that every timestep index lies in [0, T) and raise IndexError if not.
             Default (None): check on the CPU, where it is free, but not on CUDA, where it would
             wait for the GPU (one host synchronisation per call, and no CUDA-graph capture).
             Unchecked on CUDA, an index outside [0, T) never reads outside the table: with
-            backend "cupy" that row's output and dx are NaN and so are the parameter gradients
-            (the error shows instead of hiding); backend "torch" hits torch's device-side assert.
+            backends "cupy" and "numba" that row's output and dx are NaN and so are the parameter
+            gradients (the error shows instead of hiding); backend "torch" hits torch's device-side assert.
 
     Returns:
         (..., S, H) tensor of dtype torch.promote_types(x.dtype, norm_weight.dtype), as diffusers
-        returns it: x's dtype when x and the parameters agree (always, for the cupy backend).
+        returns it: x's dtype when x and the parameters agree (always, for the cupy and numba backends).
     """
     if check_indices is None:
         check_indices = not getattr(x, "is_cuda", False)
@@ -64,6 +68,11 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
         backend = "cupy" if _cupy_can_run(x, norm_weight, temb, weight, bias) else "torch"
     if backend == "torch":
         return replay(x, norm_weight, temb, weight, bias, timestep_indices, eps)
+    if backend == "numba":
+        from . import numba_op
+
+        return numba_op.final_adaln_out(x, norm_weight, temb, weight, bias, timestep_indices, eps,
+                                        table_backend=table_backend)
     from . import cuda_op
 
     return cuda_op.final_adaln_out(x, norm_weight, temb, weight, bias, timestep_indices, eps,

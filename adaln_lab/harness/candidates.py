@@ -8,6 +8,10 @@ Each built-in says what it really runs on the device it is built for: `source` g
 report, and `warning` (when set) is printed by the report because the row is not what its name
 suggests (the adaln_lab row on a CPU runs the torch replay; the diffusers row without diffusers
 installed is the replay too).
+
+CUDA only (`resolve` refuses them on another device, naming them): torch_compile, and adaln_lab_numba
+(backend "numba": the Numba-CUDA twin of the kernels; off CUDA it runs only in numba's CUDA
+simulator, thousands of threads a second, far too slow for any report).
 """
 
 from __future__ import annotations
@@ -88,20 +92,60 @@ def adaln_lab_candidate(table_backend: str = "cuda", device: str | torch.device 
                  f"table_backend={table_backend}, check_indices=False)", call)
 
 
+def adaln_lab_numba_candidate(table_backend: str = "cuda", device: str | torch.device | None = "cuda") -> Named:
+    """`final_adaln_out` with backend "numba": the Numba-CUDA twin of kernels_cu (adaln_lab.numba_backend,
+    adaln_lab.numba_backward) through numba-cuda, on torch's current stream.
+
+    Raises ValueError (naming the candidate) where it cannot run: numba-cuda not importable, or
+    `device` not CUDA while numba is not in its simulator, or CUDA while it is (the simulator takes
+    CPU tensors only). Under the simulator (NUMBA_ENABLE_CUDASIM=1) a CPU candidate is built, with a
+    warning, for tests; `resolve` refuses it off CUDA all the same.
+    """
+    from ..op import final_adaln_out
+
+    kind = torch.device(device).type if device is not None else "cuda"
+    try:
+        from ..numba_op import simulating
+
+        simulated = simulating()
+    except Exception as error:  # numba-cuda missing or broken: say so before any row is measured
+        raise ValueError(f"candidate 'adaln_lab_numba' needs numba-cuda (the test extra): "
+                         f"{type(error).__name__}: {error}") from error
+    if simulated != (kind != "cuda"):
+        raise ValueError("candidate 'adaln_lab_numba' runs on CUDA only (use --device cuda)" if not simulated else
+                         "candidate 'adaln_lab_numba': numba's CUDA simulator is on (NUMBA_ENABLE_CUDASIM=1), "
+                         "which takes CPU tensors only; unset it to run on the GPU")
+
+    def call(x, norm_weight, temb, weight, bias, timestep_indices):
+        return final_adaln_out(x, norm_weight, temb, weight, bias, timestep_indices, EPS,
+                               backend="numba", table_backend=table_backend, check_indices=False)
+
+    source = (f"adaln_lab final_adaln_out (backend numba: the Numba-CUDA twin of the kernels_cu kernels, "
+              f"adaln_lab.numba_backend / numba_backward, through numba-cuda on torch's stream, "
+              f"table_backend={table_backend}, check_indices=False)")
+    if simulated:
+        return Named("adaln_lab_numba", source.replace("through numba-cuda on torch's stream",
+                                                       f"in numba's CUDA simulator on {kind}"), call,
+                     warning="the 'adaln_lab_numba' row runs numba's CUDA simulator on the CPU (tests only)")
+    return Named("adaln_lab_numba", source, call)
+
+
 BUILTIN = {
     "diffusers": diffusers_candidate,
     "torch_compile": torch_compile_candidate,
     "adaln_lab": adaln_lab_candidate,
+    "adaln_lab_numba": adaln_lab_numba_candidate,
 }
+CUDA_ONLY = ("torch_compile", "adaln_lab_numba")
 
 
 def resolve(names: list[str], device: torch.device) -> list[Named]:
-    """Build the named candidates; a GPU-only one asked for on CPU is an error naming it."""
+    """Build the named candidates; a GPU-only one (CUDA_ONLY) asked for off CUDA is an error naming it."""
     out = []
     for name in names:
         if name not in BUILTIN:
             raise ValueError(f"unknown candidate {name!r}; known: {', '.join(BUILTIN)}")
-        if name == "torch_compile" and device.type != "cuda":
-            raise ValueError("candidate 'torch_compile' runs on CUDA only (use --device cuda)")
+        if name in CUDA_ONLY and device.type != "cuda":
+            raise ValueError(f"candidate {name!r} runs on CUDA only (use --device cuda)")
         out.append(BUILTIN[name](device=device))
     return out
