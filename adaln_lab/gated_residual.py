@@ -10,12 +10,12 @@ the sum, so it is diffusers' output bit for bit on the CPU; out has dtype promot
 
 Layers (as `adaln_lab.cuda_op`):
 - `torch.ops.adaln_lab.gated_residual_fwd(x, gate, y, row_index, table_dtype) -> out` and
-  `torch.ops.adaln_lab.gated_residual_bwd(dout, gate, y, row_index) -> (d_gate (R, H), d_y)`: custom ops
+  `torch.ops.adaln_lab.gated_residual_bwd(dout, gate, y, row_index, table_dtype) -> (d_gate (R, H), d_y)`: custom ops
   with fake kernels and `register_autograd`. A custom op's outputs cannot alias its inputs, so the
   backward op leaves dx out and the autograd formula passes dout itself on as dx (cast to x's dtype
   if they differ): the residual's gradient is the identity, with no copy.
 - Default (CPU) kernels, torch code: the forward is the replay; the backward is the exact derivative,
-      d_y = dout * gate[i]  (one rounding to y's dtype: torch's own bf16 product),
+      d_y = dout * gate[i]  (gate in table_dtype as in the forward; one rounding to y's dtype: torch's own),
       d_gate[r] = sum_{i(s)=r} dout * y  (float64, rows in order, rounded once to gate's dtype).
 - CUDA kernels (`adaln_lab.block_cuda`: gated_residual.cu, ordered per-range sums) for bf16 x, y and
   table_dtype with supported shapes; anything else runs the torch code.
@@ -33,12 +33,12 @@ def _fwd_torch(x, gate, y, row_index, table_dtype):
     return replay_gated_residual(x, gate.to(table_dtype), y, row_index).contiguous()
 
 
-def _bwd_torch(dout, gate, y, row_index):
+def _bwd_torch(dout, gate, y, row_index, table_dtype):
     H, R = y.shape[-1], gate.shape[0]
     c = torch.promote_types(torch.promote_types(dout.dtype, y.dtype), torch.promote_types(gate.dtype, torch.float32))
     idx = _rows_index(row_index, y)
     doutc = dout.to(c).reshape(-1, H)
-    d_y = (doutc * gate.to(c).index_select(0, idx)).to(y.dtype).reshape(y.shape).contiguous()
+    d_y = (doutc * gate.to(table_dtype).to(c).index_select(0, idx)).to(y.dtype).reshape(y.shape).contiguous()
     f64 = torch.float64
     d_gate = torch.zeros(R, H, dtype=f64, device=y.device).index_add_(0, idx, doutc.to(f64) * y.reshape(-1, H).to(f64))
     return d_gate.to(gate.dtype), d_y
@@ -67,22 +67,22 @@ def _(x, gate, y, row_index, table_dtype):
 
 
 @torch.library.custom_op("adaln_lab::gated_residual_bwd", mutates_args=())
-def gated_residual_bwd(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor,
-                       row_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gated_residual_bwd(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: torch.Tensor,
+                       table_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_gate (R, H) in gate's dtype, d_y (..., S, H) in y's dtype) (module docstring)."""
-    return _bwd_torch(dout, gate, y, row_index)
+    return _bwd_torch(dout, gate, y, row_index, table_dtype)
 
 
 @gated_residual_bwd.register_fake
-def _(dout, gate, y, row_index):
+def _(dout, gate, y, row_index, table_dtype):
     return gate.new_empty(gate.shape), y.new_empty(y.shape)
 
 
 @gated_residual_bwd.register_kernel("cuda")
-def _(dout, gate, y, row_index):
+def _(dout, gate, y, row_index, table_dtype):
     # dout is bf16 exactly when the forward's output was (bf16 x, y and table dtype)
-    if _kernels_refuse(y, gate.shape[0], torch.bfloat16, dout=dout) or not gate.dtype.is_floating_point:
-        return _bwd_torch(dout, gate, y, row_index)
+    if _kernels_refuse(y, gate.shape[0], table_dtype, dout=dout):
+        return _bwd_torch(dout, gate, y, row_index, table_dtype)
     from . import block_cuda
 
     with torch.cuda.device(y.device):
@@ -91,14 +91,14 @@ def _(dout, gate, y, row_index):
 
 
 def _setup_context(ctx, inputs, output):
-    x, gate, y, row_index, _ = inputs
-    ctx.x_dtype = x.dtype
+    x, gate, y, row_index, table_dtype = inputs
+    ctx.x_dtype, ctx.table_dtype = x.dtype, table_dtype
     ctx.save_for_backward(gate, y, row_index)
 
 
 def _backward(ctx, dout):
     gate, y, row_index = ctx.saved_tensors
-    d_gate, d_y = gated_residual_bwd(dout.contiguous(), gate, y, row_index)
+    d_gate, d_y = gated_residual_bwd(dout.contiguous(), gate, y, row_index, ctx.table_dtype)
     return dout.to(ctx.x_dtype), d_gate, d_y, None, None
 
 

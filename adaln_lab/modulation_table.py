@@ -20,8 +20,8 @@ Layers (as `adaln_lab.cuda_op`):
   kernels, the SiLU output is used unrounded (straight-through the declared cast to weight's dtype).
 - Their CUDA kernels (`adaln_lab.block_cuda`: table.cu, a fixed-order GEMV whose rows do not depend on T,
   and table_bwd.cu) run for bf16 weight and bias, fp32 temb (or bf16 temb, widened exactly: `kernel_temb`)
-  and supported shapes; anything else runs the torch code, since diffusers models run in any dtype. `table_backend="torch"` keeps F.linear (cuBLAS:
-  diffusers' own bits on the same GPU) for the forward.
+  and supported shapes; anything else runs the torch code, since diffusers models run in any dtype.
+  `table_backend="torch"` keeps F.linear (cuBLAS: diffusers' own bits on the same GPU) for the forward.
 
 Gradients: d_temb (T, D) in temb's dtype, d_weight (N, D) and d_bias (N,) in the parameters' dtypes.
 """

@@ -103,6 +103,19 @@ def test_rows_are_independent_and_gradients_repeat():
     assert torch.equal(sub_out, out[rows]) and torch.equal(sub[2], grads[2][rows])
 
 
+def test_a_gate_beyond_table_dtype_is_rounded_as_diffusers_rounds_it():
+    """A float32 gate with values that bf16 cannot hold: forward and d_y use bf16(gate) (the cast to the
+    table's dtype), d_gate is the exact sum (the cast passed straight through)."""
+    x, _, y, row_index, dout = _case(seed=4)
+    gate = torch.randn(R, H, generator=torch.Generator().manual_seed(5))
+    assert not torch.equal(gate, gate.bfloat16().float())
+    out, (dx, d_gate, d_y) = _grads(_call, (x, gate, y), row_index, dout)
+    assert torch.equal(out, _diffusers(x, gate, y, row_index))
+    assert torch.equal(d_y, dout * gate.bfloat16().index_select(0, row_index))
+    exact = torch.zeros(R, H, dtype=torch.float64).index_add_(0, row_index, dout.double() * y.double())
+    assert torch.equal(d_gate, exact.float())
+
+
 def test_mixed_dtypes_cast_dx_back_to_x():
     x, gate, y, row_index, dout = _case(dtype=torch.bfloat16, table_dtype=torch.float32)
     _, (dx, d_gate, d_y) = _grads(_call, (x, gate, y), row_index, dout, table_dtype=torch.float32)
@@ -127,7 +140,7 @@ def test_opcheck(case):
     table_dtype = kwargs.get("table_dtype", torch.bfloat16)
     leaves = [t.detach().requires_grad_(True) for t in (x, gate, y)]
     torch.library.opcheck(gated_residual_fwd, (*leaves, row_index, table_dtype))
-    torch.library.opcheck(gated_residual_bwd, (dout, gate, y, row_index))
+    torch.library.opcheck(gated_residual_bwd, (dout, gate, y, row_index, table_dtype))
 
 
 def test_compile_fullgraph_matches_eager():
@@ -193,4 +206,4 @@ def test_cuda_opcheck():
     x, gate, y, row_index, dout = _case(S=100, lead=(2,), device="cuda", H_=GH, D_=GD)
     leaves = [t.detach().requires_grad_(True) for t in (x, gate, y)]
     torch.library.opcheck(gated_residual_fwd, (*leaves, row_index, torch.bfloat16))
-    torch.library.opcheck(gated_residual_bwd, (dout, gate, y, row_index))
+    torch.library.opcheck(gated_residual_bwd, (dout, gate, y, row_index, torch.bfloat16))

@@ -3,7 +3,6 @@ backward; GPU: table.cu against cuBLAS, T-invariant rows, fallbacks, gradients a
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from adaln_lab import block_reference as br
 from adaln_lab import modulation_table
