@@ -1,0 +1,149 @@
+"""Where the lab's numbers come from: measured now, or read from the committed H200 evidence.
+
+A notebook sets `MODE = "auto" | "evidence" | "measure"` at its top and calls `resolve_mode(MODE)`:
+- "measure": measure afresh on this machine (the GPU when there is one; on a CPU the small sizes);
+- "evidence": read the committed H200 files in `bench/results/h200/` (`report.json`, written by
+  `python -m adaln_lab report`; `lab_errors.json`, `lab_latency.json`, `lab_invariance.json`,
+  written by `python -m adaln_lab.lab --out bench/results/h200`); a lab file that is absent is
+  computed live on this CPU at small sizes instead, and the banner says so;
+- "auto": "measure" where torch sees CUDA, "evidence" elsewhere.
+
+`obtain(kind, mode, measure)` does the above for one lab file and returns `(data, banner)`: the
+banner is the line a notebook prints, so a reader always sees what the figures are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+MODES = ("auto", "evidence", "measure")
+KINDS = ("errors", "latency", "invariance")
+RELATIVE = Path("bench") / "results" / "h200"
+
+
+def repo_root() -> Path:
+    """The checkout holding `bench/results/h200/report.json`: the package's own (editable install),
+    else the current directory or one of its parents (a notebook runs in notebooks/)."""
+    here = Path(__file__).resolve().parents[2]
+    for root in (here, Path.cwd(), *Path.cwd().parents):
+        if (root / RELATIVE / "report.json").is_file():
+            return root
+    return here
+
+
+def evidence_dir() -> Path:
+    """bench/results/h200 of the checkout, or $ADALN_LAB_EVIDENCE_DIR when set (tests point it at
+    a synthetic copy)."""
+    override = os.environ.get("ADALN_LAB_EVIDENCE_DIR")
+    return Path(override) if override else repo_root() / RELATIVE
+
+
+def resolve_mode(mode: str = "auto") -> str:
+    """"measure" or "evidence" (see module docstring); anything but the three MODES is an error."""
+    if mode not in MODES:
+        raise ValueError(f"MODE must be one of {MODES}, got {mode!r}")
+    if mode == "auto":
+        return "measure" if torch.cuda.is_available() else "evidence"
+    return mode
+
+
+def device_for(mode: str) -> torch.device:
+    """The device a measurement in this mode runs on: CUDA in measure mode when present, else the CPU."""
+    return torch.device("cuda" if mode == "measure" and torch.cuda.is_available() else "cpu")
+
+
+def lab_path(kind: str, directory: str | Path | None = None) -> Path:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    return Path(directory or evidence_dir()) / f"lab_{kind}.json"
+
+
+def load_json(path: str | Path) -> dict | None:
+    """The JSON object in `path`, or None when the file does not exist."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def load_report(directory: str | Path | None = None) -> dict:
+    """The committed report of `python -m adaln_lab report` (bench/results/h200/report.json)."""
+    path = Path(directory or evidence_dir()) / "report.json"
+    report = load_json(path)
+    if report is None:
+        raise FileNotFoundError(f"no report at {path}")
+    return report
+
+
+def save(data: dict, path: str | Path) -> Path:
+    """Write `data` as indented JSON (atomically: a temporary file, then a rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def meta(device: torch.device, quick: bool) -> dict:
+    """Provenance of a measurement: the harness report's environment and commit, and the size flag."""
+    from ..harness.report import _provenance, environment
+
+    return {**_provenance(), "environment": environment(device), "quick": quick}
+
+
+def describe(data: dict) -> str:
+    """'NVIDIA H200, commit 0123abc, full sizes' for a lab file's `meta`."""
+    m = data.get("meta", {})
+    env = m.get("environment") or {}
+    where = env.get("gpu") or f"CPU ({env.get('cpu') or 'unknown'})"
+    commit = str(m.get("adaln_lab_commit") or "unknown")[:7]
+    return f"{where}, commit {commit}, {'quick (small) sizes' if m.get('quick') else 'full sizes'}"
+
+
+def obtain(kind: str, mode: str, measure: Callable[[torch.device, bool], dict],
+           directory: str | Path | None = None) -> tuple[dict, str]:
+    """(data, banner) for one lab file. `measure(device, quick)` makes the data when it is not read.
+
+    measure mode: `measure(device, quick=device is the CPU)`. evidence mode: the committed
+    `lab_<kind>.json`, or, when it is absent, `measure(cpu, quick=True)` with a banner saying that
+    these are small CPU figures and not the H200's.
+    """
+    mode = resolve_mode(mode)
+    path = lab_path(kind, directory)
+    if mode == "measure":
+        device = device_for(mode)
+        data = _measured(measure, device, device.type == "cpu")
+        return data, f"MODE measure: measured now on {describe(data)}."
+    data = load_json(path)
+    if data is not None:
+        return data, f"MODE evidence: committed evidence {_shown(path)} ({describe(data)})."
+    data = _measured(measure, torch.device("cpu"), True)
+    return data, (f"MODE evidence, but {path.name} is not committed yet: computed live on this CPU at small sizes "
+                  f"({describe(data)}). These are NOT H200 figures; the lead's H200 run of "
+                  f"`python -m adaln_lab.lab --out bench/results/h200` replaces them.")
+
+
+def _measured(measure, device: torch.device, quick: bool) -> dict:
+    data = measure(device, quick)
+    data.setdefault("meta", meta(device, quick))
+    return data
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(repo_root().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def say(banner: str) -> None:
+    """Print the banner where a notebook reader sees it (stdout, framed)."""
+    line = "=" * min(100, max(len(part) for part in banner.split("\n")))
+    print(f"{line}\n{banner}\n{line}", file=sys.stdout)
