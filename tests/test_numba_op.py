@@ -287,7 +287,7 @@ def assert_same_as_cupy(results):
         assert same_bits(a, b), name
 
 
-INVARIANCE_SIZES = sorted(set(FULL.all_rows_sizes) | set(FULL.sub_batch_sizes) | {2, 9, 17, 2047})
+INVARIANCE_SIZES = sorted(set(FULL.all_rows_sizes) | set(FULL.sub_batch_sizes) | {FULL.full_batch, 2, 9, 17, 2047})
 
 
 @pytest.mark.gpu
@@ -301,8 +301,8 @@ def test_numba_equals_cupy_bit_for_bit_at_the_accuracy_sizes(rows, table_backend
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", INVARIANCE_SIZES)
 def test_numba_equals_cupy_bit_for_bit_at_the_invariance_sizes(rows):
-    """FULL's all_rows and sub-batch sizes (1 .. 65536 rows: every row-range geometry the protocol meets)
-    and a few of the sweep's, seed 3 (the protocol's first)."""
+    """FULL's all_rows sizes, sub-batch sizes and full batch (1 .. 131072 rows: every row-range geometry
+    the protocol meets) and a few of the sweep's, seed 3 (the protocol's first)."""
     inputs = make(FULL.seeds[0], rows, "cuda")
     assert_same_as_cupy(both_backends(inputs, FULL.seeds[0]))
 
