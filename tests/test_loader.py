@@ -6,7 +6,10 @@ CPU: the decisions (is the cache directory usable, was a failure the cache's fau
 environment and arguments) with fake compilers; the facts about CuPy the design leans on (its disk
 backend's hash check and atomic writes, across two processes; `-ftz=true` added on both paths;
 CUPY_CACHE_IN_MEMORY read at every compile; its import failing on a cache path it cannot make, which
-importing adaln_lab's launchers first avoids); threads asking for one plan at once.
+importing adaln_lab's launchers first avoids); with real NVRTC for sm_90 and no driver (the binary caught
+where CuPy hands it to the driver): the in-memory compile gives the cached compile's cubin byte for byte,
+a garbage cache file is recompiled and rewritten, and two processes released at once into one empty cache
+both get that cubin and leave one hash-valid file; threads asking for one plan at once.
 
 GPU (marked `gpu`): real compiles in fresh processes, each printing the SHA-256 of the output and the five
 gradients of one forward+backward (H 264, D 64, T 3, 300 rows), which must equal a clean compile's: a
@@ -140,7 +143,8 @@ def test_cupys_import_fails_on_a_cache_path_it_cannot_make_unless_launchers_come
     env = {**os.environ, "CUPY_CACHE_DIR": str(a_file)}
     bare = subprocess.run([sys.executable, "-c", "import cupy"], env=env, capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
-    assert bare.returncode != 0 and "FileExistsError" in bare.stderr  # why loader redirects at import
+    if bare.returncode != 0:  # CuPy 14 makes its cache directory at import: why loader redirects at import
+        assert "FileExistsError" in bare.stderr, bare.stderr[-3000:]
     code = ("import json, os; import adaln_lab.launchers; import cupy; from adaln_lab import loader;"
             "print(json.dumps([loader.IMPORT_PROBLEM, os.environ['CUPY_CACHE_DIR'], loader.cache_dir()]))")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
@@ -327,6 +331,106 @@ def test_cupys_disk_cache_survives_two_processes_writing_one_file(tmp_path):
     assert [p.returncode for p in procs] == [0, 0] and [o.strip() for o in outs] == ["0", "0"]
     assert sorted(f.name for f in tmp_path.iterdir()) == ["go", "k.cubin"]  # no temporary file left
     assert _disk_backend(tmp_path).load("k.cubin") == bytes(range(256)) * 4096
+
+
+# NVRTC without a GPU: cupy._core.core.compile_with_cache (what RawModule's first get_function calls, with
+# RawModule's arguments) for sm_90, the binary caught where CuPy hands it to the driver (Module.load)
+_NVRTC_SETUP = """
+import types
+from cupy.cuda import compiler
+import cupy._core.core as core
+got = []
+class _Module:
+    def load(self, cubin):
+        got.append(bytes(cubin))
+    def _set_mapping(self, mapping):
+        pass
+compiler.function = types.SimpleNamespace(Module=_Module)
+compiler._get_arch_for_options_for_nvrtc = lambda arch=None: ("-arch=sm_90", "cubin")
+def compile_unit(source, options):
+    try:
+        core.compile_with_cache(source, options, arch="90", prepend_cupy_headers=False)
+    except TypeError:  # returning the fake module, after load
+        pass
+    return got.pop()
+"""
+
+
+@pytest.fixture
+def nvrtc(monkeypatch, tmp_path):
+    """(compile_unit(in_memory) -> the sm_90 binary of PLAN's unit, cache directory) in this process."""
+    from cupy.cuda import compiler
+    from cupy.cuda._compiler_cache import DiskKernelCacheBackend
+
+    for name in ("function", "_get_arch_for_options_for_nvrtc"):  # replaced by the setup, restored after
+        monkeypatch.setattr(compiler, name, getattr(compiler, name))
+    namespace = {}
+    exec(_NVRTC_SETUP, namespace)
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(compiler, "_kernel_cache_backend", DiskKernelCacheBackend(str(cache)))
+
+    def compile_unit(in_memory: bool) -> bytes:
+        if in_memory:
+            monkeypatch.setenv("CUPY_CACHE_IN_MEMORY", "1")
+        else:
+            monkeypatch.delenv("CUPY_CACHE_IN_MEMORY", raising=False)
+        try:
+            return namespace["compile_unit"](loader.source(PLAN), loader.COMPILE_OPTIONS)
+        except Exception as error:  # noqa: BLE001
+            if "nvrtc" in str(error).lower() and "CompileException" not in type(error).__name__:
+                pytest.skip(f"NVRTC not loadable here: {error}")
+            raise
+
+    return compile_unit, cache
+
+
+def test_the_in_memory_compile_is_the_cached_compiles_binary(nvrtc):
+    """Bitwise the same cubin from CuPy's disk-cache path, its in-memory path and the cache file."""
+    compile_unit, cache = nvrtc
+    cached = compile_unit(in_memory=False)
+    (file,) = _cache_files(cache)
+    assert len(cached) > 10_000 and _hash_valid(file) and file.read_bytes()[40:] == cached
+    assert compile_unit(in_memory=True) == cached
+    assert _cache_files(cache) == [file]  # nothing written in memory
+    assert compile_unit(in_memory=False) == cached  # loaded from the file
+
+
+def test_a_garbage_cache_file_is_recompiled_and_rewritten(nvrtc):
+    compile_unit, cache = nvrtc
+    cached = compile_unit(in_memory=False)
+    (file,) = _cache_files(cache)
+    file.write_bytes(os.urandom(file.stat().st_size))
+    assert compile_unit(in_memory=False) == cached
+    assert _hash_valid(file) and file.read_bytes()[40:] == cached
+
+
+_NVRTC_RACE = _NVRTC_SETUP + """
+import hashlib, os, sys, time
+from adaln_lab import loader
+from adaln_lab.plan import plan
+gate = sys.argv[1]
+open(os.path.join(gate, str(os.getpid())), "w").close()
+while len(os.listdir(gate)) < 2:
+    time.sleep(0.01)
+print(hashlib.sha256(compile_unit(loader.source(plan(264, 64, 3)), loader.COMPILE_OPTIONS)).hexdigest())
+"""
+
+
+def test_two_processes_compile_at_once_into_one_empty_cache_with_nvrtc(nvrtc, tmp_path):
+    """CuPy's real compile-and-save in two processes released at once into one empty cache directory."""
+    compile_unit, _ = nvrtc
+    expected = hashlib.sha256(compile_unit(in_memory=True)).hexdigest()
+    cache, gate = tmp_path / "shared", tmp_path / "gate"
+    gate.mkdir()
+    environ = {k: v for k, v in os.environ.items() if k != "CUPY_CACHE_IN_MEMORY"}
+    environ["CUPY_CACHE_DIR"] = str(cache)
+    procs = [subprocess.Popen([sys.executable, "-c", _NVRTC_RACE, str(gate)], cwd=ROOT, env=environ,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
+    assert [out.strip() for out, _ in outs] == [expected, expected]
+    files = _cache_files(cache)
+    assert len(files) == 1 and files[0].suffix == ".cubin" and _hash_valid(files[0])
 
 
 # ----------------------------------------------------------------------------------- the module cache
