@@ -165,7 +165,7 @@ def compile_kernels(device_index: int, plan: Plan) -> dict:
         return _compile(device_index, plan)
     finally:
         if old is None:
-            del os.environ["CUPY_CACHE_IN_MEMORY"]
+            os.environ.pop("CUPY_CACHE_IN_MEMORY", None)
         else:
             os.environ["CUPY_CACHE_IN_MEMORY"] = old
 
