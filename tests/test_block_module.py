@@ -147,7 +147,16 @@ def test_every_adaln_gradient_at_least_as_accurate_as_diffusers_against_float64(
         assert ours_err[name] <= theirs_err[name], (name, ours_err[name] / theirs_err[name])
 
 
-def test_invariance_protocol_on_one_blocks_adaln_path():
+@pytest.fixture
+def one_thread():
+    """torch on one CPU thread: hundreds of small calls, whose OpenMP barriers spin for ages on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_invariance_protocol_on_one_blocks_adaln_path(one_thread):
     """The seed's protocol (quick sizes) on block_adaln_path with row-wise attention / FFN: no row differs."""
     report = assert_batch_invariant(protocol_candidate(), device="cpu", quick=True)
     assert all(r["fwd_differ"] == 0 and r["rowgrad_differ"] == 0 for r in report["all_rows"].values())
@@ -159,7 +168,7 @@ def test_invariance_protocol_on_one_blocks_adaln_path():
     lambda h: h + h.mean(dim=-2, keepdim=True),  # mixes rows: each row sees the batch's mean
     lambda h: h * (1 + 2 ** -6 * (h.shape[-2] % 2)),  # rows untouched by each other, but by the batch size
 ], ids=["row_mean", "batch_size"])
-def test_planted_counter_examples_are_caught(attn):
+def test_planted_counter_examples_are_caught(attn, one_thread):
     report = batch_invariance(protocol_candidate(attn=attn), dataclasses.replace(QUICK, H=64, D=32),
                               torch.device("cpu"))
     assert not report["batch_invariant"]
