@@ -141,9 +141,9 @@ class AdaLNTransformerBlock(nn.Module):
                  table_backend: str = "cuda"):
         from .patch import _diffusers_block_class
 
+        _check_options(backend, table_backend)
         block = _diffusers_block_class()(hidden_size, num_attention_heads, attention_head_dim, ffn_dim,
                                          time_embed_dim, norm_eps, qk_norm_eps)
-        _check_options(backend, table_backend)
         super().__init__()
         self._take(block, backend, table_backend)
 
