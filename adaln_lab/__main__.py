@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--device", choices=("cpu", "cuda"), default=None,
                         help="default: cuda when available, else cpu")
     report.add_argument("--candidates", default=None,
-                        help="comma-separated names among diffusers, torch_compile, adaln_lab "
+                        help="comma-separated names among diffusers, torch_compile, adaln_lab, adaln_lab_numba (CUDA only) "
                              f"(default: {DEFAULT_CANDIDATES['cuda']} on cuda, {DEFAULT_CANDIDATES['cpu']} on cpu)")
     block = commands.add_parser("block-report", help="one MiniMax-H3 block's AdaLN parts against their floor")
     block.add_argument("--out", required=True, help="path of the JSON report to write")
