@@ -74,12 +74,6 @@ def _targets(model: nn.Module, match) -> list[tuple[str, nn.Module]]:
     return targets
 
 
-def _refuse_all(model: nn.Module, match) -> None:
-    """The checks `_swap` makes, without swapping: so that several swaps are refused before any is made."""
-    for name, module in _targets(model, match):
-        _refuse_hooks(name, module)
-
-
 def _swap(model: nn.Module, match, build) -> list[str]:
     """Replace every submodule of `model` for which `match(module)` holds by `build(module)`, in place.
 
@@ -116,27 +110,27 @@ def patch(model: nn.Module, *, parts=("norm_out",), backend: str = "auto", table
     To change the backend of a patched model, set `backend` / `table_backend` on its swapped modules or
     `unpatch` and patch again.
     """
+    from .block_module import _check_options as _check_block_options, _check_submodules
+    from .module import _submodules
+
     parts = _parts(parts)
-    _check_options(backend, table_backend)  # before anything is swapped
-    swaps = []
+    _check_options(backend, table_backend)  # everything is checked before anything is swapped
+    swaps = []  # (match, what from_diffusers checks, build)
     if "norm_out" in parts:
         cls = _diffusers_class()
-        swaps.append((lambda m: type(m) is cls,
+        swaps.append((lambda m: type(m) is cls, _submodules,
                       lambda m: AdaLNOut.from_diffusers(m, backend=backend, table_backend=table_backend)))
     if "blocks" in parts:
-        from .block_module import _check_options as _check_block_options, _check_submodules
-
         block_cls = _diffusers_block_class()
         _check_block_options(backend, table_backend)
-        for _, module in model.named_modules():  # refuse before swapping anything
-            if type(module) is block_cls:
-                _check_submodules(module)
-        swaps.append((lambda m: type(m) is block_cls,
+        swaps.append((lambda m: type(m) is block_cls, _check_submodules,
                       lambda m: AdaLNTransformerBlock.from_diffusers(m, backend=backend,
                                                                     table_backend=table_backend)))
-    for match, _ in swaps:
-        _refuse_all(model, match)
-    return [name for match, build in swaps for name in _swap(model, match, build)]
+    for match, check, _ in swaps:
+        for name, module in _targets(model, match):
+            _refuse_hooks(name, module)
+            check(module)
+    return [name for match, _, build in swaps for name in _swap(model, match, build)]
 
 
 def unpatch(model: nn.Module, *, parts=PARTS) -> list[str]:

@@ -282,6 +282,11 @@ def test_patch_refuses_hooked_blocks_and_swaps_nothing():
     with pytest.raises(ValueError, match="transformer_blocks.0 carries a _diffusers_hook"):
         adaln_lab.patch(model, parts=ALL_PARTS)
     del model.transformer_blocks[0]._diffusers_hook
+    linear = model.norm_out.linear
+    model.norm_out.linear = nn.Sequential(linear)  # e.g. a PEFT wrapper: norm_out would skip its forward
+    with pytest.raises(TypeError, match="norm_out.linear|MiniMaxH3AdaLayerNormOut.linear"):
+        adaln_lab.patch(model, parts=ALL_PARTS)
+    model.norm_out.linear = linear
     assert type(model.norm_out) is MiniMaxH3AdaLayerNormOut  # all or nothing
     assert all(type(b) is MiniMaxH3TransformerBlock for b in model.transformer_blocks)
 
