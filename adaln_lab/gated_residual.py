@@ -58,7 +58,7 @@ def _(x, gate, y, row_index, table_dtype):
 
 @gated_residual_fwd.register_kernel("cuda")
 def _(x, gate, y, row_index, table_dtype):
-    if _kernels_refuse(x, gate.shape[0], table_dtype, y=y):
+    if _kernels_refuse(x, gate.shape[0], table_dtype, gate, row_index, y=y):
         return _fwd_torch(x, gate, y, row_index, table_dtype)
     from . import block_cuda
 
@@ -81,7 +81,7 @@ def _(dout, gate, y, row_index, table_dtype):
 @gated_residual_bwd.register_kernel("cuda")
 def _(dout, gate, y, row_index, table_dtype):
     # dout is bf16 exactly when the forward's output was (bf16 x, y and table dtype)
-    if _kernels_refuse(y, gate.shape[0], table_dtype, dout=dout):
+    if _kernels_refuse(y, gate.shape[0], table_dtype, gate, row_index, dout=dout):
         return _bwd_torch(dout, gate, y, row_index, table_dtype)
     from . import block_cuda
 

@@ -73,10 +73,14 @@ def _bwd_torch(dy, x, norm_weight, shift, scale, row_index, rstd):
             d_scale.to(scale.dtype))
 
 
-def _kernels_refuse(x, table_rows, table_dtype, **bf16_tensors) -> bool:
+def _kernels_refuse(x, table_rows, table_dtype, *others, **bf16_tensors) -> bool:
+    """Whether the CUDA kernels cannot take these inputs: a table dtype other than bf16, `block_cuda`'s rule
+    for x and the bf16 tensors, or any tensor (`others` too) off x's device (torch's code then raises)."""
     from . import block_cuda
 
-    return table_dtype != torch.bfloat16 or block_cuda.unsupported_rows(x, table_rows, **bf16_tensors) is not None
+    if table_dtype != torch.bfloat16 or any(t.device != x.device for t in (*others, *bf16_tensors.values())):
+        return True
+    return block_cuda.unsupported_rows(x, table_rows, **bf16_tensors) is not None
 
 
 @torch.library.custom_op("adaln_lab::modulated_rms_norm_fwd", mutates_args=())
@@ -96,7 +100,7 @@ def _(x, norm_weight, shift, scale, row_index, eps, table_dtype):
 
 @modulated_rms_norm_fwd.register_kernel("cuda")
 def _(x, norm_weight, shift, scale, row_index, eps, table_dtype):
-    if _kernels_refuse(x, shift.shape[0], table_dtype, norm_weight=norm_weight):
+    if _kernels_refuse(x, shift.shape[0], table_dtype, shift, scale, row_index, norm_weight=norm_weight):
         return _fwd_torch(x, norm_weight, shift, scale, row_index, eps, table_dtype)
     from . import block_cuda
 
@@ -121,8 +125,8 @@ def _(dy, x, norm_weight, shift, scale, row_index, rstd):
 @modulated_rms_norm_bwd.register_kernel("cuda")
 def _(dy, x, norm_weight, shift, scale, row_index, rstd):
     # dy is bf16 exactly when the forward's output was, i.e. when the forward ran the kernels
-    if (_kernels_refuse(x, shift.shape[0], torch.bfloat16, norm_weight=norm_weight, dy=dy)
-            or rstd.dtype != torch.float32):
+    if (_kernels_refuse(x, shift.shape[0], torch.bfloat16, shift, scale, row_index, rstd, norm_weight=norm_weight,
+                        dy=dy) or rstd.dtype != torch.float32):
         return _bwd_torch(dy, x, norm_weight, shift, scale, row_index, rstd)
     from . import block_cuda
 

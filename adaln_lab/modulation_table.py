@@ -64,6 +64,9 @@ def unsupported(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) ->
     `kernel_temb(temb, weight)`."""
     from . import block_cuda
 
+    if weight.device != temb.device or bias.device != temb.device:
+        return ValueError(f"temb, weight and bias must share a device, got {temb.device}, {weight.device}, "
+                          f"{bias.device}")
     return block_cuda.unsupported_table(kernel_temb(temb, weight), weight, bias)
 
 
