@@ -16,6 +16,15 @@ CPU = torch.device("cpu")
 REPLAY = Named("replay", "adaln_lab.reference.replay", replay)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny CPU problems: one thread is faster and does not stall on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _bump(t: torch.Tensor, index, ulps: int) -> torch.Tensor:
     """t (bf16) with the elements at flat `index` moved `ulps` units in the last place away from 0."""
     bits = t.clone().view(torch.int16).flatten()

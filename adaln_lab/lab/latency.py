@@ -210,20 +210,25 @@ def measure(candidates, device, quick: bool = False, seed: int = 1, bar=None, ro
     shape = dict(QUICK_SHAPE if quick else FULL_SHAPE)
     rows = tuple(rows or (QUICK_ROWS if quick else FULL_ROWS))
     profile_rows = tuple(profile_rows or ((256,) if quick else (4097, 32768)))
+    lab = next((c for c in candidates if c.name == "adaln_lab"), None)
+    profiled = lab is not None and device.type == "cuda"
+    # inputs made before any CUDA-graph capture (a failed capture can leave the CUDA RNG unusable)
+    profile_inputs = {S: make(seed, S, device, **shape) for S in profile_rows} if profiled else {}
     data = {"kind": "adaln_lab_lab_latency", "candidates": {c.name: c.source for c in candidates},
             "warnings": {c.name: c.warning for c in candidates if c.warning},
             "sweep": rows_sweep(candidates, rows, device, shape, quick, seed, bar), "kernels": {},
             "kernels_error": None}
-    lab = next((c for c in candidates if c.name == "adaln_lab"), None)
-    if device.type == "cuda" and lab is not None:
-        for S in profile_rows:
-            try:
-                profile = kernel_profile(lab.fn, make(seed, S, device, **shape))
+    for S, inputs in profile_inputs.items():
+        try:
+            profile = kernel_profile(lab.fn, inputs)
+            if profile:
                 data["kernels"][str(S)] = roofline(profile, S, shape, data["sweep"]["copy_TBps"])
-            except Exception as error:  # noqa: BLE001 - a profiler that fails is reported, the rest kept
-                data["kernels_error"] = f"{type(error).__name__}: {error}"[:400]
-            if bar is not None:
-                bar.update()
+            else:
+                data["kernels_error"] = "the profiler saw no CUDA kernel"
+        except Exception as error:  # noqa: BLE001 - a profiler that fails is reported, the rest kept
+            data["kernels_error"] = f"{type(error).__name__}: {error}"[:400]
+        if bar is not None:
+            bar.update()
     return data
 
 

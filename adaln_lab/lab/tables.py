@@ -112,22 +112,26 @@ def invariance(report: dict) -> str:
                    "sweep: rows differ", "parameter grads not repeatable", "batch invariant"], rows)
 
 
+def check_detail(check: str, result: dict) -> str:
+    """One line for one check's result (`walkthrough.run_check`)."""
+    if check == "all_rows":
+        return "; ".join(f"n={n}: {v['fwd_differ']} out / {v['rowgrad_differ']} dx of {v['rows']}"
+                         for n, v in result.items())
+    if check == "full_vs_sub_batches":
+        return (f"{result['sub_batches']} sub-batches: {result['fwd_differ']} out / {result['rowgrad_differ']} "
+                "dx rows differ")
+    if check == "batch_size_sweep":
+        return f"{result['differ']} of {result['comparisons']} probe placements differ"
+    return ", ".join(f"{p}: {'same' if ok else 'DIFFERS'}" for p, ok in result.items())
+
+
 def checks(results: dict, check: str) -> str:
-    """Live results of one check (`walkthrough.run_check`) per candidate: {name: result}."""
+    """Live results of one check per candidate ({name: result}), with the verdict."""
     from .walkthrough import failures
 
-    rows = []
-    for name, r in results.items():
-        if check == "all_rows":
-            detail = "; ".join(f"n={n}: {v['fwd_differ']} out / {v['rowgrad_differ']} dx of {v['rows']}" for n, v in r.items())
-        elif check == "full_vs_sub_batches":
-            detail = f"{r['sub_batches']} sub-batches: {r['fwd_differ']} out / {r['rowgrad_differ']} dx rows differ"
-        elif check == "batch_size_sweep":
-            detail = f"{r['differ']} of {r['comparisons']} probe placements differ"
-        else:
-            detail = ", ".join(f"{p}: {'same' if ok else 'DIFFERS'}" for p, ok in r.items())
-        rows.append([name, detail, "pass" if failures(check, r) == 0 else "FAIL"])
-    return table(["candidate", check, "verdict"], rows)
+    return table(["candidate", check, "verdict"],
+                 [[name, check_detail(check, r), "pass" if failures(check, r) == 0 else "FAIL"]
+                  for name, r in results.items()])
 
 
 def report_parity(report: dict) -> str:
