@@ -12,7 +12,6 @@ import dataclasses
 import json
 import re
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from adaln_lab.harness.candidates import Named  # noqa: E402
 from adaln_lab.harness.inputs import make, upstream  # noqa: E402
 from adaln_lab.harness.protocol import QUICK  # noqa: E402
 from adaln_lab.lab import errors, evidence, latency, tables, walkthrough  # noqa: E402
+from adaln_lab.lab import notebooks as run_notebooks  # noqa: E402
 from adaln_lab.reference import replay  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,11 +33,9 @@ PROGRESS = re.compile(r"\d+%\||\d+/\d+ \[|it/s|call/s|step/s")
 
 
 def _execute(path: Path) -> tuple:
-    notebook = nbformat.read(path, as_version=4)
-    start = time.perf_counter()
-    nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}}).execute()
-    return notebook, time.perf_counter() - start
+    """(executed notebook, seconds): `python -m adaln_lab.lab.notebooks`'s own runner, nothing written."""
+    notebook, seconds, _ = run_notebooks.execute(path, timeout=600)
+    return notebook, seconds
 
 
 def _outputs(notebook) -> list:

@@ -208,8 +208,9 @@ def user_report(named, device="cpu", quick: bool = True, protocol: Protocol | No
 
 def measure(candidates, device, quick: bool = False, bar=None) -> dict:
     """lab_invariance.json: each candidate through the four checks at the quick protocol's sizes
-    (the real H, D on a GPU), the planted table, and torch.compile's (else the first candidate's)
-    rows that differ at 257 rows."""
+    (the real H, D on a GPU; a candidate that raises is recorded with its error), the planted
+    table (CPU), and for torch_compile, diffusers and adaln_lab every 16th row of a 257-row batch
+    alone against the batch (`rows_that_differ`)."""
     device = torch.device(device)
     p = QUICK if quick or device.type != "cuda" else dataclasses.replace(QUICK, H=5376, D=2688)
     data = {"kind": "adaln_lab_lab_invariance", "protocol": dataclasses.asdict(p),
