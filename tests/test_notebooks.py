@@ -9,7 +9,6 @@ reading path of H200 data runs here too.
 """
 
 import dataclasses
-import json
 import re
 import shutil
 from pathlib import Path

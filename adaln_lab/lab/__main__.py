@@ -23,7 +23,8 @@ STEPS = ("errors", "invariance", "latency")  # CUDA-graph captures (latency) las
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m adaln_lab.lab", description=__doc__.split("\n\n")[1])
-    parser.add_argument("--out", required=True, help="directory for lab_errors.json, lab_latency.json, lab_invariance.json")
+    parser.add_argument("--out", required=True,
+                        help="directory for lab_errors.json, lab_invariance.json, lab_latency.json")
     parser.add_argument("--quick", action="store_true", help="small sizes (H = 256): CPUs and smoke tests")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     parser.add_argument("--only", default=",".join(STEPS), help=f"comma-separated subset of {', '.join(STEPS)}")

@@ -133,7 +133,8 @@ def errors_at(candidates, inputs: Inputs, dy: torch.Tensor, chunk_rows: int = 81
             if leaf != "x":
                 grad_err[key] = rel_err(result.grads[leaf], ref[leaf])
                 cr[key] = correctly_rounded(result.grads[leaf], ref[leaf])
-        entries[name] = {"fwd_rel_err": stats[name]["out"].rel, "fwd_correctly_rounded": stats[name]["out"].correctly_rounded,
+        out = stats[name]["out"]
+        entries[name] = {"fwd_rel_err": out.rel, "fwd_correctly_rounded": out.correctly_rounded,
                          "grad_rel_err": grad_err, "grad_correctly_rounded": cr}
     return entries, results
 
@@ -229,7 +230,8 @@ def ulp_analysis(a: torch.Tensor, b: torch.Tensor, inputs: Inputs, top: int = 10
         pick = torch.randperm(index.numel(), generator=torch.Generator().manual_seed(0))[:sample]
         index = index[pick.to(index.device)]
     return {"rows": a.shape[0], "elements": ulps.numel(), "bins": ulp_bins(), "histogram": counts.tolist(),
-            "bitwise_equal_fraction": float((~differ).double().mean()), "max_ulp": int(ulps.max()) if ulps.numel() else 0,
+            "bitwise_equal_fraction": float((~differ).double().mean()),
+            "max_ulp": int(ulps.max()) if ulps.numel() else 0,
             "by_cancellation": by_cancellation, "largest": largest,
             "sample": {"cancellation": cancellation[index].tolist(), "ulps": ulps[index].tolist()}}
 

@@ -198,7 +198,8 @@ def sweep_roofline(sweep: dict, S: int, shape: dict, copy_TBps: float) -> list[d
     for k in sweep_kernels(sweep, S):
         nbytes = model[k["name"]]
         floor = nbytes / copy_TBps / 1e6
-        out.append({**k, "bytes": nbytes, "TBps": nbytes / k["us"] / 1e6, "floor_us": floor, "x_floor": k["us"] / floor})
+        out.append({**k, "bytes": nbytes, "TBps": nbytes / k["us"] / 1e6, "floor_us": floor,
+                    "x_floor": k["us"] / floor})
     return out
 
 

@@ -83,8 +83,9 @@ def report_latency(report: dict) -> str:
         for name, entry in report["results"]["plain"].items():
             a = entry["accuracy_latency"][S]
             rows.append([name, S] + [us(v) for v in (
-                a.get("fwd_us_graph"), a.get("fwd_us"), a.get("host_fwd_us"), floor["fwd_us"], a.get("fwd_bwd_us_graph"),
-                a.get("fwd_bwd_us_pure"), a.get("host_fwd_bwd_us"), floor["fwd_bwd_us"], host_floor)])
+                a.get("fwd_us_graph"), a.get("fwd_us"), a.get("host_fwd_us"), floor["fwd_us"],
+                a.get("fwd_bwd_us_graph"), a.get("fwd_bwd_us_pure"), a.get("host_fwd_bwd_us"), floor["fwd_bwd_us"],
+                host_floor)])
     return table(["candidate", "rows", "fwd graph", "fwd eager", "fwd host", "fwd floor", "fwd+bwd graph",
                    "fwd+bwd eager", "fwd+bwd host", "fwd+bwd floor", "autograd host floor"], rows)
 

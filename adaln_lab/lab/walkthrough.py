@@ -175,7 +175,8 @@ def candidates_here(device, names=NAMES) -> tuple[list, dict]:
     from ..harness.candidates import resolve
 
     ok, skipped = candidate_names(device)
-    return resolve([n for n in ok if n in names], torch.device(device)), {n: w for n, w in skipped.items() if n in names}
+    built = resolve([n for n in ok if n in names], torch.device(device))
+    return built, {n: why for n, why in skipped.items() if n in names}
 
 
 def user_report(named, device="cpu", quick: bool = True, protocol: Protocol | None = None) -> dict:
