@@ -1,5 +1,6 @@
-"""Every notebook runs top to bottom on the CPU (MODE "auto" -> evidence) without an error, says
-where its figures come from, shows no progress bars, and prints the H200 report's own numbers.
+"""Every notebook runs top to bottom on the CPU without an error (MODE "auto" -> evidence: the kernel
+is shown no GPU, also on a GPU machine), says where its figures come from, shows no progress bars,
+and prints the H200 report's own numbers.
 
 Two runs: against the committed evidence (bench/results/h200: report.json, and lab_*.json once the
 H200 run of `python -m adaln_lab.lab` is committed; until then the notebooks compute a small CPU
@@ -54,8 +55,11 @@ def _text(notebook) -> str:
 
 @pytest.fixture(scope="module")
 def executed():
-    """{stem: (executed notebook, seconds)} against the committed evidence, each notebook run once."""
-    return {path.stem: _execute(path) for path in NOTEBOOKS}
+    """{stem: (executed notebook, seconds)} against the committed evidence, each notebook run once,
+    in a kernel that sees no GPU (MODE "auto" -> evidence, as in CI, also on a GPU machine)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("CUDA_VISIBLE_DEVICES", "")
+        return {path.stem: _execute(path) for path in NOTEBOOKS}
 
 
 def _check_clean(notebook):
@@ -173,6 +177,7 @@ def test_notebooks_read_complete_lab_files(tmp_path, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     monkeypatch.setenv("ADALN_LAB_EVIDENCE_DIR", str(tmp_path))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # evidence mode on any machine
     texts = {}
     for path in NOTEBOOKS:
         notebook, _ = _execute(path)
