@@ -7,10 +7,11 @@ Metric everywhere: max|err| / max|ref| against the float64 `pure` golden (the se
 
 - `errors_at`: forward and the five gradients of each candidate at one size; the golden is
   evaluated `chunk_rows` rows at a time (parameter gradients summed over chunks in float64), so
-  131072 rows at H = 5376 fit a GPU: a float64 (S, H) tensor is 5.6 GB there. Cost: on this
-  2-core CPU the float64 golden takes ~0.8 ms per row at H = 5376 (plus ~0.3 s for the weight
-  side), i.e. ~110 s and tens of GB at 131072 rows, so CPUs run the small sizes; on an H200 the
-  same is memory-bound elementwise work, ~1.3 MB of float64 traffic per row: well under a second.
+  131072 rows at H = 5376 fit a GPU: a float64 (S, H) tensor is 5.6 GB there. Cost measured on
+  a 2-core CPU (H = 5376, chunks of 8192 rows): ~0.6 s per chunk for the weight side plus ~0.17 ms
+  per row, i.e. ~25 s at 131072 rows, each candidate's own call aside, so CPUs run the small
+  sizes; on an H200 it is memory-bound elementwise work, ~0.5 kB of float64 traffic per element
+  (~20 GB per chunk, ~5 ms at 4 TB/s): ~0.1 s at 131072 rows.
 - `rounded_golden` / `attribution`: the forward in float64 with any subset of diffusers' six
   rounding points switched on (`ROUNDING_POINTS`): none is `golden(flavour="pure")`, SiLU cast
   and table is `golden(flavour="declared")`, all six is diffusers' own arithmetic.
