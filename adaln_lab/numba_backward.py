@@ -60,6 +60,18 @@ def _nc():
     return nc
 
 
+def _register_limit(threads: int) -> dict:
+    """jit options that let a block of `threads` launch: at most 65536 / threads registers per thread, in
+    steps of 8 (numba, unlike nvcc's __launch_bounds__, does not bound them by the block size; the
+    row pass at H = 5376 otherwise fails with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES). Register allocation
+    changes no arithmetic. The simulator takes no such option."""
+    from numba import config
+
+    if config.ENABLE_CUDASIM:
+        return {}
+    return {"max_registers": min(255, 65536 // threads // 8 * 8)}
+
+
 def _tuning(plan: Plan, name: str) -> int:
     return dict(plan.tuning)[name]
 
@@ -104,7 +116,7 @@ def norm_modulate_bwd_kernel(plan: Plan):
     nwarps, nvec_h = threads // 32, H // VEC
     row_list_max = _tuning(plan, "ROW_LIST_MAX")
 
-    @nc.jit
+    @nc.jit(**_register_limit(threads))
     def kernel(dy, x, rstd, norm_weight, table_f32, timestep_indices, dx, row_partials, S, rows, rows_per_range):
         lanes = nc.shared.array(threads, float32)
         warps = nc.shared.array(32, float32)
@@ -205,7 +217,7 @@ def reduce_partials_kernel(plan: Plan):
     bf16_to_float, float_to_bf16, _, _, _ = _device_functions()
     H, T, groups = plan.H, plan.T, plan.sum_groups
 
-    @nc.jit
+    @nc.jit(**_register_limit(32 * groups))
     def kernel(row_partials, norm_weight, table_f32, d_table, d_norm_weight, d_bias, nblocks):
         scratch = nc.shared.array((groups, 2, 32), float64)
         tx, ty = nc.threadIdx.x, nc.threadIdx.y
@@ -274,7 +286,7 @@ def table_bwd_kernel(plan: Plan):
     nvec_d = D // VEC
     assert tb_rows % nwarps == 0 and TB_COLUMNS == 32 * VEC  # the kernel's static_asserts
 
-    @nc.jit
+    @nc.jit(**_register_limit(threads))
     def kernel(d_table, temb, weight, d_weight, dact_partials):
         combine = nc.shared.array((nwarps, TB_COLUMNS), float32)
         act = nc.local.array((T, VEC), float32)
@@ -333,7 +345,7 @@ def table_bwd_reduce_kernel(plan: Plan):
 
     D, groups = plan.D, plan.sum_groups
 
-    @nc.jit
+    @nc.jit(**_register_limit(32 * groups))
     def kernel(dact_partials, temb, d_temb, nblocks):
         scratch = nc.shared.array((groups, 32), float64)
         tx, ty = nc.threadIdx.x, nc.threadIdx.y

@@ -28,6 +28,7 @@ TUNING = {
     "FWD_RANGES": 264,          # norm_modulate.cu: row ranges of the staged kernel (a constant, not the SM count)
     "FWD_MIN_ROWS": 8,          # norm_modulate.cu: fewest rows of one range (the table staging is per range)
     "FWD_STAGES": 3,            # norm_modulate.cu: rows of x in flight per block (cp.async)
+    "FWD_STAGED_MIN_BLOCKS": 2,  # norm_modulate.cu: stage the table only if this many blocks fit an SM
     "FWD_ROW_LIST_MAX": 1024,   # norm_modulate.cu: most rows of one range (their timesteps sit in shared memory)
     "BWD_THREADS_MAX": 1024,    # norm_modulate_bwd.cu: row block size cap (H = 5376: 672 threads x 1 vector)
     "BWD_RANGES": 132,          # norm_modulate_bwd.cu: row ranges (a constant, not the SM count)
@@ -35,6 +36,7 @@ TUNING = {
     "ROW_LIST_MAX": 2048,       # norm_modulate_bwd.cu: most rows of one range
     "TB_THREADS": 256,          # table_bwd.cu: block size
     "TB_ROWS": 128,             # table_bwd.cu: weight rows j per block
+    "TB_BATCH": 4,              # table_bwd.cu: weight rows one thread loads before it computes any of them
     "SUM_GROUPS": 16,           # adaln_common.cuh: row groups of an ordered column sum
     "GR_THREADS": 128,          # gated_residual.cu: block size (8 columns per thread)
 }
@@ -177,7 +179,7 @@ class Plan:
                     BWD_STAGES=self.bwd_stages, TABLE_THREADS=t["TABLE_THREADS"],
                     TABLE_ROWS_PER_WARP=t["TABLE_ROWS_PER_WARP"],
                     FWD_ROW_LIST_MAX=t["FWD_ROW_LIST_MAX"], ROW_LIST_MAX=t["ROW_LIST_MAX"],
-                    TB_THREADS=t["TB_THREADS"], TB_ROWS=t["TB_ROWS"], TB_COLUMNS=TB_COLUMNS,
+                    TB_THREADS=t["TB_THREADS"], TB_ROWS=t["TB_ROWS"], TB_COLUMNS=TB_COLUMNS, TB_BATCH=t["TB_BATCH"],
                     GR_THREADS=t["GR_THREADS"], SUM_GROUPS=t["SUM_GROUPS"], TABLE_N=self.columns,
                     TABLE_F32_ROUNDED=int(self.table_f32_rounded))
 
@@ -221,7 +223,8 @@ def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = Fal
     slot = fwd_threads * fwd_vpt * 16
     fwd_static = 4 * t["FWD_ROW_LIST_MAX"] + 4 * (fwd_threads // 32 + 1)
     fwd_stages = t["FWD_STAGES"]
-    while fwd_stages >= 2 and (2 * T + fwd_stages) * slot + fwd_static > SMEM_BLOCK_MAX:
+    fwd_budget = SMEM_BLOCK_MAX // t["FWD_STAGED_MIN_BLOCKS"]  # a block staging 2T table rows at one block
+    while fwd_stages >= 2 and (2 * T + fwd_stages) * slot + fwd_static > fwd_budget:  # per SM runs slowly
         fwd_stages -= 1
     if fwd_stages < 2:
         fwd_stages = 0  # fall back to one row per block: same threads, same tree, same bits per row

@@ -135,15 +135,19 @@ GH, GD, GT = 256, 128, 3
 
 @pytest.mark.gpu
 def test_cuda_table_against_cublas_and_t_invariant():
-    """table_backend="torch": F.linear on the GPU, diffusers' bits. "cuda": table.cu, whose entries are at
-    most one bf16 ulp from cuBLAS's (rare), and whose rows do not depend on the other timesteps."""
+    """table_backend="torch": F.linear on the GPU, diffusers' bits. "cuda": table.cu, equal to cuBLAS's on
+    >= 99.9 % of entries, every entry within the fp32 dot-product bound of the exact table plus one bf16
+    rounding (as cuBLAS's), and whose rows do not depend on the other timesteps."""
+    from test_block_cuda import assert_table_within_the_dot_product_bound
+
     temb, weight, bias = _inputs(T_=GT, H_=GH, D_=GD, device="cuda")
     want = br.replay_table(temb, weight, bias).float()
     assert torch.equal(modulation_table(temb, weight, bias, table_backend="torch"), want)
     table = modulation_table(temb, weight, bias)
     assert table.dtype == torch.float32 and torch.equal(table, table.bfloat16().float())
     assert (table == want).float().mean().item() >= 0.999
-    assert ((table - want).abs() <= want.abs() * 2.0 ** -7).all()
+    assert_table_within_the_dot_product_bound(table, temb, weight, bias)
+    assert_table_within_the_dot_product_bound(want, temb, weight, bias)
     for rows in ([2], [1, 0], [0, 2]):
         assert torch.equal(modulation_table(temb[rows].contiguous(), weight, bias), table[rows])
     # bf16 temb (a model cast wholesale) is widened exactly for the kernels: the same table as its fp32 copy
