@@ -93,13 +93,13 @@ def _swap(model: nn.Module, match, build) -> list[str]:
     return [name for name, _ in targets]
 
 
-def patch(model: nn.Module, *, parts=("norm_out",), backend: str = "auto", table_backend: str = "cuda") -> list[str]:
+def patch(model: nn.Module, *, parts=("norm_out", "blocks"), backend: str = "auto", table_backend: str = "cuda") -> list[str]:
     """Swap diffusers' MiniMax-H3 AdaLN modules inside `model` for adaln_lab's, in place.
 
     Args:
         parts: which modules: "norm_out" (every `MiniMaxH3AdaLayerNormOut` -> `AdaLNOut.from_diffusers`),
             "blocks" (every `MiniMaxH3TransformerBlock` -> `AdaLNTransformerBlock.from_diffusers`), or both:
-            `parts=("norm_out", "blocks")`. Default: norm_out only.
+            `parts=("norm_out", "blocks")` (the default).
         backend: "auto", "torch" or "cupy" (see `AdaLNOut`; the blocks take the same names, "cupy" refusing
             inputs their CUDA kernels cannot take, where "auto" falls back to torch code).
         table_backend: "cuda" (kernels_cu's fixed-order table) or "torch" (F.linear), for every swapped module.

@@ -93,11 +93,11 @@ def forward_backward(model, inputs, dys):
 def test_patch_swaps_norm_out_and_unpatch_restores_it():
     model = make_model(0, "fp32")
     original = model.norm_out
-    assert adaln_lab.patch(model, backend="torch", table_backend="torch") == ["norm_out"]
+    assert adaln_lab.patch(model, backend="torch", table_backend="torch", parts="norm_out") == ["norm_out"]
     assert type(model.norm_out) is AdaLNOut
     assert (model.norm_out.backend, model.norm_out.table_backend) == ("torch", "torch")
     assert model.norm_out.norm is original.norm and model.norm_out.linear is original.linear
-    assert adaln_lab.patch(model) == []  # patching twice is a no-op
+    assert adaln_lab.patch(model, parts="norm_out") == []  # patching twice is a no-op
     assert model.norm_out.backend == "torch"
     assert adaln_lab.unpatch(model) == ["norm_out"]
     assert type(model.norm_out) is MiniMaxH3AdaLayerNormOut
@@ -110,7 +110,7 @@ def test_patch_keeps_parameters_state_dict_and_training_flag():
     model = make_model(1, "mixed").eval()
     params = dict(model.named_parameters())
     keys = list(model.state_dict())
-    adaln_lab.patch(model)
+    adaln_lab.patch(model, parts="norm_out")
     assert list(model.state_dict()) == keys
     assert all(params[name] is p for name, p in model.named_parameters())
     assert dict(model.named_parameters()).keys() == params.keys()
@@ -125,7 +125,7 @@ def test_patched_model_bitwise_equals_unpatched_on_cpu(precision):
     inputs = make_inputs(3)
     dys = upstreams(4, model, inputs)
     video_a, audio_a, grads_a = forward_backward(model, inputs, dys)
-    assert adaln_lab.patch(model) == ["norm_out"]
+    assert adaln_lab.patch(model, parts="norm_out") == ["norm_out"]
     video_b, audio_b, grads_b = forward_backward(model, inputs, dys)
     assert torch.equal(video_a, video_b) and torch.equal(audio_a, audio_b)
     assert grads_a.keys() == grads_b.keys()
@@ -143,7 +143,7 @@ def test_patched_model_bitwise_equals_unpatched_on_cpu(precision):
 
 def test_state_dicts_load_both_ways():
     source, patched = make_model(5, "mixed"), make_model(6, "mixed")
-    adaln_lab.patch(patched)
+    adaln_lab.patch(patched, parts="norm_out")
     inputs = make_inputs(7)
     with torch.no_grad():
         want = source(**inputs).sample
@@ -160,7 +160,7 @@ def test_patch_finds_every_module_in_any_tree_and_shared_ones_once():
     tree = nn.ModuleDict({"a": nn.Sequential(nn.Identity(), shared),
                           "b": nn.ModuleList([MiniMaxH3AdaLayerNormOut(32, 16, 1e-6)]),
                           "c": shared})
-    assert adaln_lab.patch(tree) == ["a.1", "b.0", "c"]
+    assert adaln_lab.patch(tree, parts="norm_out") == ["a.1", "b.0", "c"]
     assert tree["a"][1] is tree["c"] and type(tree["c"]) is AdaLNOut and tree["c"].norm is shared.norm
     assert tree["b"][0].norm.eps == 1e-6
     assert adaln_lab.unpatch(tree) == ["a.1", "b.0", "c"]
@@ -170,24 +170,24 @@ def test_patch_finds_every_module_in_any_tree_and_shared_ones_once():
 def test_patch_refuses_what_it_cannot_swap_and_leaves_the_model_alone():
     model = make_model(9, "fp32")
     with pytest.raises(ValueError, match="backend"):
-        adaln_lab.patch(model, backend="triton")
+        adaln_lab.patch(model, backend="triton", parts="norm_out")
     handle = model.norm_out.register_forward_hook(lambda *args: None)
     with pytest.raises(ValueError, match="norm_out has forward_hooks"):
-        adaln_lab.patch(model)
+        adaln_lab.patch(model, parts="norm_out")
     handle.remove()
     model.norm_out.linear._diffusers_hook = object()  # e.g. layerwise casting or group offloading
     with pytest.raises(ValueError, match="norm_out.linear carries a _diffusers_hook"):
-        adaln_lab.patch(model)
+        adaln_lab.patch(model, parts="norm_out")
     del model.norm_out.linear._diffusers_hook
     assert type(model.norm_out) is MiniMaxH3AdaLayerNormOut
     with pytest.raises(ValueError, match="itself"):
-        adaln_lab.patch(model.norm_out)
+        adaln_lab.patch(model.norm_out, parts="norm_out")
 
 
 def test_patch_without_diffusers_says_so(monkeypatch):
     monkeypatch.setitem(sys.modules, "diffusers", None)  # import diffusers now raises ImportError
     with pytest.raises(ImportError, match="need diffusers"):
-        adaln_lab.patch(nn.Linear(2, 2))
+        adaln_lab.patch(nn.Linear(2, 2), parts="norm_out")
     with pytest.raises(ImportError, match="need diffusers"):
         adaln_lab.unpatch(nn.Linear(2, 2))
 
@@ -219,6 +219,8 @@ def test_patch_blocks_and_unpatch_restores_both():
     assert [(b.norm1, b.attn, b.norm2, b.ff, b.adaln_proj) for b in model.transformer_blocks] == subs
     assert adaln_lab.patch(model, parts="blocks") == BLOCKS
     assert adaln_lab.unpatch(model) == ["norm_out", *BLOCKS]  # default: both parts
+    assert adaln_lab.patch(model, backend="torch") == ["norm_out", *BLOCKS]  # default: both parts
+    assert adaln_lab.unpatch(model) == ["norm_out", *BLOCKS]
     assert not any(isinstance(m, (AdaLNOut, AdaLNTransformerBlock)) for m in model.modules())
     for bad in ((), ("blocks", "attention"), "norm"):
         with pytest.raises(ValueError, match="parts"):
@@ -324,7 +326,7 @@ def test_patched_model_cuda_matches_unpatched(precision, table_backend, min_equa
         ref = model(**inputs)
     ref_args, ref_out = seen["args"], seen["output"]
     handle.remove()
-    assert adaln_lab.patch(model, table_backend=table_backend) == ["norm_out"]
+    assert adaln_lab.patch(model, table_backend=table_backend, parts="norm_out") == ["norm_out"]
     seen, handle = _capture(model)
     with torch.no_grad():
         out = model(**inputs)
@@ -361,7 +363,7 @@ def test_patched_model_cuda_adaln_gradients_repeat_bitwise(precision):
     model = make_model(12, precision, SMALL).cuda()
     inputs = make_inputs(13, SMALL_ROWS, SMALL, device="cuda")
     dys = upstreams(14, model, inputs)
-    adaln_lab.patch(model)
+    adaln_lab.patch(model, parts="norm_out")
     first = forward_backward(model, inputs, dys)[2]
     second = forward_backward(model, inputs, dys)[2]
     for key in NORM_OUT_KEYS:
