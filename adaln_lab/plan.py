@@ -28,7 +28,7 @@ TUNING = {
     "FWD_RANGES": 264,          # norm_modulate.cu: row ranges of the staged kernel (a constant, not the SM count)
     "FWD_MIN_ROWS": 8,          # norm_modulate.cu: fewest rows of one range (the table staging is per range)
     "FWD_STAGES": 3,            # norm_modulate.cu: rows of x in flight per block (cp.async)
-    "FWD_STAGED_MIN_BLOCKS": 2,  # norm_modulate.cu: stage the table only if this many blocks fit an SM
+    "FWD_STAGED_MIN_BLOCKS": 1,  # norm_modulate.cu: stage the table only if this many blocks fit an SM (2: untried)
     "FWD_ROW_LIST_MAX": 1024,   # norm_modulate.cu: most rows of one range (their timesteps sit in shared memory)
     "BWD_THREADS_MAX": 1024,    # norm_modulate_bwd.cu: row block size cap (H = 5376: 672 threads x 1 vector)
     "BWD_RANGES": 132,          # norm_modulate_bwd.cu: row ranges (a constant, not the SM count)
@@ -36,7 +36,6 @@ TUNING = {
     "ROW_LIST_MAX": 2048,       # norm_modulate_bwd.cu: most rows of one range
     "TB_THREADS": 256,          # table_bwd.cu: block size
     "TB_ROWS": 128,             # table_bwd.cu: weight rows j per block
-    "TB_BATCH": 4,              # table_bwd.cu: weight rows one thread loads before it computes any of them
     "SUM_GROUPS": 16,           # adaln_common.cuh: row groups of an ordered column sum
     "GR_THREADS": 128,          # gated_residual.cu: block size (8 columns per thread)
 }
@@ -179,7 +178,7 @@ class Plan:
                     BWD_STAGES=self.bwd_stages, TABLE_THREADS=t["TABLE_THREADS"],
                     TABLE_ROWS_PER_WARP=t["TABLE_ROWS_PER_WARP"],
                     FWD_ROW_LIST_MAX=t["FWD_ROW_LIST_MAX"], ROW_LIST_MAX=t["ROW_LIST_MAX"],
-                    TB_THREADS=t["TB_THREADS"], TB_ROWS=t["TB_ROWS"], TB_COLUMNS=TB_COLUMNS, TB_BATCH=t["TB_BATCH"],
+                    TB_THREADS=t["TB_THREADS"], TB_ROWS=t["TB_ROWS"], TB_COLUMNS=TB_COLUMNS,
                     GR_THREADS=t["GR_THREADS"], SUM_GROUPS=t["SUM_GROUPS"], TABLE_N=self.columns,
                     TABLE_F32_ROUNDED=int(self.table_f32_rounded))
 

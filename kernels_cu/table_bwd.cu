@@ -9,9 +9,7 @@
 // table_bwd_bf16 geometry (adaln_lab/plan.py): block = ADALN_TB_THREADS (W = ADALN_TB_THREADS / 32
 // warps), grid = plan.tb_grid = (D tiles of 256 columns, ceil(N / ADALN_TB_ROWS) row blocks). Lane l
 // covers the 8 columns k of vector blockIdx.x * 32 + l, warp w the ADALN_TB_ROWS / W consecutive rows j
-// from blockIdx.y * ADALN_TB_ROWS + w * ADALN_TB_ROWS / W, loading ADALN_TB_BATCH rows' weight vectors
-// before it uses them (memory-level parallelism; the order of use is unchanged). Each thread sums its
-// rows in order; the W
+// from blockIdx.y * ADALN_TB_ROWS + w * ADALN_TB_ROWS / W. Each thread sums its rows in order; the W
 // warps' sums are added in warp order (any block size: threads stride over the tile's 256 columns)
 // and stored to dact_partials[blockIdx.y, t, k].
 // table_bwd_reduce geometry: block (32, ADALN_SUM_GROUPS), grid = (ceil(D / 32), T): one (t, k) per
@@ -21,7 +19,6 @@
 #define TB_WARPS (ADALN_TB_THREADS / 32)
 #define TB_ROWS_PER_WARP (ADALN_TB_ROWS / TB_WARPS)
 static_assert(ADALN_TB_ROWS % TB_WARPS == 0, "ADALN_TB_ROWS must split evenly over the warps");
-static_assert(TB_ROWS_PER_WARP % ADALN_TB_BATCH == 0, "a warp's rows must split into whole load batches");
 static_assert(ADALN_TB_COLUMNS == 32 * ADALN_VEC, "a D tile is one 8-wide vector per lane");
 
 extern "C" __global__ void __launch_bounds__(ADALN_TB_THREADS)
@@ -40,36 +37,25 @@ table_bwd_bf16(const float* __restrict__ d_table, const float* __restrict__ temb
             act[t][e] = valid ? silu(temb[t * ADALN_D + kv * ADALN_VEC + e]) : 0.0f;
             dact[t][e] = 0.0f;
         }
-    const int first = blockIdx.y * ADALN_TB_ROWS + warp * TB_ROWS_PER_WARP;
 #pragma unroll
-    for (int i0 = 0; i0 < TB_ROWS_PER_WARP; i0 += ADALN_TB_BATCH) {
-        uint4 raw[ADALN_TB_BATCH];  // the batch's weight rows in flight together, then used in row order
+    for (int i = 0; i < TB_ROWS_PER_WARP; ++i) {
+        const int j = blockIdx.y * ADALN_TB_ROWS + warp * TB_ROWS_PER_WARP + i;
+        if (!valid || j >= ADALN_TABLE_N) break;
+        float w[ADALN_VEC], dw[ADALN_VEC], g[ADALN_T];
+        load8(weight + (size_t)j * ADALN_D + kv * ADALN_VEC, w);
 #pragma unroll
-        for (int b = 0; b < ADALN_TB_BATCH; ++b) {
-            const int j = first + i0 + b;
-            raw[b] = valid && j < ADALN_TABLE_N ? load_raw8(weight + (size_t)j * ADALN_D + kv * ADALN_VEC)
-                                                : make_uint4(0, 0, 0, 0);
-        }
+        for (int t = 0; t < ADALN_T; ++t) g[t] = d_table[t * ADALN_TABLE_N + j];
 #pragma unroll
-        for (int b = 0; b < ADALN_TB_BATCH; ++b) {
-            const int j = first + i0 + b;
-            if (!valid || j >= ADALN_TABLE_N) continue;  // rows past N come last: nothing after them counts
-            float w[ADALN_VEC], dw[ADALN_VEC], g[ADALN_T];
-            unpack8(raw[b], w);
+        for (int e = 0; e < ADALN_VEC; ++e) {
+            float s = 0.0f;
 #pragma unroll
-            for (int t = 0; t < ADALN_T; ++t) g[t] = d_table[t * ADALN_TABLE_N + j];
-#pragma unroll
-            for (int e = 0; e < ADALN_VEC; ++e) {
-                float s = 0.0f;
-#pragma unroll
-                for (int t = 0; t < ADALN_T; ++t) {
-                    s = fmaf(g[t], act[t][e], s);
-                    dact[t][e] = fmaf(g[t], w[e], dact[t][e]);
-                }
-                dw[e] = s;
+            for (int t = 0; t < ADALN_T; ++t) {
+                s = fmaf(g[t], act[t][e], s);
+                dact[t][e] = fmaf(g[t], w[e], dact[t][e]);
             }
-            store8(d_weight + (size_t)j * ADALN_D + kv * ADALN_VEC, dw);
+            dw[e] = s;
         }
+        store8(d_weight + (size_t)j * ADALN_D + kv * ADALN_VEC, dw);
     }
 #pragma unroll 1
     for (int t = 0; t < ADALN_T; ++t) {

@@ -1,0 +1,110 @@
+// EXPERIMENT (not shipped; never run on a GPU yet): kernels_cu/table_bwd.cu with each thread loading
+// ADALN_TB_BATCH weight rows before it uses them (memory-level parallelism, same arithmetic in the same
+// order, so the same bits). bench/dev/block_ab.py swaps it in for kernels_cu/table_bwd.cu, checks the
+// bits and times it; adopt it only after that and the GPU tests pass. nvcc sm_90: 98 registers (shipped:
+// 73), no spills.
+#ifndef ADALN_TB_BATCH
+#define ADALN_TB_BATCH 4
+#endif
+//
+// table_bwd.cu: the projection backward, from the fp32 table gradient d_table (T, N), N = ADALN_TABLE_N:
+//
+//   d_weight[j, k] = bf16(sum_t d_table[t, j] * silu(temb[t, k]))        (t in order, one rounding)
+//   dact[t, k]     = sum_j d_table[t, j] * weight[j, k]
+//   d_temb[t, k]   = dact[t, k] * silu'(temb[t, k])                      (double, stored fp32)
+// The activation is used unrounded (straight-through the declared bf16 cast, and closer to the
+// exact gradient). weight is read once and d_weight written once, by table_bwd_bf16.
+//
+// table_bwd_bf16 geometry (adaln_lab/plan.py): block = ADALN_TB_THREADS (W = ADALN_TB_THREADS / 32
+// warps), grid = plan.tb_grid = (D tiles of 256 columns, ceil(N / ADALN_TB_ROWS) row blocks). Lane l
+// covers the 8 columns k of vector blockIdx.x * 32 + l, warp w the ADALN_TB_ROWS / W consecutive rows j
+// from blockIdx.y * ADALN_TB_ROWS + w * ADALN_TB_ROWS / W, loading ADALN_TB_BATCH rows' weight vectors
+// before it uses them (memory-level parallelism; the order of use is unchanged). Each thread sums its
+// rows in order; the W
+// warps' sums are added in warp order (any block size: threads stride over the tile's 256 columns)
+// and stored to dact_partials[blockIdx.y, t, k].
+// table_bwd_reduce geometry: block (32, ADALN_SUM_GROUPS), grid = (ceil(D / 32), T): one (t, k) per
+// threadIdx.x, ordered_column_sum over the row blocks (adaln_common.cuh), in double.
+// Run: adaln_lab.launchers.launch_backward (its third and fourth kernels).
+
+#define TB_WARPS (ADALN_TB_THREADS / 32)
+#define TB_ROWS_PER_WARP (ADALN_TB_ROWS / TB_WARPS)
+static_assert(ADALN_TB_ROWS % TB_WARPS == 0, "ADALN_TB_ROWS must split evenly over the warps");
+static_assert(TB_ROWS_PER_WARP % ADALN_TB_BATCH == 0, "a warp's rows must split into whole load batches");
+static_assert(ADALN_TB_COLUMNS == 32 * ADALN_VEC, "a D tile is one 8-wide vector per lane");
+
+extern "C" __global__ void __launch_bounds__(ADALN_TB_THREADS)
+table_bwd_bf16(const float* __restrict__ d_table, const float* __restrict__ temb, const bf16_t* __restrict__ weight,
+               bf16_t* __restrict__ d_weight, float* __restrict__ dact_partials) {
+    __shared__ float combine[TB_WARPS][ADALN_TB_COLUMNS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int kv = blockIdx.x * 32 + lane;
+    const int k0 = blockIdx.x * ADALN_TB_COLUMNS;
+    const bool valid = kv < ADALN_NVEC_D;
+    float act[ADALN_T][ADALN_VEC], dact[ADALN_T][ADALN_VEC];
+#pragma unroll
+    for (int t = 0; t < ADALN_T; ++t)
+#pragma unroll
+        for (int e = 0; e < ADALN_VEC; ++e) {
+            act[t][e] = valid ? silu(temb[t * ADALN_D + kv * ADALN_VEC + e]) : 0.0f;
+            dact[t][e] = 0.0f;
+        }
+    const int first = blockIdx.y * ADALN_TB_ROWS + warp * TB_ROWS_PER_WARP;
+#pragma unroll
+    for (int i0 = 0; i0 < TB_ROWS_PER_WARP; i0 += ADALN_TB_BATCH) {
+        uint4 raw[ADALN_TB_BATCH];  // the batch's weight rows in flight together, then used in row order
+#pragma unroll
+        for (int b = 0; b < ADALN_TB_BATCH; ++b) {
+            const int j = first + i0 + b;
+            raw[b] = valid && j < ADALN_TABLE_N ? load_raw8(weight + (size_t)j * ADALN_D + kv * ADALN_VEC)
+                                                : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int b = 0; b < ADALN_TB_BATCH; ++b) {
+            const int j = first + i0 + b;
+            if (!valid || j >= ADALN_TABLE_N) continue;  // rows past N come last: nothing after them counts
+            float w[ADALN_VEC], dw[ADALN_VEC], g[ADALN_T];
+            unpack8(raw[b], w);
+#pragma unroll
+            for (int t = 0; t < ADALN_T; ++t) g[t] = d_table[t * ADALN_TABLE_N + j];
+#pragma unroll
+            for (int e = 0; e < ADALN_VEC; ++e) {
+                float s = 0.0f;
+#pragma unroll
+                for (int t = 0; t < ADALN_T; ++t) {
+                    s = fmaf(g[t], act[t][e], s);
+                    dact[t][e] = fmaf(g[t], w[e], dact[t][e]);
+                }
+                dw[e] = s;
+            }
+            store8(d_weight + (size_t)j * ADALN_D + kv * ADALN_VEC, dw);
+        }
+    }
+#pragma unroll 1
+    for (int t = 0; t < ADALN_T; ++t) {
+#pragma unroll
+        for (int e = 0; e < ADALN_VEC; ++e) combine[warp][lane * ADALN_VEC + e] = dact[t][e];
+        __syncthreads();
+        for (int c = threadIdx.x; c < ADALN_TB_COLUMNS; c += ADALN_TB_THREADS) {
+            float s = 0.0f;
+#pragma unroll
+            for (int ww = 0; ww < TB_WARPS; ++ww) s += combine[ww][c];
+            if (k0 + c < ADALN_D) dact_partials[((size_t)blockIdx.y * ADALN_T + t) * ADALN_D + k0 + c] = s;
+        }
+        __syncthreads();
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * ADALN_SUM_GROUPS)
+table_bwd_reduce(const float* __restrict__ dact_partials, const float* __restrict__ temb,
+                 float* __restrict__ d_temb, int nblocks) {
+    __shared__ double scratch[ADALN_SUM_GROUPS][32];
+    const int k = blockIdx.x * 32 + threadIdx.x, t = blockIdx.y;
+    const bool valid = k < ADALN_D;
+    const double dact = ordered_column_sum(dact_partials + (size_t)t * ADALN_D + k, nblocks,
+                                           (size_t)ADALN_T * ADALN_D, valid, scratch);
+    if (threadIdx.y == 0 && valid) {
+        const double v = temb[t * ADALN_D + k], s = 1.0 / (1.0 + exp(-v));
+        d_temb[t * ADALN_D + k] = (float)(dact * s * (1.0 + v * (1.0 - s)));
+    }
+}
