@@ -82,13 +82,11 @@ def load_report(directory: str | Path | None = None) -> dict:
 
 
 def save(data: dict, path: str | Path) -> Path:
-    """Write `data` as indented JSON (atomically: a temporary file, then a rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
-    tmp.replace(path)
-    return path
+    """Write `data` as indented JSON, atomically (the report's writer: a temporary file, then a rename)."""
+    from ..harness.report import write
+
+    write(data, path)
+    return Path(path)
 
 
 def meta(device: torch.device, quick: bool) -> dict:
