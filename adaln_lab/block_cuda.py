@@ -7,7 +7,7 @@ rounding and autograd; these functions are their CUDA kernels:
   holding bf16 values (table.cu with N columns: the fixed-order GEMV, each row T-invariant).
 - `modulation_table_bwd(d_table (T, N) fp32, temb, weight) -> d_temb (T, D) fp32, d_weight (N, D) bf16,
   d_bias (N,) bf16` (table_bwd.cu in a fixed order; d_bias: the T values of a column summed in
-  double, in t order, rounded once).
+  double by torch's reduction, the same kernel and order for a given shape, rounded once).
 - `modulated_rms_norm_fwd(x (..., S, H) bf16, norm_weight (H,) bf16, shift (R, H), scale (R, H),
   row_index (S,) int64, eps) -> out (..., S, H) bf16, rstd (rows,) fp32`, and
   `modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd) -> dx, d_norm_weight (H,)
@@ -30,7 +30,7 @@ import torch
 
 from . import launchers
 from .cuda_op import _aligned, current_stream
-from .plan import check_shapes
+from .plan import T_MAX, check_shapes
 from .plan import plan as make_plan
 
 
@@ -69,6 +69,9 @@ def unsupported_rows(x, table_rows: int, **bf16_tensors) -> Exception | None:
         error = _bf16(name, t)
         if error is not None:
             return error
+    if table_rows > T_MAX:
+        return ValueError(f"the CUDA kernels take at most {T_MAX} table rows, got {table_rows} (an H3 block has "
+                          f"3 per timestep: T = temb.shape[0] <= {T_MAX // 3})")
     try:
         check_shapes(x.shape[-1], 8, max(table_rows, 1))
     except ValueError as err:

@@ -8,8 +8,10 @@ and `gated_residual` for both residuals; attention and feed-forward are the shar
 diffusers calls them. Importing this module never imports diffusers.
 
 Numerics: the forward replays diffusers (CPU: bit for bit; CUDA kernels: see the ops). Gradients reach
-the table in float32 (diffusers: bf16 sums), the parameter gradients are reduced in a fixed order
-(repeatable bit for bit) and dx of a row depends on that row alone. Backends: "auto" (the ops: CUDA
+the table in float32 (diffusers: bf16 sums). On the CUDA kernels the parameter gradients are reduced in
+a fixed order (repeatable bit for bit) and dx of a row depends on that row alone; the torch code that
+runs where the kernels cannot (fp32 blocks on CUDA, T > 10) sums with index_add_, whose CUDA atomics
+give no such promise. Backends: "auto" (the ops: CUDA
 kernels where they run, torch code elsewhere), "cupy" (the ops, but refuse inputs the kernels cannot
 take, with the reason) and "torch" (diffusers' own ops and autograd, `block_reference.replay_block_adaln`).
 

@@ -222,8 +222,8 @@ def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = Fal
     slot = fwd_threads * fwd_vpt * 16
     fwd_static = 4 * t["FWD_ROW_LIST_MAX"] + 4 * (fwd_threads // 32 + 1)
     fwd_stages = t["FWD_STAGES"]
-    fwd_budget = SMEM_BLOCK_MAX // t["FWD_STAGED_MIN_BLOCKS"]  # a block staging 2T table rows at one block
-    while fwd_stages >= 2 and (2 * T + fwd_stages) * slot + fwd_static > fwd_budget:  # per SM runs slowly
+    fwd_budget = SMEM_BLOCK_MAX // t["FWD_STAGED_MIN_BLOCKS"]  # 2: stage only where two blocks fit an SM
+    while fwd_stages >= 2 and (2 * T + fwd_stages) * slot + fwd_static > fwd_budget:  # (bench/dev/block_ab.py)
         fwd_stages -= 1
     if fwd_stages < 2:
         fwd_stages = 0  # fall back to one row per block: same threads, same tree, same bits per row
