@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .reference import table_reference
+
 MODALITIES = 3
 CHUNKS = ("shift_msa", "scale_msa", "gate_msa", "shift_mlp", "scale_mlp", "gate_mlp")
 
@@ -35,10 +37,9 @@ def table_dtype_of(weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(weight.dtype, torch.float32)
 
 
-def replay_table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """diffusers' `adaln_proj` table: `linear(silu(temb).to(weight.dtype), weight, bias)`, (T, N) in weight's dtype
-    (SiLU at temb's own precision, then one cast)."""
-    return F.linear(F.silu(temb).to(weight.dtype), weight, bias)
+replay_table = table_reference
+"""diffusers' `adaln_proj` table: `linear(silu(temb).to(weight.dtype), weight, bias)`, (T, N) in weight's dtype
+(SiLU at temb's own precision, then one cast): norm_out's `reference.table_reference`, any N."""
 
 
 def table_chunks(table: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor, ...]:

@@ -31,12 +31,12 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
+from ..block_reference import MODALITIES
 from .accuracy import rel_err
 from .inputs import H_REAL, D_REAL, T_REAL, PARAMETER_SEED, SALT_X, _generator
 from .latency import copy_bandwidth, graph_latency, host_latency
 
 EPS = 1e-6
-MODALITIES = 3
 LEAVES = ("x", "norm1_weight", "norm2_weight", "temb", "weight", "bias")
 SALTS = {"norm1_weight": 31, "norm2_weight": 32, "temb": 33, "weight": 34, "bias": 35, "dy": 36}
 SIZES, QUICK_SIZES = (4097, 32768), (257, 1024)
@@ -111,10 +111,10 @@ class PassThrough(nn.Module):
 
 @functools.lru_cache(maxsize=None)
 def _diffusers_block(H: int, D: int):
-    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
+    from ..patch import _diffusers_block_class
 
     with torch.device("meta"):
-        block = MiniMaxH3TransformerBlock(H, 1, H, 8, D, norm_eps=EPS, qk_norm_eps=EPS)
+        block = _diffusers_block_class()(H, 1, H, 8, D, norm_eps=EPS, qk_norm_eps=EPS)
     block.attn, block.ff = PassThrough(), PassThrough()
     return block
 
