@@ -158,9 +158,10 @@ def check_rows(op: str, x: torch.Tensor, row_index: torch.Tensor, **tables: torc
     if x.dim() < 2:
         raise ValueError(f"{op} needs x of shape (..., S, H), got {tuple(x.shape)}")
     S, H = x.shape[-2], x.shape[-1]
-    if row_index.shape != (S,) or row_index.dtype != torch.int64:
-        raise ValueError(f"{op} needs row_index of shape (S,) = ({S},) and dtype int64, got "
-                         f"{tuple(row_index.shape)} {row_index.dtype}")
+    if row_index.shape != (S,):
+        raise ValueError(f"{op} needs row_index of shape (S,) = ({S},), got {tuple(row_index.shape)}")
+    if row_index.dtype != torch.int64:
+        raise TypeError(f"{op} needs row_index of dtype int64, got {row_index.dtype}")
     rows = {t.shape[0] for t in tables.values() if t.dim() == 2}
     for name, t in tables.items():
         if t.dim() != 2 or t.shape[1] != H or len(rows) != 1:

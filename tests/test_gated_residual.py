@@ -159,6 +159,10 @@ def test_bad_inputs_are_refused_naming_the_argument():
         gated_residual(x, gate[:, :-1], y, row_index)
     with pytest.raises(ValueError, match="row_index"):
         gated_residual(x, gate, y, row_index[:-1])
+    with pytest.raises(TypeError, match="row_index"):
+        gated_residual(x, gate, y, row_index.int())
+    with pytest.raises(TypeError, match="floating-point y"):
+        gated_residual(x, gate, y.long(), row_index)
     with pytest.raises(TypeError, match="gate"):
         gated_residual(x, gate.long(), y, row_index)
 

@@ -173,7 +173,7 @@ def test_bad_inputs_are_refused_naming_the_argument():
         modulated_rms_norm(x[0], norm_weight, shift, scale, row_index[:1])
     with pytest.raises(ValueError, match="row_index"):
         modulated_rms_norm(x, norm_weight, shift, scale, row_index[:-1])
-    with pytest.raises(ValueError, match="row_index"):
+    with pytest.raises(TypeError, match="row_index"):
         modulated_rms_norm(x, norm_weight, shift, scale, row_index.int())
     with pytest.raises(ValueError, match="scale"):
         modulated_rms_norm(x, norm_weight, shift, scale[:-1], row_index)
