@@ -89,7 +89,7 @@ def test_notebooks_are_set_up_for_both_modes():
         assert not any(k in source for k in kernel_code for source in code), path.name  # kernels live in adaln_lab
 
 
-def test_three_notebooks_take_under_two_minutes_on_the_cpu(executed):
+def test_three_notebooks_take_under_four_minutes_on_the_cpu(executed):
     seconds = {stem: round(s, 1) for stem, (_, s) in executed.items()}
     assert sum(seconds.values()) < 240, seconds  # ~60 s on an idle 2-core CPU; the bar is loose for loaded CI
 
