@@ -7,6 +7,7 @@ import torch
 from adaln_lab import block_reference as br
 from adaln_lab import gated_residual, modulation_table
 from adaln_lab.gated_residual import gated_residual_bwd, gated_residual_fwd
+from test_modulated_rms_norm import DTYPES, _rel_l2  # one dtype table, one error measure
 
 H, D, T = 32, 16, 3
 R = 3 * T
@@ -47,13 +48,6 @@ def _grads(fn, leaves, row_index, dout, **kw):
     return out.detach(), [t.grad for t in leaves]
 
 
-def _rel_l2(value, ref):
-    ref = ref.double()
-    return float((value.double() - ref).norm() / ref.norm())
-
-
-DTYPES = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.float32, torch.bfloat16),
-          (torch.bfloat16, torch.float32), (torch.float16, torch.float16)]
 
 
 @pytest.mark.parametrize("dtype,table_dtype", DTYPES)

@@ -15,8 +15,8 @@ Each path is first checked bitwise against the `function` path. Run (on a GPU):
 """
 
 import json
-import statistics
 import sys
+from pathlib import Path
 
 import torch
 
@@ -25,6 +25,9 @@ from adaln_lab.cuda_op import current_stream
 from adaln_lab.harness.inputs import make
 from adaln_lab.harness.latency import autograd_floor, graph_latency, host_latency
 from adaln_lab.plan import plan as make_plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the profiler's graph timing
+from profile_kernels import graph_us  # noqa: E402
 
 EPS = 1e-5
 WARMUP, ITERS = 5, 30
@@ -38,38 +41,9 @@ def custom_op_path(*args):
     return cuda_op.final_adaln_out_op(*args, EPS, "cuda")
 
 
-def replay_us(graph: torch.cuda.CUDAGraph, replays: int = 20, samples: int = 15) -> float:
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(samples):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record()
-        for _ in range(replays):
-            graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / replays)
-    return statistics.median(times)
-
-
-def captured(step) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph
-
-
 def kernel_sequence(inputs, plan):
     """{kernel name: launch()} of one forward+backward on preallocated buffers, in launch order."""
-    H, T = plan.H, plan.T
+    H = plan.H
     x, nw, temb, weight, bias = (t.detach() for t in inputs.leaves)
     idx = inputs.timestep_indices
     S = x.shape[-2]
@@ -107,10 +81,10 @@ def kernel_sequence(inputs, plan):
 def leave_one_out(inputs, plan) -> dict:
     keep, launches = kernel_sequence(inputs, plan)
     names = list(launches)
-    out = {"all": replay_us(captured(lambda: [launches[n]() for n in names]))}
+    out = {"all": graph_us(lambda: [launches[n]() for n in names])}
     for left in names:
-        out[f"without_{left}"] = replay_us(captured(lambda: [launches[n]() for n in names if n != left]))
-        out[f"only_{left}"] = replay_us(captured(launches[left]))
+        out[f"without_{left}"] = graph_us(lambda: [launches[n]() for n in names if n != left])
+        out[f"only_{left}"] = graph_us(launches[left])
     del keep
     return out
 
@@ -134,7 +108,7 @@ def kernels_only(inputs) -> dict:
     out, grads = fwd_bwd()
     same = torch.equal(out, reference) and all(torch.equal(g, leaf.grad) for g, leaf in zip(grads, leaves))
     return {"bitwise_equal_to_function": same,
-            "fwd_us_graph": replay_us(captured(fwd)), "fwd_bwd_us_graph": replay_us(captured(fwd_bwd))}
+            "fwd_us_graph": graph_us(fwd), "fwd_bwd_us_graph": graph_us(fwd_bwd)}
 
 
 def check_custom_op(inputs) -> bool:
