@@ -210,6 +210,11 @@ def test_modes_and_the_evidence_fallback(tmp_path, monkeypatch):
     assert data["x"] == 2 and "NVIDIA H200, commit abcdef0, full sizes" in banner and len(calls) == 1
     monkeypatch.setenv("ADALN_LAB_EVIDENCE_DIR", str(tmp_path))
     assert evidence.lab_path("latency") == tmp_path / "lab_latency.json"
+    saved = tmp_path / "saved"
+    assert evidence.obtain("latency", "measure", measure)[0]["x"] == 1 and not saved.exists()
+    monkeypatch.setenv("ADALN_LAB_SAVE_DIR", str(saved))
+    data, banner = evidence.obtain("latency", "measure", measure)
+    assert "measured now" in banner and json.loads((saved / "lab_latency.json").read_text()) == data
 
 
 def test_tables_print_the_report_figures():

@@ -9,7 +9,9 @@ A notebook sets `MODE = "auto" | "evidence" | "measure"` at its top and calls `r
 - "auto": "measure" where torch sees CUDA, "evidence" elsewhere.
 
 `obtain(kind, mode, measure)` does the above for one lab file and returns `(data, banner)`: the
-banner is the line a notebook prints, so a reader always sees what the figures are.
+banner is the line a notebook prints, so a reader always sees what the figures are. With
+$ADALN_LAB_SAVE_DIR set, measure mode also writes what it measured there as `lab_<kind>.json`: the
+H200 run that renders the notebooks thereby writes the evidence they read on a CPU.
 """
 
 from __future__ import annotations
@@ -118,6 +120,8 @@ def obtain(kind: str, mode: str, measure: Callable[[torch.device, bool], dict],
     if mode == "measure":
         device = device_for(mode)
         data = _measured(measure, device, device.type == "cpu")
+        if os.environ.get("ADALN_LAB_SAVE_DIR"):
+            save(data, lab_path(kind, os.environ["ADALN_LAB_SAVE_DIR"]))
         return data, f"MODE measure: measured now on {describe(data)}."
     data = load_json(path)
     if data is not None:
