@@ -28,6 +28,8 @@ SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
     "norm_modulate_bwd_bf16": "ppppppppiii",
     "reduce_partials_bf16": "ppppppi",
     "table_bwd_bf16": "ppppp",
+    "table_bwd_d_weight_bf16": "ppppp",
+    "table_bwd_dact_bf16": "ppppp",
     "table_bwd_reduce": "pppi",
     "gated_residual_fwd_bf16": "pppppiii",
     "gated_residual_bwd_bf16": "ppppppiiii",
@@ -131,9 +133,11 @@ def launch_reduce_partials(k: dict, plan: Plan, rows: Rows, stream: int, row_par
 
 def launch_table_bwd(k: dict, plan: Plan, stream: int, d_table: int, temb: int, weight: int, d_weight: int,
                      dact_partials: int, d_temb: int) -> None:
-    """d_weight and d_temb from d_table: table_bwd_bf16, then the ordered sum of table_bwd_reduce."""
-    k["table_bwd_bf16"]((plan.d_tiles, plan.blocks_j, 1), (plan.tb_threads, 1, 1), 0, stream,
-                        d_table, temb, weight, d_weight, dact_partials)
+    """d_weight and d_temb from d_table: table_bwd_bf16 (or, where plan.tb_split, its two halves
+    table_bwd_d_weight_bf16 and table_bwd_dact_bf16: the same sums), then table_bwd_reduce's ordered sum."""
+    grid, block = (plan.d_tiles, plan.blocks_j, 1), (plan.tb_threads, 1, 1)
+    for name in ("table_bwd_d_weight_bf16", "table_bwd_dact_bf16") if plan.tb_split else ("table_bwd_bf16",):
+        k[name](grid, block, 0, stream, d_table, temb, weight, d_weight, dact_partials)
     k["table_bwd_reduce"]((-(-plan.D // 32), plan.T, 1), (32, plan.sum_groups, 1), 0, stream,
                           dact_partials, temb, d_temb, plan.blocks_j)
 

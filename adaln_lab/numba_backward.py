@@ -61,15 +61,17 @@ def _nc():
 
 
 def _register_limit(threads: int) -> dict:
-    """jit options that let a block of `threads` launch: at most 65536 / threads registers per thread, in
-    steps of 8 (numba, unlike nvcc's __launch_bounds__, does not bound them by the block size; the
-    row pass at H = 5376 otherwise fails with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES). Register allocation
-    changes no arithmetic. The simulator takes no such option."""
+    """jit options that let a block of `threads` launch, as kernels_cu's __launch_bounds__ does: the
+    launch bound itself (NVVM's maxntid, so ptxas fits the registers to the block) and at most
+    65536 / threads registers per thread, in steps of 8. Without them numba lets the register count
+    float and the row pass at H = 5376 (672 threads) fails with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES
+    (H200, 711d68c; max_registers alone did not help on 9cf210c). Register allocation changes no
+    arithmetic. The simulator takes no such option."""
     from numba import config
 
     if config.ENABLE_CUDASIM:
         return {}
-    return {"max_registers": min(255, 65536 // threads // 8 * 8)}
+    return {"max_registers": min(255, 65536 // threads // 8 * 8), "launch_bounds": threads}
 
 
 def _tuning(plan: Plan, name: str) -> int:

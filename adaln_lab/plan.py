@@ -28,7 +28,7 @@ TUNING = {
     "FWD_RANGES": 264,          # norm_modulate.cu: row ranges of the staged kernel (a constant, not the SM count)
     "FWD_MIN_ROWS": 8,          # norm_modulate.cu: fewest rows of one range (the table staging is per range)
     "FWD_STAGES": 3,            # norm_modulate.cu: rows of x in flight per block (cp.async)
-    "FWD_STAGED_MIN_BLOCKS": 1,  # norm_modulate.cu: stage the table only if this many blocks fit an SM (2: untried)
+    "FWD_STAGED_MIN_BLOCKS": 2,  # norm_modulate.cu: stage the table only where this many blocks fit an SM
     "FWD_ROW_LIST_MAX": 1024,   # norm_modulate.cu: most rows of one range (their timesteps sit in shared memory)
     "BWD_THREADS_MAX": 1024,    # norm_modulate_bwd.cu: row block size cap (H = 5376: 672 threads x 1 vector)
     "BWD_RANGES": 132,          # norm_modulate_bwd.cu: row ranges (a constant, not the SM count)
@@ -36,6 +36,7 @@ TUNING = {
     "ROW_LIST_MAX": 2048,       # norm_modulate_bwd.cu: most rows of one range
     "TB_THREADS": 256,          # table_bwd.cu: block size
     "TB_ROWS": 128,             # table_bwd.cu: weight rows j per block
+    "TB_SPLIT_MIN_T": 5,        # table_bwd.cu: from this many table rows T on, d_weight and dact run as two kernels
     "SUM_GROUPS": 16,           # adaln_common.cuh: row groups of an ordered column sum
     "GR_THREADS": 128,          # gated_residual.cu: block size (8 columns per thread)
 }
@@ -158,6 +159,12 @@ class Plan:
     def gr_smem(self) -> int:
         """Dynamic shared memory of gated_residual_bwd_bf16: 8 fp32 sums per thread for each of the T table rows."""
         return self.T * 8 * self.gr_threads * 4
+
+    @property
+    def tb_split(self) -> bool:
+        """table_bwd.cu: d_weight and dact in two kernels (same sums, same bits): the fused kernel keeps
+        2 x 8 x T fp32 accumulators per thread, too many registers for two blocks per SM at T >= 5."""
+        return self.T >= dict(self.tuning)["TB_SPLIT_MIN_T"]
 
     @property
     def blocks_j(self) -> int:

@@ -6,7 +6,8 @@
 // The activation is used unrounded (straight-through the declared bf16 cast, and closer to the
 // exact gradient). weight is read once and d_weight written once, by table_bwd_bf16.
 //
-// table_bwd_bf16 geometry (adaln_lab/plan.py): block = ADALN_TB_THREADS (W = ADALN_TB_THREADS / 32
+// table_bwd_bf16 geometry (adaln_lab/plan.py; table_bwd_d_weight_bf16 and table_bwd_dact_bf16, its halves,
+// take the same): block = ADALN_TB_THREADS (W = ADALN_TB_THREADS / 32
 // warps), grid = plan.tb_grid = (D tiles of 256 columns, ceil(N / ADALN_TB_ROWS) row blocks). Lane l
 // covers the 8 columns k of vector blockIdx.x * 32 + l, warp w the ADALN_TB_ROWS / W consecutive rows j
 // from blockIdx.y * ADALN_TB_ROWS + w * ADALN_TB_ROWS / W. Each thread sums its rows in order; the W
@@ -21,55 +22,104 @@
 static_assert(ADALN_TB_ROWS % TB_WARPS == 0, "ADALN_TB_ROWS must split evenly over the warps");
 static_assert(ADALN_TB_COLUMNS == 32 * ADALN_VEC, "a D tile is one 8-wide vector per lane");
 
-extern "C" __global__ void __launch_bounds__(ADALN_TB_THREADS)
-table_bwd_bf16(const float* __restrict__ d_table, const float* __restrict__ temb, const bf16_t* __restrict__ weight,
-               bf16_t* __restrict__ d_weight, float* __restrict__ dact_partials) {
-    __shared__ float combine[TB_WARPS][ADALN_TB_COLUMNS];
+// One block's tile: D_WEIGHT stores d_weight's rows, DACT stores the block's dact_partials. Both in
+// one kernel (table_bwd_bf16) or one each (table_bwd_d_weight_bf16, table_bwd_dact_bf16, for large T:
+// the fused kernel keeps 2 x 8 x T fp32 accumulators per thread, which at T = 9 leaves one block per
+// SM). Every sum has the same terms in the same order either way, so the bits do not depend on it.
+// The block's d_table slice (T x ADALN_TB_ROWS fp32) is staged in shared memory first.
+template <bool D_WEIGHT, bool DACT>
+__device__ __forceinline__ void table_bwd_tile(const float* __restrict__ d_table, const float* __restrict__ temb,
+                                               const bf16_t* __restrict__ weight, bf16_t* __restrict__ d_weight,
+                                               float* __restrict__ dact_partials) {
+    __shared__ float combine[DACT ? TB_WARPS : 1][ADALN_TB_COLUMNS];
+    __shared__ float g_tile[ADALN_T][ADALN_TB_ROWS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kv = blockIdx.x * 32 + lane;
     const int k0 = blockIdx.x * ADALN_TB_COLUMNS;
+    const int j0 = blockIdx.y * ADALN_TB_ROWS;
     const bool valid = kv < ADALN_NVEC_D;
-    float act[ADALN_T][ADALN_VEC], dact[ADALN_T][ADALN_VEC];
+    for (int i = threadIdx.x; i < ADALN_T * ADALN_TB_ROWS; i += ADALN_TB_THREADS) {
+        const int t = i / ADALN_TB_ROWS, r = i % ADALN_TB_ROWS;
+        g_tile[t][r] = j0 + r < ADALN_TABLE_N ? d_table[t * ADALN_TABLE_N + j0 + r] : 0.0f;
+    }
+    __syncthreads();
+    float act[D_WEIGHT ? ADALN_T : 1][ADALN_VEC], dact[DACT ? ADALN_T : 1][ADALN_VEC];
 #pragma unroll
     for (int t = 0; t < ADALN_T; ++t)
 #pragma unroll
         for (int e = 0; e < ADALN_VEC; ++e) {
-            act[t][e] = valid ? silu(temb[t * ADALN_D + kv * ADALN_VEC + e]) : 0.0f;
-            dact[t][e] = 0.0f;
+            if constexpr (D_WEIGHT) act[t][e] = valid ? silu(temb[t * ADALN_D + kv * ADALN_VEC + e]) : 0.0f;
+            if constexpr (DACT) dact[t][e] = 0.0f;
         }
+    const int r0 = warp * TB_ROWS_PER_WARP;
+    const int nrows = valid ? min(TB_ROWS_PER_WARP, ADALN_TABLE_N - (j0 + r0)) : 0;
+    auto row = [&](int i) {  // row j = j0 + r0 + i of the tile
+        const int j = j0 + r0 + i;
+        float g[ADALN_T];
 #pragma unroll
-    for (int i = 0; i < TB_ROWS_PER_WARP; ++i) {
-        const int j = blockIdx.y * ADALN_TB_ROWS + warp * TB_ROWS_PER_WARP + i;
-        if (!valid || j >= ADALN_TABLE_N) break;
-        float w[ADALN_VEC], dw[ADALN_VEC], g[ADALN_T];
-        load8(weight + (size_t)j * ADALN_D + kv * ADALN_VEC, w);
+        for (int t = 0; t < ADALN_T; ++t) g[t] = g_tile[t][r0 + i];
+        if constexpr (DACT) {
+            float w[ADALN_VEC];
+            load8(weight + (size_t)j * ADALN_D + kv * ADALN_VEC, w);
 #pragma unroll
-        for (int t = 0; t < ADALN_T; ++t) g[t] = d_table[t * ADALN_TABLE_N + j];
+            for (int e = 0; e < ADALN_VEC; ++e)
 #pragma unroll
-        for (int e = 0; e < ADALN_VEC; ++e) {
-            float s = 0.0f;
+                for (int t = 0; t < ADALN_T; ++t) dact[t][e] = fmaf(g[t], w[e], dact[t][e]);
+        }
+        if constexpr (D_WEIGHT) {
+            float dw[ADALN_VEC];
 #pragma unroll
-            for (int t = 0; t < ADALN_T; ++t) {
-                s = fmaf(g[t], act[t][e], s);
-                dact[t][e] = fmaf(g[t], w[e], dact[t][e]);
+            for (int e = 0; e < ADALN_VEC; ++e) {
+                float s = 0.0f;
+#pragma unroll
+                for (int t = 0; t < ADALN_T; ++t) s = fmaf(g[t], act[t][e], s);
+                dw[e] = s;
             }
-            dw[e] = s;
+            store8(d_weight + (size_t)j * ADALN_D + kv * ADALN_VEC, dw);
         }
-        store8(d_weight + (size_t)j * ADALN_D + kv * ADALN_VEC, dw);
-    }
+    };
+    if (nrows == TB_ROWS_PER_WARP) {  // every row of the warp exists: no bound checks between the loads
+#pragma unroll
+        for (int i = 0; i < TB_ROWS_PER_WARP; ++i) row(i);
+    } else {
 #pragma unroll 1
-    for (int t = 0; t < ADALN_T; ++t) {
-#pragma unroll
-        for (int e = 0; e < ADALN_VEC; ++e) combine[warp][lane * ADALN_VEC + e] = dact[t][e];
-        __syncthreads();
-        for (int c = threadIdx.x; c < ADALN_TB_COLUMNS; c += ADALN_TB_THREADS) {
-            float s = 0.0f;
-#pragma unroll
-            for (int ww = 0; ww < TB_WARPS; ++ww) s += combine[ww][c];
-            if (k0 + c < ADALN_D) dact_partials[((size_t)blockIdx.y * ADALN_T + t) * ADALN_D + k0 + c] = s;
-        }
-        __syncthreads();
+        for (int i = 0; i < nrows; ++i) row(i);
     }
+    if constexpr (DACT) {  // unrolled over t: a runtime t would put dact on the stack (local memory)
+#pragma unroll
+        for (int t = 0; t < ADALN_T; ++t) {
+#pragma unroll
+            for (int e = 0; e < ADALN_VEC; ++e) combine[warp][lane * ADALN_VEC + e] = dact[t][e];
+            __syncthreads();
+            for (int c = threadIdx.x; c < ADALN_TB_COLUMNS; c += ADALN_TB_THREADS) {
+                float s = 0.0f;
+#pragma unroll
+                for (int ww = 0; ww < TB_WARPS; ++ww) s += combine[ww][c];
+                if (k0 + c < ADALN_D) dact_partials[((size_t)blockIdx.y * ADALN_T + t) * ADALN_D + k0 + c] = s;
+            }
+            __syncthreads();
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ADALN_TB_THREADS)
+table_bwd_bf16(const float* __restrict__ d_table, const float* __restrict__ temb, const bf16_t* __restrict__ weight,
+               bf16_t* __restrict__ d_weight, float* __restrict__ dact_partials) {
+    table_bwd_tile<true, true>(d_table, temb, weight, d_weight, dact_partials);
+}
+
+extern "C" __global__ void __launch_bounds__(ADALN_TB_THREADS, 2)
+table_bwd_d_weight_bf16(const float* __restrict__ d_table, const float* __restrict__ temb,
+                        const bf16_t* __restrict__ weight, bf16_t* __restrict__ d_weight,
+                        float* __restrict__ dact_partials) {
+    table_bwd_tile<true, false>(d_table, temb, weight, d_weight, dact_partials);
+}
+
+extern "C" __global__ void __launch_bounds__(ADALN_TB_THREADS, 2)
+table_bwd_dact_bf16(const float* __restrict__ d_table, const float* __restrict__ temb,
+                    const bf16_t* __restrict__ weight, bf16_t* __restrict__ d_weight,
+                    float* __restrict__ dact_partials) {
+    table_bwd_tile<false, true>(d_table, temb, weight, d_weight, dact_partials);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * ADALN_SUM_GROUPS)

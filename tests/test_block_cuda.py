@@ -75,6 +75,35 @@ def test_table_backward_against_float64_and_repeatable():
     assert torch.allclose(d_temb.double(), t64.grad, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [3, 9])
+def test_split_and_fused_table_backward_agree_bit_for_bit(monkeypatch, rows):
+    """table_bwd_bf16 and its two halves (plan.tb_split, T >= TB_SPLIT_MIN_T) sum the same terms in the
+    same order: the same d_weight and d_temb bits, at T below and above the split, N not a multiple of
+    TB_ROWS (a ragged last row block) and D not a multiple of the 256-column tile."""
+    from adaln_lab import launchers, loader, plan as plan_module
+
+    def clear():
+        for c in (plan_module.clear_caches, loader.clear_caches, launchers.kernels.cache_clear):
+            c()
+
+    g = torch.Generator("cuda").manual_seed(rows)
+    N, D_ = 18 * H + 72, 264
+    temb = torch.randn(rows, D_, device="cuda", generator=g)
+    weight = (torch.randn(N, D_, device="cuda", generator=g) * 0.02).bfloat16()
+    d_table = torch.randn(rows, N, device="cuda", generator=g)
+    results = {}
+    try:
+        for split_min_t in (rows, rows + 1):  # split, then fused
+            monkeypatch.setitem(plan_module.TUNING, "TB_SPLIT_MIN_T", split_min_t)
+            clear()
+            results[split_min_t == rows] = block_cuda.modulation_table_bwd(d_table, temb, weight)
+    finally:
+        monkeypatch.undo()
+        clear()
+    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
+    assert results[True][1].abs().sum() > 0  # d_weight was written
+
+
 def test_modulated_norm_is_norm_outs_kernels():
     """With norm_out's table split into shift and scale, the forward is final_adaln_out's, bit for bit."""
     inputs = make(1, 300, "cuda", H=H, D=D, T=T)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from adaln_lab import cuda_op, launchers
+from adaln_lab import plan as plan_module
 from adaln_lab.harness.inputs import make, upstream
 
 
@@ -79,6 +80,20 @@ def test_forward_and_backward_launch_each_kernel_once_on_live_buffers(calls, row
     for name, _, _, _, args in calls:
         pointers = [a for kind, a in zip(launchers.SIGNATURES[name], args) if kind == "p"]
         assert pointers == expected[name], name
+
+
+def test_a_large_table_launches_table_bwd_as_two_halves_with_the_same_arguments(calls):
+    """From TB_SPLIT_MIN_T table rows on, d_weight and dact come from two kernels on table_bwd_bf16's
+    grid, block and arguments (the same sums: tests/test_block_cuda.py checks the bits on a GPU)."""
+    i = make(1, 37, "cpu", T=9)
+    out, saved = cuda_op.forward_tensors(*i.args, 1e-5, "cuda")
+    assert saved[0].tb_split and not plan_module.plan(5376, 2688, 4).tb_split
+    cuda_op.backward_tensors(upstream(1, i.x), i.x, i.norm_weight, i.temb, i.weight, i.timestep_indices, saved)
+    names = [c[0] for c in calls]
+    assert names[-3:] == ["table_bwd_d_weight_bf16", "table_bwd_dact_bf16", "table_bwd_reduce"]
+    assert "table_bwd_bf16" not in names
+    halves = calls[-3:-1]
+    assert halves[0][1:] == halves[1][1:] and halves[0][1] == saved[0].tb_grid + (1,)
 
 
 def test_signatures_match_the_kernels():

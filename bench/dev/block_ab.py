@@ -1,13 +1,19 @@
-"""Same-run A/B of two launch changes on one H3 block's AdaLN forward+backward (issue 11).
+"""Same-run A/B of launch and kernel choices on one H3 block's AdaLN forward+backward and on norm_out
+(issues 11 and 7).
 
-Variants, none of which changes any arithmetic, so each must give bitwise the output and gradients of
-`shipped` (checked before it is timed):
-- `table_bwd_batched`: bench/dev/experiments/table_bwd_batched.cu in place of kernels_cu/table_bwd.cu
-  (each thread loads TB_BATCH = 4 weight rows before using them);
-- `row_per_block`: TUNING["FWD_STAGED_MIN_BLOCKS"] = 2, so a plan whose staged forward fits one block per
-  SM (the block's 9 table rows) uses the row-per-block kernel;
-- `both`.
-Times: CUDA-graph replay of forward+backward (harness.latency.graph_latency) at 4097 and 32768 rows.
+Variants (plan knobs, or a kernel file from bench/dev/experiments/ in place of kernels_cu's), none of
+which changes any arithmetic, so each must give bitwise the outputs and gradients of `shipped` (checked
+before it is timed):
+- `shipped`: kernels_cu/ and the plan's TUNING as committed;
+- `fused_table_bwd`: TB_SPLIT_MIN_T = 33: the block's 9 table rows use table_bwd_bf16 instead of its
+  two halves (table_bwd_d_weight_bf16, table_bwd_dact_bf16);
+- `staged_forward`: FWD_STAGED_MIN_BLOCKS = 1: the block's 9-row table is staged in the forward (one
+  block per SM) instead of the row-per-block kernel;
+- `dact_on_stack`: experiments/dact_on_stack.cu (table_bwd's combine loop over t not unrolled, so its
+  dact accumulators live in local memory, as up to 9cf210c) with the fused table_bwd;
+- `9cf210c`: dact_on_stack with the staged forward: the launch choices of 9cf210c.
+Times: CUDA-graph replay of forward+backward (harness.latency.graph_latency) at 4097 and 32768 rows,
+for the block (`block`) and for norm_out's `final_adaln_out` (`norm_out`, T = 3, table_bwd never split).
 Run (on a GPU):  python bench/dev/block_ab.py > block_ab.json
 """
 
@@ -19,59 +25,84 @@ from pathlib import Path
 
 import torch
 
-from adaln_lab import launchers, loader
+from adaln_lab import final_adaln_out, launchers, loader
 from adaln_lab import plan as plan_module
 from adaln_lab.harness import block_report as br
+from adaln_lab.harness.inputs import make
 from adaln_lab.harness.latency import graph_latency
 
-EXPERIMENT = Path(__file__).resolve().parent / "experiments" / "table_bwd_batched.cu"
-VARIANTS = {"shipped": (False, 1), "table_bwd_batched": (True, 1), "row_per_block": (False, 2), "both": (True, 2)}
+EXPERIMENTS = Path(__file__).resolve().parent / "experiments"
+FUSED, STAGED = {"TB_SPLIT_MIN_T": 33}, {"FWD_STAGED_MIN_BLOCKS": 1}
+VARIANTS = {  # name: (TUNING knobs, {kernel file: experiment file})
+    "shipped": ({}, {}),
+    "fused_table_bwd": (FUSED, {}),
+    "staged_forward": (STAGED, {}),
+    "dact_on_stack": (FUSED, {"table_bwd.cu": "dact_on_stack.cu"}),
+    "9cf210c": ({**FUSED, **STAGED}, {"table_bwd.cu": "dact_on_stack.cu"}),
+}
+ROWS = (4097, 32768)
 
 
-def use(directory: Path, min_blocks: int) -> None:
-    """Point the loader at `directory` (kernels_cu/ or a copy with the experiment in place), set the
-    plan's knob, and forget every plan, compiled module and launcher."""
+def use(knobs: dict, directory: Path, shipped: dict) -> None:
+    """Kernels from `directory`, TUNING = `shipped` updated by `knobs`; forget every plan, module, launcher."""
     loader.kernel_dir = lambda: directory
-    plan_module.TUNING["FWD_STAGED_MIN_BLOCKS"] = min_blocks
+    plan_module.TUNING.clear()
+    plan_module.TUNING.update({**shipped, **knobs})
     plan_module.clear_caches()
     loader.clear_caches()
     launchers.kernels.cache_clear()
 
 
+def norm_out(x, norm_weight, temb, weight, bias, timestep_indices):
+    return final_adaln_out(x, norm_weight, temb, weight, bias, timestep_indices)
+
+
 def main():
     H, D, T = br.H_REAL, br.D_REAL, br.T_REAL
+    torch.manual_seed(0)
+    cases = {}
+    for S in ROWS:
+        batch = br.make_block(1, S, "cuda", H=H, D=D, T=T)
+        cases[("block", S)] = (br.CANDIDATES["adaln_lab"][1](H, D), batch, torch.randn_like(batch.x))
+        inputs = make(1, S, "cuda")
+        cases[("norm_out", S)] = (norm_out, inputs, torch.randn_like(inputs.x))
     original_dir = loader.kernel_dir
-    shipped_dir = original_dir()
+    shipped_dir, saved = original_dir(), dict(plan_module.TUNING)
+    report = {"device": torch.cuda.get_device_name(), "variants": {k: [v[0], v[1]] for k, v in VARIANTS.items()},
+              "results": {}}
+    reference = {}
     with tempfile.TemporaryDirectory() as tmp:
-        variant_dir = Path(tmp)
-        for f in shipped_dir.iterdir():
-            shutil.copy(f, variant_dir / f.name)
-        shutil.copy(EXPERIMENT, variant_dir / "table_bwd.cu")
-        inputs = {S: br.make_block(1, S, "cuda", H=H, D=D, T=T) for S in (4097, 32768)}
-        dy = {S: torch.ones_like(batch.x) for S, batch in inputs.items()}
-        fn = br.CANDIDATES["adaln_lab"][1](H, D)
-        saved = dict(plan_module.TUNING)
-        reference, report = {}, {"device": torch.cuda.get_device_name(), "variants": VARIANTS, "results": {}}
         try:
-            for name, (batched, min_blocks) in VARIANTS.items():
-                use(variant_dir if batched else shipped_dir, min_blocks)
+            for name, (knobs, files) in VARIANTS.items():
+                directory = shipped_dir
+                if files:
+                    directory = Path(tmp) / name
+                    shutil.copytree(shipped_dir, directory)
+                    for target, source in files.items():
+                        shutil.copy(EXPERIMENTS / source, directory / target)
+                use(knobs, directory, saved)
                 entry = {}
-                for S, batch in inputs.items():
-                    out, grads = br.forward_backward(fn, batch, dy[S])
-                    got = [out, *grads.values()]
-                    reference.setdefault(S, got)
-                    entry[S] = {"bitwise_equal_to_shipped": all(torch.equal(a, b) for a, b in zip(got, reference[S]))}
-                    if entry[S]["bitwise_equal_to_shipped"]:
-                        entry[S].update(graph_latency(fn, batch, 5, 15))
-                    print(name, S, json.dumps(entry[S]), file=sys.stderr, flush=True)
+                for (op, S), (fn, batch, dy) in cases.items():
+                    if op == "block":
+                        out, grads = br.forward_backward(fn, batch, dy)
+                        got = [out, *grads.values()]
+                    else:
+                        leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in batch.args]
+                        out = fn(*leaves)
+                        out.backward(dy)
+                        got = [out.detach()] + [t.grad for t in leaves if t.requires_grad]
+                    reference.setdefault((op, S), got)
+                    same = all(torch.equal(a, b) for a, b in zip(got, reference[(op, S)]))
+                    result = {"bitwise_equal_to_shipped": same}
+                    if same:
+                        result.update(graph_latency(fn, batch, 5, 15))
+                    entry[f"{op} {S}"] = result
+                    print(name, op, S, json.dumps(result), file=sys.stderr, flush=True)
                 report["results"][name] = entry
         finally:
             loader.kernel_dir = original_dir
-            plan_module.TUNING.clear()
-            plan_module.TUNING.update(saved)
-            plan_module.clear_caches()
-            loader.clear_caches()
-            launchers.kernels.cache_clear()
+            use({}, shipped_dir, saved)
+            loader.kernel_dir = original_dir
     json.dump(report, sys.stdout, indent=1)
 
 

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# A device session that checks a kernel change (issues 10, 11), within a wall-clock budget, from a clean tree:
+#   phase 1, side by side (nothing timed): every GPU test; the numba twin's register figures; the four
+#     compute-sanitizer tools over the small calls;
+#   phase 2, alone on the GPU (timed): bench/dev/block_ab.py, then bench/dev/block_profile.py.
+# Everything lands in OUT_DIR, and OUT_DIR/all.tgz packs it (the device returns at most 8 files).
+#   bash bench/dev/device_run_check.sh OUT_DIR [BUDGET_S]
+set -u
+out=$1
+budget=${2:-570}
+mkdir -p "$out/sanitize"
+commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
+left() { echo $((budget - SECONDS)); }
+step() {  # step NAME SECONDS CMD...: run CMD with at most SECONDS (and never past the budget)
+  local name=$1 limit=$2; shift 2
+  local allowed=$(( $(left) < limit ? $(left) : limit ))
+  if [ "$allowed" -lt 15 ]; then echo "$name: skipped (no time left)"; return; fi
+  local t0=$SECONDS
+  timeout "$allowed" "$@"
+  echo "$name: exit $? after $((SECONDS - t0)) s (limit $allowed)"
+}
+pack() { tar czf "$out/all.tgz" -C "$out" --exclude all.tgz . ; }
+step pytest-gpu 330 bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu tests > $out/pytest_gpu_$commit.txt 2>&1" &
+( step numba-registers 60 bash -c "python3 bench/dev/numba_registers.py > $out/numba_registers.json 2>&1"
+  SANITIZE_TIMEOUT=60 step sanitize 250 bash bench/sanitize/run.sh "$out/sanitize" memcheck racecheck initcheck synccheck ) &
+wait
+echo "phase 1 done at $SECONDS s"; pack
+tail -3 "$out/pytest_gpu_$commit.txt"
+step block-ab 200 bash -c "python3 bench/dev/block_ab.py > $out/block_ab.json 2> $out/block_ab.log"
+pack
+step block-profile 60 bash -c "python3 bench/dev/block_profile.py adaln_lab > $out/block_profile.txt 2>&1"
+pack
+echo "done at $SECONDS s"

@@ -1,0 +1,139 @@
+// bench/dev/experiments/dact_on_stack.cu: kernels_cu/table_bwd.cu with its combine loop not unrolled, as the
+// kernel was up to 9cf210c (ptxas: 288 B stack frame at T = 9, 96 B at T = 3). For bench/dev/block_ab.py.
+// table_bwd.cu: the projection backward, from the fp32 table gradient d_table (T, N), N = ADALN_TABLE_N:
+//
+//   d_weight[j, k] = bf16(sum_t d_table[t, j] * silu(temb[t, k]))        (t in order, one rounding)
+//   dact[t, k]     = sum_j d_table[t, j] * weight[j, k]
+//   d_temb[t, k]   = dact[t, k] * silu'(temb[t, k])                      (double, stored fp32)
+// The activation is used unrounded (straight-through the declared bf16 cast, and closer to the
+// exact gradient). weight is read once and d_weight written once, by table_bwd_bf16.
+//
+// table_bwd_bf16 geometry (adaln_lab/plan.py; table_bwd_d_weight_bf16 and table_bwd_dact_bf16, its halves,
+// take the same): block = ADALN_TB_THREADS (W = ADALN_TB_THREADS / 32
+// warps), grid = plan.tb_grid = (D tiles of 256 columns, ceil(N / ADALN_TB_ROWS) row blocks). Lane l
+// covers the 8 columns k of vector blockIdx.x * 32 + l, warp w the ADALN_TB_ROWS / W consecutive rows j
+// from blockIdx.y * ADALN_TB_ROWS + w * ADALN_TB_ROWS / W. Each thread sums its rows in order; the W
+// warps' sums are added in warp order (any block size: threads stride over the tile's 256 columns)
+// and stored to dact_partials[blockIdx.y, t, k].
+// table_bwd_reduce geometry: block (32, ADALN_SUM_GROUPS), grid = (ceil(D / 32), T): one (t, k) per
+// threadIdx.x, ordered_column_sum over the row blocks (adaln_common.cuh), in double.
+// Run: adaln_lab.launchers.launch_backward (its third and fourth kernels).
+
+#define TB_WARPS (ADALN_TB_THREADS / 32)
+#define TB_ROWS_PER_WARP (ADALN_TB_ROWS / TB_WARPS)
+static_assert(ADALN_TB_ROWS % TB_WARPS == 0, "ADALN_TB_ROWS must split evenly over the warps");
+static_assert(ADALN_TB_COLUMNS == 32 * ADALN_VEC, "a D tile is one 8-wide vector per lane");
+
+// One block's tile: D_WEIGHT stores d_weight's rows, DACT stores the block's dact_partials. Both in
+// one kernel (table_bwd_bf16) or one each (table_bwd_d_weight_bf16, table_bwd_dact_bf16, for large T:
+// the fused kernel keeps 2 x 8 x T fp32 accumulators per thread, which at T = 9 leaves one block per
+// SM). Every sum has the same terms in the same order either way, so the bits do not depend on it.
+// The block's d_table slice (T x ADALN_TB_ROWS fp32) is staged in shared memory first.
+template <bool D_WEIGHT, bool DACT>
+__device__ __forceinline__ void table_bwd_tile(const float* __restrict__ d_table, const float* __restrict__ temb,
+                                               const bf16_t* __restrict__ weight, bf16_t* __restrict__ d_weight,
+                                               float* __restrict__ dact_partials) {
+    __shared__ float combine[DACT ? TB_WARPS : 1][ADALN_TB_COLUMNS];
+    __shared__ float g_tile[ADALN_T][ADALN_TB_ROWS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int kv = blockIdx.x * 32 + lane;
+    const int k0 = blockIdx.x * ADALN_TB_COLUMNS;
+    const int j0 = blockIdx.y * ADALN_TB_ROWS;
+    const bool valid = kv < ADALN_NVEC_D;
+    for (int i = threadIdx.x; i < ADALN_T * ADALN_TB_ROWS; i += ADALN_TB_THREADS) {
+        const int t = i / ADALN_TB_ROWS, r = i % ADALN_TB_ROWS;
+        g_tile[t][r] = j0 + r < ADALN_TABLE_N ? d_table[t * ADALN_TABLE_N + j0 + r] : 0.0f;
+    }
+    __syncthreads();
+    float act[D_WEIGHT ? ADALN_T : 1][ADALN_VEC], dact[DACT ? ADALN_T : 1][ADALN_VEC];
+#pragma unroll
+    for (int t = 0; t < ADALN_T; ++t)
+#pragma unroll
+        for (int e = 0; e < ADALN_VEC; ++e) {
+            if constexpr (D_WEIGHT) act[t][e] = valid ? silu(temb[t * ADALN_D + kv * ADALN_VEC + e]) : 0.0f;
+            if constexpr (DACT) dact[t][e] = 0.0f;
+        }
+    const int r0 = warp * TB_ROWS_PER_WARP;
+    const int nrows = valid ? min(TB_ROWS_PER_WARP, ADALN_TABLE_N - (j0 + r0)) : 0;
+    auto row = [&](int i) {  // row j = j0 + r0 + i of the tile
+        const int j = j0 + r0 + i;
+        float g[ADALN_T];
+#pragma unroll
+        for (int t = 0; t < ADALN_T; ++t) g[t] = g_tile[t][r0 + i];
+        if constexpr (DACT) {
+            float w[ADALN_VEC];
+            load8(weight + (size_t)j * ADALN_D + kv * ADALN_VEC, w);
+#pragma unroll
+            for (int e = 0; e < ADALN_VEC; ++e)
+#pragma unroll
+                for (int t = 0; t < ADALN_T; ++t) dact[t][e] = fmaf(g[t], w[e], dact[t][e]);
+        }
+        if constexpr (D_WEIGHT) {
+            float dw[ADALN_VEC];
+#pragma unroll
+            for (int e = 0; e < ADALN_VEC; ++e) {
+                float s = 0.0f;
+#pragma unroll
+                for (int t = 0; t < ADALN_T; ++t) s = fmaf(g[t], act[t][e], s);
+                dw[e] = s;
+            }
+            store8(d_weight + (size_t)j * ADALN_D + kv * ADALN_VEC, dw);
+        }
+    };
+    if (nrows == TB_ROWS_PER_WARP) {  // every row of the warp exists: no bound checks between the loads
+#pragma unroll
+        for (int i = 0; i < TB_ROWS_PER_WARP; ++i) row(i);
+    } else {
+#pragma unroll 1
+        for (int i = 0; i < nrows; ++i) row(i);
+    }
+    if constexpr (DACT) {  // EXPERIMENT: a runtime t, as up to 9cf210c: dact on the stack (local memory)
+#pragma unroll 1
+        for (int t = 0; t < ADALN_T; ++t) {
+#pragma unroll
+            for (int e = 0; e < ADALN_VEC; ++e) combine[warp][lane * ADALN_VEC + e] = dact[t][e];
+            __syncthreads();
+            for (int c = threadIdx.x; c < ADALN_TB_COLUMNS; c += ADALN_TB_THREADS) {
+                float s = 0.0f;
+#pragma unroll
+                for (int ww = 0; ww < TB_WARPS; ++ww) s += combine[ww][c];
+                if (k0 + c < ADALN_D) dact_partials[((size_t)blockIdx.y * ADALN_T + t) * ADALN_D + k0 + c] = s;
+            }
+            __syncthreads();
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ADALN_TB_THREADS)
+table_bwd_bf16(const float* __restrict__ d_table, const float* __restrict__ temb, const bf16_t* __restrict__ weight,
+               bf16_t* __restrict__ d_weight, float* __restrict__ dact_partials) {
+    table_bwd_tile<true, true>(d_table, temb, weight, d_weight, dact_partials);
+}
+
+extern "C" __global__ void __launch_bounds__(ADALN_TB_THREADS, 2)
+table_bwd_d_weight_bf16(const float* __restrict__ d_table, const float* __restrict__ temb,
+                        const bf16_t* __restrict__ weight, bf16_t* __restrict__ d_weight,
+                        float* __restrict__ dact_partials) {
+    table_bwd_tile<true, false>(d_table, temb, weight, d_weight, dact_partials);
+}
+
+extern "C" __global__ void __launch_bounds__(ADALN_TB_THREADS, 2)
+table_bwd_dact_bf16(const float* __restrict__ d_table, const float* __restrict__ temb,
+                    const bf16_t* __restrict__ weight, bf16_t* __restrict__ d_weight,
+                    float* __restrict__ dact_partials) {
+    table_bwd_tile<false, true>(d_table, temb, weight, d_weight, dact_partials);
+}
+
+extern "C" __global__ void __launch_bounds__(32 * ADALN_SUM_GROUPS)
+table_bwd_reduce(const float* __restrict__ dact_partials, const float* __restrict__ temb,
+                 float* __restrict__ d_temb, int nblocks) {
+    __shared__ double scratch[ADALN_SUM_GROUPS][32];
+    const int k = blockIdx.x * 32 + threadIdx.x, t = blockIdx.y;
+    const bool valid = k < ADALN_D;
+    const double dact = ordered_column_sum(dact_partials + (size_t)t * ADALN_D + k, nblocks,
+                                           (size_t)ADALN_T * ADALN_D, valid, scratch);
+    if (threadIdx.y == 0 && valid) {
+        const double v = temb[t * ADALN_D + k], s = 1.0 / (1.0 + exp(-v));
+        d_temb[t * ADALN_D + k] = (float)(dact * s * (1.0 + v * (1.0 - s)));
+    }
+}
