@@ -11,7 +11,9 @@ before it is timed):
   block per SM) instead of the row-per-block kernel;
 - `dact_on_stack`: experiments/dact_on_stack.cu (table_bwd's combine loop over t not unrolled, so its
   dact accumulators live in local memory, as up to 9cf210c) with the fused table_bwd;
-- `9cf210c`: dact_on_stack with the staged forward: the launch choices of 9cf210c.
+- `9cf210c`: dact_on_stack with the staged forward: 9cf210c's launch choices, but on today's
+  table_bwd.cu otherwise (d_table staged in shared memory, no bound check between a warp's rows), so
+  not 9cf210c's kernels (those took 1705 / 4391 us at 4097 / 32768 rows in 9cf210c's own A/B run).
 Times: CUDA-graph replay of forward+backward (harness.latency.graph_latency) at 4097 and 32768 rows,
 for the block (`block`) and for norm_out's `final_adaln_out` (`norm_out`, T = 3, table_bwd never split).
 Run (on a GPU):  python bench/dev/block_ab.py > block_ab.json
