@@ -15,8 +15,9 @@ before it is timed):
   table_bwd.cu otherwise (d_table staged in shared memory, no bound check between a warp's rows), so
   not 9cf210c's kernels (those took 1705 / 4391 us at 4097 / 32768 rows in 9cf210c's own A/B run).
 Times: CUDA-graph replay of forward+backward (harness.latency.graph_latency) at 4097 and 32768 rows,
-for the block (`block`) and for norm_out's `final_adaln_out` (`norm_out`, T = 3, table_bwd never split).
-Run (on a GPU):  python bench/dev/block_ab.py > block_ab.json
+for the block (`block`: its table has T = 3 rows, so table_bwd is never split) and for norm_out's
+`final_adaln_out` at T = 3 (`norm_out`) and at T = 9 timesteps (`norm_out_T9`, where the split applies).
+Run (on a GPU):  python bench/dev/block_ab.py [VARIANT ...] > block_ab.json      (default: every variant)
 """
 
 import json
@@ -66,16 +67,21 @@ def main():
     for S in ROWS:
         batch = br.make_block(1, S, "cuda", H=H, D=D, T=T)
         cases[("block", S)] = (br.CANDIDATES["adaln_lab"][1](H, D), batch, torch.randn_like(batch.x))
-        inputs = make(1, S, "cuda")
-        cases[("norm_out", S)] = (norm_out, inputs, torch.randn_like(inputs.x))
+        for op, T_ in (("norm_out", 3), ("norm_out_T9", 9)):
+            inputs = make(1, S, "cuda", T=T_)
+            cases[(op, S)] = (norm_out, inputs, torch.randn_like(inputs.x))
     original_dir = loader.kernel_dir
     shipped_dir, saved = original_dir(), dict(plan_module.TUNING)
-    report = {"device": torch.cuda.get_device_name(), "variants": {k: [v[0], v[1]] for k, v in VARIANTS.items()},
-              "results": {}}
+    names = ["shipped", *[n for n in sys.argv[1:] if n != "shipped"]] if sys.argv[1:] else list(VARIANTS)
+    unknown = set(names) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    report = {"device": torch.cuda.get_device_name(), "variants": {k: list(VARIANTS[k]) for k in names}, "results": {}}
     reference = {}
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            for name, (knobs, files) in VARIANTS.items():
+            for name in names:
+                knobs, files = VARIANTS[name]
                 directory = shipped_dir
                 if files:
                     directory = Path(tmp) / name
@@ -85,7 +91,7 @@ def main():
                 use(knobs, directory, saved)
                 entry = {}
                 for (op, S), (fn, batch, dy) in cases.items():
-                    if op == "block":
+                    if op == "block":  # norm_out cases: final_adaln_out on Inputs
                         out, grads = br.forward_backward(fn, batch, dy)
                         got = [out, *grads.values()]
                     else:
