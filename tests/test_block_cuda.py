@@ -157,6 +157,36 @@ def test_gated_residual_matches_diffusers_bitwise():
     assert torch.equal(block_cuda.gated_residual_bwd(dy[perm], gate, y[perm], idx[perm])[1], d_y[perm])
 
 
+@pytest.mark.parametrize("threads", [96, 224])
+def test_gated_residual_bits_do_not_depend_on_its_block_size(monkeypatch, threads):
+    """GR_THREADS (a TUNING knob, bench/dev/block_ab.py) picks how columns split over blocks; each column's
+    sums still run over the same rows in the same order: out, d_y and d_gate keep their bits (H 5376 and
+    1032 rows: a column tile left partly empty at every block size)."""
+    from adaln_lab import launchers, loader, plan as plan_module
+
+    def clear():
+        for c in (plan_module.clear_caches, loader.clear_caches, launchers.kernels.cache_clear):
+            c()
+
+    g = torch.Generator("cuda").manual_seed(threads)
+    H_, S = 5376, 1032
+    x, y, dy = (torch.randn(S, H_, device="cuda", generator=g).bfloat16() for _ in range(3))
+    idx = torch.randint(0, R, (S,), device="cuda", generator=g)
+    gate = torch.randn(R, H_, device="cuda", generator=g).bfloat16().float()
+    results = {}
+    try:
+        for value in (plan_module.TUNING["GR_THREADS"], threads):
+            monkeypatch.setitem(plan_module.TUNING, "GR_THREADS", value)
+            clear()
+            out = block_cuda.gated_residual_fwd(x, gate, y, idx)
+            results[value] = (out, *block_cuda.gated_residual_bwd(dy, gate, y, idx))
+    finally:
+        monkeypatch.undo()
+        clear()
+    shipped, other = results.values()
+    assert all(torch.equal(a, b) for a, b in zip(shipped, other))
+
+
 def test_empty_batch_gives_zero_gradients():
     x, y, dy, idx = (t[:0] for t in _rows(4))
     temb, weight, bias = _table_inputs()

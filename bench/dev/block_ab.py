@@ -11,6 +11,9 @@ before it is timed):
   block per SM) instead of the row-per-block kernel;
 - `dact_on_stack`: experiments/dact_on_stack.cu (table_bwd's combine loop over t not unrolled, so its
   dact accumulators live in local memory, as up to 9cf210c) with the fused table_bwd;
+- `gr96`, `gr224`: GR_THREADS = 96 / 224 (gated_residual.cu's block: 7 / 3 column tiles of 672 vectors at
+  H 5376, one wave of blocks; 128, shipped, makes 6 tiles, the last a quarter full, with 36.9 KB of
+  shared memory per block at 9 table rows);
 - `9cf210c`: dact_on_stack with the staged forward: 9cf210c's launch choices, but on today's
   table_bwd.cu otherwise (d_table staged in shared memory, no bound check between a warp's rows), so
   not 9cf210c's kernels (those took 1705 / 4391 us at 4097 / 32768 rows in 9cf210c's own A/B run).
@@ -42,6 +45,8 @@ VARIANTS = {  # name: (TUNING knobs, {kernel file: experiment file})
     "staged_forward": (STAGED, {}),
     "dact_on_stack": (FUSED, {"table_bwd.cu": "dact_on_stack.cu"}),
     "9cf210c": ({**FUSED, **STAGED}, {"table_bwd.cu": "dact_on_stack.cu"}),
+    "gr96": ({"GR_THREADS": 96}, {}),
+    "gr224": ({"GR_THREADS": 224}, {}),
 }
 ROWS = (4097, 32768)
 
