@@ -66,6 +66,15 @@ class Kernel:
                          shared_mem, stream, self._params_address, 0)
 
 
+def forget_compiled() -> None:
+    """Forget every plan, compiled module and launcher (after a change of plan.TUNING or of kernels_cu/)."""
+    from . import plan
+
+    plan.clear_caches()
+    loader.clear_caches()
+    kernels.cache_clear()
+
+
 def bind(device_index: int) -> None:
     """Make the device's primary context current on this thread (the driver launch needs it).
 

@@ -162,8 +162,9 @@ class Plan:
 
     @property
     def tb_split(self) -> bool:
-        """table_bwd.cu: d_weight and dact in two kernels (same sums, same bits): the fused kernel keeps
-        2 x 8 x T fp32 accumulators per thread, too many registers for two blocks per SM at T >= 5."""
+        """table_bwd.cu: d_weight and dact in two kernels (same sums, same bits) from TB_SPLIT_MIN_T on. The
+        fused kernel keeps 2 x 8 x T fp32 accumulators per thread (ptxas: 118 registers at T = 3, 255 at
+        T = 9, one block per SM); 5 is a guess from that count, its speed not measured yet."""
         return self.T >= dict(self.tuning)["TB_SPLIT_MIN_T"]
 
     @property

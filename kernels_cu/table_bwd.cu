@@ -4,7 +4,7 @@
 //   dact[t, k]     = sum_j d_table[t, j] * weight[j, k]
 //   d_temb[t, k]   = dact[t, k] * silu'(temb[t, k])                      (double, stored fp32)
 // The activation is used unrounded (straight-through the declared bf16 cast, and closer to the
-// exact gradient). weight is read once and d_weight written once, by table_bwd_bf16.
+// exact gradient). weight is read once and d_weight written once, by table_bwd_bf16 or its two halves.
 //
 // table_bwd_bf16 geometry (adaln_lab/plan.py; table_bwd_d_weight_bf16 and table_bwd_dact_bf16, its halves,
 // take the same): block = ADALN_TB_THREADS (W = ADALN_TB_THREADS / 32
@@ -23,15 +23,15 @@ static_assert(ADALN_TB_ROWS % TB_WARPS == 0, "ADALN_TB_ROWS must split evenly ov
 static_assert(ADALN_TB_COLUMNS == 32 * ADALN_VEC, "a D tile is one 8-wide vector per lane");
 
 // One block's tile: D_WEIGHT stores d_weight's rows, DACT stores the block's dact_partials. Both in
-// one kernel (table_bwd_bf16) or one each (table_bwd_d_weight_bf16, table_bwd_dact_bf16, for large T:
-// the fused kernel keeps 2 x 8 x T fp32 accumulators per thread, which at T = 9 leaves one block per
-// SM). Every sum has the same terms in the same order either way, so the bits do not depend on it.
+// one kernel (table_bwd_bf16) or one each (table_bwd_d_weight_bf16, table_bwd_dact_bf16, from
+// plan.tb_split's T on: the fused kernel keeps 2 x 8 x T fp32 accumulators per thread; ptxas gives it
+// 118 registers at T = 3 and 255 at T = 9, the halves 128 each; which is faster at T >= 5 is not
+// measured yet). Every sum has the same terms in the same order either way, so the bits do not depend on it.
 // The block's d_table slice (T x ADALN_TB_ROWS fp32) is staged in shared memory first.
 template <bool D_WEIGHT, bool DACT>
 __device__ __forceinline__ void table_bwd_tile(const float* __restrict__ d_table, const float* __restrict__ temb,
                                                const bf16_t* __restrict__ weight, bf16_t* __restrict__ d_weight,
                                                float* __restrict__ dact_partials) {
-    __shared__ float combine[DACT ? TB_WARPS : 1][ADALN_TB_COLUMNS];
     __shared__ float g_tile[ADALN_T][ADALN_TB_ROWS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kv = blockIdx.x * 32 + lane;
@@ -86,6 +86,7 @@ __device__ __forceinline__ void table_bwd_tile(const float* __restrict__ d_table
         for (int i = 0; i < nrows; ++i) row(i);
     }
     if constexpr (DACT) {  // unrolled over t: a runtime t would put dact on the stack (local memory)
+        __shared__ float combine[TB_WARPS][ADALN_TB_COLUMNS];
 #pragma unroll
         for (int t = 0; t < ADALN_T; ++t) {
 #pragma unroll

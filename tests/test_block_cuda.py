@@ -80,11 +80,7 @@ def test_split_and_fused_table_backward_agree_bit_for_bit(monkeypatch, rows):
     """table_bwd_bf16 and its two halves (plan.tb_split, T >= TB_SPLIT_MIN_T) sum the same terms in the
     same order: the same d_weight and d_temb bits, at T below and above the split, N not a multiple of
     TB_ROWS (a ragged last row block) and D not a multiple of the 256-column tile."""
-    from adaln_lab import launchers, loader, plan as plan_module
-
-    def clear():
-        for c in (plan_module.clear_caches, loader.clear_caches, launchers.kernels.cache_clear):
-            c()
+    from adaln_lab import launchers, plan as plan_module
 
     g = torch.Generator("cuda").manual_seed(rows)
     N, D_ = 18 * H + 72, 264
@@ -95,13 +91,16 @@ def test_split_and_fused_table_backward_agree_bit_for_bit(monkeypatch, rows):
     try:
         for split_min_t in (rows, rows + 1):  # split, then fused
             monkeypatch.setitem(plan_module.TUNING, "TB_SPLIT_MIN_T", split_min_t)
-            clear()
-            results[split_min_t == rows] = block_cuda.modulation_table_bwd(d_table, temb, weight)
+            launchers.forget_compiled()
+            split = plan_module.plan(8, D_, rows, table_n=N, table_f32_rounded=True).tb_split
+            assert split == (split_min_t == rows)  # the path asked for is the path taken
+            results[split] = block_cuda.modulation_table_bwd(d_table, temb, weight)
     finally:
         monkeypatch.undo()
-        clear()
+        launchers.forget_compiled()
     assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
-    assert results[True][1].abs().sum() > 0  # d_weight was written
+    exact = d_table.double().T @ F.silu(temb.double())  # d_weight in float64: both are it rounded once
+    assert torch.allclose(results[True][1].double(), exact, rtol=2 ** -8, atol=1e-6)
 
 
 def test_modulated_norm_is_norm_outs_kernels():
@@ -162,11 +161,7 @@ def test_gated_residual_bits_do_not_depend_on_its_block_size(monkeypatch, thread
     """GR_THREADS (a TUNING knob, bench/dev/block_ab.py) picks how columns split over blocks; each column's
     sums still run over the same rows in the same order: out, d_y and d_gate keep their bits (H 5376 and
     1032 rows: a column tile left partly empty at every block size)."""
-    from adaln_lab import launchers, loader, plan as plan_module
-
-    def clear():
-        for c in (plan_module.clear_caches, loader.clear_caches, launchers.kernels.cache_clear):
-            c()
+    from adaln_lab import launchers, plan as plan_module
 
     g = torch.Generator("cuda").manual_seed(threads)
     H_, S = 5376, 1032
@@ -177,12 +172,12 @@ def test_gated_residual_bits_do_not_depend_on_its_block_size(monkeypatch, thread
     try:
         for value in (plan_module.TUNING["GR_THREADS"], threads):
             monkeypatch.setitem(plan_module.TUNING, "GR_THREADS", value)
-            clear()
+            launchers.forget_compiled()
             out = block_cuda.gated_residual_fwd(x, gate, y, idx)
             results[value] = (out, *block_cuda.gated_residual_bwd(dy, gate, y, idx))
     finally:
         monkeypatch.undo()
-        clear()
+        launchers.forget_compiled()
     shipped, other = results.values()
     assert all(torch.equal(a, b) for a, b in zip(shipped, other))
 

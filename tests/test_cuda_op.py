@@ -125,23 +125,21 @@ def test_empty_batch_gives_an_empty_output_and_zero_gradients(shape):
 
 def test_staged_and_row_per_block_forward_agree_bit_for_bit(monkeypatch):
     """The staged kernel and the row-per-block fallback share the thread map and tree: same bits per row."""
-    from adaln_lab import launchers, loader, plan as plan_module
+    from adaln_lab import launchers, plan as plan_module
     from adaln_lab.cuda_op import norm_modulate, table
 
     inputs = make(3, 1500, "cuda")
     tab, _ = table(inputs.temb, inputs.weight, inputs.bias)
     out, rstd = norm_modulate(inputs.x, inputs.norm_weight, tab, inputs.timestep_indices, 1e-5, inputs.temb.shape[1])
     monkeypatch.setitem(plan_module.TUNING, "FWD_STAGES", 1)  # below 2 stages: the row-per-block kernel
-    for clear in (plan_module.clear_caches, loader.clear_caches, launchers.kernels.cache_clear):
-        clear()
+    launchers.forget_compiled()
     try:
         assert not plan_module.plan(5376, 2688, 3).fwd_staged
         out2, rstd2 = norm_modulate(inputs.x, inputs.norm_weight, tab, inputs.timestep_indices, 1e-5,
                                     inputs.temb.shape[1])
     finally:
         monkeypatch.undo()
-        for clear in (plan_module.clear_caches, loader.clear_caches, launchers.kernels.cache_clear):
-            clear()
+        launchers.forget_compiled()
     assert torch.equal(out, out2) and torch.equal(rstd, rstd2)
 
 

@@ -211,10 +211,18 @@ def test_modes_and_the_evidence_fallback(tmp_path, monkeypatch):
     monkeypatch.setenv("ADALN_LAB_EVIDENCE_DIR", str(tmp_path))
     assert evidence.lab_path("latency") == tmp_path / "lab_latency.json"
     saved = tmp_path / "saved"
-    assert evidence.obtain("latency", "measure", measure)[0]["x"] == 1 and not saved.exists()
+    monkeypatch.delenv("ADALN_LAB_SAVE_DIR", raising=False)
+    monkeypatch.setattr(evidence, "device_for", lambda mode: torch.device("cuda"))  # as on a GPU
+    monkeypatch.setattr(evidence, "meta", lambda device, quick: {"device": device.type, "quick": quick})
+    assert evidence.obtain("latency", "measure", measure)[0]["x"] == 1
+    assert not (tmp_path / "lab_latency.json").exists() and not saved.exists()  # no save dir, no file
     monkeypatch.setenv("ADALN_LAB_SAVE_DIR", str(saved))
     data, banner = evidence.obtain("latency", "measure", measure)
     assert "measured now" in banner and json.loads((saved / "lab_latency.json").read_text()) == data
+    monkeypatch.setattr(evidence, "device_for", lambda mode: torch.device("cpu"))  # quick CPU figures
+    (saved / "lab_latency.json").unlink()
+    evidence.obtain("latency", "measure", measure)
+    assert not (saved / "lab_latency.json").exists()  # are never saved as evidence
 
 
 def test_tables_print_the_report_figures():

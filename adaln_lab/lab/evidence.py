@@ -10,8 +10,9 @@ A notebook sets `MODE = "auto" | "evidence" | "measure"` at its top and calls `r
 
 `obtain(kind, mode, measure)` does the above for one lab file and returns `(data, banner)`: the
 banner is the line a notebook prints, so a reader always sees what the figures are. With
-$ADALN_LAB_SAVE_DIR set, measure mode also writes what it measured there as `lab_<kind>.json`: the
-H200 run that renders the notebooks thereby writes the evidence they read on a CPU.
+$ADALN_LAB_SAVE_DIR set, measure mode on a GPU also writes what it measured there as `lab_<kind>.json`
+(the quick figures of a CPU never): the H200 run that renders the notebooks thereby writes the evidence
+they read on a CPU.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def obtain(kind: str, mode: str, measure: Callable[[torch.device, bool], dict],
     if mode == "measure":
         device = device_for(mode)
         data = _measured(measure, device, device.type == "cpu")
-        if os.environ.get("ADALN_LAB_SAVE_DIR"):
+        if os.environ.get("ADALN_LAB_SAVE_DIR") and device.type == "cuda":
             save(data, lab_path(kind, os.environ["ADALN_LAB_SAVE_DIR"]))
         return data, f"MODE measure: measured now on {describe(data)}."
     data = load_json(path)

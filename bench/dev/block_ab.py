@@ -5,12 +5,12 @@ Variants (plan knobs, or a kernel file from bench/dev/experiments/ in place of k
 which changes any arithmetic, so each must give bitwise the outputs and gradients of `shipped` (checked
 before it is timed):
 - `shipped`: kernels_cu/ and the plan's TUNING as committed;
-- `fused_table_bwd`: TB_SPLIT_MIN_T = 33: the block's 9 table rows use table_bwd_bf16 instead of its
-  two halves (table_bwd_d_weight_bf16, table_bwd_dact_bf16);
+- `fused_table_bwd`: TB_SPLIT_MIN_T beyond T_MAX: table_bwd_bf16 instead of its two halves
+  (table_bwd_d_weight_bf16, table_bwd_dact_bf16) wherever T >= 5, i.e. for `norm_out_T9` only;
 - `staged_forward`: FWD_STAGED_MIN_BLOCKS = 1: the block's 9-row table is staged in the forward (one
   block per SM) instead of the row-per-block kernel;
-- `dact_on_stack`: experiments/dact_on_stack.cu (table_bwd's combine loop over t not unrolled, so its
-  dact accumulators live in local memory, as up to 9cf210c) with the fused table_bwd;
+- `dact_on_stack`: table_bwd.cu with its combine loop over t not unrolled (`#pragma unroll 1`, made by a
+  checked text edit of the shipped file), so its dact accumulators live in local memory, as up to 9cf210c;
 - `gr96`, `gr224`: GR_THREADS = 96 / 224 (gated_residual.cu's block: 7 / 3 column tiles of 672 vectors at
   H 5376, one wave of blocks; 128, shipped, makes 6 tiles, the last a quarter full, with 36.9 KB of
   shared memory per block at 9 table rows);
@@ -37,14 +37,15 @@ from adaln_lab.harness import block_report as br
 from adaln_lab.harness.inputs import make
 from adaln_lab.harness.latency import graph_latency
 
-EXPERIMENTS = Path(__file__).resolve().parent / "experiments"
-FUSED, STAGED = {"TB_SPLIT_MIN_T": 33}, {"FWD_STAGED_MIN_BLOCKS": 1}
-VARIANTS = {  # name: (TUNING knobs, {kernel file: experiment file})
+FUSED, STAGED = {"TB_SPLIT_MIN_T": plan_module.T_MAX + 1}, {"FWD_STAGED_MIN_BLOCKS": 1}
+VARIANTS = {  # name: (TUNING knobs, {kernel file: (text, replacement)}: one checked edit of the shipped file)
     "shipped": ({}, {}),
     "fused_table_bwd": (FUSED, {}),
     "staged_forward": (STAGED, {}),
-    "dact_on_stack": (FUSED, {"table_bwd.cu": "dact_on_stack.cu"}),
-    "9cf210c": ({**FUSED, **STAGED}, {"table_bwd.cu": "dact_on_stack.cu"}),
+    "dact_on_stack": (FUSED, {"table_bwd.cu": ("#pragma unroll\n        for (int t = 0; t < ADALN_T; ++t) {",
+                                                "#pragma unroll 1\n        for (int t = 0; t < ADALN_T; ++t) {")}),
+    "9cf210c": ({**FUSED, **STAGED}, {"table_bwd.cu": ("#pragma unroll\n        for (int t = 0; t < ADALN_T; ++t) {",
+                                                    "#pragma unroll 1\n        for (int t = 0; t < ADALN_T; ++t) {")}),
     "gr96": ({"GR_THREADS": 96}, {}),
     "gr224": ({"GR_THREADS": 224}, {}),
 }
@@ -56,9 +57,7 @@ def use(knobs: dict, directory: Path, shipped: dict) -> None:
     loader.kernel_dir = lambda: directory
     plan_module.TUNING.clear()
     plan_module.TUNING.update({**shipped, **knobs})
-    plan_module.clear_caches()
-    loader.clear_caches()
-    launchers.kernels.cache_clear()
+    launchers.forget_compiled()
 
 
 def norm_out(x, norm_weight, temb, weight, bias, timestep_indices):
@@ -91,8 +90,11 @@ def main():
                 if files:
                     directory = Path(tmp) / name
                     shutil.copytree(shipped_dir, directory)
-                    for target, source in files.items():
-                        shutil.copy(EXPERIMENTS / source, directory / target)
+                    for target, (old, new) in files.items():
+                        text = (directory / target).read_text()
+                        if text.count(old) != 1:
+                            raise SystemExit(f"{name}: {old!r} is not in {target} exactly once")
+                        (directory / target).write_text(text.replace(old, new))
                 use(knobs, directory, saved)
                 entry = {}
                 for (op, S), (fn, batch, dy) in cases.items():
@@ -113,7 +115,6 @@ def main():
                     print(name, op, S, json.dumps(result), file=sys.stderr, flush=True)
                 report["results"][name] = entry
         finally:
-            loader.kernel_dir = original_dir
             use({}, shipped_dir, saved)
             loader.kernel_dir = original_dir
     json.dump(report, sys.stdout, indent=1)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device session's lab evidence within a wall-clock budget (the device's 600 s per call), from a clean
 # tree of the commit measured (issues 9, 10, 11):
-#   phase 1, side by side (nothing timed): the GPU tests of the numba twin, the tables, memory, lab and
-#     notebooks; the memory figures then racecheck; the lab's invariance data; the error notebook;
+#   phase 1, side by side (nothing timed): the GPU tests of the numba twin, the tables and memory; the
+#     memory figures then racecheck; the lab's invariance data; the error notebook;
 #   phase 2, alone on the GPU (timed): the latency notebook, then bench/dev/block_ab.py;
 #   phase 3: the invariance notebook (reads phase 1's lab_invariance.json).
 # Notebooks run with MODE "auto" (measure on the GPU), are written back with their outputs and, through
@@ -30,7 +30,7 @@ notebook() {  # notebook NAME SECONDS: execute notebooks/NAME.ipynb in place, co
 
 step pytest-gpu-subset 300 bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_numba_backward.py \
   tests/test_numba_op.py tests/test_numba_backend.py tests/test_block_cuda.py tests/test_modulation_table.py \
-  tests/test_memory.py tests/test_lab.py tests/test_notebooks.py > $out/pytest_gpu_subset_$commit.txt 2>&1" &
+  tests/test_memory.py > $out/pytest_gpu_subset_$commit.txt 2>&1" &
 ( step memory 60 bash -c "python3 bench/dev/memory_figures.py > $out/memory_figures.json 2> $out/memory_figures.log"
   SANITIZE_TIMEOUT=150 step racecheck 160 bash bench/sanitize/run.sh "$out/sanitize" racecheck ) &
 step lab-invariance 200 bash -c "python3 -m adaln_lab.lab --out $out/lab --only invariance 2> $out/lab/lab_invariance.log" &

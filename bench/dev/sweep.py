@@ -42,9 +42,7 @@ BASELINE_DIR = Path(__file__).resolve().parent / "baseline_kernels"
 def use(config: dict):
     plan_module.TUNING.clear()
     plan_module.TUNING.update(BASE, **config)
-    plan_module.clear_caches()
-    loader.clear_caches()
-    launchers.kernels.cache_clear()
+    launchers.forget_compiled()
 
 
 class Op:
