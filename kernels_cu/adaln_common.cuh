@@ -36,21 +36,6 @@ __device__ __forceinline__ unsigned float2_to_bf16x2(float lo, float hi) {
     return r;
 }
 
-// fp32 multiply / add that keep subnormal operands and results (IEEE), whatever -ftz says: CuPy
-// compiles every kernel with -ftz=true, torch's kernels (diffusers' ops) do not flush. `.rn` also
-// keeps NVRTC from contracting them into an fma. For normal operands and results: the same bits.
-__device__ __forceinline__ float mul_ieee(float a, float b) {
-    float r;
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-
-__device__ __forceinline__ float add_ieee(float a, float b) {
-    float r;
-    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-
 // round to bf16 and back: the rounding point of an op done "in the stream dtype"
 __device__ __forceinline__ float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 

@@ -38,8 +38,7 @@ __device__ __forceinline__ float row_sum_squares(const uint4 x_raw[ADALN_FWD_VPT
     return ss;
 }
 
-// out of one vector: n = bf16(x * r * w), p = bf16(n * s1), out = bf16(p + shift); NaN if !valid.
-// IEEE arithmetic (mul_ieee, add_ieee): a subnormal x, n or p is kept, as torch keeps it.
+// out of one vector: n = bf16(x * r * w), p = bf16(n * s1), out = bf16(p + shift); NaN if !valid
 __device__ __forceinline__ void modulate_store(bf16_t* out, uint4 x_raw, uint4 w_raw, uint4 shift_raw, uint4 s1_raw,
                                                float r, bool valid) {
     float xv[ADALN_VEC], w[ADALN_VEC], sh[ADALN_VEC], s1[ADALN_VEC], o[ADALN_VEC];
@@ -49,8 +48,8 @@ __device__ __forceinline__ void modulate_store(bf16_t* out, uint4 x_raw, uint4 w
     unpack8(s1_raw, s1);
 #pragma unroll
     for (int e = 0; e < ADALN_VEC; ++e) {
-        const float n = round_bf16(mul_ieee(mul_ieee(xv[e], r), w[e]));
-        o[e] = valid ? add_ieee(round_bf16(mul_ieee(n, s1[e])), sh[e]) : __int_as_float(0x7fc00000);
+        const float n = round_bf16((xv[e] * r) * w[e]);
+        o[e] = valid ? round_bf16(n * s1[e]) + sh[e] : __int_as_float(0x7fc00000);
     }
     store8(out, o);
 }

@@ -32,6 +32,7 @@ template <bool D_WEIGHT, bool DACT>
 __device__ __forceinline__ void table_bwd_tile(const float* __restrict__ d_table, const float* __restrict__ temb,
                                                const bf16_t* __restrict__ weight, bf16_t* __restrict__ d_weight,
                                                float* __restrict__ dact_partials) {
+    __shared__ float combine[DACT ? TB_WARPS : 1][ADALN_TB_COLUMNS];
     __shared__ float g_tile[ADALN_T][ADALN_TB_ROWS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kv = blockIdx.x * 32 + lane;
@@ -86,7 +87,6 @@ __device__ __forceinline__ void table_bwd_tile(const float* __restrict__ d_table
         for (int i = 0; i < nrows; ++i) row(i);
     }
     if constexpr (DACT) {  // unrolled over t: a runtime t would put dact on the stack (local memory)
-        __shared__ float combine[TB_WARPS][ADALN_TB_COLUMNS];
 #pragma unroll
         for (int t = 0; t < ADALN_T; ++t) {
 #pragma unroll
