@@ -7,15 +7,7 @@ out=$1
 budget=${2:-570}
 mkdir -p "$out"
 commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
-left() { echo $((budget - SECONDS)); }
-step() {  # step NAME SECONDS CMD...: run CMD with at most SECONDS (and never past the budget)
-  local name=$1 limit=$2; shift 2
-  local allowed=$(( $(left) < limit ? $(left) : limit ))
-  if [ "$allowed" -lt 20 ]; then echo "$name: skipped (no time left)"; return; fi
-  local t0=$SECONDS
-  timeout "$allowed" "$@"
-  echo "$name: exit $? after $((SECONDS - t0)) s (limit $allowed)"
-}
+source "$(dirname "$0")/device_lib.sh"
 step block-report 100 bash -c "python3 -m adaln_lab block-report --out $out/block_report.json > $out/block_report.log 2>&1"
 step block-profile 70 bash -c "python3 bench/dev/block_profile.py adaln_lab > $out/block_profile.txt 2>&1"
 step pytest-gpu 260 bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu tests > $out/pytest_gpu_$commit.txt 2>&1"

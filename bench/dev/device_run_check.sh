@@ -10,16 +10,7 @@ out=$1
 budget=${2:-570}
 mkdir -p "$out/sanitize"
 commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
-left() { echo $((budget - SECONDS)); }
-step() {  # step NAME SECONDS CMD...: run CMD with at most SECONDS (and never past the budget)
-  local name=$1 limit=$2; shift 2
-  local allowed=$(( $(left) < limit ? $(left) : limit ))
-  if [ "$allowed" -lt 15 ]; then echo "$name: skipped (no time left)"; return; fi
-  local t0=$SECONDS
-  timeout "$allowed" "$@"
-  echo "$name: exit $? after $((SECONDS - t0)) s (limit $allowed)"
-}
-pack() { tar czf "$out/all.tgz" -C "$out" --exclude all.tgz . ; }
+source "$(dirname "$0")/device_lib.sh"
 step pytest-gpu 330 bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu tests > $out/pytest_gpu_$commit.txt 2>&1" &
 ( step numba-registers 60 bash -c "python3 bench/dev/numba_registers.py > $out/numba_registers.json 2>&1"
   SANITIZE_TIMEOUT=60 step sanitize 250 bash bench/sanitize/run.sh "$out/sanitize" memcheck racecheck initcheck synccheck ) &

@@ -12,20 +12,7 @@ out=$1
 budget=${2:-570}
 mkdir -p "$out/lab" "$out/notebooks"
 export ADALN_LAB_SAVE_DIR=$out/lab
-left() { echo $((budget - SECONDS)); }
-step() {  # step NAME SECONDS CMD...: run CMD with at most SECONDS (and never past the budget)
-  local name=$1 limit=$2; shift 2
-  local allowed=$(( $(left) < limit ? $(left) : limit ))
-  if [ "$allowed" -lt 15 ]; then echo "$name: skipped (no time left)"; return; fi
-  local t0=$SECONDS
-  timeout "$allowed" "$@"
-  echo "$name: exit $? after $((SECONDS - t0)) s (limit $allowed)"
-}
-notebook() {  # notebook NAME SECONDS: execute notebooks/NAME.ipynb in place, copy it to OUT
-  step "notebook $1" "$2" bash -c "python3 -m adaln_lab.lab.notebooks --write notebooks/$1.ipynb > $out/notebooks/$1.log 2>&1"
-  cp "notebooks/$1.ipynb" "$out/notebooks/"
-}
-pack() { tar czf "$out/all.tgz" -C "$out" --exclude all.tgz --exclude '*.tmp' . 2>/dev/null; }
+source "$(dirname "$0")/device_lib.sh"
 
 step lab-invariance 150 bash -c "python3 -m adaln_lab.lab --out $out/lab --only invariance 2> $out/lab/lab_invariance.log" &
 step memory 60 bash -c "python3 bench/dev/memory_figures.py > $out/memory_figures.json 2> $out/memory_figures.log" &

@@ -14,19 +14,7 @@ budget=${2:-575}
 mkdir -p "$out/lab" "$out/notebooks" "$out/sanitize"
 commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 export ADALN_LAB_SAVE_DIR=$out/lab
-left() { echo $((budget - SECONDS)); }
-step() {  # step NAME SECONDS CMD...: run CMD with at most SECONDS (and never past the budget)
-  local name=$1 limit=$2; shift 2
-  local allowed=$(( $(left) < limit ? $(left) : limit ))
-  if [ "$allowed" -lt 15 ]; then echo "$name: skipped (no time left)"; return; fi
-  local t0=$SECONDS
-  timeout "$allowed" "$@"
-  echo "$name: exit $? after $((SECONDS - t0)) s (limit $allowed)"
-}
-notebook() {  # notebook NAME SECONDS: execute notebooks/NAME.ipynb in place, copy it to OUT
-  step "notebook $1" "$2" bash -c "python3 -m adaln_lab.lab.notebooks --write notebooks/$1.ipynb > $out/notebooks/$1.log 2>&1"
-  cp "notebooks/$1.ipynb" "$out/notebooks/"
-}
+source "$(dirname "$0")/device_lib.sh"
 
 step pytest-gpu-subset 300 bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_numba_backward.py \
   tests/test_numba_op.py tests/test_numba_backend.py tests/test_block_cuda.py tests/test_modulation_table.py \
