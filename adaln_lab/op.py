@@ -40,7 +40,10 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
             or "auto": "cupy" where it can run (CUDA tensors of those dtypes and shapes), "torch"
             otherwise ("auto" never picks "numba").
         numerics: "diffusers" rounds where diffusers rounds (SiLU cast, bf16 table, rms_norm
-            output, then `1 + scale`, the product and `+ shift` each to x's dtype).
+            output, then `1 + scale`, the product and `+ shift` each to x's dtype). One known
+            difference of backend "cupy": CuPy compiles the kernels with -ftz=true, so fp32 subnormals
+            flush to zero; a row of bf16-subnormal x (|x| < 2^-126) loses its normalised value (its
+            output is the shift alone) where torch keeps it (tests/test_fuzz.py pins this).
         table_backend: cupy and numba backends only: "cuda" computes the table with the
             fixed-order GEMV of kernels_cu (numba: its twin; T-invariant rows), "torch" with F.linear
             (bitwise diffusers' table on the same GPU, but cuBLAS's reduction order).
