@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import sys
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -33,7 +34,7 @@ from tqdm import tqdm
 
 from ..block_reference import MODALITIES
 from .accuracy import rel_err
-from .inputs import H_REAL, D_REAL, T_REAL, PARAMETER_SEED, SALT_X, _generator
+from .inputs import H_REAL, D_REAL, T_REAL, PARAMETER_SEED, SALT_X, CallArgs, _generator
 from .latency import copy_bandwidth, graph_latency, host_latency
 
 EPS = 1e-6
@@ -44,11 +45,12 @@ QUICK_SHAPE = {"H": 256, "D": 128, "T": 3}
 
 
 @dataclass
-class BlockInputs:
+class BlockInputs(CallArgs):
     """One call's arguments; `leaves` are the six differentiable ones (`LEAVES` order).
 
     `timestep_indices` is the adaln_indices (the harness's timing functions read that name)."""
 
+    LEAF_NAMES: ClassVar[tuple[str, ...]] = LEAVES
     x: torch.Tensor
     norm1_weight: torch.Tensor
     norm2_weight: torch.Tensor
@@ -56,14 +58,6 @@ class BlockInputs:
     weight: torch.Tensor
     bias: torch.Tensor
     timestep_indices: torch.Tensor
-
-    @property
-    def leaves(self) -> tuple[torch.Tensor, ...]:
-        return tuple(getattr(self, name) for name in LEAVES)
-
-    @property
-    def args(self) -> tuple[torch.Tensor, ...]:
-        return (*self.leaves, self.timestep_indices)
 
 
 def make_block(seed: int, n: int, device="cpu", *, H: int = H_REAL, D: int = D_REAL, T: int = T_REAL) -> BlockInputs:

@@ -13,6 +13,7 @@ bias (2H,) bf16; timestep_indices (n,) int64. Defaults H = 5376, D = 2688, T = 3
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -22,24 +23,32 @@ PARAMETER_SEED = 1
 LEAVES = ("x", "norm_weight", "temb", "weight", "bias")
 
 
+class CallArgs:
+    """`leaves` (the differentiable arguments, in the class's `LEAF_NAMES` order) and `args` (the leaves,
+    then `timestep_indices`) of a dataclass holding one call's arguments."""
+
+    LEAF_NAMES: ClassVar[tuple[str, ...]]
+
+    @property
+    def leaves(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, name) for name in self.LEAF_NAMES)
+
+    @property
+    def args(self) -> tuple[torch.Tensor, ...]:
+        return (*self.leaves, self.timestep_indices)
+
+
 @dataclass
-class Inputs:
+class Inputs(CallArgs):
     """One call's arguments; `leaves` are the five differentiable ones, in `LEAVES` order."""
 
+    LEAF_NAMES: ClassVar[tuple[str, ...]] = LEAVES
     x: torch.Tensor
     norm_weight: torch.Tensor
     temb: torch.Tensor
     weight: torch.Tensor
     bias: torch.Tensor
     timestep_indices: torch.Tensor
-
-    @property
-    def leaves(self) -> tuple[torch.Tensor, ...]:
-        return tuple(getattr(self, name) for name in LEAVES)
-
-    @property
-    def args(self) -> tuple[torch.Tensor, ...]:
-        return (*self.leaves, self.timestep_indices)
 
     def rows(self, index: torch.Tensor) -> "Inputs":
         """The same parameters with only the rows `index` (1-D int64) of x and timestep_indices."""
