@@ -2,6 +2,7 @@
 
 from .block_module import AdaLNTransformerBlock, block_adaln_path
 from .gated_residual import gated_residual
+from .gated_residual_norm import gated_residual_norm
 from .modulated_rms_norm import modulated_rms_norm
 from .modulation_table import modulation_table
 from .module import AdaLNOut
@@ -10,6 +11,7 @@ from .patch import patch, unpatch
 from .reference import golden, replay
 from .validate import validate
 
-__all__ = ["AdaLNOut", "AdaLNTransformerBlock", "block_adaln_path", "final_adaln_out", "gated_residual", "golden",
+__all__ = ["AdaLNOut", "AdaLNTransformerBlock", "block_adaln_path", "final_adaln_out", "gated_residual", "gated_residual_norm",
+           "golden",
            "modulated_rms_norm", "modulation_table", "patch", "replay", "unpatch", "validate"]
 __version__ = "0.1.0"

@@ -18,6 +18,11 @@ rounding and autograd; these functions are their CUDA kernels:
 - `gated_residual_fwd(x, gate (R, H) fp32, y, row_index) -> out` and
   `gated_residual_bwd(dout, gate, y, row_index) -> d_gate (R, H) fp32, d_y` (gated_residual.cu);
   gate may be a column slice of the table (row stride of 6H floats).
+- `gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, eps) -> x_out, out, rstd` (one
+  kernel, gated_residual_norm.cu) and `gated_residual_norm_bwd(d_x_out, d_out, x_out, gate, y, row_index,
+  norm_weight, shift, scale, rstd) -> dx, d_gate, d_y, d_norm_weight, d_shift, d_scale`: the two ops above
+  composed, with the residual gradient summed in the norm's row pass (`modulated_rms_norm_bwd(...,
+  d_residual=)`): the same bits as the ops one after the other with autograd's bf16 add between.
 
 Plans: the table's plan is `plan(8, D, T, table_n=N, table_f32_rounded=True)` (its row kernels
 unused), the rows' plan `plan(H, 8, R)` (its table kernels unused); see adaln_lab/plan.py.
@@ -127,12 +132,14 @@ def modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, eps: float):
     return out, rstd
 
 
-def modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd):
+def modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None):
     R, H = shift.shape
     plan, rows = _row_plan(x, R)
     dy, x, norm_weight = _aligned(dy), _aligned(x), _aligned(norm_weight)
     table_f32 = torch.cat([shift, scale], dim=1).float().contiguous()
     row_index, rstd = row_index.contiguous(), rstd.contiguous()
+    fused = d_residual is not None and plan.bwd_res_stages > 0
+    d_residual = _aligned(d_residual) if fused else d_residual
     k, stream = _setup(x.device, plan)
     dx = torch.empty_like(x)
     d_norm_weight = torch.empty_like(norm_weight)
@@ -141,10 +148,12 @@ def modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd):
     row_partials = torch.empty(max(rows.bwd_ranges, 1) * R * 2 * H, dtype=torch.float32, device=x.device)
     launchers.launch_row_pass(k, plan, rows, stream, dy.data_ptr(), x.data_ptr(), rstd.data_ptr(),
                               norm_weight.data_ptr(), table_f32.data_ptr(), row_index.data_ptr(), dx.data_ptr(),
-                              row_partials.data_ptr(), x.shape[-2])
+                              row_partials.data_ptr(), x.shape[-2], d_residual.data_ptr() if fused else 0)
     launchers.launch_reduce_partials(k, plan, rows, stream, row_partials.data_ptr(), norm_weight.data_ptr(),
                                      table_f32.data_ptr(), d_table.data_ptr(), d_norm_weight.data_ptr(),
                                      d_sum_unused.data_ptr())
+    if d_residual is not None and not fused:  # a row too wide for three staged inputs: torch's bf16 add, same bits
+        dx = dx + d_residual
     d_shift, d_scale = d_table.split(H, dim=1)
     return dx, d_norm_weight, d_shift.contiguous(), d_scale.contiguous()
 
@@ -182,3 +191,29 @@ def gated_residual_bwd(dout, gate, y, row_index):
                                         row_index.data_ptr(), d_y.data_ptr(), gate_partials.data_ptr(),
                                         d_gate.data_ptr(), stride, y.shape[-2])
     return d_gate, d_y
+
+
+def gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, eps: float):
+    """(x_out, out, rstd): gated_residual_fwd then modulated_rms_norm_fwd of its output, in one kernel."""
+    R, H = shift.shape
+    plan, rows = _row_plan(x, R)
+    x, y, norm_weight, row_index = _aligned(x), _aligned(y), _aligned(norm_weight), row_index.contiguous()
+    gate, stride = _gate_pointer(gate)
+    table = torch.cat([shift, scale], dim=1).to(torch.bfloat16).contiguous()
+    k, stream = _setup(x.device, plan)
+    x_out, out = torch.empty_like(x), torch.empty_like(x)
+    rstd = torch.empty(rows.rows, dtype=torch.float32, device=x.device)
+    launchers.launch_gated_residual_norm(k, plan, rows, stream, x.data_ptr(), gate.data_ptr(), y.data_ptr(),
+                                         row_index.data_ptr(), norm_weight.data_ptr(), table.data_ptr(),
+                                         x_out.data_ptr(), out.data_ptr(), rstd.data_ptr(), stride, x.shape[-2],
+                                         float(eps))
+    return x_out, out, rstd
+
+
+def gated_residual_norm_bwd(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd):
+    """(dx, d_gate, d_y, d_norm_weight, d_shift, d_scale): the norm's backward with the residual gradient
+    d_x_out added in its row pass (norm_modulate_bwd_residual_bf16), then the gated residual's backward."""
+    dx, d_norm_weight, d_shift, d_scale = modulated_rms_norm_bwd(d_out, x_out, norm_weight, shift, scale, row_index,
+                                                                 rstd, d_residual=d_x_out)
+    d_gate, d_y = gated_residual_bwd(dx, gate, y, row_index)
+    return dx, d_gate, d_y, d_norm_weight, d_shift, d_scale

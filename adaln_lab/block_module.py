@@ -3,8 +3,9 @@
 The block shares the original's `norm1`, `attn`, `norm2`, `ff` and `adaln_proj` submodules (same
 tensors, state-dict keys and order, devices, dtypes) and has its forward signature
 `forward(hidden_states, temb, adaln_indices, rotary_emb, attention_mask=None)`. Its AdaLN path is
-`block_adaln_path`: `modulation_table` (the (T, 18H) float32 table), `modulated_rms_norm` for norm1 / norm2
-and `gated_residual` for both residuals; attention and feed-forward are the shared modules, called as
+`block_adaln_path`: `modulation_table` (the (T, 18H) float32 table), `modulated_rms_norm_and_residual`
+for norm1 (x's two gradients summed inside the norm's backward), `gated_residual_norm` for the first residual
+with norm2 (one op: one pass less, and the same gradient sum) and `gated_residual` for the second residual; attention and feed-forward are the shared modules, called as
 diffusers calls them. Importing this module never imports diffusers.
 
 Numerics: the forward replays diffusers (CPU: bit for bit; CUDA kernels: see the ops). Gradients reach
@@ -27,7 +28,8 @@ import torch.nn as nn
 
 from .block_reference import MODALITIES, replay_block_adaln, table_chunks
 from .gated_residual import gated_residual
-from .modulated_rms_norm import modulated_rms_norm
+from .gated_residual_norm import gated_residual_norm
+from .modulated_rms_norm import modulated_rms_norm_and_residual
 from .modulation_table import TABLE_BACKENDS, modulation_table
 
 BLOCK_BACKENDS = ("auto", "torch", "cupy")
@@ -53,9 +55,9 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
 
         table = modulation_table(temb, weight, bias)          (T, 18H) -> six (3T, H) chunks
         h = modulated_rms_norm(x, norm1_weight, shift_msa, scale_msa, row_index, eps1)
-        x = gated_residual(x, gate_msa, attn(h), row_index)
-        h = modulated_rms_norm(x, norm2_weight, shift_mlp, scale_mlp, row_index, eps2)
+        x, h = gated_residual_norm(x, gate_msa, attn(h), norm2_weight, shift_mlp, scale_mlp, row_index, eps2)
         x = gated_residual(x, gate_mlp, ff(h), row_index)
+    (the last two lines of diffusers' block in one op: `adaln_lab.gated_residual_norm`)
 
     Args:
         x: (..., S, H) hidden states; temb (T, D); weight (18H, D), bias (18H,): `adaln_proj.linear`;
@@ -80,9 +82,10 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
     table_dtype = weight.dtype
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table_chunks(
         modulation_table(temb, weight, bias, table_backend=table_backend), H)
-    h = modulated_rms_norm(x, norm1_weight, shift_msa, scale_msa, row_index, eps1, table_dtype=table_dtype)
-    x = gated_residual(x, gate_msa, attn(h), row_index, table_dtype=table_dtype)
-    h = modulated_rms_norm(x, norm2_weight, shift_mlp, scale_mlp, row_index, eps2, table_dtype=table_dtype)
+    h, x = modulated_rms_norm_and_residual(x, norm1_weight, shift_msa, scale_msa, row_index, eps1,
+                                           table_dtype=table_dtype)
+    x, h = gated_residual_norm(x, gate_msa, attn(h), norm2_weight, shift_mlp, scale_mlp, row_index, eps2,
+                               table_dtype=table_dtype)
     return gated_residual(x, gate_mlp, ff(h), row_index, table_dtype=table_dtype)
 
 

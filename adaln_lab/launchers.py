@@ -26,6 +26,7 @@ SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
     "norm_modulate_bf16": "ppppppifii",
     "norm_modulate_rowwise_bf16": "ppppppifii",
     "norm_modulate_bwd_bf16": "ppppppppiii",
+    "norm_modulate_bwd_residual_bf16": "pppppppppiii",
     "reduce_partials_bf16": "ppppppi",
     "table_bwd_bf16": "ppppp",
     "table_bwd_d_weight_bf16": "ppppp",
@@ -34,6 +35,7 @@ SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
     "gated_residual_fwd_bf16": "pppppiii",
     "gated_residual_bwd_bf16": "ppppppiiii",
     "gated_residual_reduce": "ppi",
+    "gated_residual_norm_bf16": "pppppppppiifi",
 }
 
 
@@ -120,9 +122,16 @@ def launch_norm_modulate(k: dict, plan: Plan, rows: Rows, stream: int, x: int, n
 
 
 def launch_row_pass(k: dict, plan: Plan, rows: Rows, stream: int, dy: int, x: int, rstd: int, norm_weight: int,
-                    table_f32: int, timestep_indices: int, dx: int, row_partials: int, S: int) -> None:
-    """dx and row_partials (bwd_ranges, T, 2, H) fp32; with no rows, one range of zero partials instead."""
-    if rows.rows:
+                    table_f32: int, timestep_indices: int, dx: int, row_partials: int, S: int,
+                    d_residual: int = 0) -> None:
+    """dx and row_partials (bwd_ranges, T, 2, H) fp32; with no rows, one range of zero partials instead.
+    With d_residual (rows, H) bf16 (needs plan.bwd_res_stages), dx = bf16(bf16(the norm's dx) + d_residual)."""
+    if rows.rows and d_residual:
+        k["norm_modulate_bwd_residual_bf16"]((rows.bwd_ranges, 1, 1), (plan.bwd_threads, 1, 1), plan.bwd_res_smem,
+                                             stream, dy, x, d_residual, rstd, norm_weight, table_f32,
+                                             timestep_indices, dx, row_partials, S, rows.rows,
+                                             rows.bwd_rows_per_range)
+    elif rows.rows:
         k["norm_modulate_bwd_bf16"]((rows.bwd_ranges, 1, 1), (plan.bwd_threads, 1, 1), plan.bwd_smem, stream,
                                     dy, x, rstd, norm_weight, table_f32, timestep_indices, dx, row_partials,
                                     S, rows.rows, rows.bwd_rows_per_range)
@@ -193,3 +202,13 @@ def launch_gated_residual_bwd(k: dict, plan: Plan, rows: Rows, stream: int, dout
         runtime.memsetAsync(gate_partials, 0, plan.T * plan.H * 4, stream)
     k["gated_residual_reduce"]((-(-plan.H // 32), plan.T, 1), (32, plan.sum_groups, 1), 0, stream,
                                gate_partials, d_gate, max(rows.bwd_ranges, 1))
+
+
+def launch_gated_residual_norm(k: dict, plan: Plan, rows: Rows, stream: int, x: int, gate: int, y: int,
+                               row_index: int, norm_weight: int, table: int, x_out: int, out: int, rstd: int,
+                               gate_stride: int, S: int, eps: float) -> None:
+    """x_out = x + bf16(gate[i]) * y and out, rstd = the modulated norm of x_out (gated_residual_norm.cu): the
+    bits of launch_gated_residual then launch_norm_modulate; nothing when rows == 0."""
+    if rows.rows:
+        k["gated_residual_norm_bf16"]((rows.rows, 1, 1), (plan.fwd_threads, 1, 1), 0, stream, x, gate, y, row_index,
+                                      norm_weight, table, x_out, out, rstd, gate_stride, S, eps, rows.rows)

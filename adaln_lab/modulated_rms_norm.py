@@ -56,7 +56,7 @@ def _fwd_torch(x, norm_weight, shift, scale, row_index, eps, table_dtype):
     return out.contiguous(), rstd
 
 
-def _bwd_torch(dy, x, norm_weight, shift, scale, row_index, rstd):
+def _bwd_torch(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None):
     H, R = x.shape[-1], shift.shape[0]
     c = rstd.dtype
     idx = _rows_index(row_index, x)
@@ -69,8 +69,10 @@ def _bwd_torch(dy, x, norm_weight, shift, scale, row_index, rstd):
     b = torch.zeros(R, H, dtype=f64, device=x.device).index_add_(0, idx, dyc.to(f64))
     d_scale = norm_weight.to(f64) * a
     d_norm_weight = ((1.0 + scale.to(f64)) * a).sum(0)
-    return (dx.to(x.dtype).reshape(x.shape).contiguous(), d_norm_weight.to(norm_weight.dtype), b.to(shift.dtype),
-            d_scale.to(scale.dtype))
+    dx = dx.to(x.dtype).reshape(x.shape).contiguous()
+    if d_residual is not None:
+        dx = dx + d_residual.to(x.dtype)  # autograd's sum of x's two gradients
+    return dx, d_norm_weight.to(norm_weight.dtype), b.to(shift.dtype), d_scale.to(scale.dtype)
 
 
 def _kernels_refuse(x, table_rows, table_dtype, *others, **bf16_tensors) -> bool:
@@ -110,29 +112,32 @@ def _(x, norm_weight, shift, scale, row_index, eps, table_dtype):
 
 @torch.library.custom_op("adaln_lab::modulated_rms_norm_bwd", mutates_args=())
 def modulated_rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor,
-                           scale: torch.Tensor, row_index: torch.Tensor,
-                           rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx (..., S, H), d_norm_weight (H,), d_shift (R, H), d_scale (R, H)) (module docstring)."""
-    return _bwd_torch(dy, x, norm_weight, shift, scale, row_index, rstd)
+                           scale: torch.Tensor, row_index: torch.Tensor, rstd: torch.Tensor,
+                           d_residual: torch.Tensor | None = None,
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx (..., S, H), d_norm_weight (H,), d_shift (R, H), d_scale (R, H)) (module docstring); with d_residual
+    (x's shape) dx is the norm's dx plus d_residual, added in x's dtype as autograd would."""
+    return _bwd_torch(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual)
 
 
 @modulated_rms_norm_bwd.register_fake
-def _(dy, x, norm_weight, shift, scale, row_index, rstd):
+def _(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None):
     return (x.new_empty(x.shape), norm_weight.new_empty(norm_weight.shape), shift.new_empty(shift.shape),
             scale.new_empty(scale.shape))
 
 
 @modulated_rms_norm_bwd.register_kernel("cuda")
-def _(dy, x, norm_weight, shift, scale, row_index, rstd):
+def _(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None):
     # dy is bf16 exactly when the forward's output was, i.e. when the forward ran the kernels
+    more = {} if d_residual is None else {"d_residual": d_residual}
     if (_kernels_refuse(x, shift.shape[0], torch.bfloat16, shift, scale, row_index, rstd, norm_weight=norm_weight,
-                        dy=dy) or rstd.dtype != torch.float32):
-        return _bwd_torch(dy, x, norm_weight, shift, scale, row_index, rstd)
+                        dy=dy, **more) or rstd.dtype != torch.float32):
+        return _bwd_torch(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual)
     from . import block_cuda
 
     with torch.cuda.device(x.device):
         dx, d_norm_weight, d_shift, d_scale = block_cuda.modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale,
-                                                                               row_index, rstd)
+                                                                               row_index, rstd, d_residual)
     return dx, d_norm_weight, d_shift.to(shift.dtype), d_scale.to(scale.dtype)
 
 
@@ -150,6 +155,25 @@ def _backward(ctx, d_out, d_rstd):
 
 
 modulated_rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _NormKeepingX(torch.autograd.Function):
+    """(out, x): the modulated norm of x and x itself (returned as is: autograd gives the caller a view), so
+    that x's gradient from the residual stream reaches this backward, which sums it inside the norm's row
+    pass (`modulated_rms_norm_bwd(..., d_residual)`) instead of autograd adding it in a kernel of its own."""
+
+    @staticmethod
+    def forward(ctx, x, norm_weight, shift, scale, row_index, eps, table_dtype):
+        out, rstd = modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, eps, table_dtype)
+        ctx.save_for_backward(x, norm_weight, shift, scale, row_index, rstd)
+        return out, x
+
+    @staticmethod
+    def backward(ctx, d_out, d_x):
+        x, norm_weight, shift, scale, row_index, rstd = ctx.saved_tensors
+        grads = modulated_rms_norm_bwd(d_out.contiguous(), x, norm_weight, shift, scale, row_index, rstd,
+                                       d_x.to(x.dtype).contiguous())
+        return (*grads, None, None, None)
 
 
 def check_rows(op: str, x: torch.Tensor, row_index: torch.Tensor, **tables: torch.Tensor) -> None:
@@ -194,3 +218,20 @@ def modulated_rms_norm(x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.
                          f"{tuple(norm_weight.shape)}")
     table_dtype = x.dtype if table_dtype is None else table_dtype
     return modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, float(eps), table_dtype)[0]
+
+
+def modulated_rms_norm_and_residual(x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor,
+                                    scale: torch.Tensor, row_index: torch.Tensor, eps: float = 1e-5, *,
+                                    table_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(modulated_rms_norm(x, ...), x): the norm and x itself (a view) to carry on down the residual stream.
+
+    Same values and gradients as `modulated_rms_norm` with x used again by the caller, bit for bit; x's two
+    gradients (the norm's and the one reaching the returned x) are summed inside the norm's backward (on the
+    CUDA kernels, in its row pass: one pass over the rows instead of three). Arguments as `modulated_rms_norm`.
+    """
+    check_rows("modulated_rms_norm", x, row_index, shift=shift, scale=scale)
+    if norm_weight.shape != (x.shape[-1],):
+        raise ValueError(f"modulated_rms_norm needs norm_weight of shape ({x.shape[-1]},), got "
+                         f"{tuple(norm_weight.shape)}")
+    table_dtype = x.dtype if table_dtype is None else table_dtype
+    return _NormKeepingX.apply(x, norm_weight, shift, scale, row_index, float(eps), table_dtype)

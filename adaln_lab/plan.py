@@ -38,7 +38,7 @@ TUNING = {
     "TB_ROWS": 128,             # table_bwd.cu: weight rows j per block
     "TB_SPLIT_MIN_T": 5,        # table_bwd.cu: from this many table rows T on, d_weight and dact run as two kernels
     "SUM_GROUPS": 16,           # adaln_common.cuh: row groups of an ordered column sum
-    "GR_THREADS": 128,          # gated_residual.cu: block size (8 columns per thread)
+    "GR_THREADS_MAX": 256,      # gated_residual.cu: block size cap (H = 5376: 3 column tiles of 224 threads)
 }
 SMEM_BLOCK_MAX = 227 * 1024       # dynamic + static shared memory one block may opt in to (sm_90, sm_100)
 BWD_STAGE_BUDGET = 200 * 1024     # dynamic shared memory of the backward's stages (static scratch beside it)
@@ -56,6 +56,19 @@ def row_geometry(H: int, threads_max: int) -> tuple[int, int]:
     vpt = math.ceil(nvec / threads_max)
     threads = 32 * math.ceil(math.ceil(nvec / vpt) / 32)
     return threads, vpt
+
+
+def gr_geometry(H: int, T: int, threads_max: int) -> int:
+    """Threads of gated_residual.cu's blocks, from H and the table rows T alone: the fewest column tiles of at
+    most threads_max threads (8 columns each), split evenly, with one more tile while the backward's
+    T * 8 fp32 sums per thread exceed the shared memory of a block. A column's sums do not depend on it."""
+    nvec = H // 8
+    tiles = math.ceil(nvec / threads_max)
+    while True:
+        threads = 32 * math.ceil(math.ceil(nvec / tiles) / 32)
+        if T * 8 * threads * 4 <= SMEM_BLOCK_MAX or threads == 32:
+            return threads
+        tiles += 1
 
 
 def check_shapes(H: int, D: int, T: int) -> None:
@@ -128,11 +141,13 @@ class Plan:
     bwd_threads: int
     bwd_vpt: int
     bwd_stages: int
+    bwd_res_stages: int      # norm_modulate_bwd_residual_bf16: rows in flight (three inputs each); 0: not used
     table_grid: int
     table_threads: int
     tb_grid: tuple[int, int]
     tb_threads: int
     sum_groups: int
+    gr_threads: int
     tuning: tuple
     table_n: int = 0               # table.cu / table_bwd.cu: columns of the table (0: 2H, norm_out's)
     table_f32_rounded: bool = False  # table.cu: table_f32 holds the bf16 values (the blocks' table)
@@ -152,8 +167,9 @@ class Plan:
         return self.bwd_stages * 2 * self.bwd_threads * self.bwd_vpt * 16
 
     @property
-    def gr_threads(self) -> int:
-        return dict(self.tuning)["GR_THREADS"]
+    def bwd_res_smem(self) -> int:
+        """Dynamic shared memory of norm_modulate_bwd_residual_bf16: its stages, a row of x, dy and d_residual each."""
+        return self.bwd_res_stages * 3 * self.bwd_threads * self.bwd_vpt * 16
 
     @property
     def gr_smem(self) -> int:
@@ -183,11 +199,11 @@ class Plan:
         t = dict(self.tuning)
         return dict(H=self.H, D=self.D, T=self.T, FWD_THREADS=self.fwd_threads, FWD_VPT=self.fwd_vpt,
                     FWD_STAGES=max(self.fwd_stages, 1), BWD_THREADS=self.bwd_threads, BWD_VPT=self.bwd_vpt,
-                    BWD_STAGES=self.bwd_stages, TABLE_THREADS=t["TABLE_THREADS"],
+                    BWD_STAGES=self.bwd_stages, BWD_RES_STAGES=max(self.bwd_res_stages, 1), TABLE_THREADS=t["TABLE_THREADS"],
                     TABLE_ROWS_PER_WARP=t["TABLE_ROWS_PER_WARP"],
                     FWD_ROW_LIST_MAX=t["FWD_ROW_LIST_MAX"], ROW_LIST_MAX=t["ROW_LIST_MAX"],
                     TB_THREADS=t["TB_THREADS"], TB_ROWS=t["TB_ROWS"], TB_COLUMNS=TB_COLUMNS,
-                    GR_THREADS=t["GR_THREADS"], SUM_GROUPS=t["SUM_GROUPS"], TABLE_N=self.columns,
+                    GR_THREADS=self.gr_threads, SUM_GROUPS=t["SUM_GROUPS"], TABLE_N=self.columns,
                     TABLE_F32_ROUNDED=int(self.table_f32_rounded))
 
     @property
@@ -237,14 +253,17 @@ def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = Fal
         fwd_stages = 0  # fall back to one row per block: same threads, same tree, same bits per row
     bwd_stage = 2 * bwd_threads * bwd_vpt * 16
     bwd_stages = min(t["BWD_STAGES"], BWD_STAGE_BUDGET // bwd_stage)  # a wide row keeps fewer stages
+    # 0 where three rows do not fit (H > 34128): the gradient sum then runs as a torch add after the plain kernel
+    bwd_res_stages = min(t["BWD_STAGES"], BWD_STAGE_BUDGET // (3 * bwd_threads * bwd_vpt * 16))
     if bwd_stages < 1:
         raise ValueError(f"backend='cupy' needs H (x.shape[-1]) <= {H_MAX}, got {H}; use backend='torch'")
     rows_per_block = t["TABLE_THREADS"] // 32 * t["TABLE_ROWS_PER_WARP"]
     return Plan(H=H, D=D, T=T, fwd_threads=fwd_threads, fwd_vpt=fwd_vpt, fwd_stages=fwd_stages,
-                bwd_threads=bwd_threads, bwd_vpt=bwd_vpt, bwd_stages=bwd_stages,
+                bwd_threads=bwd_threads, bwd_vpt=bwd_vpt, bwd_stages=bwd_stages, bwd_res_stages=bwd_res_stages,
                 table_grid=math.ceil(N / rows_per_block), table_threads=t["TABLE_THREADS"],
                 tb_grid=(math.ceil(D / TB_COLUMNS), math.ceil(N / t["TB_ROWS"])), tb_threads=t["TB_THREADS"],
-                sum_groups=t["SUM_GROUPS"], tuning=tuple(sorted(t.items())), table_n=table_n,
+                sum_groups=t["SUM_GROUPS"], gr_threads=gr_geometry(H, T, t["GR_THREADS_MAX"]),
+                tuning=tuple(sorted(t.items())), table_n=table_n,
                 table_f32_rounded=table_f32_rounded)
 
 

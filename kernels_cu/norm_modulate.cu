@@ -145,29 +145,21 @@ norm_modulate_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ norm
     }
 }
 
-extern "C" __global__ void __launch_bounds__(ADALN_FWD_THREADS)
-norm_modulate_rowwise_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ norm_weight,
-                           const bf16_t* __restrict__ table, const index_t* __restrict__ timestep_indices,
-                           bf16_t* __restrict__ out, float* __restrict__ rstd, int S, float eps, int rows,
-                           int rows_per_range) {
-    __shared__ float scratch[ADALN_FWD_THREADS / 32 + 1];
-    const size_t row = blockIdx.x;
-    uint4 x_raw[ADALN_FWD_VPT], w_raw[ADALN_FWD_VPT], shift_raw[ADALN_FWD_VPT], scale_raw[ADALN_FWD_VPT];
-#pragma unroll
-    for (int i = 0; i < ADALN_FWD_VPT; ++i) {
-        const int v = threadIdx.x + i * ADALN_FWD_THREADS;
-        if (v < ADALN_NVEC_H) {
-            x_raw[i] = load_raw8(x + row * ADALN_H + v * ADALN_VEC);
-            w_raw[i] = load_raw8(norm_weight + v * ADALN_VEC);
-        }
-    }
-    const index_t t = timestep_indices[row % (unsigned)S];
+// One row's rstd and out from its x (this thread's vectors, already loaded): loads norm_weight and the
+// row's modulation, reduces, stores. The row-per-block kernels' body (gated_residual_norm.cu's too).
+__device__ __forceinline__ void norm_modulate_row(const uint4 x_raw[ADALN_FWD_VPT], size_t row,
+                                                  const bf16_t* __restrict__ norm_weight,
+                                                  const bf16_t* __restrict__ table, index_t t,
+                                                  bf16_t* __restrict__ out, float* __restrict__ rstd, float eps,
+                                                  float* scratch) {
+    uint4 w_raw[ADALN_FWD_VPT], shift_raw[ADALN_FWD_VPT], scale_raw[ADALN_FWD_VPT];
     const bool valid = t >= 0 && t < ADALN_T;
     const bf16_t* shift = table + (valid ? t : 0) * 2 * ADALN_H;
 #pragma unroll
     for (int i = 0; i < ADALN_FWD_VPT; ++i) {
         const int v = threadIdx.x + i * ADALN_FWD_THREADS;
         if (v < ADALN_NVEC_H) {
+            w_raw[i] = load_raw8(norm_weight + v * ADALN_VEC);
             shift_raw[i] = load_raw8(shift + v * ADALN_VEC);
             scale_raw[i] = load_raw8(shift + ADALN_H + v * ADALN_VEC);
         }
@@ -181,4 +173,20 @@ norm_modulate_rowwise_bf16(const bf16_t* __restrict__ x, const bf16_t* __restric
             modulate_store(out + row * ADALN_H + v * ADALN_VEC, x_raw[i], w_raw[i], shift_raw[i], one_plus(scale_raw[i]),
                            r, valid);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(ADALN_FWD_THREADS)
+norm_modulate_rowwise_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ norm_weight,
+                           const bf16_t* __restrict__ table, const index_t* __restrict__ timestep_indices,
+                           bf16_t* __restrict__ out, float* __restrict__ rstd, int S, float eps, int rows,
+                           int rows_per_range) {
+    __shared__ float scratch[ADALN_FWD_THREADS / 32 + 1];
+    const size_t row = blockIdx.x;
+    uint4 x_raw[ADALN_FWD_VPT];
+#pragma unroll
+    for (int i = 0; i < ADALN_FWD_VPT; ++i) {
+        const int v = threadIdx.x + i * ADALN_FWD_THREADS;
+        if (v < ADALN_NVEC_H) x_raw[i] = load_raw8(x + row * ADALN_H + v * ADALN_VEC);
+    }
+    norm_modulate_row(x_raw, row, norm_weight, table, timestep_indices[row % (unsigned)S], out, rstd, eps, scratch);
 }

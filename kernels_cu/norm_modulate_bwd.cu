@@ -19,35 +19,44 @@
 // the next ADALN_BWD_STAGES rows' x and dy arriving through cp.async while a row is reduced.
 // Reduction order: the row dot product uses block_sum (the forward's tree, so dx of a row never
 // depends on the other rows); the partials add the block's rows of timestep t in row order.
-// Run: adaln_lab.launchers.launch_backward (its first kernel).
+// norm_modulate_bwd_residual_bf16: the same pass with a third input d_residual (rows, H) bf16, the
+// gradient that reached x by another path (an H3 block's residual stream): it writes
+//   dx[r] = bf16(bf16(rstd * (g - xhat * sum_h(g * xhat) / H)) + d_residual[r])
+// i.e. the bits of the plain kernel's dx added to d_residual in bf16 by torch (autograd's sum), with
+// one pass over the rows instead of three. d_residual travels in the stages beside x and dy
+// (ADALN_BWD_RES_STAGES of them: plan.bwd_res_smem).
+// Run: adaln_lab.launchers.launch_backward (its first kernel), launch_row_pass.
 
-// this thread's vectors of row `row` of x and dy into stage buffer `stage` ([2][VPT][THREADS]), as
-// one commit group (an empty group when the row is not present, so every iteration commits one)
-__device__ __forceinline__ void fetch_x_dy(uint4* stage, const bf16_t* x, const bf16_t* dy, int row, bool present) {
+// this thread's vectors of row `row` of x, dy (and d_residual when NIN == 3) into stage buffer `stage`
+// ([NIN][VPT][THREADS]), as one commit group (an empty group when the row is not present, so every
+// iteration commits one)
+template <int NIN>
+__device__ __forceinline__ void fetch_row_inputs(uint4* stage, const bf16_t* x, const bf16_t* dy,
+                                                 const bf16_t* d_residual, int row, bool present) {
     if (present) {
 #pragma unroll
         for (int i = 0; i < ADALN_BWD_VPT; ++i) {
             const int v = threadIdx.x + i * ADALN_BWD_THREADS;
             if (v < ADALN_NVEC_H) {
-                copy_async16(stage + i * ADALN_BWD_THREADS + threadIdx.x, x + (size_t)row * ADALN_H + v * ADALN_VEC);
-                copy_async16(stage + (ADALN_BWD_VPT + i) * ADALN_BWD_THREADS + threadIdx.x,
-                             dy + (size_t)row * ADALN_H + v * ADALN_VEC);
+                const size_t at = (size_t)row * ADALN_H + v * ADALN_VEC;
+                copy_async16(stage + i * ADALN_BWD_THREADS + threadIdx.x, x + at);
+                copy_async16(stage + (ADALN_BWD_VPT + i) * ADALN_BWD_THREADS + threadIdx.x, dy + at);
+                if (NIN == 3) copy_async16(stage + (2 * ADALN_BWD_VPT + i) * ADALN_BWD_THREADS + threadIdx.x, d_residual + at);
             }
         }
     }
     copy_async_commit();
 }
 
-#define BWD_STAGE_VECTORS (2 * ADALN_BWD_VPT * ADALN_BWD_THREADS)
-
-extern "C" __global__ void __launch_bounds__(ADALN_BWD_THREADS)
-norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__ x, const float* __restrict__ rstd,
-                       const bf16_t* __restrict__ norm_weight, const float* __restrict__ table_f32,
-                       const index_t* __restrict__ timestep_indices, bf16_t* __restrict__ dx,
-                       float* __restrict__ row_partials, int S, int rows, int rows_per_block) {
-    extern __shared__ __align__(16) uint4 stages[];  // [ADALN_BWD_STAGES][2][ADALN_BWD_VPT][ADALN_BWD_THREADS]
-    __shared__ float scratch[ADALN_BWD_THREADS / 32 + 1];
-    __shared__ int timesteps[ADALN_ROW_LIST_MAX];
+// NIN inputs per row (2: x, dy; 3: x, dy, d_residual), STAGES rows in flight
+template <int NIN, int STAGES>
+__device__ __forceinline__ void row_pass(const bf16_t* __restrict__ dy, const bf16_t* __restrict__ x,
+                                         const bf16_t* __restrict__ d_residual, const float* __restrict__ rstd,
+                                         const bf16_t* __restrict__ norm_weight, const float* __restrict__ table_f32,
+                                         const index_t* __restrict__ timestep_indices, bf16_t* __restrict__ dx,
+                                         float* __restrict__ row_partials, int S, int rows, int rows_per_block,
+                                         uint4* stages, float* scratch, int* timesteps) {
+    constexpr int STAGE_VECTORS = NIN * ADALN_BWD_VPT * ADALN_BWD_THREADS;
     const int r0 = blockIdx.x * rows_per_block;
     const int n = min(rows, r0 + rows_per_block) - r0;
     fill_row_timesteps(timesteps, timestep_indices, r0, n, S);
@@ -79,18 +88,18 @@ norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__
             for (int e = 0; e < ADALN_VEC; ++e) sum_dy_xhat[i][e] = sum_dy[i][e] = 0.0f;
         }
 
-        int pos[ADALN_BWD_STAGES + 1];      // pos[0]: the row being reduced; then the rows in flight
-        float rstd_of[ADALN_BWD_STAGES + 1];
+        int pos[STAGES + 1];      // pos[0]: the row being reduced; then the rows in flight
+        float rstd_of[STAGES + 1];
 #pragma unroll
-        for (int d = 0; d < ADALN_BWD_STAGES; ++d) {
+        for (int d = 0; d < STAGES; ++d) {
             pos[d] = next_in_pass(timesteps, d ? pos[d - 1] : -1, n, t);
-            fetch_x_dy(stages + d * BWD_STAGE_VECTORS, x, dy, r0 + pos[d], pos[d] < n);
+            fetch_row_inputs<NIN>(stages + d * STAGE_VECTORS, x, dy, d_residual, r0 + pos[d], pos[d] < n);
             rstd_of[d] = pos[d] < n ? rstd[r0 + pos[d]] : 0.0f;
         }
 #pragma unroll 1
         for (int k = 0; pos[0] < n; ++k) {
-            uint4* stage = stages + (k % ADALN_BWD_STAGES) * BWD_STAGE_VECTORS;
-            copy_async_wait<ADALN_BWD_STAGES - 1>();
+            uint4* stage = stages + (k % STAGES) * STAGE_VECTORS;
+            copy_async_wait<STAGES - 1>();
             const int row = r0 + pos[0];
             const bool invalid = timesteps[pos[0]] < 0;
             const float row_rstd = rstd_of[0];
@@ -113,10 +122,18 @@ norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__
                     }
                 }
             }
-            // dot depends on every value read from the stage, so the refill cannot overtake the reads
-            pos[ADALN_BWD_STAGES] = next_in_pass(timesteps, pos[ADALN_BWD_STAGES - 1], n, t);
-            fetch_x_dy(stage, x, dy, r0 + pos[ADALN_BWD_STAGES], pos[ADALN_BWD_STAGES] < n);
-            rstd_of[ADALN_BWD_STAGES] = pos[ADALN_BWD_STAGES] < n ? rstd[r0 + pos[ADALN_BWD_STAGES]] : 0.0f;
+            uint4 res_raw[ADALN_BWD_VPT];
+            if (NIN == 3) {
+#pragma unroll
+                for (int i = 0; i < ADALN_BWD_VPT; ++i)
+                    if (threadIdx.x + i * ADALN_BWD_THREADS < ADALN_NVEC_H)
+                        res_raw[i] = stage[(2 * ADALN_BWD_VPT + i) * ADALN_BWD_THREADS + threadIdx.x];
+            }
+            // each thread refills only the slots it read, after reading them (dot depends on every x and
+            // dy value; res_raw is read before the refill is issued)
+            pos[STAGES] = next_in_pass(timesteps, pos[STAGES - 1], n, t);
+            fetch_row_inputs<NIN>(stage, x, dy, d_residual, r0 + pos[STAGES], pos[STAGES] < n);
+            rstd_of[STAGES] = pos[STAGES] < n ? rstd[r0 + pos[STAGES]] : 0.0f;
 
             const float mean_dot = block_sum<ADALN_BWD_THREADS / 32>(dot, scratch) / (float)ADALN_H;
 #pragma unroll
@@ -127,6 +144,12 @@ norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__
 #pragma unroll
                     for (int e = 0; e < ADALN_VEC; ++e)
                         d[e] = invalid ? __int_as_float(0x7fc00000) : row_rstd * (g[i][e] - xhat[i][e] * mean_dot);
+                    if (NIN == 3) {
+                        float res[ADALN_VEC];
+                        unpack8(res_raw[i], res);
+#pragma unroll
+                        for (int e = 0; e < ADALN_VEC; ++e) d[e] = round_bf16(d[e]) + res[e];
+                    }
                     store8(dx + (size_t)row * ADALN_H + v * ADALN_VEC, d);
                 }
             }
@@ -137,7 +160,7 @@ norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__
                     for (int e = 0; e < ADALN_VEC; ++e) sum_dy_xhat[i][e] = sum_dy[i][e] = __int_as_float(0x7fc00000);
             }
 #pragma unroll
-            for (int d = 0; d < ADALN_BWD_STAGES; ++d) {
+            for (int d = 0; d < STAGES; ++d) {
                 pos[d] = pos[d + 1];
                 rstd_of[d] = rstd_of[d + 1];
             }
@@ -156,4 +179,29 @@ norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__
             }
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(ADALN_BWD_THREADS)
+norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__ x, const float* __restrict__ rstd,
+                       const bf16_t* __restrict__ norm_weight, const float* __restrict__ table_f32,
+                       const index_t* __restrict__ timestep_indices, bf16_t* __restrict__ dx,
+                       float* __restrict__ row_partials, int S, int rows, int rows_per_block) {
+    extern __shared__ __align__(16) uint4 stages[];  // [ADALN_BWD_STAGES][2][ADALN_BWD_VPT][ADALN_BWD_THREADS]
+    __shared__ float scratch[ADALN_BWD_THREADS / 32 + 1];
+    __shared__ int timesteps[ADALN_ROW_LIST_MAX];
+    row_pass<2, ADALN_BWD_STAGES>(dy, x, nullptr, rstd, norm_weight, table_f32, timestep_indices, dx, row_partials,
+                                  S, rows, rows_per_block, stages, scratch, timesteps);
+}
+
+extern "C" __global__ void __launch_bounds__(ADALN_BWD_THREADS)
+norm_modulate_bwd_residual_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__ x,
+                                const bf16_t* __restrict__ d_residual, const float* __restrict__ rstd,
+                                const bf16_t* __restrict__ norm_weight, const float* __restrict__ table_f32,
+                                const index_t* __restrict__ timestep_indices, bf16_t* __restrict__ dx,
+                                float* __restrict__ row_partials, int S, int rows, int rows_per_block) {
+    extern __shared__ __align__(16) uint4 stages[];  // [ADALN_BWD_RES_STAGES][3][ADALN_BWD_VPT][ADALN_BWD_THREADS]
+    __shared__ float scratch[ADALN_BWD_THREADS / 32 + 1];
+    __shared__ int timesteps[ADALN_ROW_LIST_MAX];
+    row_pass<3, ADALN_BWD_RES_STAGES>(dy, x, d_residual, rstd, norm_weight, table_f32, timestep_indices, dx,
+                                      row_partials, S, rows, rows_per_block, stages, scratch, timesteps);
 }

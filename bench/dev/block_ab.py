@@ -11,9 +11,9 @@ before it is timed):
   block per SM) instead of the row-per-block kernel;
 - `dact_on_stack`: table_bwd.cu with its combine loop over t not unrolled (`#pragma unroll 1`, made by a
   checked text edit of the shipped file), so its dact accumulators live in local memory, as up to 9cf210c;
-- `gr96`, `gr224`: GR_THREADS = 96 / 224 (gated_residual.cu's block: 7 / 3 column tiles of 672 vectors at
-  H 5376, one wave of blocks; 128, shipped, makes 6 tiles, the last a quarter full, with 36.9 KB of
-  shared memory per block at 9 table rows);
+- `gr96`, `gr128`: GR_THREADS_MAX = 96 / 128 (gated_residual.cu's block: 7 / 6 column tiles of 96 / 128
+  threads over the 672 vectors of H 5376; shipped: 256, i.e. 3 tiles of 224 threads, one wave of blocks;
+  128 was shipped up to 1d31f3d, whose A/B measured 224 3.1 % faster on the block at 32768 rows);
 - `9cf210c`: dact_on_stack with the staged forward: 9cf210c's launch choices, but on today's
   table_bwd.cu otherwise (d_table staged in shared memory, no bound check between a warp's rows), so
   not 9cf210c's kernels (those took 1705 / 4391 us at 4097 / 32768 rows in 9cf210c's own A/B run).
@@ -46,8 +46,8 @@ VARIANTS = {  # name: (TUNING knobs, {kernel file: (text, replacement)}: one che
                                                 "#pragma unroll 1\n        for (int t = 0; t < ADALN_T; ++t) {")}),
     "9cf210c": ({**FUSED, **STAGED}, {"table_bwd.cu": ("#pragma unroll\n        for (int t = 0; t < ADALN_T; ++t) {",
                                                     "#pragma unroll 1\n        for (int t = 0; t < ADALN_T; ++t) {")}),
-    "gr96": ({"GR_THREADS": 96}, {}),
-    "gr224": ({"GR_THREADS": 224}, {}),
+    "gr96": ({"GR_THREADS_MAX": 96}, {}),
+    "gr128": ({"GR_THREADS_MAX": 128}, {}),
 }
 ROWS = (4097, 32768)
 

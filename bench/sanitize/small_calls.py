@@ -4,8 +4,9 @@ synccheck): every CUDA kernel of adaln_lab at small shapes, 0 and 1 rows include
 - `final_adaln_out` (backend "cupy"), forward+backward: (H, D, T) = (264, 64, 3), (1024, 256, 1) and the
   real (5376, 2688, 3), at 0, 1, 7 and 300 rows (300 not at the real size), plus x (2, 7, H) (leading dims);
 - the blocks' kernels of adaln_lab/block_cuda.py, when it has them: modulation_table_fwd/bwd (H 264,
-  D 64, T 3, N = 18H), modulated_rms_norm_fwd/bwd and gated_residual_fwd/bwd on R = 3T table rows
-  (strided shift / scale / gate slices of the table) at 0, 1, 7 and 300 rows.
+  D 64, T 3, N = 18H), modulated_rms_norm_fwd/bwd (with and without d_residual), gated_residual_fwd/bwd and
+  gated_residual_norm_fwd/bwd on R = 3T table rows (strided shift / scale / gate slices of the table) at 0, 1,
+  7 and 300 rows.
 Every result is checked finite (and, for 0 rows, the parameter gradients exactly zero), so a workload that
 computes garbage fails here too. Prints one line per part and "small calls done".
 """
@@ -18,7 +19,8 @@ from adaln_lab.harness.inputs import make, upstream
 OP_SHAPES = (dict(H=264, D=64, T=3), dict(H=1024, D=256, T=1), dict(H=5376, D=2688, T=3))
 ROWS = (0, 1, 7, 300)
 BLOCK_FUNCTIONS = ("modulation_table_fwd", "modulation_table_bwd", "modulated_rms_norm_fwd",
-                   "modulated_rms_norm_bwd", "gated_residual_fwd", "gated_residual_bwd")
+                   "modulated_rms_norm_bwd", "gated_residual_fwd", "gated_residual_bwd", "gated_residual_norm_fwd",
+                   "gated_residual_norm_bwd")
 
 
 def _finite(*tensors) -> None:
@@ -77,11 +79,14 @@ def block_calls() -> None:
         idx = torch.randint(0, R, (rows,), device="cuda", generator=g)
         out, rstd = fns["modulated_rms_norm_fwd"](x, norm_weight, shift, scale, idx, 1e-5)
         grads = fns["modulated_rms_norm_bwd"](dy, x, norm_weight, shift, scale, idx, rstd)
+        grads_res = fns["modulated_rms_norm_bwd"](dy, x, norm_weight, shift, scale, idx, rstd, d_residual=y)
         gated = fns["gated_residual_fwd"](x, gate, y, idx)
         d_gate, d_y = fns["gated_residual_bwd"](dy, gate, y, idx)
-        _finite(out, rstd, *grads, gated, d_gate, d_y)
+        x_out, out2, rstd2 = fns["gated_residual_norm_fwd"](x, gate, y, idx, norm_weight, shift, scale, 1e-5)
+        fused = fns["gated_residual_norm_bwd"](y, dy, x_out, gate, y, idx, norm_weight, shift, scale, rstd2)
+        _finite(out, rstd, *grads, *grads_res, gated, d_gate, d_y, x_out, out2, rstd2, *fused)
         if rows == 0:
-            assert not any(t.any() for t in (*grads[1:], d_gate))
+            assert not any(t.any() for t in (*grads[1:], *grads_res[1:], d_gate, *fused[1:2], *fused[3:]))
     print("block kernels: done")
 
 

@@ -1,0 +1,160 @@
+"""`gated_residual_norm`: an H3 block's first gated residual and its second modulated RMSNorm as one op.
+
+    x_out, out = gated_residual_norm(x (..., S, H), gate (R, H), y (..., S, H), norm_weight (H,),
+                                     shift (R, H), scale (R, H), row_index (S,), eps)
+    x_out = gated_residual(x, gate, y, row_index)
+    out   = modulated_rms_norm(x_out, norm_weight, shift, scale, row_index, eps)
+
+Broadcast and dtypes as the two ops (`adaln_lab.gated_residual`, `adaln_lab.modulated_rms_norm`): row s of
+every leading index uses table row row_index[s] for the gate and for the modulation; gate, shift, scale are
+float32 table chunks (any strides) holding `table_dtype` values. x_out goes on down the residual stream, out
+into the feed-forward, so x_out receives two gradients: the one from downstream and the norm's dx.
+
+Why one op: the unfused path reads x_out again for the norm (one pass over the rows more) and autograd
+adds x_out's two gradients in a kernel of its own (two passes more). Here the forward is one kernel
+(gated_residual_norm.cu) and the backward sums the residual gradient inside the norm's row pass
+(norm_modulate_bwd_residual_bf16) before the gated residual's backward reads it. Every output and gradient
+has the bits of the two ops run one after the other (tests/test_gated_residual_norm.py): the sum is
+rounded as autograd's bf16 add rounds it, bf16(bf16(norm dx) + d_x_out).
+
+Layers (as `adaln_lab.cuda_op`):
+- `torch.ops.adaln_lab.gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, eps,
+  table_dtype) -> (x_out, out, rstd (rows,))` and `torch.ops.adaln_lab.gated_residual_norm_bwd(d_x_out,
+  d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype) -> (dx, d_gate, d_y,
+  d_norm_weight, d_shift, d_scale)`: custom ops with fake kernels and `register_autograd`.
+- Default (CPU) kernels: the two ops' torch code composed (diffusers' forward bit for bit).
+- CUDA kernels (`adaln_lab.block_cuda.gated_residual_norm_fwd / _bwd`) for bf16 x, y, norm_weight and
+  table_dtype with supported shapes; anything else runs the torch code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import gated_residual as gr
+from . import modulated_rms_norm as mrn
+
+
+def _fwd_torch(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype):
+    x_out = gr._fwd_torch(x, gate, y, row_index, table_dtype)
+    out, rstd = mrn._fwd_torch(x_out, norm_weight, shift, scale, row_index, eps, table_dtype)
+    return x_out, out, rstd
+
+
+def _bwd_torch(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype, x_dtype):
+    dx_norm, d_norm_weight, d_shift, d_scale = mrn._bwd_torch(d_out, x_out, norm_weight, shift, scale, row_index,
+                                                              rstd)
+    d_x_out = dx_norm + d_x_out.to(dx_norm.dtype)  # autograd's sum of x_out's two gradients
+    d_gate, d_y = gr._bwd_torch(d_x_out, gate, y, row_index, table_dtype)
+    return d_x_out.to(x_dtype), d_gate, d_y, d_norm_weight, d_shift, d_scale
+
+
+def _refuse(x, gate, y, row_index, norm_weight, shift, scale, table_dtype, **more) -> bool:
+    return mrn._kernels_refuse(x, shift.shape[0], table_dtype, gate, shift, scale, row_index,
+                               norm_weight=norm_weight, y=y, **more)
+
+
+@torch.library.custom_op("adaln_lab::gated_residual_norm_fwd", mutates_args=())
+def gated_residual_norm_fwd(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: torch.Tensor,
+                            norm_weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,
+                            table_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_out (..., S, H), out (..., S, H), rstd (rows,)) (module docstring)."""
+    return _fwd_torch(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype)
+
+
+@gated_residual_norm_fwd.register_fake
+def _(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype):
+    H = x.shape[-1]
+    x_dtype = torch.promote_types(x.dtype, torch.promote_types(table_dtype, y.dtype))
+    return (x.new_empty(x.shape, dtype=x_dtype), x.new_empty(x.shape, dtype=torch.promote_types(x_dtype, table_dtype)),
+            x.new_empty((x.numel() // H,), dtype=mrn._compute_dtype(x.new_empty((), dtype=x_dtype))))
+
+
+@gated_residual_norm_fwd.register_kernel("cuda")
+def _(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype):
+    if _refuse(x, gate, y, row_index, norm_weight, shift, scale, table_dtype):
+        return _fwd_torch(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype)
+    from . import block_cuda
+
+    with torch.cuda.device(x.device):
+        return block_cuda.gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, eps)
+
+
+@torch.library.custom_op("adaln_lab::gated_residual_norm_bwd", mutates_args=())
+def gated_residual_norm_bwd(d_x_out: torch.Tensor, d_out: torch.Tensor, x_out: torch.Tensor, gate: torch.Tensor,
+                            y: torch.Tensor, row_index: torch.Tensor, norm_weight: torch.Tensor,
+                            shift: torch.Tensor, scale: torch.Tensor, rstd: torch.Tensor, table_dtype: torch.dtype,
+                            x_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                           torch.Tensor, torch.Tensor]:
+    """(dx in x_dtype, d_gate (R, H), d_y, d_norm_weight (H,), d_shift (R, H), d_scale (R, H)) (module docstring)."""
+    return _bwd_torch(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype,
+                      x_dtype)
+
+
+@gated_residual_norm_bwd.register_fake
+def _(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype, x_dtype):
+    return (x_out.new_empty(x_out.shape, dtype=x_dtype), gate.new_empty(gate.shape), y.new_empty(y.shape),
+            norm_weight.new_empty(norm_weight.shape), shift.new_empty(shift.shape), scale.new_empty(scale.shape))
+
+
+@gated_residual_norm_bwd.register_kernel("cuda")
+def _(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype, x_dtype):
+    # the gradients are bf16 exactly when the forward's outputs were (the kernels' case)
+    if (_refuse(x_out, gate, y, row_index, norm_weight, shift, scale, table_dtype, rstd, d_x_out=d_x_out,
+                d_out=d_out) or rstd.dtype != torch.float32 or x_dtype != torch.bfloat16):
+        return _bwd_torch(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype,
+                          x_dtype)
+    from . import block_cuda
+
+    with torch.cuda.device(x_out.device):
+        dx, d_gate, d_y, d_norm_weight, d_shift, d_scale = block_cuda.gated_residual_norm_bwd(
+            d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd)
+    return dx, d_gate.to(gate.dtype), d_y, d_norm_weight, d_shift.to(shift.dtype), d_scale.to(scale.dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    x, gate, y, row_index, norm_weight, shift, scale, _, table_dtype = inputs
+    x_out, _, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    ctx.x_dtype, ctx.table_dtype = x.dtype, table_dtype
+    ctx.save_for_backward(x_out, gate, y, row_index, norm_weight, shift, scale, rstd)
+
+
+def _backward(ctx, d_x_out, d_out, d_rstd):
+    x_out, gate, y, row_index, norm_weight, shift, scale, rstd = ctx.saved_tensors
+    dx, d_gate, d_y, d_norm_weight, d_shift, d_scale = gated_residual_norm_bwd(
+        d_x_out.contiguous(), d_out.contiguous(), x_out, gate, y, row_index, norm_weight, shift, scale, rstd,
+        ctx.table_dtype, ctx.x_dtype)
+    return dx, d_gate, d_y, None, d_norm_weight, d_shift, d_scale, None, None
+
+
+gated_residual_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def gated_residual_norm(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, norm_weight: torch.Tensor,
+                        shift: torch.Tensor, scale: torch.Tensor, row_index: torch.Tensor, eps: float = 1e-5, *,
+                        table_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x_out = x + gate[row_index] * y` and `out = modulated_rms_norm(x_out, ...)`, differentiable, in one op.
+
+    Args:
+        x: (..., S, H) residual stream; y: (..., S, H) the branch output (attention), x's shape.
+        gate, shift, scale: (R, H) table chunks (any strides), float32 holding `table_dtype` values.
+        norm_weight: (H,) the RMSNorm's weight; eps its epsilon.
+        row_index: (S,) int64 in [0, R): the table row of each row (for every leading index).
+        table_dtype: the projection's dtype the chunks are cast back to (default x's).
+
+    Returns:
+        (x_out, out), both (..., S, H): x_out of dtype promote_types(x, table_dtype, y), out of
+        promote_types(x_out, table_dtype); diffusers' values for `x = x + gate * y; h = norm2(x) * ...`.
+    """
+    mrn.check_rows("gated_residual_norm", x, row_index, gate=gate, shift=shift, scale=scale)
+    if y.shape != x.shape:
+        raise ValueError(f"gated_residual_norm needs y of x's shape {tuple(x.shape)}, got {tuple(y.shape)}")
+    if not y.dtype.is_floating_point:
+        raise TypeError(f"gated_residual_norm needs a floating-point y, got {y.dtype}")
+    if norm_weight.shape != (x.shape[-1],):
+        raise ValueError(f"gated_residual_norm needs norm_weight of shape ({x.shape[-1]},), got "
+                         f"{tuple(norm_weight.shape)}")
+    table_dtype = x.dtype if table_dtype is None else table_dtype
+    x_out, out, _ = gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, float(eps), table_dtype)
+    return x_out, out
