@@ -4,7 +4,8 @@
 #     compute-sanitizer tools over the small calls;
 #   phase 2, alone on the GPU (timed): bench/dev/block_ab.py, then bench/dev/block_profile.py.
 # Everything lands in OUT_DIR, and OUT_DIR/all.tgz packs it (the device returns at most 8 files).
-#   bash bench/dev/device_run_check.sh OUT_DIR [BUDGET_S]
+#   [AB_VARIANTS="shipped unfused ..."] bash bench/dev/device_run_check.sh OUT_DIR [BUDGET_S]
+# (AB_VARIANTS: block_ab.py's variants; default every one)
 set -u
 out=$1
 budget=${2:-570}
@@ -17,8 +18,8 @@ step pytest-gpu 330 bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu tes
 wait
 echo "phase 1 done at $SECONDS s"; pack
 tail -3 "$out/pytest_gpu_$commit.txt"
-step block-ab 200 bash -c "python3 bench/dev/block_ab.py > $out/block_ab.json 2> $out/block_ab.log"
+step block-ab 200 bash -c "python3 bench/dev/block_ab.py ${AB_VARIANTS:-} > $out/block_ab_$commit.json 2> $out/block_ab.log"
 pack
-step block-profile 60 bash -c "python3 bench/dev/block_profile.py adaln_lab > $out/block_profile.txt 2>&1"
+step block-profile 60 bash -c "python3 bench/dev/block_profile.py adaln_lab > $out/block_profile_$commit.txt 2>&1"
 pack
 echo "done at $SECONDS s"
