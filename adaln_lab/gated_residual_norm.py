@@ -49,9 +49,9 @@ def _bwd_torch(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, sc
     return d_x_out.to(x_dtype), d_gate, d_y, d_norm_weight, d_shift, d_scale
 
 
-def _refuse(x, gate, y, row_index, norm_weight, shift, scale, table_dtype, **more) -> bool:
-    return mrn._kernels_refuse(x, shift.shape[0], table_dtype, gate, shift, scale, row_index,
-                               norm_weight=norm_weight, y=y, **more)
+def _refuse(x, gate, y, row_index, norm_weight, shift, scale, table_dtype, *others, **bf16_tensors) -> bool:
+    return mrn._kernels_refuse(x, shift.shape[0], table_dtype, gate, shift, scale, row_index, *others,
+                               norm_weight=norm_weight, y=y, **bf16_tensors)
 
 
 @torch.library.custom_op("adaln_lab::gated_residual_norm_fwd", mutates_args=())
