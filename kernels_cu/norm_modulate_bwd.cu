@@ -13,7 +13,9 @@
 // (from H alone), grid = Rows.bwd_ranges ranges of Rows.bwd_rows_per_range consecutive rows
 // (from the number of rows alone, never from the GPU).
 // Dynamic shared memory: ADALN_BWD_STAGES rows of x and dy (plan.bwd_smem; the loader opts in).
-// Pipeline: the block first copies its rows' timesteps to shared memory, then makes one pass
+// Pipeline: the block first copies its rows' timesteps and rstd to shared memory (a row's rstd read from
+// global memory in the loop cost a load latency per row: its register was shifted down the ring of rows
+// in flight, which waits for the load), then makes one pass
 // per timestep t = 0 .. T-1 over its rows of that timestep (norm_weight and 1 + scale[t] held in
 // registers for the pass; a pass without rows writes zero partials and reads nothing), with
 // the next ADALN_BWD_STAGES rows' x and dy arriving through cp.async while a row is reduced.
@@ -55,11 +57,12 @@ __device__ __forceinline__ void row_pass(const bf16_t* __restrict__ dy, const bf
                                          const bf16_t* __restrict__ norm_weight, const float* __restrict__ table_f32,
                                          const index_t* __restrict__ timestep_indices, bf16_t* __restrict__ dx,
                                          float* __restrict__ row_partials, int S, int rows, int rows_per_block,
-                                         uint4* stages, float* scratch, int* timesteps) {
+                                         uint4* stages, float* scratch, int* timesteps, float* row_rstd) {
     constexpr int STAGE_VECTORS = NIN * ADALN_BWD_VPT * ADALN_BWD_THREADS;
     const int r0 = blockIdx.x * rows_per_block;
     const int n = min(rows, r0 + rows_per_block) - r0;
     fill_row_timesteps(timesteps, timestep_indices, r0, n, S);
+    for (int i = threadIdx.x; i < n; i += ADALN_BWD_THREADS) row_rstd[i] = rstd[r0 + i];
     __syncthreads();
 
 #pragma unroll 1
@@ -89,12 +92,10 @@ __device__ __forceinline__ void row_pass(const bf16_t* __restrict__ dy, const bf
         }
 
         int pos[STAGES + 1];      // pos[0]: the row being reduced; then the rows in flight
-        float rstd_of[STAGES + 1];
 #pragma unroll
         for (int d = 0; d < STAGES; ++d) {
             pos[d] = next_in_pass(timesteps, d ? pos[d - 1] : -1, n, t);
             fetch_row_inputs<NIN>(stages + d * STAGE_VECTORS, x, dy, d_residual, r0 + pos[d], pos[d] < n);
-            rstd_of[d] = pos[d] < n ? rstd[r0 + pos[d]] : 0.0f;
         }
 #pragma unroll 1
         for (int k = 0; pos[0] < n; ++k) {
@@ -102,7 +103,7 @@ __device__ __forceinline__ void row_pass(const bf16_t* __restrict__ dy, const bf
             copy_async_wait<STAGES - 1>();
             const int row = r0 + pos[0];
             const bool invalid = timesteps[pos[0]] < 0;
-            const float row_rstd = rstd_of[0];
+            const float rstd_r = row_rstd[pos[0]];
             float xhat[ADALN_BWD_VPT][ADALN_VEC], g[ADALN_BWD_VPT][ADALN_VEC];
             float dot = 0.0f;
 #pragma unroll
@@ -114,7 +115,7 @@ __device__ __forceinline__ void row_pass(const bf16_t* __restrict__ dy, const bf
                     unpack8(stage[(ADALN_BWD_VPT + i) * ADALN_BWD_THREADS + threadIdx.x], dyv);
 #pragma unroll
                     for (int e = 0; e < ADALN_VEC; ++e) {
-                        xhat[i][e] *= row_rstd;
+                        xhat[i][e] *= rstd_r;
                         g[i][e] = dyv[e] * s1[i][e] * w[i][e];
                         dot = fmaf(g[i][e], xhat[i][e], dot);
                         sum_dy_xhat[i][e] = fmaf(dyv[e], xhat[i][e], sum_dy_xhat[i][e]);
@@ -133,7 +134,6 @@ __device__ __forceinline__ void row_pass(const bf16_t* __restrict__ dy, const bf
             // dy value; res_raw is read before the refill is issued)
             pos[STAGES] = next_in_pass(timesteps, pos[STAGES - 1], n, t);
             fetch_row_inputs<NIN>(stage, x, dy, d_residual, r0 + pos[STAGES], pos[STAGES] < n);
-            rstd_of[STAGES] = pos[STAGES] < n ? rstd[r0 + pos[STAGES]] : 0.0f;
 
             const float mean_dot = block_sum<ADALN_BWD_THREADS / 32>(dot, scratch) / (float)ADALN_H;
 #pragma unroll
@@ -143,7 +143,7 @@ __device__ __forceinline__ void row_pass(const bf16_t* __restrict__ dy, const bf
                     float d[ADALN_VEC];
 #pragma unroll
                     for (int e = 0; e < ADALN_VEC; ++e)
-                        d[e] = invalid ? __int_as_float(0x7fc00000) : row_rstd * (g[i][e] - xhat[i][e] * mean_dot);
+                        d[e] = invalid ? __int_as_float(0x7fc00000) : rstd_r * (g[i][e] - xhat[i][e] * mean_dot);
                     if (NIN == 3) {
                         float res[ADALN_VEC];
                         unpack8(res_raw[i], res);
@@ -162,7 +162,6 @@ __device__ __forceinline__ void row_pass(const bf16_t* __restrict__ dy, const bf
 #pragma unroll
             for (int d = 0; d < STAGES; ++d) {
                 pos[d] = pos[d + 1];
-                rstd_of[d] = rstd_of[d + 1];
             }
         }
 #pragma unroll
@@ -189,8 +188,9 @@ norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__
     extern __shared__ __align__(16) uint4 stages[];  // [ADALN_BWD_STAGES][2][ADALN_BWD_VPT][ADALN_BWD_THREADS]
     __shared__ float scratch[ADALN_BWD_THREADS / 32 + 1];
     __shared__ int timesteps[ADALN_ROW_LIST_MAX];
+    __shared__ float row_rstd[ADALN_ROW_LIST_MAX];
     row_pass<2, ADALN_BWD_STAGES>(dy, x, nullptr, rstd, norm_weight, table_f32, timestep_indices, dx, row_partials,
-                                  S, rows, rows_per_block, stages, scratch, timesteps);
+                                  S, rows, rows_per_block, stages, scratch, timesteps, row_rstd);
 }
 
 extern "C" __global__ void __launch_bounds__(ADALN_BWD_THREADS)
@@ -202,6 +202,7 @@ norm_modulate_bwd_residual_bf16(const bf16_t* __restrict__ dy, const bf16_t* __r
     extern __shared__ __align__(16) uint4 stages[];  // [ADALN_BWD_RES_STAGES][3][ADALN_BWD_VPT][ADALN_BWD_THREADS]
     __shared__ float scratch[ADALN_BWD_THREADS / 32 + 1];
     __shared__ int timesteps[ADALN_ROW_LIST_MAX];
+    __shared__ float row_rstd[ADALN_ROW_LIST_MAX];
     row_pass<3, ADALN_BWD_RES_STAGES>(dy, x, d_residual, rstd, norm_weight, table_f32, timestep_indices, dx,
-                                      row_partials, S, rows, rows_per_block, stages, scratch, timesteps);
+                                      row_partials, S, rows, rows_per_block, stages, scratch, timesteps, row_rstd);
 }

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device run for a kernel change about to be adopted, from a clean tree, within a wall-clock budget:
+#   phase 1, side by side (nothing timed): every GPU test; racecheck and memcheck over the small calls;
+#   phase 2, alone on the GPU (timed): the block report, the block profile, then the seed report (skipped
+#     when the budget is spent).
+# Everything lands in OUT_DIR; OUT_DIR/all.tgz packs it after each step (the device returns at most 8 files).
+#   bash bench/dev/device_run_adopt.sh OUT_DIR [BUDGET_S]
+set -u
+out=$1
+budget=${2:-500}
+mkdir -p "$out/sanitize"
+commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
+source "$(dirname "$0")/device_lib.sh"
+step pytest-gpu 330 bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu tests > $out/pytest_gpu_$commit.txt 2>&1" &
+SANITIZE_TIMEOUT=60 step sanitize 150 bash bench/sanitize/run.sh "$out/sanitize" racecheck memcheck &
+wait
+echo "phase 1 done at $SECONDS s"; tail -2 "$out/pytest_gpu_$commit.txt"; pack
+step block-report 120 bash -c "python3 -m adaln_lab block-report --out $out/block_report.json > $out/block_report.log 2>&1"
+pack
+step block-profile 60 bash -c "python3 bench/dev/block_profile.py adaln_lab > $out/block_profile_$commit.txt 2>&1"
+pack
+step report 200 bash -c "python3 -m adaln_lab report --out $out/report.json > $out/report.log 2>&1"
+pack
+echo "done at $SECONDS s"
