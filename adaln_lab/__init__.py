@@ -11,7 +11,7 @@ from .patch import patch, unpatch
 from .reference import golden, replay
 from .validate import validate
 
-__all__ = ["AdaLNOut", "AdaLNTransformerBlock", "block_adaln_path", "final_adaln_out", "gated_residual", "gated_residual_norm",
-           "golden",
+__all__ = ["AdaLNOut", "AdaLNTransformerBlock", "block_adaln_path", "final_adaln_out", "gated_residual",
+           "gated_residual_norm", "golden",
            "modulated_rms_norm", "modulation_table", "patch", "replay", "unpatch", "validate"]
 __version__ = "0.1.0"

@@ -10,8 +10,9 @@ rounding and autograd; these functions are their CUDA kernels:
   double by torch's reduction, the same kernel and order for a given shape, rounded once).
 - `modulated_rms_norm_fwd(x (..., S, H) bf16, norm_weight (H,) bf16, shift (R, H), scale (R, H),
   row_index (S,) int64, eps) -> out (..., S, H) bf16, rstd (rows,) fp32`, and
-  `modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd) -> dx, d_norm_weight (H,)
-  bf16, d_shift (R, H) fp32, d_scale (R, H) fp32`: norm_out's row kernels (norm_modulate.cu,
+  `modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None) -> dx,
+  d_norm_weight (H,) bf16, d_shift (R, H) fp32, d_scale (R, H) fp32` (with d_residual, x's shape: dx =
+  bf16(bf16(the norm's dx) + d_residual), in the row pass where three rows fit its stages, else torch's add): norm_out's row kernels (norm_modulate.cu,
   norm_modulate_bwd.cu, reduce_partials.cu) with the R table rows as their "timesteps"; shift and
   scale (any strides, values in bf16) are gathered into the (R, 2H) shift | scale layout those
   kernels read (bf16 for the forward, fp32 for the backward).
@@ -195,8 +196,7 @@ def gated_residual_bwd(dout, gate, y, row_index):
 
 def gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, eps: float):
     """(x_out, out, rstd): gated_residual_fwd then modulated_rms_norm_fwd of its output, in one kernel."""
-    R, H = shift.shape
-    plan, rows = _row_plan(x, R)
+    plan, rows = _row_plan(x, shift.shape[0])
     x, y, norm_weight, row_index = _aligned(x), _aligned(y), _aligned(norm_weight), row_index.contiguous()
     gate, stride = _gate_pointer(gate)
     table = torch.cat([shift, scale], dim=1).to(torch.bfloat16).contiguous()

@@ -4,8 +4,9 @@ The block shares the original's `norm1`, `attn`, `norm2`, `ff` and `adaln_proj` 
 tensors, state-dict keys and order, devices, dtypes) and has its forward signature
 `forward(hidden_states, temb, adaln_indices, rotary_emb, attention_mask=None)`. Its AdaLN path is
 `block_adaln_path`: `modulation_table` (the (T, 18H) float32 table), `modulated_rms_norm_and_residual`
-for norm1 (x's two gradients summed inside the norm's backward), `gated_residual_norm` for the first residual
-with norm2 (one op: one pass less, and the same gradient sum) and `gated_residual` for the second residual; attention and feed-forward are the shared modules, called as
+for norm1 (x's two gradients summed inside the norm's backward), `gated_residual_norm` for the first
+residual with norm2 (one op: one pass less, and the same gradient sum) and `gated_residual` for the second
+residual; attention and feed-forward are the shared modules, called as
 diffusers calls them. Importing this module never imports diffusers.
 
 Numerics: the forward replays diffusers (CPU: bit for bit; CUDA kernels: see the ops). Gradients reach
@@ -54,10 +55,11 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
     """One H3 block with `attn` and `ff` as given (module docstring of `adaln_lab.block_reference`):
 
         table = modulation_table(temb, weight, bias)          (T, 18H) -> six (3T, H) chunks
-        h = modulated_rms_norm(x, norm1_weight, shift_msa, scale_msa, row_index, eps1)
+        h, x = modulated_rms_norm_and_residual(x, norm1_weight, shift_msa, scale_msa, row_index, eps1)
         x, h = gated_residual_norm(x, gate_msa, attn(h), norm2_weight, shift_mlp, scale_mlp, row_index, eps2)
         x = gated_residual(x, gate_mlp, ff(h), row_index)
-    (the last two lines of diffusers' block in one op: `adaln_lab.gated_residual_norm`)
+    (diffusers' first residual and norm2 in one op, `adaln_lab.gated_residual_norm`; norm1 hands x on so
+    that x's two gradients are summed inside its backward)
 
     Args:
         x: (..., S, H) hidden states; temb (T, D); weight (18H, D), bias (18H,): `adaln_proj.linear`;

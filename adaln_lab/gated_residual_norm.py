@@ -20,11 +20,15 @@ rounded as autograd's bf16 add rounds it, bf16(bf16(norm dx) + d_x_out).
 Layers (as `adaln_lab.cuda_op`):
 - `torch.ops.adaln_lab.gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, eps,
   table_dtype) -> (x_out, out, rstd (rows,))` and `torch.ops.adaln_lab.gated_residual_norm_bwd(d_x_out,
-  d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype) -> (dx, d_gate, d_y,
-  d_norm_weight, d_shift, d_scale)`: custom ops with fake kernels and `register_autograd`.
+  d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype, x_dtype) -> (dx, d_gate,
+  d_y, d_norm_weight, d_shift, d_scale)` (d_x_out and d_out of x_out's shape, dx in x_dtype): custom ops
+  with fake kernels and `register_autograd`. When `out` is unused autograd hands the backward zeros, so
+  d_norm_weight, d_shift and d_scale come back as zeros where the unfused ops give None.
 - Default (CPU) kernels: the two ops' torch code composed (diffusers' forward bit for bit).
 - CUDA kernels (`adaln_lab.block_cuda.gated_residual_norm_fwd / _bwd`) for bf16 x, y, norm_weight and
-  table_dtype with supported shapes; anything else runs the torch code.
+  table_dtype with supported shapes; anything else runs the two ops one after the other, each on its own
+  kernels where it can (a bf16 gated residual with, say, an fp32 norm_weight keeps gated_residual.cu's
+  fixed-order d_gate), so the bits are the unfused ops' in every case.
 """
 
 from __future__ import annotations
@@ -47,6 +51,28 @@ def _bwd_torch(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, sc
     d_x_out = dx_norm + d_x_out.to(dx_norm.dtype)  # autograd's sum of x_out's two gradients
     d_gate, d_y = gr._bwd_torch(d_x_out, gate, y, row_index, table_dtype)
     return d_x_out.to(x_dtype), d_gate, d_y, d_norm_weight, d_shift, d_scale
+
+
+def _fwd_ops(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype):
+    """The two ops' forwards one after the other, each on its own kernels where it can."""
+    x_out = gr.gated_residual_fwd(x, gate, y, row_index, table_dtype)
+    out, rstd = mrn.modulated_rms_norm_fwd(x_out, norm_weight, shift, scale, row_index, eps, table_dtype)
+    return x_out, out, rstd
+
+
+def _bwd_ops(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype, x_dtype):
+    """The two ops' backwards one after the other (the norm's summing d_x_out in), each on its own kernels."""
+    dx, d_norm_weight, d_shift, d_scale = mrn.modulated_rms_norm_bwd(d_out, x_out, norm_weight, shift, scale,
+                                                                     row_index, rstd, d_x_out.to(x_out.dtype))
+    d_gate, d_y = gr.gated_residual_bwd(dx, gate, y, row_index, table_dtype)
+    return dx.to(x_dtype), d_gate, d_y, d_norm_weight, d_shift, d_scale
+
+
+def _check_gradients(x_out, **gradients) -> None:
+    for name, t in gradients.items():
+        if t.shape != x_out.shape:
+            raise ValueError(f"gated_residual_norm_bwd needs {name} of x_out's shape {tuple(x_out.shape)}, got "
+                             f"{tuple(t.shape)}")
 
 
 def _refuse(x, gate, y, row_index, norm_weight, shift, scale, table_dtype, *others, **bf16_tensors) -> bool:
@@ -73,7 +99,7 @@ def _(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype):
 @gated_residual_norm_fwd.register_kernel("cuda")
 def _(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype):
     if _refuse(x, gate, y, row_index, norm_weight, shift, scale, table_dtype):
-        return _fwd_torch(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype)
+        return _fwd_ops(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype)
     from . import block_cuda
 
     with torch.cuda.device(x.device):
@@ -87,6 +113,7 @@ def gated_residual_norm_bwd(d_x_out: torch.Tensor, d_out: torch.Tensor, x_out: t
                             x_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                            torch.Tensor, torch.Tensor]:
     """(dx in x_dtype, d_gate (R, H), d_y, d_norm_weight (H,), d_shift (R, H), d_scale (R, H)) (module docstring)."""
+    _check_gradients(x_out, d_x_out=d_x_out, d_out=d_out)
     return _bwd_torch(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype,
                       x_dtype)
 
@@ -100,10 +127,11 @@ def _(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd
 @gated_residual_norm_bwd.register_kernel("cuda")
 def _(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype, x_dtype):
     # the gradients are bf16 exactly when the forward's outputs were (the kernels' case)
+    _check_gradients(x_out, d_x_out=d_x_out, d_out=d_out)
     if (_refuse(x_out, gate, y, row_index, norm_weight, shift, scale, table_dtype, rstd, d_x_out=d_x_out,
                 d_out=d_out) or rstd.dtype != torch.float32 or x_dtype != torch.bfloat16):
-        return _bwd_torch(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype,
-                          x_dtype)
+        return _bwd_ops(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype,
+                        x_dtype)
     from . import block_cuda
 
     with torch.cuda.device(x_out.device):

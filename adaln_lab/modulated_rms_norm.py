@@ -13,8 +13,11 @@ promote_types(x.dtype, table_dtype).
 Layers (as `adaln_lab.cuda_op`):
 - `torch.ops.adaln_lab.modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, eps, table_dtype)
   -> (out (..., S, H), rstd (rows,))` and `torch.ops.adaln_lab.modulated_rms_norm_bwd(dy, x, norm_weight,
-  shift, scale, row_index, rstd) -> (dx, d_norm_weight, d_shift, d_scale)`: custom ops with fake kernels
-  and `register_autograd`. rows = x.numel() / H; rstd = rsqrt(mean(x^2) + eps) per row, in
+  shift, scale, row_index, rstd, d_residual=None) -> (dx, d_norm_weight, d_shift, d_scale)` (with d_residual,
+  x's shape, dx is the norm's dx plus d_residual, added in x's dtype): custom ops with fake kernels and
+  `register_autograd`.
+- `modulated_rms_norm_and_residual(x, ...) -> (out, x)`: the norm, and x itself handed on down the residual
+  stream, whose gradient is summed inside the norm's backward (an autograd.Function over the two ops). rows = x.numel() / H; rstd = rsqrt(mean(x^2) + eps) per row, in
   promote_types(x.dtype, float32).
 - Default (CPU) kernels, torch code: the forward is the replay; the backward the exact derivative of
   the unrounded function at the given inputs (the forward's roundings, of `1 + scale` and of the
@@ -56,7 +59,14 @@ def _fwd_torch(x, norm_weight, shift, scale, row_index, eps, table_dtype):
     return out.contiguous(), rstd
 
 
+def _check_residual(x, d_residual) -> None:
+    if d_residual is not None and d_residual.shape != x.shape:
+        raise ValueError(f"modulated_rms_norm_bwd needs d_residual of x's shape {tuple(x.shape)}, got "
+                         f"{tuple(d_residual.shape)}")
+
+
 def _bwd_torch(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None):
+    _check_residual(x, d_residual)
     H, R = x.shape[-1], shift.shape[0]
     c = rstd.dtype
     idx = _rows_index(row_index, x)
@@ -129,6 +139,7 @@ def _(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None):
 @modulated_rms_norm_bwd.register_kernel("cuda")
 def _(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None):
     # dy is bf16 exactly when the forward's output was, i.e. when the forward ran the kernels
+    _check_residual(x, d_residual)
     more = {} if d_residual is None else {"d_residual": d_residual}
     if (_kernels_refuse(x, shift.shape[0], torch.bfloat16, shift, scale, row_index, rstd, norm_weight=norm_weight,
                         dy=dy, **more) or rstd.dtype != torch.float32):
@@ -225,13 +236,16 @@ def modulated_rms_norm_and_residual(x: torch.Tensor, norm_weight: torch.Tensor, 
                                     table_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(modulated_rms_norm(x, ...), x): the norm and x itself (a view) to carry on down the residual stream.
 
-    Same values and gradients as `modulated_rms_norm` with x used again by the caller, bit for bit; x's two
-    gradients (the norm's and the one reaching the returned x) are summed inside the norm's backward (on the
-    CUDA kernels, in its row pass: one pass over the rows instead of three). Arguments as `modulated_rms_norm`.
+    Same values and gradients, bit for bit, as `modulated_rms_norm` with the caller then using x in place of
+    the returned view: x's two gradients (the norm's and the one reaching the returned x) are summed inside
+    the norm's backward (on the CUDA kernels, in its row pass: one pass over the rows instead of three).
+    If the caller uses the original x as well, its third gradient is added by autograd afterwards (the same
+    values, another order of the additions). The returned x is a view of x made by an autograd.Function:
+    modifying it in place under grad mode raises. Arguments as `modulated_rms_norm`.
     """
-    check_rows("modulated_rms_norm", x, row_index, shift=shift, scale=scale)
+    check_rows("modulated_rms_norm_and_residual", x, row_index, shift=shift, scale=scale)
     if norm_weight.shape != (x.shape[-1],):
-        raise ValueError(f"modulated_rms_norm needs norm_weight of shape ({x.shape[-1]},), got "
+        raise ValueError(f"modulated_rms_norm_and_residual needs norm_weight of shape ({x.shape[-1]},), got "
                          f"{tuple(norm_weight.shape)}")
     table_dtype = x.dtype if table_dtype is None else table_dtype
     return _NormKeepingX.apply(x, norm_weight, shift, scale, row_index, float(eps), table_dtype)

@@ -199,7 +199,8 @@ class Plan:
         t = dict(self.tuning)
         return dict(H=self.H, D=self.D, T=self.T, FWD_THREADS=self.fwd_threads, FWD_VPT=self.fwd_vpt,
                     FWD_STAGES=max(self.fwd_stages, 1), BWD_THREADS=self.bwd_threads, BWD_VPT=self.bwd_vpt,
-                    BWD_STAGES=self.bwd_stages, BWD_RES_STAGES=max(self.bwd_res_stages, 1), TABLE_THREADS=t["TABLE_THREADS"],
+                    BWD_STAGES=self.bwd_stages, BWD_RES_STAGES=max(self.bwd_res_stages, 1),
+                    TABLE_THREADS=t["TABLE_THREADS"],
                     TABLE_ROWS_PER_WARP=t["TABLE_ROWS_PER_WARP"],
                     FWD_ROW_LIST_MAX=t["FWD_ROW_LIST_MAX"], ROW_LIST_MAX=t["ROW_LIST_MAX"],
                     TB_THREADS=t["TB_THREADS"], TB_ROWS=t["TB_ROWS"], TB_COLUMNS=TB_COLUMNS,
@@ -251,9 +252,12 @@ def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = Fal
         fwd_stages -= 1
     if fwd_stages < 2:
         fwd_stages = 0  # fall back to one row per block: same threads, same tree, same bits per row
+    if BWD_STAGE_BUDGET + 8 * t["ROW_LIST_MAX"] + 4 * (bwd_threads // 32 + 1) > SMEM_BLOCK_MAX:
+        raise ValueError(f"ROW_LIST_MAX {t['ROW_LIST_MAX']}: the backward's row list (timestep and rstd of each "
+                         f"row, static shared memory) does not fit beside its stages")
     bwd_stage = 2 * bwd_threads * bwd_vpt * 16
     bwd_stages = min(t["BWD_STAGES"], BWD_STAGE_BUDGET // bwd_stage)  # a wide row keeps fewer stages
-    # 0 where three rows do not fit (H > 34128): the gradient sum then runs as a torch add after the plain kernel
+    # 0 where three rows do not fit (H > 33280): the gradient sum then runs as a torch add after the plain kernel
     bwd_res_stages = min(t["BWD_STAGES"], BWD_STAGE_BUDGET // (3 * bwd_threads * bwd_vpt * 16))
     if bwd_stages < 1:
         raise ValueError(f"backend='cupy' needs H (x.shape[-1]) <= {H_MAX}, got {H}; use backend='torch'")

@@ -89,11 +89,33 @@ def test_checks_its_arguments():
         gated_residual_norm(x, gate, y, norm_weight, shift, scale, row_index[:-1])
 
 
-def test_custom_ops_pass_opcheck():
+@pytest.mark.parametrize("norm_dtype", [torch.bfloat16, torch.float32])
+def test_custom_ops_pass_opcheck(norm_dtype):
     (x, gate, y, norm_weight, shift, scale), row_index, d_x_out, d_out = _case(S=12)
+    norm_weight = norm_weight.to(norm_dtype)
+    gate, shift, scale = (t.detach() for t in (gate, shift, scale))
     x, gate, y = (t.detach().requires_grad_(True) for t in (x, gate, y))
-    torch.library.opcheck(torch.ops.adaln_lab.gated_residual_norm_fwd.default,
-                          (x, gate, y, row_index, norm_weight, shift.detach(), scale.detach(), EPS, torch.bfloat16))
+    fwd = torch.ops.adaln_lab.gated_residual_norm_fwd.default
+    torch.library.opcheck(fwd, (x, gate, y, row_index, norm_weight, shift, scale, EPS, torch.bfloat16))
+    x_out, _, rstd = fwd(x.detach(), gate.detach(), y.detach(), row_index, norm_weight, shift, scale, EPS,
+                         torch.bfloat16)
+    torch.library.opcheck(torch.ops.adaln_lab.gated_residual_norm_bwd.default,
+                          (d_x_out, d_out, x_out, gate.detach(), y.detach(), row_index, norm_weight, shift, scale,
+                           rstd, torch.bfloat16, torch.bfloat16))
+    torch.library.opcheck(torch.ops.adaln_lab.modulated_rms_norm_bwd.default,
+                          (d_out, x_out, norm_weight, shift, scale, row_index, rstd, d_x_out))
+
+
+def test_backward_ops_refuse_gradients_of_another_shape():
+    (x, gate, y, norm_weight, shift, scale), row_index, d_x_out, d_out = _case(S=12, lead=(2,))
+    x_out, _, rstd = torch.ops.adaln_lab.gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale,
+                                                                  EPS, torch.bfloat16)
+    with pytest.raises(ValueError, match="d_x_out of x_out's shape"):
+        torch.ops.adaln_lab.gated_residual_norm_bwd(d_x_out[0], d_out, x_out, gate, y, row_index, norm_weight, shift,
+                                                    scale, rstd, torch.bfloat16, torch.bfloat16)
+    with pytest.raises(ValueError, match="d_residual of x's shape"):
+        torch.ops.adaln_lab.modulated_rms_norm_bwd(d_out, x_out, norm_weight, shift, scale, row_index, rstd,
+                                                   d_x_out[0])
 
 
 def test_rows_too_wide_for_three_staged_inputs_take_the_torch_add():
@@ -104,10 +126,12 @@ def test_rows_too_wide_for_three_staged_inputs_take_the_torch_add():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H_,S,lead", [(5376, 1031, ()), (1024, 300, (2,)), (256, 0, ()), (34816, 5, ())])
+@pytest.mark.parametrize("H_,S,lead", [(5376, 1031, ()), (1024, 300, (2,)), (256, 0, ()), (10240, 40, ()),
+                                       (16904, 9, ()), (34816, 5, ())])
 def test_gpu_kernels_equal_the_two_ops_bit_for_bit(H_, S, lead):
-    """H 5376 (the real block), leading dims, an empty batch, and H 34816, whose three staged inputs do not
-    fit (plan.bwd_res_stages == 0: the plain row pass and torch's add)."""
+    """H 5376 (the real block), leading dims, an empty batch, H 10240 and 16904 (3 and 1 stages of three
+    inputs), and H 34816, whose three staged inputs do not fit (plan.bwd_res_stages == 0: the plain row pass
+    and torch's add)."""
     leaves, row_index, d_x_out, d_out = _case(S=S, lead=lead, seed=H_, device="cuda", H_=H_, D_=64)
     got = _run(_fused, leaves, row_index, d_x_out, d_out)
     _assert_same_bits(got, _run(_separate, leaves, row_index, d_x_out, d_out))
@@ -120,10 +144,26 @@ def test_gpu_invalid_row_index_poisons_its_row_and_the_sums():
     row_index = row_index.clone()
     row_index[5] = R
     x, gate, y, norm_weight, shift, scale = leaves
-    x_out, out, _ = torch.ops.adaln_lab.gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale,
+    x_out, out, rstd = torch.ops.adaln_lab.gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale,
                                                                   EPS, torch.bfloat16)
     assert x_out[5].isnan().all() and out[5].isnan().all()
     assert not x_out[torch.arange(64, device="cuda") != 5].isnan().any()
+    d_x_out, d_out = d_x_out.to(x_out.dtype), d_out.to(out.dtype)
+    dx, d_gate, d_y, d_norm_weight, d_shift, d_scale = torch.ops.adaln_lab.gated_residual_norm_bwd(
+        d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, torch.bfloat16, torch.bfloat16)
+    assert dx[5].isnan().all() and d_y[5].isnan().all()  # its row, and table row 0's sums (where it is counted)
+    assert d_gate[0].isnan().all() and d_shift[0].isnan().all() and d_scale[0].isnan().all()
+
+
+@pytest.mark.gpu
+def test_gpu_norm_weight_of_another_dtype_keeps_the_gated_residual_kernel():
+    """bf16 x, y and table with an fp32 norm_weight: the norm runs torch's code, the gated residual its kernel
+    (fixed-order d_gate, repeatable), and the fused op gives the unfused ops' bits."""
+    leaves, row_index, d_x_out, d_out = _case(S=300, seed=11, device="cuda", H_=1024, D_=64)
+    leaves = [*leaves[:3], leaves[3].float(), *leaves[4:]]
+    got = _run(_fused, leaves, row_index, d_x_out, d_out)
+    _assert_same_bits(got, _run(_separate, leaves, row_index, d_x_out, d_out))
+    assert torch.equal(_run(_fused, leaves, row_index, d_x_out, d_out)[3], got[3])  # d_gate repeats
 
 
 def _norm_and_x(fused):

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # A short device run from a clean tree of the commit measured: the block's GPU tests side by side with
 # the invariance notebook (nothing timed), then, alone on the GPU, bench/dev/block_ab.py on the variants
-# given (default: shipped gr96 gr224 fused_table_bwd). Everything lands in OUT_DIR/all.tgz.
+# given (default: shipped unfused gr128). Everything lands in OUT_DIR/all.tgz.
 #   bash bench/dev/device_run_ab.sh OUT_DIR [BUDGET_S] [VARIANT ...]
 set -u
 out=$1
 budget=${2:-420}
 shift $(( $# < 2 ? $# : 2 ))
-variants=${*:-shipped gr96 gr224 fused_table_bwd}
+variants=${*:-shipped unfused gr128}
 mkdir -p "$out/lab" "$out/notebooks"
 commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 export ADALN_LAB_SAVE_DIR=$out/lab
