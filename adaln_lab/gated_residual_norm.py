@@ -24,7 +24,7 @@ Layers (as `adaln_lab.cuda_op`):
   d_y, d_norm_weight, d_shift, d_scale)` (d_x_out and d_out of x_out's shape, dx in x_dtype): custom ops
   with fake kernels and `register_autograd`. When `out` is unused autograd hands the backward zeros, so
   d_norm_weight, d_shift and d_scale come back as zeros where the unfused ops give None.
-- Default (CPU) kernels: the two ops' torch code composed (diffusers' forward bit for bit).
+- Default (CPU) kernels: the two ops one after the other (their torch code: diffusers' forward bit for bit).
 - CUDA kernels (`adaln_lab.block_cuda.gated_residual_norm_fwd / _bwd`) for bf16 x, y, norm_weight and
   table_dtype with supported shapes; anything else runs the two ops one after the other, each on its own
   kernels where it can (a bf16 gated residual with, say, an fp32 norm_weight keeps gated_residual.cu's
@@ -37,20 +37,6 @@ import torch
 
 from . import gated_residual as gr
 from . import modulated_rms_norm as mrn
-
-
-def _fwd_torch(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype):
-    x_out = gr._fwd_torch(x, gate, y, row_index, table_dtype)
-    out, rstd = mrn._fwd_torch(x_out, norm_weight, shift, scale, row_index, eps, table_dtype)
-    return x_out, out, rstd
-
-
-def _bwd_torch(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype, x_dtype):
-    dx_norm, d_norm_weight, d_shift, d_scale = mrn._bwd_torch(d_out, x_out, norm_weight, shift, scale, row_index,
-                                                              rstd)
-    d_x_out = dx_norm + d_x_out.to(dx_norm.dtype)  # autograd's sum of x_out's two gradients
-    d_gate, d_y = gr._bwd_torch(d_x_out, gate, y, row_index, table_dtype)
-    return d_x_out.to(x_dtype), d_gate, d_y, d_norm_weight, d_shift, d_scale
 
 
 def _fwd_ops(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype):
@@ -85,7 +71,7 @@ def gated_residual_norm_fwd(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor
                             norm_weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,
                             table_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x_out (..., S, H), out (..., S, H), rstd (rows,)) (module docstring)."""
-    return _fwd_torch(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype)
+    return _fwd_ops(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype)
 
 
 @gated_residual_norm_fwd.register_fake
@@ -114,8 +100,7 @@ def gated_residual_norm_bwd(d_x_out: torch.Tensor, d_out: torch.Tensor, x_out: t
                                                            torch.Tensor, torch.Tensor]:
     """(dx in x_dtype, d_gate (R, H), d_y, d_norm_weight (H,), d_shift (R, H), d_scale (R, H)) (module docstring)."""
     _check_gradients(x_out, d_x_out=d_x_out, d_out=d_out)
-    return _bwd_torch(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype,
-                      x_dtype)
+    return _bwd_ops(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype, x_dtype)
 
 
 @gated_residual_norm_bwd.register_fake
