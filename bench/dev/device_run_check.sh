@@ -13,7 +13,7 @@ mkdir -p "$out/sanitize"
 commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 source "$(dirname "$0")/device_lib.sh"
 step pytest-gpu 330 bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu tests > $out/pytest_gpu_$commit.txt 2>&1" &
-( step numba-registers 60 bash -c "python3 bench/dev/numba_registers.py > $out/numba_registers.json 2>&1"
+( step numba-registers 60 bash -c "python3 bench/dev/numba_registers.py > $out/numba_registers.json 2> $out/numba_registers.log"
   SANITIZE_TIMEOUT=60 step sanitize 250 bash bench/sanitize/run.sh "$out/sanitize" memcheck racecheck initcheck synccheck ) &
 wait
 echo "phase 1 done at $SECONDS s"; pack
