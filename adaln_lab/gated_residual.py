@@ -119,10 +119,6 @@ def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_ind
     Returns:
         (..., S, H) tensor of dtype promote_types(x.dtype, table_dtype, y.dtype), diffusers' output.
     """
-    check_rows("gated_residual", x, row_index, gate=gate)
-    if y.shape != x.shape:
-        raise ValueError(f"gated_residual needs y of x's shape {tuple(x.shape)}, got {tuple(y.shape)}")
-    if not y.dtype.is_floating_point:
-        raise TypeError(f"gated_residual needs a floating-point y, got {y.dtype}")
+    check_rows("gated_residual", x, row_index, y=y, gate=gate)
     table_dtype = x.dtype if table_dtype is None else table_dtype
     return gated_residual_fwd(x, gate, y, row_index, table_dtype)

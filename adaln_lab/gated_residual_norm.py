@@ -160,14 +160,8 @@ def gated_residual_norm(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, no
         (x_out, out), both (..., S, H): x_out of dtype promote_types(x, table_dtype, y), out of
         promote_types(x_out, table_dtype); diffusers' values for `x = x + gate * y; h = norm2(x) * ...`.
     """
-    mrn.check_rows("gated_residual_norm", x, row_index, gate=gate, shift=shift, scale=scale)
-    if y.shape != x.shape:
-        raise ValueError(f"gated_residual_norm needs y of x's shape {tuple(x.shape)}, got {tuple(y.shape)}")
-    if not y.dtype.is_floating_point:
-        raise TypeError(f"gated_residual_norm needs a floating-point y, got {y.dtype}")
-    if norm_weight.shape != (x.shape[-1],):
-        raise ValueError(f"gated_residual_norm needs norm_weight of shape ({x.shape[-1]},), got "
-                         f"{tuple(norm_weight.shape)}")
+    mrn.check_rows("gated_residual_norm", x, row_index, y=y, norm_weight=norm_weight, gate=gate, shift=shift,
+                   scale=scale)
     table_dtype = x.dtype if table_dtype is None else table_dtype
     x_out, out, _ = gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, float(eps), table_dtype)
     return x_out, out

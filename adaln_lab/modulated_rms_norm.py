@@ -15,10 +15,10 @@ Layers (as `adaln_lab.cuda_op`):
   -> (out (..., S, H), rstd (rows,))` and `torch.ops.adaln_lab.modulated_rms_norm_bwd(dy, x, norm_weight,
   shift, scale, row_index, rstd, d_residual=None) -> (dx, d_norm_weight, d_shift, d_scale)` (with d_residual,
   x's shape, dx is the norm's dx plus d_residual, added in x's dtype): custom ops with fake kernels and
-  `register_autograd`.
-- `modulated_rms_norm_and_residual(x, ...) -> (out, x)`: the norm, and x itself handed on down the residual
-  stream, whose gradient is summed inside the norm's backward (an autograd.Function over the two ops). rows = x.numel() / H; rstd = rsqrt(mean(x^2) + eps) per row, in
+  `register_autograd`. rows = x.numel() / H; rstd = rsqrt(mean(x^2) + eps) per row, in
   promote_types(x.dtype, float32).
+- `modulated_rms_norm_and_residual(x, ...) -> (out, x)`: the norm, and x itself handed on down the residual
+  stream, whose gradient is summed inside the norm's backward (an autograd.Function over the two ops).
 - Default (CPU) kernels, torch code: the forward is the replay; the backward the exact derivative of
   the unrounded function at the given inputs (the forward's roundings, of `1 + scale` and of the
   normalised rows, left out: the float64 golden's derivative), per row in float32 (float64 for float64 x):
@@ -187,9 +187,11 @@ class _NormKeepingX(torch.autograd.Function):
         return (*grads, None, None, None)
 
 
-def check_rows(op: str, x: torch.Tensor, row_index: torch.Tensor, **tables: torch.Tensor) -> None:
-    """Raise ValueError / TypeError naming the argument unless x (..., S, H), row_index (S,) int64 and each
-    table argument (R, H) (one R for all) fit."""
+def check_rows(op: str, x: torch.Tensor, row_index: torch.Tensor, *, y: torch.Tensor | None = None,
+               norm_weight: torch.Tensor | None = None, **tables: torch.Tensor) -> None:
+    """Raise ValueError / TypeError naming the argument unless x (..., S, H), row_index (S,) int64, each
+    table argument (R, H) (one R for all) and, where given, y (x's shape, floating point) and norm_weight
+    (H,) fit."""
     if x.dim() < 2:
         raise ValueError(f"{op} needs x of shape (..., S, H), got {tuple(x.shape)}")
     S, H = x.shape[-2], x.shape[-1]
@@ -202,7 +204,11 @@ def check_rows(op: str, x: torch.Tensor, row_index: torch.Tensor, **tables: torc
         if t.dim() != 2 or t.shape[1] != H or len(rows) != 1:
             raise ValueError(f"{op} needs {', '.join(tables)} of one shape (R, H) with H = {H}, got {name} "
                              f"{tuple(t.shape)}")
-    for name, t in (("x", x), *tables.items()):
+    if y is not None and y.shape != x.shape:
+        raise ValueError(f"{op} needs y of x's shape {tuple(x.shape)}, got {tuple(y.shape)}")
+    if norm_weight is not None and norm_weight.shape != (H,):
+        raise ValueError(f"{op} needs norm_weight of shape ({H},), got {tuple(norm_weight.shape)}")
+    for name, t in (("x", x), *tables.items(), *((("y", y),) if y is not None else ())):
         if not t.dtype.is_floating_point:
             raise TypeError(f"{op} needs a floating-point {name}, got {t.dtype}")
 
@@ -223,10 +229,7 @@ def modulated_rms_norm(x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.
     Returns:
         (..., S, H) tensor of dtype promote_types(x.dtype, table_dtype), diffusers' output.
     """
-    check_rows("modulated_rms_norm", x, row_index, shift=shift, scale=scale)
-    if norm_weight.shape != (x.shape[-1],):
-        raise ValueError(f"modulated_rms_norm needs norm_weight of shape ({x.shape[-1]},), got "
-                         f"{tuple(norm_weight.shape)}")
+    check_rows("modulated_rms_norm", x, row_index, norm_weight=norm_weight, shift=shift, scale=scale)
     table_dtype = x.dtype if table_dtype is None else table_dtype
     return modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, float(eps), table_dtype)[0]
 
@@ -243,9 +246,6 @@ def modulated_rms_norm_and_residual(x: torch.Tensor, norm_weight: torch.Tensor, 
     values, another order of the additions). The returned x is a view of x made by an autograd.Function:
     modifying it in place under grad mode raises. Arguments as `modulated_rms_norm`.
     """
-    check_rows("modulated_rms_norm_and_residual", x, row_index, shift=shift, scale=scale)
-    if norm_weight.shape != (x.shape[-1],):
-        raise ValueError(f"modulated_rms_norm_and_residual needs norm_weight of shape ({x.shape[-1]},), got "
-                         f"{tuple(norm_weight.shape)}")
+    check_rows("modulated_rms_norm_and_residual", x, row_index, norm_weight=norm_weight, shift=shift, scale=scale)
     table_dtype = x.dtype if table_dtype is None else table_dtype
     return _NormKeepingX.apply(x, norm_weight, shift, scale, row_index, float(eps), table_dtype)
