@@ -12,7 +12,8 @@ rounding and autograd; these functions are their CUDA kernels:
   row_index (S,) int64, eps) -> out (..., S, H) bf16, rstd (rows,) fp32`, and
   `modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None) -> dx,
   d_norm_weight (H,) bf16, d_shift (R, H) fp32, d_scale (R, H) fp32` (with d_residual, x's shape: dx =
-  bf16(bf16(the norm's dx) + d_residual), in the row pass where three rows fit its stages, else torch's add): norm_out's row kernels (norm_modulate.cu,
+  bf16(bf16(the norm's dx) + d_residual), in the row pass where three rows fit its stages, else torch's add):
+  norm_out's row kernels (norm_modulate.cu,
   norm_modulate_bwd.cu, reduce_partials.cu) with the R table rows as their "timesteps"; shift and
   scale (any strides, values in bf16) are gathered into the (R, 2H) shift | scale layout those
   kernels read (bf16 for the forward, fp32 for the backward).

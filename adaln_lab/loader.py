@@ -36,10 +36,9 @@ KERNEL_FILES = ("adaln_common.cuh", "table.cu", "norm_modulate.cu", "norm_modula
 INCLUDE_LINE = '#include "adaln_common.cuh"'
 COMPILE_OPTIONS = ("--std=c++17",)
 KERNELS = ("table_bf16", "norm_modulate_bf16", "norm_modulate_rowwise_bf16", "norm_modulate_bwd_bf16",
-           "norm_modulate_bwd_residual_bf16", "reduce_partials_bf16", "table_bwd_bf16", "table_bwd_d_weight_bf16", "table_bwd_dact_bf16",
-           "table_bwd_reduce",
-           "gated_residual_fwd_bf16", "gated_residual_bwd_bf16", "gated_residual_reduce",
-           "gated_residual_norm_bf16")
+           "norm_modulate_bwd_residual_bf16", "reduce_partials_bf16", "table_bwd_bf16", "table_bwd_d_weight_bf16",
+           "table_bwd_dact_bf16", "table_bwd_reduce", "gated_residual_fwd_bf16", "gated_residual_bwd_bf16",
+           "gated_residual_reduce", "gated_residual_norm_bf16")
 DEFAULT_CACHE_DIR = os.path.expanduser("~/.cupy/kernel_cache")  # CuPy's default
 # driver statuses of an unusable image: INVALID_IMAGE, NO_BINARY_FOR_GPU, INVALID_PTX, UNSUPPORTED_PTX_VERSION,
 BAD_BINARY_STATUSES = frozenset({200, 209, 218, 222, 300, 302, 303, 500})  # INVALID_SOURCE, SHARED_OBJECT_*, NOT_FOUND
