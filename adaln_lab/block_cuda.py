@@ -7,16 +7,18 @@ rounding and autograd; these functions are their CUDA kernels:
   holding bf16 values (table.cu with N columns: the fixed-order GEMV, each row T-invariant).
 - `modulation_table_bwd(d_table (T, N) fp32, temb, weight) -> d_temb (T, D) fp32, d_weight (N, D) bf16,
   d_bias (N,) bf16` (table_bwd.cu in a fixed order; d_bias: the T values of a column summed in
-  double by torch's reduction, the same kernel and order for a given shape, rounded once).
+  order in double by table_bwd's blocks, rounded once).
 - `modulated_rms_norm_fwd(x (..., S, H) bf16, norm_weight (H,) bf16, shift (R, H), scale (R, H),
   row_index (S,) int64, eps) -> out (..., S, H) bf16, rstd (rows,) fp32`, and
   `modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None) -> dx,
   d_norm_weight (H,) bf16, d_shift (R, H) fp32, d_scale (R, H) fp32` (with d_residual, x's shape: dx =
   bf16(bf16(the norm's dx) + d_residual), in the row pass where three rows fit its stages, else torch's add):
   norm_out's row kernels (norm_modulate.cu,
-  norm_modulate_bwd.cu, reduce_partials.cu) with the R table rows as their "timesteps"; shift and
-  scale (any strides, values in bf16) are gathered into the (R, 2H) shift | scale layout those
-  kernels read (bf16 for the forward, fp32 for the backward).
+  norm_modulate_bwd.cu, reduce_partials.cu) with the R table rows as their "timesteps", reading one
+  fp32 shift | scale table with a row stride (`_shift_scale`): the blocks' chunks, where scale
+  follows shift in each row of the (3T, 6H) view, in place (no copy); other shift and scale (any
+  strides, values in bf16) gathered into an (R, 2H) array. The forward rounds the table to bf16
+  as it reads it (exact for bf16 values), the backward uses it as is.
 - `gated_residual_fwd(x, gate (R, H) fp32, y, row_index) -> out` and
   `gated_residual_bwd(dout, gate, y, row_index) -> d_gate (R, H) fp32, d_y` (gated_residual.cu);
   gate may be a column slice of the table (row stride of 6H floats).
@@ -27,7 +29,7 @@ rounding and autograd; these functions are their CUDA kernels:
   d_residual=)`): the same bits as the ops one after the other with autograd's bf16 add between.
 
 Plans: the table's plan is `plan(8, D, T, table_n=N, table_f32_rounded=True)` (its row kernels
-unused), the rows' plan `plan(H, 8, R)` (its table kernels unused); see adaln_lab/plan.py.
+unused), the rows' plan `plan(H, 8, R, fwd_table_f32=True)` (its table kernels unused); see adaln_lab/plan.py.
 Inputs are validated by the ops; `unsupported_*` say why these kernels cannot take them.
 """
 
@@ -107,30 +109,43 @@ def modulation_table_bwd(d_table: torch.Tensor, temb: torch.Tensor, weight: torc
     k, stream = _setup(temb.device, plan)
     d_temb = torch.empty_like(temb)
     d_weight = torch.empty_like(weight)
+    d_bias = torch.empty(N, dtype=weight.dtype, device=temb.device)
     dact_partials = torch.empty(plan.blocks_j, T, D, dtype=torch.float32, device=temb.device)
     launchers.launch_table_bwd(k, plan, stream, d_table.data_ptr(), temb.data_ptr(), weight.data_ptr(),
-                               d_weight.data_ptr(), dact_partials.data_ptr(), d_temb.data_ptr())
-    d_bias = d_table.double().sum(0).to(weight.dtype)
+                               d_weight.data_ptr(), dact_partials.data_ptr(), d_temb.data_ptr(), d_bias.data_ptr())
     return d_temb, d_weight, d_bias
 
 
 def _row_plan(x: torch.Tensor, table_rows: int):
     H = x.shape[-1]
-    plan = make_plan(H, 8, table_rows)
+    plan = make_plan(H, 8, table_rows, fwd_table_f32=True)
     return plan, plan.rows(x.numel() // H)
+
+
+def _shift_scale(shift: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """shift | scale (R, H) each as the one fp32 table the row kernels read: (tensor whose data starts at row 0's
+    shift, row stride in floats). Where scale follows shift within each row (the blocks' chunks of the (3T, 6H)
+    table view, row stride 6H) the table is read where it lies; anything else is gathered into an (R, 2H) array."""
+    R, H = shift.shape
+    if (shift.dtype == scale.dtype == torch.float32 and shift.stride() == scale.stride() and shift.stride(1) == 1
+            and scale.data_ptr() == shift.data_ptr() + 4 * H and shift.data_ptr() % 16 == 0
+            and (R == 1 or 2 * H <= shift.stride(0) < 2 ** 31) and shift.stride(0) % 4 == 0):
+        return shift, shift.stride(0) if R > 1 else 2 * H
+    return torch.cat([shift, scale], dim=1).float().contiguous(), 2 * H
 
 
 def modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, eps: float):
     R, H = shift.shape
     plan, rows = _row_plan(x, R)
     x, norm_weight = _aligned(x), _aligned(norm_weight)
-    table = torch.cat([shift, scale], dim=1).to(torch.bfloat16).contiguous()
+    table, table_stride = _shift_scale(shift, scale)
     row_index = row_index.contiguous()
     k, stream = _setup(x.device, plan)
     out = torch.empty_like(x)
     rstd = torch.empty(rows.rows, dtype=torch.float32, device=x.device)
     launchers.launch_norm_modulate(k, plan, rows, stream, x.data_ptr(), norm_weight.data_ptr(), table.data_ptr(),
-                                   row_index.data_ptr(), out.data_ptr(), rstd.data_ptr(), x.shape[-2], float(eps))
+                                   row_index.data_ptr(), out.data_ptr(), rstd.data_ptr(), x.shape[-2], float(eps),
+                                   table_stride)
     return out, rstd
 
 
@@ -138,26 +153,27 @@ def modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_
     R, H = shift.shape
     plan, rows = _row_plan(x, R)
     dy, x, norm_weight = _aligned(dy), _aligned(x), _aligned(norm_weight)
-    table_f32 = torch.cat([shift, scale], dim=1).float().contiguous()
+    table_f32, table_stride = _shift_scale(shift, scale)
     row_index, rstd = row_index.contiguous(), rstd.contiguous()
     fused = d_residual is not None and plan.bwd_res_stages > 0
     d_residual = _aligned(d_residual) if fused else d_residual
     k, stream = _setup(x.device, plan)
     dx = torch.empty_like(x)
     d_norm_weight = torch.empty_like(norm_weight)
-    d_table = torch.empty(R, 2 * H, dtype=torch.float32, device=x.device)
+    d_shift = torch.empty(R, H, dtype=torch.float32, device=x.device)
+    d_scale = torch.empty(R, H, dtype=torch.float32, device=x.device)
     d_sum_unused = torch.empty(2 * H, dtype=torch.bfloat16, device=x.device)
     row_partials = torch.empty(max(rows.bwd_ranges, 1) * R * 2 * H, dtype=torch.float32, device=x.device)
     launchers.launch_row_pass(k, plan, rows, stream, dy.data_ptr(), x.data_ptr(), rstd.data_ptr(),
                               norm_weight.data_ptr(), table_f32.data_ptr(), row_index.data_ptr(), dx.data_ptr(),
-                              row_partials.data_ptr(), x.shape[-2], d_residual.data_ptr() if fused else 0)
+                              row_partials.data_ptr(), x.shape[-2], d_residual.data_ptr() if fused else 0,
+                              table_stride)
     launchers.launch_reduce_partials(k, plan, rows, stream, row_partials.data_ptr(), norm_weight.data_ptr(),
-                                     table_f32.data_ptr(), d_table.data_ptr(), d_norm_weight.data_ptr(),
-                                     d_sum_unused.data_ptr())
+                                     table_f32.data_ptr(), d_shift.data_ptr(), d_norm_weight.data_ptr(),
+                                     d_sum_unused.data_ptr(), table_stride=table_stride, d_scale=d_scale.data_ptr())
     if d_residual is not None and not fused:  # a row too wide for three staged inputs: torch's bf16 add, same bits
         dx = dx + d_residual
-    d_shift, d_scale = d_table.split(H, dim=1)
-    return dx, d_norm_weight, d_shift.contiguous(), d_scale.contiguous()
+    return dx, d_norm_weight, d_shift, d_scale
 
 
 def _gate_pointer(gate: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -200,14 +216,14 @@ def gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, ep
     plan, rows = _row_plan(x, shift.shape[0])
     x, y, norm_weight, row_index = _aligned(x), _aligned(y), _aligned(norm_weight), row_index.contiguous()
     gate, stride = _gate_pointer(gate)
-    table = torch.cat([shift, scale], dim=1).to(torch.bfloat16).contiguous()
+    table, table_stride = _shift_scale(shift, scale)
     k, stream = _setup(x.device, plan)
     x_out, out = torch.empty_like(x), torch.empty_like(x)
     rstd = torch.empty(rows.rows, dtype=torch.float32, device=x.device)
     launchers.launch_gated_residual_norm(k, plan, rows, stream, x.data_ptr(), gate.data_ptr(), y.data_ptr(),
                                          row_index.data_ptr(), norm_weight.data_ptr(), table.data_ptr(),
                                          x_out.data_ptr(), out.data_ptr(), rstd.data_ptr(), stride, x.shape[-2],
-                                         float(eps))
+                                         float(eps), table_stride)
     return x_out, out, rstd
 
 

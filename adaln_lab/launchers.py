@@ -23,19 +23,19 @@ from .plan import Plan, Rows
 _C_TYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int32, "f": ctypes.c_float}
 SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
     "table_bf16": "ppppp",
-    "norm_modulate_bf16": "ppppppifii",
-    "norm_modulate_rowwise_bf16": "ppppppifii",
-    "norm_modulate_bwd_bf16": "ppppppppiii",
-    "norm_modulate_bwd_residual_bf16": "pppppppppiii",
-    "reduce_partials_bf16": "ppppppi",
-    "table_bwd_bf16": "ppppp",
-    "table_bwd_d_weight_bf16": "ppppp",
-    "table_bwd_dact_bf16": "ppppp",
+    "norm_modulate_bf16": "ppppppifiii",
+    "norm_modulate_rowwise_bf16": "ppppppifiii",
+    "norm_modulate_bwd_bf16": "ppppppppiiii",
+    "norm_modulate_bwd_residual_bf16": "pppppppppiiii",
+    "reduce_partials_bf16": "pppppppiii",
+    "table_bwd_bf16": "pppppp",
+    "table_bwd_d_weight_bf16": "pppppp",
+    "table_bwd_dact_bf16": "pppppp",
     "table_bwd_reduce": "pppi",
     "gated_residual_fwd_bf16": "pppppiii",
     "gated_residual_bwd_bf16": "ppppppiiii",
     "gated_residual_reduce": "ppi",
-    "gated_residual_norm_bf16": "pppppppppiifi",
+    "gated_residual_norm_bf16": "pppppppppiifii",
 }
 
 
@@ -108,33 +108,38 @@ def launch_table(k: dict, plan: Plan, stream: int, temb: int, weight: int, bias:
 
 
 def launch_norm_modulate(k: dict, plan: Plan, rows: Rows, stream: int, x: int, norm_weight: int, table: int,
-                         timestep_indices: int, out: int, rstd: int, S: int, eps: float) -> None:
-    """out (rows, H) bf16 and rstd (rows,) fp32 from x and the bf16 table; nothing when rows == 0."""
+                         timestep_indices: int, out: int, rstd: int, S: int, eps: float, table_stride: int = 0) -> None:
+    """out (rows, H) bf16 and rstd (rows,) fp32 from x and the table (bf16, or fp32 where plan.fwd_table_f32),
+    row t of shift | scale at table + t * table_stride elements (0: 2H, contiguous); nothing when rows == 0."""
     if not rows.rows:
         return
+    stride = table_stride or 2 * plan.H
     if plan.fwd_staged:
         k["norm_modulate_bf16"]((rows.fwd_ranges, 1, 1), (plan.fwd_threads, 1, 1), plan.fwd_smem, stream,
                                 x, norm_weight, table, timestep_indices, out, rstd, S, eps, rows.rows,
-                                rows.fwd_rows_per_range)
+                                rows.fwd_rows_per_range, stride)
     else:
         k["norm_modulate_rowwise_bf16"]((rows.rows, 1, 1), (plan.fwd_threads, 1, 1), 0, stream,
-                                        x, norm_weight, table, timestep_indices, out, rstd, S, eps, rows.rows, 1)
+                                        x, norm_weight, table, timestep_indices, out, rstd, S, eps, rows.rows, 1,
+                                        stride)
 
 
 def launch_row_pass(k: dict, plan: Plan, rows: Rows, stream: int, dy: int, x: int, rstd: int, norm_weight: int,
                     table_f32: int, timestep_indices: int, dx: int, row_partials: int, S: int,
-                    d_residual: int = 0) -> None:
+                    d_residual: int = 0, table_stride: int = 0) -> None:
     """dx and row_partials (bwd_ranges, T, 2, H) fp32; with no rows, one range of zero partials instead.
-    With d_residual (rows, H) bf16 (needs plan.bwd_res_stages), dx = bf16(bf16(the norm's dx) + d_residual)."""
+    With d_residual (rows, H) bf16 (needs plan.bwd_res_stages), dx = bf16(bf16(the norm's dx) + d_residual).
+    table_f32: row t of shift | scale at table_f32 + t * table_stride floats (0: 2H)."""
+    stride = table_stride or 2 * plan.H
     if rows.rows and d_residual:
         k["norm_modulate_bwd_residual_bf16"]((rows.bwd_ranges, 1, 1), (plan.bwd_threads, 1, 1), plan.bwd_res_smem,
                                              stream, dy, x, d_residual, rstd, norm_weight, table_f32,
                                              timestep_indices, dx, row_partials, S, rows.rows,
-                                             rows.bwd_rows_per_range)
+                                             rows.bwd_rows_per_range, stride)
     elif rows.rows:
         k["norm_modulate_bwd_bf16"]((rows.bwd_ranges, 1, 1), (plan.bwd_threads, 1, 1), plan.bwd_smem, stream,
                                     dy, x, rstd, norm_weight, table_f32, timestep_indices, dx, row_partials,
-                                    S, rows.rows, rows.bwd_rows_per_range)
+                                    S, rows.rows, rows.bwd_rows_per_range, stride)
     else:
         from cupy.cuda import runtime
 
@@ -142,20 +147,27 @@ def launch_row_pass(k: dict, plan: Plan, rows: Rows, stream: int, dy: int, x: in
 
 
 def launch_reduce_partials(k: dict, plan: Plan, rows: Rows, stream: int, row_partials: int, norm_weight: int,
-                           table_f32: int, d_table: int, d_norm_weight: int, d_bias: int) -> None:
-    """d_table (T, 2H) fp32, d_norm_weight and d_bias from the row partials, in a fixed order."""
-    k["reduce_partials_bf16"]((-(-plan.H // 32), 1, 1), (32, plan.sum_groups, 1), 0, stream,
-                              row_partials, norm_weight, table_f32, d_table, d_norm_weight, d_bias,
-                              max(rows.bwd_ranges, 1))
+                           table_f32: int, d_table: int, d_norm_weight: int, d_bias: int, *, table_stride: int = 0,
+                           d_scale: int = 0) -> None:
+    """d_table (T, 2H) fp32 = d_shift | d_scale, d_norm_weight and d_bias from the row partials, in a fixed
+    order. With d_scale: d_shift at d_table and d_scale there, each (T, H) contiguous. table_f32 as
+    launch_row_pass's."""
+    d_shift, d_stride = d_table, plan.H
+    if not d_scale:
+        d_scale, d_stride = d_table + 4 * plan.H, 2 * plan.H
+    k["reduce_partials_bf16"]((-(-plan.H // 32), 1, 1), (32, plan.sum_groups, 1), plan.rp_smem, stream,
+                              row_partials, norm_weight, table_f32, d_shift, d_scale, d_norm_weight, d_bias,
+                              max(rows.bwd_ranges, 1), table_stride or 2 * plan.H, d_stride)
 
 
 def launch_table_bwd(k: dict, plan: Plan, stream: int, d_table: int, temb: int, weight: int, d_weight: int,
-                     dact_partials: int, d_temb: int) -> None:
-    """d_weight and d_temb from d_table: table_bwd_bf16 (or, where plan.tb_split, its two halves
-    table_bwd_d_weight_bf16 and table_bwd_dact_bf16: the same sums), then table_bwd_reduce's ordered sum."""
+                     dact_partials: int, d_temb: int, d_bias: int = 0) -> None:
+    """d_weight and d_temb (and d_bias (N,) bf16 = the t-sum of d_table, if given) from d_table: table_bwd_bf16
+    (or, where plan.tb_split, its two halves table_bwd_d_weight_bf16 and table_bwd_dact_bf16: the same sums),
+    then table_bwd_reduce's ordered sum."""
     grid, block = (plan.d_tiles, plan.blocks_j, 1), (plan.tb_threads, 1, 1)
     for name in ("table_bwd_d_weight_bf16", "table_bwd_dact_bf16") if plan.tb_split else ("table_bwd_bf16",):
-        k[name](grid, block, 0, stream, d_table, temb, weight, d_weight, dact_partials)
+        k[name](grid, block, 0, stream, d_table, temb, weight, d_weight, dact_partials, d_bias)
     k["table_bwd_reduce"]((-(-plan.D // 32), plan.T, 1), (32, plan.sum_groups, 1), 0, stream,
                           dact_partials, temb, d_temb, plan.blocks_j)
 
@@ -206,9 +218,10 @@ def launch_gated_residual_bwd(k: dict, plan: Plan, rows: Rows, stream: int, dout
 
 def launch_gated_residual_norm(k: dict, plan: Plan, rows: Rows, stream: int, x: int, gate: int, y: int,
                                row_index: int, norm_weight: int, table: int, x_out: int, out: int, rstd: int,
-                               gate_stride: int, S: int, eps: float) -> None:
+                               gate_stride: int, S: int, eps: float, table_stride: int = 0) -> None:
     """x_out = x + bf16(gate[i]) * y and out, rstd = the modulated norm of x_out (gated_residual_norm.cu): the
     bits of launch_gated_residual then launch_norm_modulate; nothing when rows == 0."""
     if rows.rows:
         k["gated_residual_norm_bf16"]((rows.rows, 1, 1), (plan.fwd_threads, 1, 1), 0, stream, x, gate, y, row_index,
-                                      norm_weight, table, x_out, out, rstd, gate_stride, S, eps, rows.rows)
+                                      norm_weight, table, x_out, out, rstd, gate_stride, S, eps, rows.rows,
+                                      table_stride or 2 * plan.H)

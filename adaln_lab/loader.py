@@ -144,6 +144,7 @@ def _compile(device_index: int, plan: Plan) -> dict:
         if plan.bwd_res_stages:
             kernels["norm_modulate_bwd_residual_bf16"].max_dynamic_shared_size_bytes = plan.bwd_res_smem
         kernels["gated_residual_bwd_bf16"].max_dynamic_shared_size_bytes = plan.gr_smem
+        kernels["reduce_partials_bf16"].max_dynamic_shared_size_bytes = plan.rp_smem
         return kernels
 
 

@@ -203,7 +203,7 @@ def reduce_partials_kernel(plan: Plan):
     threadIdx.y; each A[t, h], B[t, h] summed over its group's ranges in order in double, the groups in
     group order; then t = 0 .. T-1 in order.
 
-    The kernel walks t in chunks of RP_T = min(T, 4) timesteps to keep 2 * RP_T loads in flight; every
+    The kernel walks t in chunks of plan.rp_t timesteps to keep 2 * rp_t loads in flight; every
     A[t, h] and B[t, h] is still its own accumulator over the same ranges in the same order, and the
     t-sums still see t = 0 .. T-1 in order, so a plain loop over t has the same association (the
     tests transcribe the chunked loop and compare bit for bit).

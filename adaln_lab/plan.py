@@ -38,6 +38,7 @@ TUNING = {
     "TB_ROWS": 128,             # table_bwd.cu: weight rows j per block
     "TB_SPLIT_MIN_T": 5,        # table_bwd.cu: from this many table rows T on, d_weight and dact run as two kernels
     "SUM_GROUPS": 16,           # adaln_common.cuh: row groups of an ordered column sum
+    "RP_T_MAX": 12,             # reduce_partials.cu: most timesteps summed in one pass (8 KiB of shared memory each)
     "GR_THREADS_MAX": 256,      # gated_residual.cu: block size cap (H = 5376: 3 column tiles of 224 threads)
 }
 SMEM_BLOCK_MAX = 227 * 1024       # dynamic + static shared memory one block may opt in to (sm_90, sm_100)
@@ -58,15 +59,16 @@ def row_geometry(H: int, threads_max: int) -> tuple[int, int]:
     return threads, vpt
 
 
-def gr_geometry(H: int, T: int, threads_max: int) -> int:
+def gr_geometry(H: int, T: int, threads_max: int, row_list_max: int) -> int:
     """Threads of gated_residual.cu's blocks, from H and the table rows T alone: the fewest column tiles of at
     most threads_max threads (8 columns each), split evenly, with one more tile while the backward's
-    T * 8 fp32 sums per thread exceed the shared memory of a block. A column's sums do not depend on it."""
+    T * 8 fp32 sums per thread and its row list (row_list_max ints) exceed the shared memory of a block. A
+    column's sums do not depend on it."""
     nvec = H // 8
     tiles = math.ceil(nvec / threads_max)
     while True:
         threads = 32 * math.ceil(math.ceil(nvec / tiles) / 32)
-        if T * 8 * threads * 4 <= SMEM_BLOCK_MAX or threads == 32:
+        if T * 8 * threads * 4 + 4 * row_list_max <= SMEM_BLOCK_MAX or threads == 32:
             return threads
         tiles += 1
 
@@ -151,6 +153,7 @@ class Plan:
     tuning: tuple
     table_n: int = 0               # table.cu / table_bwd.cu: columns of the table (0: 2H, norm_out's)
     table_f32_rounded: bool = False  # table.cu: table_f32 holds the bf16 values (the blocks' table)
+    fwd_table_f32: bool = False    # norm_modulate.cu, gated_residual_norm.cu: the forward reads an fp32 table
 
     @property
     def fwd_staged(self) -> bool:
@@ -175,6 +178,16 @@ class Plan:
     def gr_smem(self) -> int:
         """Dynamic shared memory of gated_residual_bwd_bf16: 8 fp32 sums per thread for each of the T table rows."""
         return self.T * 8 * self.gr_threads * 4
+
+    @property
+    def rp_t(self) -> int:
+        """reduce_partials.cu: timesteps summed in one pass (every one, up to RP_T_MAX)."""
+        return min(self.T, dict(self.tuning)["RP_T_MAX"])
+
+    @property
+    def rp_smem(self) -> int:
+        """Dynamic shared memory of reduce_partials_bf16: a double per group, (t, half) and lane, then the combined sums."""
+        return (self.sum_groups + 1) * 2 * self.rp_t * 32 * 8
 
     @property
     def tb_split(self) -> bool:
@@ -204,8 +217,8 @@ class Plan:
                     TABLE_ROWS_PER_WARP=t["TABLE_ROWS_PER_WARP"],
                     FWD_ROW_LIST_MAX=t["FWD_ROW_LIST_MAX"], ROW_LIST_MAX=t["ROW_LIST_MAX"],
                     TB_THREADS=t["TB_THREADS"], TB_ROWS=t["TB_ROWS"], TB_COLUMNS=TB_COLUMNS,
-                    GR_THREADS=self.gr_threads, SUM_GROUPS=t["SUM_GROUPS"], TABLE_N=self.columns,
-                    TABLE_F32_ROUNDED=int(self.table_f32_rounded))
+                    GR_THREADS=self.gr_threads, SUM_GROUPS=t["SUM_GROUPS"], RP_T=self.rp_t, TABLE_N=self.columns,
+                    TABLE_F32_ROUNDED=int(self.table_f32_rounded), FWD_TABLE_F32=int(self.fwd_table_f32))
 
     @property
     def columns(self) -> int:
@@ -230,12 +243,14 @@ def _rows(plan: Plan, rows: int) -> Rows:
 
 
 @lru_cache(maxsize=None)
-def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = False) -> Plan:
+def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = False,
+         fwd_table_f32: bool = False) -> Plan:
     """The plan of one shape (checked first: an unsupported shape raises ValueError naming the argument).
 
     table_n: the table's columns N when not norm_out's 2H (an H3 block's adaln_proj: 18H), with
     `table_f32_rounded` the table_f32 output holds the bf16 values. A plan used only for its table
-    kernels passes H = 8; one used only for its row kernels passes D = 8 (adaln_lab/block_cuda.py).
+    kernels passes H = 8; one used only for its row kernels passes D = 8 and `fwd_table_f32` (their
+    forward reads the fp32 table in place and rounds it to bf16: adaln_lab/block_cuda.py).
     """
     check_shapes(H, D, T)
     if table_n and (table_n % 8 or table_n < 8):
@@ -266,9 +281,10 @@ def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = Fal
                 bwd_threads=bwd_threads, bwd_vpt=bwd_vpt, bwd_stages=bwd_stages, bwd_res_stages=bwd_res_stages,
                 table_grid=math.ceil(N / rows_per_block), table_threads=t["TABLE_THREADS"],
                 tb_grid=(math.ceil(D / TB_COLUMNS), math.ceil(N / t["TB_ROWS"])), tb_threads=t["TB_THREADS"],
-                sum_groups=t["SUM_GROUPS"], gr_threads=gr_geometry(H, T, t["GR_THREADS_MAX"]),
+                sum_groups=t["SUM_GROUPS"],
+                gr_threads=gr_geometry(H, T, t["GR_THREADS_MAX"], t["ROW_LIST_MAX"]),
                 tuning=tuple(sorted(t.items())), table_n=table_n,
-                table_f32_rounded=table_f32_rounded)
+                table_f32_rounded=table_f32_rounded, fwd_table_f32=fwd_table_f32)
 
 
 def clear_caches() -> None:

@@ -125,9 +125,9 @@ def main():
             d_nw, d_bias = torch.empty_like(i.norm_weight), torch.empty_like(i.bias)
 
             def one_launch():  # reduce_partials over zeros: the host cost of one launch
-                k["reduce_partials_bf16"]((-(-H // 32), 1, 1), (32, plan.sum_groups, 1), 0, stream, b + o["row_partials"],
-                                          i.norm_weight.data_ptr(), table_f32.data_ptr(), b + o["d_table"],
-                                          d_nw.data_ptr(), d_bias.data_ptr(), rows.bwd_ranges)
+                k["reduce_partials_bf16"]((-(-H // 32), 1, 1), (32, plan.sum_groups, 1), plan.rp_smem, stream,
+                                          b + o["row_partials"], i.norm_weight.data_ptr(), table_f32.data_ptr(),
+                                          b + o["d_table"], d_nw.data_ptr(), d_bias.data_ptr(), rows.bwd_ranges)
 
             entry["host_parts_us"] = {
                 "validate": host_us(lambda: validate(*i.args, 1e-5, check_indices=False)),

@@ -1,6 +1,7 @@
 // norm_modulate_bwd.cu: the backward row pass: dx per row, and per-block partial sums over rows.
 //
-// With xhat = x * rstd, s1 = 1 + scale[t] (fp32 table) and g = dy * s1 * norm_weight:
+// With xhat = x * rstd, s1 = 1 + scale[t] (fp32 table, row t at table_f32 + t * table_stride: shift, then
+// scale at + H) and g = dy * s1 * norm_weight:
 //   dx[r]                    = bf16(rstd * (g - xhat * sum_h(g * xhat) / H))   per row, one rounding
 //   row_partials[b, t, 0, h] = sum over the rows r of block b with timestep t of dy * xhat
 //   row_partials[b, t, 1, h] = sum over the same rows of dy
@@ -57,7 +58,8 @@ __device__ __forceinline__ void row_pass(const bf16_t* __restrict__ dy, const bf
                                          const bf16_t* __restrict__ norm_weight, const float* __restrict__ table_f32,
                                          const index_t* __restrict__ timestep_indices, bf16_t* __restrict__ dx,
                                          float* __restrict__ row_partials, int S, int rows, int rows_per_block,
-                                         uint4* stages, float* scratch, int* timesteps, float* row_rstd) {
+                                         int table_stride, uint4* stages, float* scratch, int* timesteps,
+                                         float* row_rstd) {
     constexpr int STAGE_VECTORS = NIN * ADALN_BWD_VPT * ADALN_BWD_THREADS;
     const int r0 = blockIdx.x * rows_per_block;
     const int n = min(rows, r0 + rows_per_block) - r0;
@@ -73,7 +75,7 @@ __device__ __forceinline__ void row_pass(const bf16_t* __restrict__ dy, const bf
                 reinterpret_cast<float4*>(slot)[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             continue;
         }
-        const float* scale = table_f32 + t * 2 * ADALN_H + ADALN_H;
+        const float* scale = table_f32 + (size_t)t * table_stride + ADALN_H;
         float w[ADALN_BWD_VPT][ADALN_VEC], s1[ADALN_BWD_VPT][ADALN_VEC];  // norm_weight, 1 + scale[t] (fp32)
         float sum_dy_xhat[ADALN_BWD_VPT][ADALN_VEC], sum_dy[ADALN_BWD_VPT][ADALN_VEC];
 #pragma unroll
@@ -184,13 +186,13 @@ extern "C" __global__ void __launch_bounds__(ADALN_BWD_THREADS)
 norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__ x, const float* __restrict__ rstd,
                        const bf16_t* __restrict__ norm_weight, const float* __restrict__ table_f32,
                        const index_t* __restrict__ timestep_indices, bf16_t* __restrict__ dx,
-                       float* __restrict__ row_partials, int S, int rows, int rows_per_block) {
+                       float* __restrict__ row_partials, int S, int rows, int rows_per_block, int table_stride) {
     extern __shared__ __align__(16) uint4 stages[];  // [ADALN_BWD_STAGES][2][ADALN_BWD_VPT][ADALN_BWD_THREADS]
     __shared__ float scratch[ADALN_BWD_THREADS / 32 + 1];
     __shared__ int timesteps[ADALN_ROW_LIST_MAX];
     __shared__ float row_rstd[ADALN_ROW_LIST_MAX];
     row_pass<2, ADALN_BWD_STAGES>(dy, x, nullptr, rstd, norm_weight, table_f32, timestep_indices, dx, row_partials,
-                                  S, rows, rows_per_block, stages, scratch, timesteps, row_rstd);
+                                  S, rows, rows_per_block, table_stride, stages, scratch, timesteps, row_rstd);
 }
 
 extern "C" __global__ void __launch_bounds__(ADALN_BWD_THREADS)
@@ -198,11 +200,13 @@ norm_modulate_bwd_residual_bf16(const bf16_t* __restrict__ dy, const bf16_t* __r
                                 const bf16_t* __restrict__ d_residual, const float* __restrict__ rstd,
                                 const bf16_t* __restrict__ norm_weight, const float* __restrict__ table_f32,
                                 const index_t* __restrict__ timestep_indices, bf16_t* __restrict__ dx,
-                                float* __restrict__ row_partials, int S, int rows, int rows_per_block) {
+                                float* __restrict__ row_partials, int S, int rows, int rows_per_block,
+                                int table_stride) {
     extern __shared__ __align__(16) uint4 stages[];  // [ADALN_BWD_RES_STAGES][3][ADALN_BWD_VPT][ADALN_BWD_THREADS]
     __shared__ float scratch[ADALN_BWD_THREADS / 32 + 1];
     __shared__ int timesteps[ADALN_ROW_LIST_MAX];
     __shared__ float row_rstd[ADALN_ROW_LIST_MAX];
     row_pass<3, ADALN_BWD_RES_STAGES>(dy, x, d_residual, rstd, norm_weight, table_f32, timestep_indices, dx,
-                                      row_partials, S, rows, rows_per_block, stages, scratch, timesteps, row_rstd);
+                                      row_partials, S, rows, rows_per_block, table_stride, stages, scratch, timesteps,
+                                      row_rstd);
 }

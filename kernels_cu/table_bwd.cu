@@ -3,6 +3,8 @@
 //   d_weight[j, k] = bf16(sum_t d_table[t, j] * silu(temb[t, k]))        (t in order, one rounding)
 //   dact[t, k]     = sum_j d_table[t, j] * weight[j, k]
 //   d_temb[t, k]   = dact[t, k] * silu'(temb[t, k])                      (double, stored fp32)
+//   d_bias[j]      = bf16(sum_t d_table[t, j])          (t in order, in double; only where d_bias is given:
+//                    the blocks' table, by the blocks of the first D tile; norm_out's comes from reduce_partials)
 // The activation is used unrounded (straight-through the declared bf16 cast, and closer to the
 // exact gradient). weight is read once and d_weight written once, by table_bwd_bf16 or its two halves.
 //
@@ -31,7 +33,7 @@ static_assert(ADALN_TB_COLUMNS == 32 * ADALN_VEC, "a D tile is one 8-wide vector
 template <bool D_WEIGHT, bool DACT>
 __device__ __forceinline__ void table_bwd_tile(const float* __restrict__ d_table, const float* __restrict__ temb,
                                                const bf16_t* __restrict__ weight, bf16_t* __restrict__ d_weight,
-                                               float* __restrict__ dact_partials) {
+                                               float* __restrict__ dact_partials, bf16_t* __restrict__ d_bias) {
     __shared__ float combine[DACT ? TB_WARPS : 1][ADALN_TB_COLUMNS];
     __shared__ float g_tile[ADALN_T][ADALN_TB_ROWS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -44,6 +46,14 @@ __device__ __forceinline__ void table_bwd_tile(const float* __restrict__ d_table
         g_tile[t][r] = j0 + r < ADALN_TABLE_N ? d_table[t * ADALN_TABLE_N + j0 + r] : 0.0f;
     }
     __syncthreads();
+    if (D_WEIGHT && d_bias != nullptr && blockIdx.x == 0) {
+        for (int r = threadIdx.x; r < ADALN_TB_ROWS && j0 + r < ADALN_TABLE_N; r += ADALN_TB_THREADS) {
+            double s = 0.0;
+#pragma unroll
+            for (int t = 0; t < ADALN_T; ++t) s += (double)g_tile[t][r];
+            d_bias[j0 + r] = float_to_bf16((float)s);
+        }
+    }
     float act[D_WEIGHT ? ADALN_T : 1][ADALN_VEC], dact[DACT ? ADALN_T : 1][ADALN_VEC];
 #pragma unroll
     for (int t = 0; t < ADALN_T; ++t)
@@ -105,22 +115,22 @@ __device__ __forceinline__ void table_bwd_tile(const float* __restrict__ d_table
 
 extern "C" __global__ void __launch_bounds__(ADALN_TB_THREADS)
 table_bwd_bf16(const float* __restrict__ d_table, const float* __restrict__ temb, const bf16_t* __restrict__ weight,
-               bf16_t* __restrict__ d_weight, float* __restrict__ dact_partials) {
-    table_bwd_tile<true, true>(d_table, temb, weight, d_weight, dact_partials);
+               bf16_t* __restrict__ d_weight, float* __restrict__ dact_partials, bf16_t* __restrict__ d_bias) {
+    table_bwd_tile<true, true>(d_table, temb, weight, d_weight, dact_partials, d_bias);
 }
 
 extern "C" __global__ void __launch_bounds__(ADALN_TB_THREADS, 2)
 table_bwd_d_weight_bf16(const float* __restrict__ d_table, const float* __restrict__ temb,
                         const bf16_t* __restrict__ weight, bf16_t* __restrict__ d_weight,
-                        float* __restrict__ dact_partials) {
-    table_bwd_tile<true, false>(d_table, temb, weight, d_weight, dact_partials);
+                        float* __restrict__ dact_partials, bf16_t* __restrict__ d_bias) {
+    table_bwd_tile<true, false>(d_table, temb, weight, d_weight, dact_partials, d_bias);
 }
 
 extern "C" __global__ void __launch_bounds__(ADALN_TB_THREADS, 2)
 table_bwd_dact_bf16(const float* __restrict__ d_table, const float* __restrict__ temb,
                     const bf16_t* __restrict__ weight, bf16_t* __restrict__ d_weight,
-                    float* __restrict__ dact_partials) {
-    table_bwd_tile<false, true>(d_table, temb, weight, d_weight, dact_partials);
+                    float* __restrict__ dact_partials, bf16_t* __restrict__ d_bias) {
+    table_bwd_tile<false, true>(d_table, temb, weight, d_weight, dact_partials, d_bias);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * ADALN_SUM_GROUPS)

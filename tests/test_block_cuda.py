@@ -140,6 +140,31 @@ def test_modulated_norm_backward_against_float64_repeatable_and_row_invariant():
     assert torch.allclose(d_nw.double(), nw64.grad, rtol=2 ** -7, atol=1e-2)
 
 
+def test_shift_and_scale_read_in_place_or_gathered_give_the_same_bits():
+    """The blocks' chunks (scale right after shift in each row of the (3T, 6H) table view) are read in place,
+    any other shift and scale gathered into an (R, 2H) array: forward, gated-residual forward and backward give
+    the same bits either way; a shift and scale swapped (a planted layout mix-up) change the output."""
+    x, y, dy, idx = _rows(300)
+    temb, weight, bias = _table_inputs()
+    table = block_cuda.modulation_table_fwd(temb, weight, bias).view(R, 6 * H)
+    shift, scale, gate = table[:, 3 * H:4 * H], table[:, 4 * H:5 * H], table[:, 2 * H:3 * H]
+    nw = (1 + 0.1 * torch.randn(H, device="cuda")).bfloat16()
+    assert block_cuda._shift_scale(shift, scale) == (shift, 6 * H)  # in place: the same tensor, row stride 6H
+    layouts = {"in place": (shift, scale), "copies": (shift.clone(), scale.clone()),
+               "bf16": (shift.bfloat16(), scale.bfloat16())}
+    assert block_cuda._shift_scale(*layouts["copies"])[1] == 2 * H
+    results = {}
+    for name, (sh, sc) in layouts.items():
+        out, rstd = block_cuda.modulated_rms_norm_fwd(x, nw, sh, sc, idx, 1e-5)
+        grads = block_cuda.modulated_rms_norm_bwd(dy, x, nw, sh, sc, idx, rstd, d_residual=y)
+        fused = block_cuda.gated_residual_norm_fwd(x, gate, y, idx, nw, sh, sc, 1e-5)
+        results[name] = [out, rstd, *grads, *fused]
+    for name in ("copies", "bf16"):
+        assert all(torch.equal(a, b) for a, b in zip(results[name], results["in place"])), name
+    swapped, _ = block_cuda.modulated_rms_norm_fwd(x, nw, scale, shift, idx, 1e-5)
+    assert not torch.equal(swapped, results["in place"][0])
+
+
 def test_gated_residual_matches_diffusers_bitwise():
     x, y, dy, idx = _rows(513)
     temb, weight, bias = _table_inputs()

@@ -48,7 +48,7 @@ if not torch.cuda.is_available():  # before numba is imported: run the twin in n
 from adaln_lab import numba_backward  # noqa: E402
 from adaln_lab.harness.accuracy import golden_result  # noqa: E402
 from adaln_lab.harness.inputs import make, upstream  # noqa: E402
-from adaln_lab.plan import plan as make_plan  # noqa: E402
+from adaln_lab.plan import TUNING, plan as make_plan  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TINY = {"H": 64, "D": 32, "T": 3}  # the simulator runs a few thousand threads a second: keep grids tiny
@@ -411,14 +411,14 @@ def _fma64(a: float, b: float, c: float) -> float:
 
 
 def reduce_partials_transcribed(row_partials, norm_weight, table_f32, groups: int):
-    """reduce_partials.cu line by line on the host: RP_T = min(T, 4) timesteps per chunk, each (t, half)
+    """reduce_partials.cu line by line on the host: RP_T = min(T, RP_T_MAX) timesteps per chunk, each (t, half)
     its own double accumulator over the group's row ranges; returns d_table, d_norm_weight, d_bias."""
     nblocks, T, _, H = row_partials.shape
     p = row_partials.double().cpu().tolist()
     w = norm_weight.float().cpu().tolist()
     scale = table_f32.cpu()[:, H:].tolist()
     f32 = lambda v: torch.tensor(v, dtype=torch.float64).float().item()  # noqa: E731  (round to nearest even)
-    rp_t = min(T, 4)
+    rp_t = min(T, TUNING["RP_T_MAX"])
     per = (nblocks + groups - 1) // groups
     bounds = [(min(nblocks, g * per), min(nblocks, min(nblocks, g * per) + per)) for g in range(groups)]
     d_table = [[0.0] * (2 * H) for _ in range(T)]
