@@ -14,11 +14,12 @@ rounding and autograd; these functions are their CUDA kernels:
   d_norm_weight (H,) bf16, d_shift (R, H) fp32, d_scale (R, H) fp32` (with d_residual, x's shape: dx =
   bf16(bf16(the norm's dx) + d_residual), in the row pass where three rows fit its stages, else torch's add):
   norm_out's row kernels (norm_modulate.cu,
-  norm_modulate_bwd.cu, reduce_partials.cu) with the R table rows as their "timesteps", reading one
-  fp32 shift | scale table with a row stride (`_shift_scale`): the blocks' chunks, where scale
-  follows shift in each row of the (3T, 6H) view, in place (no copy); other shift and scale (any
-  strides, values in bf16) gathered into an (R, 2H) array. The forward rounds the table to bf16
-  as it reads it (exact for bf16 values), the backward uses it as is.
+  norm_modulate_bwd.cu, reduce_partials.cu) with the R table rows as their "timesteps". shift | scale
+  is one table (`_shift_scale`): the blocks' chunks, where scale follows shift in each row of the
+  (3T, 6H) view, as they lie (row stride 6H); other shift and scale (any strides, values in bf16)
+  gathered into an (R, 2H) array. The backward reads that fp32 table in place; the forward reads a
+  contiguous bf16 copy (one small cast: its row-per-block kernel reads a table row per row, from L2,
+  and an fp32 one cost 10 % more time, bench/NOTES.md v6).
 - `gated_residual_fwd(x, gate (R, H) fp32, y, row_index) -> out` and
   `gated_residual_bwd(dout, gate, y, row_index) -> d_gate (R, H) fp32, d_y` (gated_residual.cu);
   gate may be a column slice of the table (row stride of 6H floats).
@@ -29,7 +30,7 @@ rounding and autograd; these functions are their CUDA kernels:
   d_residual=)`): the same bits as the ops one after the other with autograd's bf16 add between.
 
 Plans: the table's plan is `plan(8, D, T, table_n=N, table_f32_rounded=True)` (its row kernels
-unused), the rows' plan `plan(H, 8, R, fwd_table_f32=True)` (its table kernels unused); see adaln_lab/plan.py.
+unused), the rows' plan `plan(H, 8, R)` (its table kernels unused); see adaln_lab/plan.py.
 Inputs are validated by the ops; `unsupported_*` say why these kernels cannot take them.
 """
 
@@ -118,7 +119,7 @@ def modulation_table_bwd(d_table: torch.Tensor, temb: torch.Tensor, weight: torc
 
 def _row_plan(x: torch.Tensor, table_rows: int):
     H = x.shape[-1]
-    plan = make_plan(H, 8, table_rows, fwd_table_f32=True)
+    plan = make_plan(H, 8, table_rows)
     return plan, plan.rows(x.numel() // H)
 
 
@@ -134,18 +135,24 @@ def _shift_scale(shift: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor
     return torch.cat([shift, scale], dim=1).float().contiguous(), 2 * H
 
 
+def _shift_scale_bf16(shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """shift | scale as the contiguous (R, 2H) bf16 table the forward kernels read (one cast kernel)."""
+    table, stride = _shift_scale(shift, scale)
+    R, H = shift.shape
+    return table.as_strided((R, 2 * H), (stride, 1)).to(torch.bfloat16).contiguous()
+
+
 def modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, eps: float):
     R, H = shift.shape
     plan, rows = _row_plan(x, R)
     x, norm_weight = _aligned(x), _aligned(norm_weight)
-    table, table_stride = _shift_scale(shift, scale)
+    table = _shift_scale_bf16(shift, scale)
     row_index = row_index.contiguous()
     k, stream = _setup(x.device, plan)
     out = torch.empty_like(x)
     rstd = torch.empty(rows.rows, dtype=torch.float32, device=x.device)
     launchers.launch_norm_modulate(k, plan, rows, stream, x.data_ptr(), norm_weight.data_ptr(), table.data_ptr(),
-                                   row_index.data_ptr(), out.data_ptr(), rstd.data_ptr(), x.shape[-2], float(eps),
-                                   table_stride)
+                                   row_index.data_ptr(), out.data_ptr(), rstd.data_ptr(), x.shape[-2], float(eps))
     return out, rstd
 
 
@@ -216,14 +223,14 @@ def gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, ep
     plan, rows = _row_plan(x, shift.shape[0])
     x, y, norm_weight, row_index = _aligned(x), _aligned(y), _aligned(norm_weight), row_index.contiguous()
     gate, stride = _gate_pointer(gate)
-    table, table_stride = _shift_scale(shift, scale)
+    table = _shift_scale_bf16(shift, scale)
     k, stream = _setup(x.device, plan)
     x_out, out = torch.empty_like(x), torch.empty_like(x)
     rstd = torch.empty(rows.rows, dtype=torch.float32, device=x.device)
     launchers.launch_gated_residual_norm(k, plan, rows, stream, x.data_ptr(), gate.data_ptr(), y.data_ptr(),
                                          row_index.data_ptr(), norm_weight.data_ptr(), table.data_ptr(),
                                          x_out.data_ptr(), out.data_ptr(), rstd.data_ptr(), stride, x.shape[-2],
-                                         float(eps), table_stride)
+                                         float(eps))
     return x_out, out, rstd
 
 

@@ -23,8 +23,8 @@ from .plan import Plan, Rows
 _C_TYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int32, "f": ctypes.c_float}
 SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
     "table_bf16": "ppppp",
-    "norm_modulate_bf16": "ppppppifiii",
-    "norm_modulate_rowwise_bf16": "ppppppifiii",
+    "norm_modulate_bf16": "ppppppifii",
+    "norm_modulate_rowwise_bf16": "ppppppifii",
     "norm_modulate_bwd_bf16": "ppppppppiiii",
     "norm_modulate_bwd_residual_bf16": "pppppppppiiii",
     "reduce_partials_bf16": "pppppppiii",
@@ -35,7 +35,7 @@ SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
     "gated_residual_fwd_bf16": "pppppiii",
     "gated_residual_bwd_bf16": "ppppppiiii",
     "gated_residual_reduce": "ppi",
-    "gated_residual_norm_bf16": "pppppppppiifii",
+    "gated_residual_norm_bf16": "pppppppppiifi",
 }
 
 
@@ -108,20 +108,17 @@ def launch_table(k: dict, plan: Plan, stream: int, temb: int, weight: int, bias:
 
 
 def launch_norm_modulate(k: dict, plan: Plan, rows: Rows, stream: int, x: int, norm_weight: int, table: int,
-                         timestep_indices: int, out: int, rstd: int, S: int, eps: float, table_stride: int = 0) -> None:
-    """out (rows, H) bf16 and rstd (rows,) fp32 from x and the table (bf16, or fp32 where plan.fwd_table_f32),
-    row t of shift | scale at table + t * table_stride elements (0: 2H, contiguous); nothing when rows == 0."""
+                         timestep_indices: int, out: int, rstd: int, S: int, eps: float) -> None:
+    """out (rows, H) bf16 and rstd (rows,) fp32 from x and the bf16 table; nothing when rows == 0."""
     if not rows.rows:
         return
-    stride = table_stride or 2 * plan.H
     if plan.fwd_staged:
         k["norm_modulate_bf16"]((rows.fwd_ranges, 1, 1), (plan.fwd_threads, 1, 1), plan.fwd_smem, stream,
                                 x, norm_weight, table, timestep_indices, out, rstd, S, eps, rows.rows,
-                                rows.fwd_rows_per_range, stride)
+                                rows.fwd_rows_per_range)
     else:
         k["norm_modulate_rowwise_bf16"]((rows.rows, 1, 1), (plan.fwd_threads, 1, 1), 0, stream,
-                                        x, norm_weight, table, timestep_indices, out, rstd, S, eps, rows.rows, 1,
-                                        stride)
+                                        x, norm_weight, table, timestep_indices, out, rstd, S, eps, rows.rows, 1)
 
 
 def launch_row_pass(k: dict, plan: Plan, rows: Rows, stream: int, dy: int, x: int, rstd: int, norm_weight: int,
@@ -218,10 +215,9 @@ def launch_gated_residual_bwd(k: dict, plan: Plan, rows: Rows, stream: int, dout
 
 def launch_gated_residual_norm(k: dict, plan: Plan, rows: Rows, stream: int, x: int, gate: int, y: int,
                                row_index: int, norm_weight: int, table: int, x_out: int, out: int, rstd: int,
-                               gate_stride: int, S: int, eps: float, table_stride: int = 0) -> None:
+                               gate_stride: int, S: int, eps: float) -> None:
     """x_out = x + bf16(gate[i]) * y and out, rstd = the modulated norm of x_out (gated_residual_norm.cu): the
     bits of launch_gated_residual then launch_norm_modulate; nothing when rows == 0."""
     if rows.rows:
         k["gated_residual_norm_bf16"]((rows.rows, 1, 1), (plan.fwd_threads, 1, 1), 0, stream, x, gate, y, row_index,
-                                      norm_weight, table, x_out, out, rstd, gate_stride, S, eps, rows.rows,
-                                      table_stride or 2 * plan.H)
+                                      norm_weight, table, x_out, out, rstd, gate_stride, S, eps, rows.rows)

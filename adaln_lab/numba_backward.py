@@ -282,7 +282,7 @@ def table_bwd_kernel(plan: Plan):
 
     bf16_to_float, float_to_bf16, _, _, silu = _device_functions()
     H, D, T = plan.H, plan.D, plan.T
-    threads, tb_rows = plan.tb_threads, _tuning(plan, "TB_ROWS")
+    threads, tb_rows = plan.tb_threads, plan.tb_rows
     nwarps = threads // 32
     rows_per_warp = tb_rows // nwarps
     nvec_d = D // VEC

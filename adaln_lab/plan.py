@@ -35,7 +35,8 @@ TUNING = {
     "BWD_STAGES": 4,            # norm_modulate_bwd.cu: rows of x and dy in flight (cp.async)
     "ROW_LIST_MAX": 2048,       # norm_modulate_bwd.cu: most rows of one range
     "TB_THREADS": 256,          # table_bwd.cu: block size
-    "TB_ROWS": 128,             # table_bwd.cu: weight rows j per block
+    "TB_ROWS": 512,             # table_bwd.cu: weight rows j per block (table_bwd_bf16, one kernel)
+    "TB_SPLIT_ROWS": 256,       # table_bwd.cu: weight rows j per block of its two halves (T >= TB_SPLIT_MIN_T)
     "TB_SPLIT_MIN_T": 5,        # table_bwd.cu: from this many table rows T on, d_weight and dact run as two kernels
     "SUM_GROUPS": 16,           # adaln_common.cuh: row groups of an ordered column sum
     "RP_T_MAX": 12,             # reduce_partials.cu: most timesteps summed in one pass (8 KiB of shared memory each)
@@ -59,16 +60,15 @@ def row_geometry(H: int, threads_max: int) -> tuple[int, int]:
     return threads, vpt
 
 
-def gr_geometry(H: int, T: int, threads_max: int, row_list_max: int) -> int:
+def gr_geometry(H: int, T: int, threads_max: int) -> int:
     """Threads of gated_residual.cu's blocks, from H and the table rows T alone: the fewest column tiles of at
     most threads_max threads (8 columns each), split evenly, with one more tile while the backward's
-    T * 8 fp32 sums per thread and its row list (row_list_max ints) exceed the shared memory of a block. A
-    column's sums do not depend on it."""
+    T * 8 fp32 sums per thread exceed the shared memory of a block. A column's sums do not depend on it."""
     nvec = H // 8
     tiles = math.ceil(nvec / threads_max)
     while True:
         threads = 32 * math.ceil(math.ceil(nvec / tiles) / 32)
-        if T * 8 * threads * 4 + 4 * row_list_max <= SMEM_BLOCK_MAX or threads == 32:
+        if T * 8 * threads * 4 <= SMEM_BLOCK_MAX or threads == 32:
             return threads
         tiles += 1
 
@@ -147,13 +147,13 @@ class Plan:
     table_grid: int
     table_threads: int
     tb_grid: tuple[int, int]
+    tb_rows: int
     tb_threads: int
     sum_groups: int
     gr_threads: int
     tuning: tuple
     table_n: int = 0               # table.cu / table_bwd.cu: columns of the table (0: 2H, norm_out's)
     table_f32_rounded: bool = False  # table.cu: table_f32 holds the bf16 values (the blocks' table)
-    fwd_table_f32: bool = False    # norm_modulate.cu, gated_residual_norm.cu: the forward reads an fp32 table
 
     @property
     def fwd_staged(self) -> bool:
@@ -191,7 +191,8 @@ class Plan:
 
     @property
     def tb_split(self) -> bool:
-        """table_bwd.cu: d_weight and dact in two kernels (same sums, same bits) from TB_SPLIT_MIN_T on. The
+        """table_bwd.cu: d_weight and dact in two kernels (on the same row blocks the same sums, the same bits;
+        they take TB_SPLIT_ROWS rows per block, the one kernel TB_ROWS) from TB_SPLIT_MIN_T on. The
         fused kernel keeps 2 x 8 x T fp32 accumulators per thread (ptxas: 118 registers at T = 3, 255 at
         T = 9, one block per SM); 5 is a guess from that count, its speed not measured yet."""
         return self.T >= dict(self.tuning)["TB_SPLIT_MIN_T"]
@@ -216,9 +217,9 @@ class Plan:
                     TABLE_THREADS=t["TABLE_THREADS"],
                     TABLE_ROWS_PER_WARP=t["TABLE_ROWS_PER_WARP"],
                     FWD_ROW_LIST_MAX=t["FWD_ROW_LIST_MAX"], ROW_LIST_MAX=t["ROW_LIST_MAX"],
-                    TB_THREADS=t["TB_THREADS"], TB_ROWS=t["TB_ROWS"], TB_COLUMNS=TB_COLUMNS,
+                    TB_THREADS=t["TB_THREADS"], TB_ROWS=self.tb_rows, TB_COLUMNS=TB_COLUMNS,
                     GR_THREADS=self.gr_threads, SUM_GROUPS=t["SUM_GROUPS"], RP_T=self.rp_t, TABLE_N=self.columns,
-                    TABLE_F32_ROUNDED=int(self.table_f32_rounded), FWD_TABLE_F32=int(self.fwd_table_f32))
+                    TABLE_F32_ROUNDED=int(self.table_f32_rounded))
 
     @property
     def columns(self) -> int:
@@ -243,14 +244,12 @@ def _rows(plan: Plan, rows: int) -> Rows:
 
 
 @lru_cache(maxsize=None)
-def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = False,
-         fwd_table_f32: bool = False) -> Plan:
+def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = False) -> Plan:
     """The plan of one shape (checked first: an unsupported shape raises ValueError naming the argument).
 
     table_n: the table's columns N when not norm_out's 2H (an H3 block's adaln_proj: 18H), with
     `table_f32_rounded` the table_f32 output holds the bf16 values. A plan used only for its table
-    kernels passes H = 8; one used only for its row kernels passes D = 8 and `fwd_table_f32` (their
-    forward reads the fp32 table in place and rounds it to bf16: adaln_lab/block_cuda.py).
+    kernels passes H = 8; one used only for its row kernels passes D = 8 (adaln_lab/block_cuda.py).
     """
     check_shapes(H, D, T)
     if table_n and (table_n % 8 or table_n < 8):
@@ -277,14 +276,14 @@ def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = Fal
     if bwd_stages < 1:
         raise ValueError(f"backend='cupy' needs H (x.shape[-1]) <= {H_MAX}, got {H}; use backend='torch'")
     rows_per_block = t["TABLE_THREADS"] // 32 * t["TABLE_ROWS_PER_WARP"]
+    tb_rows = t["TB_SPLIT_ROWS"] if T >= t["TB_SPLIT_MIN_T"] else t["TB_ROWS"]  # bench/NOTES.md v6
     return Plan(H=H, D=D, T=T, fwd_threads=fwd_threads, fwd_vpt=fwd_vpt, fwd_stages=fwd_stages,
                 bwd_threads=bwd_threads, bwd_vpt=bwd_vpt, bwd_stages=bwd_stages, bwd_res_stages=bwd_res_stages,
                 table_grid=math.ceil(N / rows_per_block), table_threads=t["TABLE_THREADS"],
-                tb_grid=(math.ceil(D / TB_COLUMNS), math.ceil(N / t["TB_ROWS"])), tb_threads=t["TB_THREADS"],
-                sum_groups=t["SUM_GROUPS"],
-                gr_threads=gr_geometry(H, T, t["GR_THREADS_MAX"], t["ROW_LIST_MAX"]),
+                tb_grid=(math.ceil(D / TB_COLUMNS), math.ceil(N / tb_rows)), tb_rows=tb_rows, tb_threads=t["TB_THREADS"],
+                sum_groups=t["SUM_GROUPS"], gr_threads=gr_geometry(H, T, t["GR_THREADS_MAX"]),
                 tuning=tuple(sorted(t.items())), table_n=table_n,
-                table_f32_rounded=table_f32_rounded, fwd_table_f32=fwd_table_f32)
+                table_f32_rounded=table_f32_rounded)
 
 
 def clear_caches() -> None:

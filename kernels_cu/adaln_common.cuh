@@ -52,15 +52,6 @@ __device__ __forceinline__ void unpack8(uint4 raw, float v[ADALN_VEC]) {
 
 __device__ __forceinline__ void load8(const bf16_t* p, float v[ADALN_VEC]) { unpack8(load_raw8(p), v); }
 
-// 8 values of a modulation table as packed bf16: a bf16 table as stored; an fp32 one rounded to nearest
-// even, as torch's .to(torch.bfloat16) (the blocks' fp32 table holds bf16 values: exact)
-__device__ __forceinline__ uint4 load_table8(const bf16_t* p) { return load_raw8(p); }
-__device__ __forceinline__ uint4 load_table8(const float* p) {
-    const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
-    return make_uint4(float2_to_bf16x2(a.x, a.y), float2_to_bf16x2(a.z, a.w), float2_to_bf16x2(b.x, b.y),
-                      float2_to_bf16x2(b.z, b.w));
-}
-
 // Asynchronous 16-byte copies global -> shared (cp.async, sm_80+), in commit groups. A thread
 // that waits for its own group may read what it copied without a barrier.
 __device__ __forceinline__ void copy_async16(void* shared, const void* global) {

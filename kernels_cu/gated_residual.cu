@@ -10,10 +10,7 @@
 //     are exact in fp32). grid = (Rows.bwd_ranges, ceil(H / 8 / ADALN_GR_THREADS)), the same ranges
 //     as norm_modulate_bwd (from the number of rows alone). Each thread keeps its 8 columns' sums for
 //     every table row in dynamic shared memory (ADALN_T * ADALN_GR_THREADS * 8 floats) that only it
-//     touches, and writes all of them, zeros included, at the end. The range's table rows are copied
-//     to shared memory first (static, ADALN_ROW_LIST_MAX ints), so that a group of
-//     GR_ROWS_IN_FLIGHT rows issues its dout, y and gate loads together: one memory latency per group
-//     (the gate's address no longer waits for a row_index load).
+//     touches, and writes all of them, zeros included, at the end.
 //   gated_residual_reduce: d_gate[i, h] = ordered_column_sum over the ranges (adaln_common.cuh), in
 //     double, stored fp32. block (32, ADALN_SUM_GROUPS), grid (ceil(H / 32), ADALN_T).
 // dx = dout needs no kernel. A row whose index lies outside [0, R) gets NaN in out and d_y and adds
@@ -59,41 +56,31 @@ gated_residual_bwd_bf16(const bf16_t* __restrict__ dout, const float* __restrict
                         bf16_t* __restrict__ d_y, float* __restrict__ gate_partials, int gate_stride, int S,
                         int rows, int rows_per_range) {
     extern __shared__ float sums[];  // [ADALN_T][ADALN_VEC][ADALN_GR_THREADS]: this thread's column only
-    __shared__ int table_rows[ADALN_ROW_LIST_MAX];  // the range's table rows, -1 for an index outside [0, R)
     const int c = blockIdx.y * ADALN_GR_THREADS + threadIdx.x;
     const bool valid = c < GR_VECTORS_H;
     const int r0 = blockIdx.x * rows_per_range, r1 = min(rows, r0 + rows_per_range);
-    fill_row_timesteps(table_rows, row_index, r0, r1 - r0, S);
 #pragma unroll 1
     for (int k = 0; k < ADALN_T * ADALN_VEC; ++k) sums[k * ADALN_GR_THREADS + threadIdx.x] = 0.0f;
-    __syncthreads();
 #pragma unroll 1
     for (int r = r0; valid && r < r1; r += GR_ROWS_IN_FLIGHT) {
         uint4 dy_raw[GR_ROWS_IN_FLIGHT], y_raw[GR_ROWS_IN_FLIGHT];
-        float4 gate_lo[GR_ROWS_IN_FLIGHT], gate_hi[GR_ROWS_IN_FLIGHT];
         int idx[GR_ROWS_IN_FLIGHT];
 #pragma unroll
         for (int q = 0; q < GR_ROWS_IN_FLIGHT; ++q) {  // every load of the group issued before any use
             const bool here = r + q < r1;
             const size_t at = (size_t)(here ? r + q : r) * ADALN_H + c * ADALN_VEC;
-            idx[q] = here ? table_rows[r + q - r0] : -2;
             dy_raw[q] = load_raw8(dout + at);
             y_raw[q] = load_raw8(y + at);
-            const float4* g = reinterpret_cast<const float4*>(gate + (size_t)max(idx[q], 0) * gate_stride +
-                                                              c * ADALN_VEC);
-            gate_lo[q] = g[0];
-            gate_hi[q] = g[1];
+            idx[q] = here ? table_row(row_index, r + q, S) : -2;
         }
 #pragma unroll
         for (int q = 0; q < GR_ROWS_IN_FLIGHT; ++q) {
             if (idx[q] == -2) break;
             const int i = idx[q] < 0 ? 0 : idx[q];
-            float dyv[ADALN_VEC], yv[ADALN_VEC], dyy[ADALN_VEC];
-            const float g[ADALN_VEC] = {round_bf16(gate_lo[q].x), round_bf16(gate_lo[q].y), round_bf16(gate_lo[q].z),
-                                        round_bf16(gate_lo[q].w), round_bf16(gate_hi[q].x), round_bf16(gate_hi[q].y),
-                                        round_bf16(gate_hi[q].z), round_bf16(gate_hi[q].w)};
+            float dyv[ADALN_VEC], yv[ADALN_VEC], g[ADALN_VEC], dyy[ADALN_VEC];
             unpack8(dy_raw[q], dyv);
             unpack8(y_raw[q], yv);
+            load_gate8(gate + (size_t)i * gate_stride + c * ADALN_VEC, g);
             float* s = sums + (size_t)i * ADALN_VEC * ADALN_GR_THREADS + threadIdx.x;
 #pragma unroll
             for (int e = 0; e < ADALN_VEC; ++e) {

@@ -2,9 +2,8 @@
 // one pass over the rows instead of two:
 //   x_out[r] = bf16(x + bf16(bf16(gate[i]) * y))          (gated_residual.cu's forward, same roundings)
 //   out[r], rstd[r] = norm_modulate_row(x_out[r])            (norm_modulate.cu's row-per-block body)
-// with i = row_index[r % S] for both the gate and the norm's modulation (table: R rows of shift | scale,
-// row stride table_stride, as norm_modulate.cu; gate: (R, H) fp32 with row stride gate_stride floats, as
-// gated_residual.cu).
+// with i = row_index[r % S] for both the gate and the norm's modulation (table: (R, 2H) bf16 shift |
+// scale, as norm_modulate.cu; gate: (R, H) fp32 with row stride gate_stride floats, as gated_residual.cu).
 // x_out is rounded to bf16 before the norm reads it, so every output has the bits of the two kernels
 // run one after the other, and each row's reduction uses the forward's tree (block = ADALN_FWD_THREADS
 // threads x ADALN_FWD_VPT vectors, from H alone). A row whose index lies outside [0, R) gets NaN in
@@ -16,8 +15,8 @@
 extern "C" __global__ void __launch_bounds__(ADALN_FWD_THREADS)
 gated_residual_norm_bf16(const bf16_t* __restrict__ x, const float* __restrict__ gate, const bf16_t* __restrict__ y,
                          const index_t* __restrict__ row_index, const bf16_t* __restrict__ norm_weight,
-                         const fwd_table_t* __restrict__ table, bf16_t* __restrict__ x_out, bf16_t* __restrict__ out,
-                         float* __restrict__ rstd, int gate_stride, int S, float eps, int rows, int table_stride) {
+                         const bf16_t* __restrict__ table, bf16_t* __restrict__ x_out, bf16_t* __restrict__ out,
+                         float* __restrict__ rstd, int gate_stride, int S, float eps, int rows) {
     __shared__ float scratch[ADALN_FWD_THREADS / 32 + 1];
     const size_t row = blockIdx.x;
     const index_t t = row_index[row % (unsigned)S];
@@ -48,5 +47,5 @@ gated_residual_norm_bf16(const bf16_t* __restrict__ x, const float* __restrict__
             *reinterpret_cast<uint4*>(x_out + row * ADALN_H + v * ADALN_VEC) = x_raw[k];
         }
     }
-    norm_modulate_row(x_raw, row, norm_weight, table, table_stride, t, out, rstd, eps, scratch);
+    norm_modulate_row(x_raw, row, norm_weight, table, t, out, rstd, eps, scratch);
 }

@@ -3,10 +3,8 @@
 //   rstd[r] = rsqrt(sum_h x[r,h]^2 / H + eps)                          fp32, saved for backward
 //   n       = bf16(x * rstd * norm_weight)                              (F.rms_norm rounds once)
 //   out     = bf16(bf16(n * bf16(1 + scale[t])) + shift[t]),  t = timestep_indices[r % S]
-// with shift = table[t, :H], scale = table[t, H:], table row t at table + t * table_stride (bf16; fp32
-// where the plan says ADALN_FWD_TABLE_F32, rounded to bf16 as read: the blocks' table, shift | scale two
-// adjacent chunks of its rows, read in place). A row whose index is outside [0, T) reads nothing outside
-// the table and gets NaN.
+// with shift = table[t, :H], scale = table[t, H:] (bf16). A row whose index is outside [0, T)
+// reads nothing outside the table and gets NaN.
 //
 // Thread i of a row's block holds the 8-wide vectors i, i + ADALN_FWD_THREADS, ... (ADALN_FWD_VPT
 // of them); ADALN_FWD_THREADS and ADALN_FWD_VPT come from H alone (adaln_lab/plan.py). Reduction
@@ -24,11 +22,6 @@
 // Run: adaln_lab.cuda_op.norm_modulate(x, norm_weight, table, timestep_indices, eps, D).
 
 #define FWD_SLOTS (ADALN_FWD_VPT * ADALN_FWD_THREADS)  // uint4 slots of one row in shared memory
-#if ADALN_FWD_TABLE_F32
-typedef float fwd_table_t;
-#else
-typedef bf16_t fwd_table_t;
-#endif
 
 // this thread's share of sum(x^2) of one row
 __device__ __forceinline__ float row_sum_squares(const uint4 x_raw[ADALN_FWD_VPT]) {
@@ -87,9 +80,9 @@ __device__ __forceinline__ void fetch_x(uint4* stage, const bf16_t* x, size_t ro
 
 extern "C" __global__ void __launch_bounds__(ADALN_FWD_THREADS)
 norm_modulate_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ norm_weight,
-                   const fwd_table_t* __restrict__ table, const index_t* __restrict__ timestep_indices,
+                   const bf16_t* __restrict__ table, const index_t* __restrict__ timestep_indices,
                    bf16_t* __restrict__ out, float* __restrict__ rstd, int S, float eps, int rows,
-                   int rows_per_range, int table_stride) {
+                   int rows_per_range) {
     // [T][2][FWD_SLOTS] shift, bf16(1 + scale) of every timestep; then [ADALN_FWD_STAGES][FWD_SLOTS] x
     extern __shared__ __align__(16) uint4 dynamic_smem[];
     uint4* const modulation = dynamic_smem;
@@ -109,14 +102,14 @@ norm_modulate_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ norm
     }
 #pragma unroll 1
     for (int t = 0; t < ADALN_T; ++t) {
-        const fwd_table_t* shift = table + (size_t)t * table_stride;
+        const bf16_t* shift = table + t * 2 * ADALN_H;
 #pragma unroll
         for (int i = 0; i < ADALN_FWD_VPT; ++i) {
             const int v = threadIdx.x + i * ADALN_FWD_THREADS;
             if (v < ADALN_NVEC_H) {
-                modulation[(2 * t) * FWD_SLOTS + i * ADALN_FWD_THREADS + threadIdx.x] = load_table8(shift + v * ADALN_VEC);
+                modulation[(2 * t) * FWD_SLOTS + i * ADALN_FWD_THREADS + threadIdx.x] = load_raw8(shift + v * ADALN_VEC);
                 modulation[(2 * t + 1) * FWD_SLOTS + i * ADALN_FWD_THREADS + threadIdx.x] =
-                    one_plus(load_table8(shift + ADALN_H + v * ADALN_VEC));
+                    one_plus(load_raw8(shift + ADALN_H + v * ADALN_VEC));
             }
         }
     }
@@ -156,19 +149,19 @@ norm_modulate_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ norm
 // row's modulation, reduces, stores. The row-per-block kernels' body (gated_residual_norm.cu's too).
 __device__ __forceinline__ void norm_modulate_row(const uint4 x_raw[ADALN_FWD_VPT], size_t row,
                                                   const bf16_t* __restrict__ norm_weight,
-                                                  const fwd_table_t* __restrict__ table, int table_stride,
-                                                  index_t t, bf16_t* __restrict__ out, float* __restrict__ rstd,
-                                                  float eps, float* scratch) {
+                                                  const bf16_t* __restrict__ table, index_t t,
+                                                  bf16_t* __restrict__ out, float* __restrict__ rstd, float eps,
+                                                  float* scratch) {
     uint4 w_raw[ADALN_FWD_VPT], shift_raw[ADALN_FWD_VPT], scale_raw[ADALN_FWD_VPT];
     const bool valid = t >= 0 && t < ADALN_T;
-    const fwd_table_t* shift = table + (size_t)(valid ? t : 0) * table_stride;
+    const bf16_t* shift = table + (valid ? t : 0) * 2 * ADALN_H;
 #pragma unroll
     for (int i = 0; i < ADALN_FWD_VPT; ++i) {
         const int v = threadIdx.x + i * ADALN_FWD_THREADS;
         if (v < ADALN_NVEC_H) {
             w_raw[i] = load_raw8(norm_weight + v * ADALN_VEC);
-            shift_raw[i] = load_table8(shift + v * ADALN_VEC);
-            scale_raw[i] = load_table8(shift + ADALN_H + v * ADALN_VEC);
+            shift_raw[i] = load_raw8(shift + v * ADALN_VEC);
+            scale_raw[i] = load_raw8(shift + ADALN_H + v * ADALN_VEC);
         }
     }
     const float r = rsqrtf(block_sum<ADALN_FWD_THREADS / 32>(row_sum_squares(x_raw), scratch) / (float)ADALN_H + eps);
@@ -184,9 +177,9 @@ __device__ __forceinline__ void norm_modulate_row(const uint4 x_raw[ADALN_FWD_VP
 
 extern "C" __global__ void __launch_bounds__(ADALN_FWD_THREADS)
 norm_modulate_rowwise_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ norm_weight,
-                           const fwd_table_t* __restrict__ table, const index_t* __restrict__ timestep_indices,
+                           const bf16_t* __restrict__ table, const index_t* __restrict__ timestep_indices,
                            bf16_t* __restrict__ out, float* __restrict__ rstd, int S, float eps, int rows,
-                           int rows_per_range, int table_stride) {
+                           int rows_per_range) {
     __shared__ float scratch[ADALN_FWD_THREADS / 32 + 1];
     const size_t row = blockIdx.x;
     uint4 x_raw[ADALN_FWD_VPT];
@@ -195,6 +188,5 @@ norm_modulate_rowwise_bf16(const bf16_t* __restrict__ x, const bf16_t* __restric
         const int v = threadIdx.x + i * ADALN_FWD_THREADS;
         if (v < ADALN_NVEC_H) x_raw[i] = load_raw8(x + row * ADALN_H + v * ADALN_VEC);
     }
-    norm_modulate_row(x_raw, row, norm_weight, table, table_stride, timestep_indices[row % (unsigned)S], out, rstd, eps,
-                      scratch);
+    norm_modulate_row(x_raw, row, norm_weight, table, timestep_indices[row % (unsigned)S], out, rstd, eps, scratch);
 }

@@ -125,7 +125,7 @@ class Depths:
     def twin(plan, rows: int) -> "Depths":
         geometry = plan.rows(rows)
         warps = plan.tb_threads // 32
-        tb_rows = dict(plan.tuning)["TB_ROWS"]
+        tb_rows = plan.tb_rows
         return Depths(dot=8 * plan.bwd_vpt + 10, range_rows=geometry.bwd_rows_per_range,
                       nblocks=max(geometry.bwd_ranges, 1), groups=plan.sum_groups, tb=tb_rows // warps + warps,
                       blocks_j=plan.blocks_j, act=6)

@@ -82,14 +82,15 @@ def rows_sweep(candidates, rows, device, shape: dict, quick: bool = False, seed:
 
 def _plan_numbers(S: int, H: int, D: int, T: int) -> tuple[int, int]:
     """(row ranges of the backward row pass, row blocks of table_bwd) from adaln_lab.plan, with
-    the plan's defaults (132 ranges, 128 rows per block) should the plan refuse the shape."""
-    try:
-        from ..plan import plan as make_plan
+    the plan's TUNING (BWD_RANGES ranges, TB_ROWS rows per block) should the plan refuse the shape."""
+    from ..plan import TUNING
+    from ..plan import plan as make_plan
 
+    try:
         p = make_plan(H, D, T)
         return max(p.rows(S).bwd_ranges, 1), p.blocks_j
     except Exception:  # noqa: BLE001 - a shape the kernels refuse still gets its byte model
-        return max(min(S, 132), 1), math.ceil(2 * H / 128)
+        return max(min(S, TUNING["BWD_RANGES"]), 1), math.ceil(2 * H / TUNING["TB_ROWS"])
 
 
 def kernel_bytes(S: int, H: int, D: int, T: int) -> dict:

@@ -30,10 +30,10 @@ gradients within 2^-10 relative (l2) of shipped's, else they are not timed:
   block, so two blocks of the norm's backward fit an SM with three staged inputs too).
 - `rp_t4`: RP_T_MAX = 4: reduce_partials sums 4 timesteps per pass (the block's 9 table rows in three
   passes, as up to bd4d17b; shipped: all 9 in one pass; the same sums, the same bits);
-- `tb_rows256`, `tb_rows512`, `tb_threads512` (reorders: dact's partial sums over other row blocks, so
-  d_temb's bits): table_bwd with 256 / 512 weight rows per block (shipped 128), or 512 threads and 256 rows:
-  fewer blocks, each block's fixed work (d_table staging, SiLU of its columns, the dact combine) spread over
-  more rows, and fewer dact partials for table_bwd_reduce;
+- `tb_rows128`, `tb_rows256`, `tb_threads512` (reorders: dact's partial sums over other row blocks, so
+  d_temb's bits): table_bwd with 128 weight rows per block for both kernels (v5's choice), 256 for the one
+  kernel, or 512 threads and 256 rows (shipped since v6: 512 rows for table_bwd_bf16, 256 for its halves; a
+  block's fixed work, d_table staging, SiLU of its columns, the dact combine, spread over more rows);
 Times: CUDA-graph replay of forward+backward (harness.latency.graph_latency) at 4097 and 32768 rows,
 for the block (`block`: its table has T = 3 rows, so table_bwd is never split) and for norm_out's
 `final_adaln_out` at T = 3 (`norm_out`) and at T = 9 timesteps (`norm_out_T9`, where the split applies).
@@ -82,11 +82,11 @@ VARIANTS = {  # name: (TUNING knobs, {kernel file: (text, replacement)}, {block_
     "bwd_threads384": ({"BWD_THREADS_MAX": 384}, {}, {}),
     "bwd_threads256": ({"BWD_THREADS_MAX": 256}, {}, {}),
     "rp_t4": ({"RP_T_MAX": 4}, {}, {}),
+    "tb_rows128": ({"TB_ROWS": 128, "TB_SPLIT_ROWS": 128}, {}, {}),
     "tb_rows256": ({"TB_ROWS": 256}, {}, {}),
-    "tb_rows512": ({"TB_ROWS": 512}, {}, {}),
     "tb_threads512": ({"TB_THREADS": 512, "TB_ROWS": 256}, {}, {}),
 }
-REORDERS = {"bwd264", "bwd264_s2", "tb_rows256", "tb_rows512", "tb_threads512"}
+REORDERS = {"bwd264", "bwd264_s2", "tb_rows128", "tb_rows256", "tb_threads512"}
 RETREES = {"bwd_threads384", "bwd_threads256"}
 PARAMETER_RTOL = 2.0 ** -10
 RETREE_RTOL = 2.0 ** -7
