@@ -5,7 +5,8 @@
 #     clean tree of the commit before), its block_ab.py `shipped` too, for a same-run ratio; then the block
 #     report, the block profile, then the seed report (each skipped when the budget is spent).
 # Everything lands in OUT_DIR; OUT_DIR/all.tgz packs it after each step (the device returns at most 8 files).
-#   [AB_VARIANTS="shipped rp_t4"] [AB_BASELINE=DIR] [PYTEST_LIMIT=S] bash bench/dev/device_run_adopt.sh OUT_DIR [BUDGET_S]
+#   [AB_VARIANTS="shipped rp_t4"] [AB_BASELINE=DIR] [PYTEST_LIMIT=S] \
+#     bash bench/dev/device_run_adopt.sh OUT_DIR [BUDGET_S]
 set -u
 out=$1
 budget=${2:-500}
@@ -17,11 +18,13 @@ SANITIZE_TIMEOUT=60 step sanitize 150 bash bench/sanitize/run.sh "$out/sanitize"
 wait
 echo "phase 1 done at $SECONDS s"; tail -2 "$out/pytest_gpu_$commit.txt"; pack
 if [ -n "${AB_VARIANTS:-}" ]; then
-  step block-ab 120 bash -c "python3 bench/dev/block_ab.py $AB_VARIANTS > $out/block_ab_$commit.json 2> $out/block_ab.log"
+  step block-ab 120 bash -c "python3 bench/dev/block_ab.py $AB_VARIANTS > $out/block_ab_$commit.json \
+    2> $out/block_ab.log"
 fi
 if [ -n "${AB_BASELINE:-}" ]; then
   base=$(cat "$AB_BASELINE/COMMIT" 2>/dev/null || echo baseline)
-  step block-ab-baseline 60 bash -c "cd $AB_BASELINE && PYTHONPATH=/tmp/site:\$PWD python3 bench/dev/block_ab.py shipped \
+  step block-ab-baseline 60 bash -c "cd $AB_BASELINE && PYTHONPATH=/tmp/site:\$PWD \
+    python3 bench/dev/block_ab.py shipped \
     > $out/block_ab_$base.json 2> $out/block_ab_baseline.log"
 fi
 pack
