@@ -146,8 +146,6 @@ class Plan:
     bwd_res_stages: int      # norm_modulate_bwd_residual_bf16: rows in flight (three inputs each); 0: not used
     table_grid: int
     table_threads: int
-    tb_grid: tuple[int, int]
-    tb_rows: int
     tb_threads: int
     sum_groups: int
     gr_threads: int
@@ -196,6 +194,18 @@ class Plan:
         fused kernel keeps 2 x 8 x T fp32 accumulators per thread (ptxas: 118 registers at T = 3, 255 at
         T = 9, one block per SM); 5 comes from that count; at T = 9 the split measured 34 us faster (NOTES v4)."""
         return self.T >= dict(self.tuning)["TB_SPLIT_MIN_T"]
+
+    @property
+    def tb_rows(self) -> int:
+        """table_bwd.cu: weight rows j per block: TB_ROWS for the one kernel, TB_SPLIT_ROWS for its halves
+        (bench/NOTES.md v6)."""
+        t = dict(self.tuning)
+        return t["TB_SPLIT_ROWS"] if self.tb_split else t["TB_ROWS"]
+
+    @property
+    def tb_grid(self) -> tuple[int, int]:
+        """table_bwd.cu's grid: (D tiles of TB_COLUMNS columns, row blocks of tb_rows weight rows)."""
+        return math.ceil(self.D / TB_COLUMNS), math.ceil(self.columns / self.tb_rows)
 
     @property
     def blocks_j(self) -> int:
@@ -276,11 +286,9 @@ def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = Fal
     if bwd_stages < 1:
         raise ValueError(f"backend='cupy' needs H (x.shape[-1]) <= {H_MAX}, got {H}; use backend='torch'")
     rows_per_block = t["TABLE_THREADS"] // 32 * t["TABLE_ROWS_PER_WARP"]
-    tb_rows = t["TB_SPLIT_ROWS"] if T >= t["TB_SPLIT_MIN_T"] else t["TB_ROWS"]  # bench/NOTES.md v6
     return Plan(H=H, D=D, T=T, fwd_threads=fwd_threads, fwd_vpt=fwd_vpt, fwd_stages=fwd_stages,
                 bwd_threads=bwd_threads, bwd_vpt=bwd_vpt, bwd_stages=bwd_stages, bwd_res_stages=bwd_res_stages,
                 table_grid=math.ceil(N / rows_per_block), table_threads=t["TABLE_THREADS"],
-                tb_grid=(math.ceil(D / TB_COLUMNS), math.ceil(N / tb_rows)), tb_rows=tb_rows,
                 tb_threads=t["TB_THREADS"],
                 sum_groups=t["SUM_GROUPS"], gr_threads=gr_geometry(H, T, t["GR_THREADS_MAX"]),
                 tuning=tuple(sorted(t.items())), table_n=table_n,
