@@ -156,12 +156,24 @@ def modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, eps: float):
     return out, rstd
 
 
-def modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None):
+def row_order(row_index: torch.Tensor, plan) -> torch.Tensor:
+    """(T + 1 + S,) int32: row_order.cu's row_offsets | order of row_index (S,) int64, the positions sorted by
+    table row (T = plan.T, a row plan's), stably; the backward row passes walk the rows in that order."""
+    row_index = row_index.contiguous()
+    k, stream = _setup(row_index.device, plan)
+    order = torch.empty(plan.T + 1 + row_index.shape[0], dtype=torch.int32, device=row_index.device)
+    launchers.launch_row_order(k, plan, stream, row_index.data_ptr(), order.data_ptr(), row_index.shape[0])
+    return order
+
+
+def modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None, order=None):
+    """order: `row_order(row_index, plan)` if the caller has it (one sort for several backward passes)."""
     R, H = shift.shape
     plan, rows = _row_plan(x, R)
     dy, x, norm_weight = _aligned(dy), _aligned(x), _aligned(norm_weight)
     table_f32, table_stride = _shift_scale(shift, scale)
     row_index, rstd = row_index.contiguous(), rstd.contiguous()
+    order = row_order(row_index, plan) if order is None else order
     fused = d_residual is not None and plan.bwd_res_stages > 0
     d_residual = _aligned(d_residual) if fused else d_residual
     k, stream = _setup(x.device, plan)
@@ -170,14 +182,15 @@ def modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_
     d_shift = torch.empty(R, H, dtype=torch.float32, device=x.device)
     d_scale = torch.empty(R, H, dtype=torch.float32, device=x.device)
     d_sum_unused = torch.empty(2 * H, dtype=torch.bfloat16, device=x.device)
-    row_partials = torch.empty(max(rows.bwd_ranges, 1) * R * 2 * H, dtype=torch.float32, device=x.device)
-    launchers.launch_row_pass(k, plan, rows, stream, dy.data_ptr(), x.data_ptr(), rstd.data_ptr(),
-                              norm_weight.data_ptr(), table_f32.data_ptr(), row_index.data_ptr(), dx.data_ptr(),
-                              row_partials.data_ptr(), x.shape[-2], d_residual.data_ptr() if fused else 0,
-                              table_stride)
-    launchers.launch_reduce_partials(k, plan, rows, stream, row_partials.data_ptr(), norm_weight.data_ptr(),
-                                     table_f32.data_ptr(), d_shift.data_ptr(), d_norm_weight.data_ptr(),
-                                     d_sum_unused.data_ptr(), table_stride=table_stride, d_scale=d_scale.data_ptr())
+    row_partials = torch.empty(launchers.sorted_slots(plan, rows) * 2 * H, dtype=torch.float32, device=x.device)
+    launchers.launch_sorted_row_pass(k, plan, rows, stream, dy.data_ptr(), x.data_ptr(), rstd.data_ptr(),
+                                     norm_weight.data_ptr(), table_f32.data_ptr(), row_index.data_ptr(),
+                                     order.data_ptr(), dx.data_ptr(), row_partials.data_ptr(), x.shape[-2],
+                                     d_residual.data_ptr() if fused else 0, table_stride)
+    launchers.launch_reduce_sorted_partials(k, plan, rows, stream, row_partials.data_ptr(), norm_weight.data_ptr(),
+                                            table_f32.data_ptr(), d_shift.data_ptr(), d_scale.data_ptr(),
+                                            d_norm_weight.data_ptr(), d_sum_unused.data_ptr(), order.data_ptr(),
+                                            x.shape[-2], table_stride)
     if d_residual is not None and not fused:  # a row too wide for three staged inputs: torch's bf16 add, same bits
         dx = dx + d_residual
     return dx, d_norm_weight, d_shift, d_scale
@@ -203,18 +216,20 @@ def gated_residual_fwd(x, gate, y, row_index):
     return out
 
 
-def gated_residual_bwd(dout, gate, y, row_index):
+def gated_residual_bwd(dout, gate, y, row_index, order=None):
+    """order: `row_order(row_index, plan)` if the caller has it."""
     R, H = gate.shape
     plan, rows = _row_plan(y, R)
     dout, y, row_index = _aligned(dout), _aligned(y), row_index.contiguous()
+    order = row_order(row_index, plan) if order is None else order
     gate, stride = _gate_pointer(gate)
     k, stream = _setup(y.device, plan)
     d_y = torch.empty_like(y)
     d_gate = torch.empty(R, H, dtype=torch.float32, device=y.device)
-    gate_partials = torch.empty(max(rows.bwd_ranges, 1) * R * H, dtype=torch.float32, device=y.device)
+    gate_partials = torch.empty(launchers.sorted_slots(plan, rows) * H, dtype=torch.float32, device=y.device)
     launchers.launch_gated_residual_bwd(k, plan, rows, stream, dout.data_ptr(), gate.data_ptr(), y.data_ptr(),
-                                        row_index.data_ptr(), d_y.data_ptr(), gate_partials.data_ptr(),
-                                        d_gate.data_ptr(), stride, y.shape[-2])
+                                        row_index.data_ptr(), order.data_ptr(), d_y.data_ptr(),
+                                        gate_partials.data_ptr(), d_gate.data_ptr(), stride, y.shape[-2])
     return d_gate, d_y
 
 
@@ -236,8 +251,10 @@ def gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, ep
 
 def gated_residual_norm_bwd(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd):
     """(dx, d_gate, d_y, d_norm_weight, d_shift, d_scale): the norm's backward with the residual gradient
-    d_x_out added in its row pass (norm_modulate_bwd_residual_bf16), then the gated residual's backward."""
+    d_x_out added in its row pass (norm_modulate_bwd_residual_sorted_bf16), then the gated residual's
+    backward; one row_order for both."""
+    order = row_order(row_index, _row_plan(x_out, shift.shape[0])[0])
     dx, d_norm_weight, d_shift, d_scale = modulated_rms_norm_bwd(d_out, x_out, norm_weight, shift, scale, row_index,
-                                                                 rstd, d_residual=d_x_out)
-    d_gate, d_y = gated_residual_bwd(dx, gate, y, row_index)
+                                                                 rstd, d_residual=d_x_out, order=order)
+    d_gate, d_y = gated_residual_bwd(dx, gate, y, row_index, order=order)
     return dx, d_gate, d_y, d_norm_weight, d_shift, d_scale

@@ -26,15 +26,18 @@ SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
     "norm_modulate_bf16": "ppppppifii",
     "norm_modulate_rowwise_bf16": "ppppppifii",
     "norm_modulate_bwd_bf16": "ppppppppiiii",
-    "norm_modulate_bwd_residual_bf16": "pppppppppiiii",
+    "norm_modulate_bwd_sorted_bf16": "pppppppppiiii",
+    "norm_modulate_bwd_residual_sorted_bf16": "ppppppppppiiii",
     "reduce_partials_bf16": "pppppppiii",
+    "reduce_partials_sorted_bf16": "ppppppppiiii",
+    "row_order": "pppi",
     "table_bwd_bf16": "pppppp",
     "table_bwd_d_weight_bf16": "pppppp",
     "table_bwd_dact_bf16": "pppppp",
     "table_bwd_reduce": "pppi",
     "gated_residual_fwd_bf16": "pppppiii",
-    "gated_residual_bwd_bf16": "ppppppiiii",
-    "gated_residual_reduce": "ppi",
+    "gated_residual_bwd_sorted_bf16": "pppppppiiii",
+    "gated_residual_reduce_sorted": "pppii",
     "gated_residual_norm_bf16": "pppppppppiifi",
 }
 
@@ -123,17 +126,11 @@ def launch_norm_modulate(k: dict, plan: Plan, rows: Rows, stream: int, x: int, n
 
 def launch_row_pass(k: dict, plan: Plan, rows: Rows, stream: int, dy: int, x: int, rstd: int, norm_weight: int,
                     table_f32: int, timestep_indices: int, dx: int, row_partials: int, S: int,
-                    d_residual: int = 0, table_stride: int = 0) -> None:
-    """dx and row_partials (bwd_ranges, T, 2, H) fp32; with no rows, one range of zero partials instead.
-    With d_residual (rows, H) bf16 (needs plan.bwd_res_stages), dx = bf16(bf16(the norm's dx) + d_residual).
-    table_f32: row t of shift | scale at table_f32 + t * table_stride floats (0: 2H)."""
+                    table_stride: int = 0) -> None:
+    """dx and row_partials (bwd_ranges, T, 2, H) fp32 (norm_out's pass per timestep); with no rows, one range
+    of zero partials instead. table_f32: row t of shift | scale at table_f32 + t * table_stride floats (0: 2H)."""
     stride = table_stride or 2 * plan.H
-    if rows.rows and d_residual:
-        k["norm_modulate_bwd_residual_bf16"]((rows.bwd_ranges, 1, 1), (plan.bwd_threads, 1, 1), plan.bwd_res_smem,
-                                             stream, dy, x, d_residual, rstd, norm_weight, table_f32,
-                                             timestep_indices, dx, row_partials, S, rows.rows,
-                                             rows.bwd_rows_per_range, stride)
-    elif rows.rows:
+    if rows.rows:
         k["norm_modulate_bwd_bf16"]((rows.bwd_ranges, 1, 1), (plan.bwd_threads, 1, 1), plan.bwd_smem, stream,
                                     dy, x, rstd, norm_weight, table_f32, timestep_indices, dx, row_partials,
                                     S, rows.rows, rows.bwd_rows_per_range, stride)
@@ -141,6 +138,51 @@ def launch_row_pass(k: dict, plan: Plan, rows: Rows, stream: int, dy: int, x: in
         from cupy.cuda import runtime
 
         runtime.memsetAsync(row_partials, 0, plan.T * 2 * plan.H * 4, stream)
+
+
+def launch_row_order(k: dict, plan: Plan, stream: int, row_index: int, row_order: int, S: int) -> None:
+    """row_order (T + 1 + S,) int32 = row_order.cu's row_offsets (T + 1,) | order (S,) of row_index (S,) int64:
+    the positions sorted by table row, stably (T = plan.T table rows)."""
+    k["row_order"]((1, 1, 1), (1024, 1, 1), 0, stream, row_index, row_order, row_order + 4 * (plan.T + 1), S)
+
+
+def sorted_slots(plan: Plan, rows: Rows) -> int:
+    """Slots of partial sums of the sorted row passes: range b's sums of table row t in slot b + t."""
+    return rows.bwd_ranges + plan.T
+
+
+def _batches(rows: Rows, S: int) -> int:
+    return rows.rows // S if S else 0
+
+
+def launch_sorted_row_pass(k: dict, plan: Plan, rows: Rows, stream: int, dy: int, x: int, rstd: int,
+                           norm_weight: int, table_f32: int, row_index: int, row_order: int, dx: int,
+                           row_partials: int, S: int, d_residual: int = 0, table_stride: int = 0) -> None:
+    """dx and row_partials (sorted_slots, 2, H) fp32 over the rows in table-row order (row_order from
+    launch_row_order); the slots no range writes are never read. With d_residual (rows, H) bf16 (needs
+    plan.bwd_res_stages), dx = bf16(bf16(the norm's dx) + d_residual). Nothing when rows == 0."""
+    if not rows.rows:
+        return
+    stride = table_stride or 2 * plan.H
+    if d_residual:
+        k["norm_modulate_bwd_residual_sorted_bf16"]((rows.bwd_ranges, 1, 1), (plan.bwd_threads, 1, 1),
+                                                    plan.bwd_res_smem, stream, dy, x, d_residual, rstd, norm_weight,
+                                                    table_f32, row_index, row_order, dx, row_partials, S, rows.rows,
+                                                    rows.bwd_rows_per_range, stride)
+    else:
+        k["norm_modulate_bwd_sorted_bf16"]((rows.bwd_ranges, 1, 1), (plan.bwd_threads, 1, 1), plan.bwd_smem,
+                                           stream, dy, x, rstd, norm_weight, table_f32, row_index, row_order, dx,
+                                           row_partials, S, rows.rows, rows.bwd_rows_per_range, stride)
+
+
+def launch_reduce_sorted_partials(k: dict, plan: Plan, rows: Rows, stream: int, row_partials: int, norm_weight: int,
+                                  table_f32: int, d_shift: int, d_scale: int, d_norm_weight: int, d_bias: int,
+                                  row_order: int, S: int, table_stride: int) -> None:
+    """d_shift, d_scale (T, H) fp32, d_norm_weight (H,) and d_bias (2H,) bf16 from launch_sorted_row_pass's
+    partials, in a fixed order (zeros when rows == 0)."""
+    k["reduce_partials_sorted_bf16"]((-(-plan.H // 32), 1, 1), (32, plan.sum_groups, 1), 0, stream, row_partials,
+                                     norm_weight, table_f32, d_shift, d_scale, d_norm_weight, d_bias, row_order,
+                                     _batches(rows, S), max(rows.bwd_rows_per_range, 1), table_stride, plan.H)
 
 
 def launch_reduce_partials(k: dict, plan: Plan, rows: Rows, stream: int, row_partials: int, norm_weight: int,
@@ -197,20 +239,17 @@ def launch_gated_residual(k: dict, plan: Plan, rows: Rows, stream: int, x: int, 
 
 
 def launch_gated_residual_bwd(k: dict, plan: Plan, rows: Rows, stream: int, dout: int, gate: int, y: int,
-                              row_index: int, d_y: int, gate_partials: int, d_gate: int, gate_stride: int,
-                              S: int) -> None:
-    """d_y (rows, H) bf16 and d_gate (T, H) fp32 (ordered sums over rows.bwd_ranges ranges); gate_partials
-    holds max(bwd_ranges, 1) * T * H floats. With no rows, one range of zeros: d_gate is exactly zero."""
+                              row_index: int, row_order: int, d_y: int, gate_partials: int, d_gate: int,
+                              gate_stride: int, S: int) -> None:
+    """d_y (rows, H) bf16 and d_gate (T, H) fp32 over the rows in table-row order (row_order from
+    launch_row_order); gate_partials holds sorted_slots * H floats. With no rows d_gate is exactly zero."""
     if rows.rows:
-        k["gated_residual_bwd_bf16"]((rows.bwd_ranges, -(-plan.H // (8 * plan.gr_threads)), 1),
-                                     (plan.gr_threads, 1, 1), plan.gr_smem, stream, dout, gate, y, row_index, d_y,
-                                     gate_partials, gate_stride, S, rows.rows, rows.bwd_rows_per_range)
-    else:
-        from cupy.cuda import runtime
-
-        runtime.memsetAsync(gate_partials, 0, plan.T * plan.H * 4, stream)
-    k["gated_residual_reduce"]((-(-plan.H // 32), plan.T, 1), (32, plan.sum_groups, 1), 0, stream,
-                               gate_partials, d_gate, max(rows.bwd_ranges, 1))
+        k["gated_residual_bwd_sorted_bf16"]((rows.bwd_ranges, -(-plan.H // (8 * plan.gr_threads)), 1),
+                                            (plan.gr_threads, 1, 1), 0, stream, dout, gate, y, row_index, row_order,
+                                            d_y, gate_partials, gate_stride, S, rows.rows, rows.bwd_rows_per_range)
+    k["gated_residual_reduce_sorted"]((-(-plan.H // 32), 1, 1), (32, plan.sum_groups, 1), 0, stream,
+                                      gate_partials, d_gate, row_order, _batches(rows, S),
+                                      max(rows.bwd_rows_per_range, 1))
 
 
 def launch_gated_residual_norm(k: dict, plan: Plan, rows: Rows, stream: int, x: int, gate: int, y: int,

@@ -31,14 +31,15 @@ from pathlib import Path
 
 from .plan import Plan
 
-KERNEL_FILES = ("adaln_common.cuh", "table.cu", "norm_modulate.cu", "norm_modulate_bwd.cu",
+KERNEL_FILES = ("adaln_common.cuh", "table.cu", "norm_modulate.cu", "row_order.cu", "norm_modulate_bwd.cu",
                 "reduce_partials.cu", "table_bwd.cu", "gated_residual.cu", "gated_residual_norm.cu")
 INCLUDE_LINE = '#include "adaln_common.cuh"'
 COMPILE_OPTIONS = ("--std=c++17",)
-KERNELS = ("table_bf16", "norm_modulate_bf16", "norm_modulate_rowwise_bf16", "norm_modulate_bwd_bf16",
-           "norm_modulate_bwd_residual_bf16", "reduce_partials_bf16", "table_bwd_bf16", "table_bwd_d_weight_bf16",
-           "table_bwd_dact_bf16", "table_bwd_reduce", "gated_residual_fwd_bf16", "gated_residual_bwd_bf16",
-           "gated_residual_reduce", "gated_residual_norm_bf16")
+KERNELS = ("table_bf16", "norm_modulate_bf16", "norm_modulate_rowwise_bf16", "norm_modulate_bwd_bf16", "row_order",
+           "norm_modulate_bwd_sorted_bf16", "norm_modulate_bwd_residual_sorted_bf16", "reduce_partials_bf16",
+           "reduce_partials_sorted_bf16", "table_bwd_bf16", "table_bwd_d_weight_bf16", "table_bwd_dact_bf16",
+           "table_bwd_reduce", "gated_residual_fwd_bf16", "gated_residual_bwd_sorted_bf16",
+           "gated_residual_reduce_sorted", "gated_residual_norm_bf16")
 DEFAULT_CACHE_DIR = os.path.expanduser("~/.cupy/kernel_cache")  # CuPy's default
 # driver statuses of an unusable image: INVALID_IMAGE, NO_BINARY_FOR_GPU, INVALID_PTX, UNSUPPORTED_PTX_VERSION,
 BAD_BINARY_STATUSES = frozenset({200, 209, 218, 222, 300, 302, 303, 500})  # INVALID_SOURCE, SHARED_OBJECT_*, NOT_FOUND
@@ -141,9 +142,9 @@ def _compile(device_index: int, plan: Plan) -> dict:
         if plan.fwd_staged:
             kernels["norm_modulate_bf16"].max_dynamic_shared_size_bytes = plan.fwd_smem
         kernels["norm_modulate_bwd_bf16"].max_dynamic_shared_size_bytes = plan.bwd_smem
+        kernels["norm_modulate_bwd_sorted_bf16"].max_dynamic_shared_size_bytes = plan.bwd_smem
         if plan.bwd_res_stages:
-            kernels["norm_modulate_bwd_residual_bf16"].max_dynamic_shared_size_bytes = plan.bwd_res_smem
-        kernels["gated_residual_bwd_bf16"].max_dynamic_shared_size_bytes = plan.gr_smem
+            kernels["norm_modulate_bwd_residual_sorted_bf16"].max_dynamic_shared_size_bytes = plan.bwd_res_smem
         kernels["reduce_partials_bf16"].max_dynamic_shared_size_bytes = plan.rp_smem
         return kernels
 

@@ -60,17 +60,12 @@ def row_geometry(H: int, threads_max: int) -> tuple[int, int]:
     return threads, vpt
 
 
-def gr_geometry(H: int, T: int, threads_max: int) -> int:
-    """Threads of gated_residual.cu's blocks, from H and the table rows T alone: the fewest column tiles of at
-    most threads_max threads (8 columns each), split evenly, with one more tile while the backward's
-    T * 8 fp32 sums per thread exceed the shared memory of a block. A column's sums do not depend on it."""
+def gr_geometry(H: int, threads_max: int) -> int:
+    """Threads of gated_residual.cu's blocks, from H alone: the fewest column tiles of at most threads_max
+    threads (8 columns each), split evenly. A column's sums do not depend on it."""
     nvec = H // 8
     tiles = math.ceil(nvec / threads_max)
-    while True:
-        threads = 32 * math.ceil(math.ceil(nvec / tiles) / 32)
-        if T * 8 * threads * 4 <= SMEM_BLOCK_MAX or threads == 32:
-            return threads
-        tiles += 1
+    return 32 * math.ceil(math.ceil(nvec / tiles) / 32)
 
 
 def check_shapes(H: int, D: int, T: int) -> None:
@@ -143,7 +138,7 @@ class Plan:
     bwd_threads: int
     bwd_vpt: int
     bwd_stages: int
-    bwd_res_stages: int      # norm_modulate_bwd_residual_bf16: rows in flight (three inputs each); 0: not used
+    bwd_res_stages: int      # norm_modulate_bwd_residual_sorted_bf16: rows in flight (three inputs each); 0: unused
     table_grid: int
     table_threads: int
     tb_threads: int
@@ -169,13 +164,9 @@ class Plan:
 
     @property
     def bwd_res_smem(self) -> int:
-        """Dynamic shared memory of norm_modulate_bwd_residual_bf16: its stages, a row of x, dy and d_residual each."""
+        """Dynamic shared memory of norm_modulate_bwd_residual_sorted_bf16: its stages, a row of x, dy and d_residual
+        each."""
         return self.bwd_res_stages * 3 * self.bwd_threads * self.bwd_vpt * 16
-
-    @property
-    def gr_smem(self) -> int:
-        """Dynamic shared memory of gated_residual_bwd_bf16: 8 fp32 sums per thread for each of the T table rows."""
-        return self.T * 8 * self.gr_threads * 4
 
     @property
     def rp_t(self) -> int:
@@ -276,9 +267,9 @@ def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = Fal
         fwd_stages -= 1
     if fwd_stages < 2:
         fwd_stages = 0  # fall back to one row per block: same threads, same tree, same bits per row
-    if BWD_STAGE_BUDGET + 8 * t["ROW_LIST_MAX"] + 4 * (bwd_threads // 32 + 1) > SMEM_BLOCK_MAX:
-        raise ValueError(f"ROW_LIST_MAX {t['ROW_LIST_MAX']}: the backward's row list (timestep and rstd of each "
-                         f"row, static shared memory) does not fit beside its stages")
+    if BWD_STAGE_BUDGET + 12 * t["ROW_LIST_MAX"] + 4 * (bwd_threads // 32 + 1) > SMEM_BLOCK_MAX:
+        raise ValueError(f"ROW_LIST_MAX {t['ROW_LIST_MAX']}: the backward's row list (row, timestep and rstd of "
+                         f"each row, static shared memory) does not fit beside its stages")
     bwd_stage = 2 * bwd_threads * bwd_vpt * 16
     bwd_stages = min(t["BWD_STAGES"], BWD_STAGE_BUDGET // bwd_stage)  # a wide row keeps fewer stages
     # 0 where three rows do not fit (H > 33280): the gradient sum then runs as a torch add after the plain kernel
@@ -290,7 +281,7 @@ def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = Fal
                 bwd_threads=bwd_threads, bwd_vpt=bwd_vpt, bwd_stages=bwd_stages, bwd_res_stages=bwd_res_stages,
                 table_grid=math.ceil(N / rows_per_block), table_threads=t["TABLE_THREADS"],
                 tb_threads=t["TB_THREADS"],
-                sum_groups=t["SUM_GROUPS"], gr_threads=gr_geometry(H, T, t["GR_THREADS_MAX"]),
+                sum_groups=t["SUM_GROUPS"], gr_threads=gr_geometry(H, t["GR_THREADS_MAX"]),
                 tuning=tuple(sorted(t.items())), table_n=table_n,
                 table_f32_rounded=table_f32_rounded)
 

@@ -150,3 +150,37 @@ __device__ __forceinline__ int next_in_pass(const int* timesteps, int i, int n, 
     }
     return min(i, n);
 }
+
+// The table row a row's index sorts with (row_order.cu): its own, or 0 where it lies outside [0, T).
+__device__ __forceinline__ int sort_key(index_t i) { return (i < 0 || i >= ADALN_T) ? 0 : (int)i; }
+
+// The row list of a block that owns positions p0 .. p0 + n - 1 of the rows in table-row order
+// (row_order.cu: `row_offsets` (T + 1,) and `order` (S,) over the S positions of row_index; the
+// rows = batches * S rows run table row by table row, inside one in row order). row_ids[i] is the
+// row at position p0 + i, timesteps[i] its table row, -1 where its index lies outside [0, T) (such
+// rows sort with table row 0). Called by every thread; the caller syncs before reading the lists.
+__device__ __forceinline__ void fill_sorted_rows(int* row_ids, int* timesteps, const index_t* row_index,
+                                                 const int* row_offsets, const int* order, int p0, int n, int S,
+                                                 int batches) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const long long p = (long long)p0 + i;
+        int t = 0;  // the table row whose positions [batches * row_offsets[t], batches * row_offsets[t + 1]) hold p
+        while (t + 1 < ADALN_T && (long long)batches * row_offsets[t + 1] <= p) ++t;
+        const int begin = row_offsets[t], count = row_offsets[t + 1] - begin;
+        const long long q = p - (long long)batches * begin;
+        const int s = order[begin + (int)(q % count)];
+        row_ids[i] = (int)(q / count) * S + s;
+        const index_t index = row_index[s];
+        timesteps[i] = (index < 0 || index >= ADALN_T) ? -1 : t;
+    }
+}
+
+// The first range b0 and the last b1 of the ranges of `per` positions that hold table row t's positions
+// (row_order.cu's layout, as fill_sorted_rows): false when t has no rows.
+__device__ __forceinline__ bool table_row_ranges(const int* row_offsets, int t, int batches, int per, int& b0,
+                                                 int& b1) {
+    const long long first = (long long)batches * row_offsets[t], end = (long long)batches * row_offsets[t + 1];
+    b0 = (int)(first / per);
+    b1 = (int)((end - 1) / per);
+    return end > first;
+}

@@ -5,14 +5,15 @@
 // bf16 numbers). Rounding as diffusers in bf16: g = bf16(gate), p = bf16(g * y), out = bf16(x + p).
 //   gated_residual_fwd_bf16: elementwise; block = ADALN_GR_THREADS, one 8-wide vector per thread,
 //     grid = ceil(rows * H / 8 / ADALN_GR_THREADS).
-//   gated_residual_bwd_bf16: d_y = bf16(g * dout) per element; gate_partials[b, i, h] = sum over the
-//     rows of range b with index i of dout * y (fp32, in row order; the products of two bf16 numbers
-//     are exact in fp32). grid = (Rows.bwd_ranges, ceil(H / 8 / ADALN_GR_THREADS)), the same ranges
-//     as norm_modulate_bwd (from the number of rows alone). Each thread keeps its 8 columns' sums for
-//     every table row in dynamic shared memory (ADALN_T * ADALN_GR_THREADS * 8 floats) that only it
-//     touches, and writes all of them, zeros included, at the end.
-//   gated_residual_reduce: d_gate[i, h] = ordered_column_sum over the ranges (adaln_common.cuh), in
-//     double, stored fp32. block (32, ADALN_SUM_GROUPS), grid (ceil(H / 32), ADALN_T).
+//   gated_residual_bwd_sorted_bf16: d_y = bf16(g * dout) per element, over the rows in table-row order
+//     (row_order.cu; `row_order` = its row_offsets | order); gate_partials[b + i, h] = sum over the rows of
+//     range b (Rows.bwd_rows_per_range consecutive positions of that order) with table row i of dout * y (fp32,
+//     in row order; the products of two bf16 numbers are exact in fp32). A thread keeps its 8 columns' sums
+//     and gate values of the current table row in registers and writes the sums when its rows leave that
+//     table row: one or two slots per range. grid = (Rows.bwd_ranges, ceil(H / 8 / ADALN_GR_THREADS)),
+//     the ranges of norm_modulate_bwd (from the number of rows alone).
+//   gated_residual_reduce_sorted: d_gate[i, h] = the slots of table row i's ranges (table_row_ranges) in
+//     range order, in double, stored fp32. block (32, ADALN_SUM_GROUPS), grid ceil(H / 32).
 // dx = dout needs no kernel. A row whose index lies outside [0, R) gets NaN in out and d_y and adds
 // NaN to table row 0's sums, so the error shows in d_gate too.
 // Run: adaln_lab.block_cuda.gated_residual_fwd / gated_residual_bwd on CUDA tensors.
@@ -50,65 +51,77 @@ gated_residual_fwd_bf16(const bf16_t* __restrict__ x, const float* __restrict__ 
 
 #define GR_ROWS_IN_FLIGHT 4
 
+// this thread's 8 sums of table row i to its columns of slot `slot` of gate_partials (slots of H floats)
+__device__ __forceinline__ void store_gate_sums(float* gate_partials, size_t slot, int c, const float v[ADALN_VEC]) {
+    float4* p = reinterpret_cast<float4*>(gate_partials + slot * ADALN_H + c * ADALN_VEC);
+    p[0] = make_float4(v[0], v[1], v[2], v[3]);
+    p[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
 extern "C" __global__ void __launch_bounds__(ADALN_GR_THREADS)
-gated_residual_bwd_bf16(const bf16_t* __restrict__ dout, const float* __restrict__ gate,
-                        const bf16_t* __restrict__ y, const index_t* __restrict__ row_index,
-                        bf16_t* __restrict__ d_y, float* __restrict__ gate_partials, int gate_stride, int S,
-                        int rows, int rows_per_range) {
-    extern __shared__ float sums[];  // [ADALN_T][ADALN_VEC][ADALN_GR_THREADS]: this thread's column only
+gated_residual_bwd_sorted_bf16(const bf16_t* __restrict__ dout, const float* __restrict__ gate,
+                               const bf16_t* __restrict__ y, const index_t* __restrict__ row_index,
+                               const int* __restrict__ row_order, bf16_t* __restrict__ d_y,
+                               float* __restrict__ gate_partials, int gate_stride, int S, int rows,
+                               int rows_per_range) {
+    __shared__ int row_ids[ADALN_ROW_LIST_MAX], timesteps[ADALN_ROW_LIST_MAX];
     const int c = blockIdx.y * ADALN_GR_THREADS + threadIdx.x;
-    const bool valid = c < GR_VECTORS_H;
-    const int r0 = blockIdx.x * rows_per_range, r1 = min(rows, r0 + rows_per_range);
+    const int p0 = blockIdx.x * rows_per_range, n = min(rows, p0 + rows_per_range) - p0;
+    fill_sorted_rows(row_ids, timesteps, row_index, row_order, row_order + ADALN_T + 1, p0, n, S, S ? rows / S : 0);
+    __syncthreads();
+    if (c >= GR_VECTORS_H) return;
+    int i = max(timesteps[0], 0);
+    float g[ADALN_VEC], sums[ADALN_VEC];
+    load_gate8(gate + (size_t)i * gate_stride + c * ADALN_VEC, g);
+#pragma unroll
+    for (int e = 0; e < ADALN_VEC; ++e) sums[e] = 0.0f;
 #pragma unroll 1
-    for (int k = 0; k < ADALN_T * ADALN_VEC; ++k) sums[k * ADALN_GR_THREADS + threadIdx.x] = 0.0f;
-#pragma unroll 1
-    for (int r = r0; valid && r < r1; r += GR_ROWS_IN_FLIGHT) {
+    for (int k = 0; k < n; k += GR_ROWS_IN_FLIGHT) {
         uint4 dy_raw[GR_ROWS_IN_FLIGHT], y_raw[GR_ROWS_IN_FLIGHT];
-        int idx[GR_ROWS_IN_FLIGHT];
 #pragma unroll
         for (int q = 0; q < GR_ROWS_IN_FLIGHT; ++q) {  // every load of the group issued before any use
-            const bool here = r + q < r1;
-            const size_t at = (size_t)(here ? r + q : r) * ADALN_H + c * ADALN_VEC;
+            const size_t at = (size_t)row_ids[min(k + q, n - 1)] * ADALN_H + c * ADALN_VEC;
             dy_raw[q] = load_raw8(dout + at);
             y_raw[q] = load_raw8(y + at);
-            idx[q] = here ? table_row(row_index, r + q, S) : -2;
         }
 #pragma unroll
         for (int q = 0; q < GR_ROWS_IN_FLIGHT; ++q) {
-            if (idx[q] == -2) break;
-            const int i = idx[q] < 0 ? 0 : idx[q];
-            float dyv[ADALN_VEC], yv[ADALN_VEC], g[ADALN_VEC], dyy[ADALN_VEC];
+            if (k + q >= n) break;
+            const int ts = timesteps[k + q];
+            if (max(ts, 0) != i) {  // the rows leave table row i: its sums to slot blockIdx.x + i
+                store_gate_sums(gate_partials, (size_t)blockIdx.x + i, c, sums);
+                i = max(ts, 0);
+                load_gate8(gate + (size_t)i * gate_stride + c * ADALN_VEC, g);
+#pragma unroll
+                for (int e = 0; e < ADALN_VEC; ++e) sums[e] = 0.0f;
+            }
+            float dyv[ADALN_VEC], yv[ADALN_VEC], dyy[ADALN_VEC];
             unpack8(dy_raw[q], dyv);
             unpack8(y_raw[q], yv);
-            load_gate8(gate + (size_t)i * gate_stride + c * ADALN_VEC, g);
-            float* s = sums + (size_t)i * ADALN_VEC * ADALN_GR_THREADS + threadIdx.x;
 #pragma unroll
             for (int e = 0; e < ADALN_VEC; ++e) {
-                dyy[e] = idx[q] < 0 ? GR_NAN : g[e] * dyv[e];
-                s[e * ADALN_GR_THREADS] += idx[q] < 0 ? GR_NAN : dyv[e] * yv[e];
+                dyy[e] = ts < 0 ? GR_NAN : g[e] * dyv[e];
+                sums[e] += ts < 0 ? GR_NAN : dyv[e] * yv[e];
             }
-            store8(d_y + (size_t)(r + q) * ADALN_H + c * ADALN_VEC, dyy);
+            store8(d_y + (size_t)row_ids[k + q] * ADALN_H + c * ADALN_VEC, dyy);
         }
     }
-    if (!valid) return;
-    float* slot = gate_partials + (size_t)blockIdx.x * ADALN_T * ADALN_H + c * ADALN_VEC;
-#pragma unroll 1
-    for (int i = 0; i < ADALN_T; ++i) {
-        float v[ADALN_VEC];
-#pragma unroll
-        for (int e = 0; e < ADALN_VEC; ++e) v[e] = sums[(i * ADALN_VEC + e) * ADALN_GR_THREADS + threadIdx.x];
-        float4* p = reinterpret_cast<float4*>(slot + (size_t)i * ADALN_H);
-        p[0] = make_float4(v[0], v[1], v[2], v[3]);
-        p[1] = make_float4(v[4], v[5], v[6], v[7]);
-    }
+    store_gate_sums(gate_partials, (size_t)blockIdx.x + i, c, sums);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * ADALN_SUM_GROUPS)
-gated_residual_reduce(const float* __restrict__ gate_partials, float* __restrict__ d_gate, int nranges) {
-    __shared__ double scratch[ADALN_SUM_GROUPS][32];
-    const int h = blockIdx.x * 32 + threadIdx.x, i = blockIdx.y;
-    const bool valid = h < ADALN_H;
-    const double total = ordered_column_sum(gate_partials + (size_t)i * ADALN_H + h, nranges,
-                                            (size_t)ADALN_T * ADALN_H, valid, scratch);
-    if (threadIdx.y == 0 && valid) d_gate[(size_t)i * ADALN_H + h] = (float)total;
+gated_residual_reduce_sorted(const float* __restrict__ gate_partials, float* __restrict__ d_gate,
+                             const int* __restrict__ row_order, int batches, int rows_per_range) {
+    const int h = blockIdx.x * 32 + threadIdx.x;
+    if (h >= ADALN_H) return;
+    for (int i = threadIdx.y; i < ADALN_T; i += ADALN_SUM_GROUPS) {
+        double s = 0.0;
+        int b0, b1;
+        if (table_row_ranges(row_order, i, batches, rows_per_range, b0, b1)) {
+            const float* column = gate_partials + (size_t)(b0 + i) * ADALN_H + h;
+#pragma unroll 4
+            for (int b = 0; b <= b1 - b0; ++b) s += (double)column[(size_t)b * ADALN_H];
+        }
+        d_gate[(size_t)i * ADALN_H + h] = (float)s;
+    }
 }

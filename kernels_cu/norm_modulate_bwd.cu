@@ -22,13 +22,19 @@
 // the next ADALN_BWD_STAGES rows' x and dy arriving through cp.async while a row is reduced.
 // Reduction order: the row dot product uses block_sum (the forward's tree, so dx of a row never
 // depends on the other rows); the partials add the block's rows of timestep t in row order.
-// norm_modulate_bwd_residual_bf16: the same pass with a third input d_residual (rows, H) bf16, the
-// gradient that reached x by another path (an H3 block's residual stream): it writes
+// The H3 blocks' passes (norm_modulate_bwd_sorted_bf16, norm_modulate_bwd_residual_sorted_bf16) run the same
+// row math over the rows in table-row order (row_order.cu; `row_order` = its row_offsets | order): a block
+// owns Rows.bwd_rows_per_range consecutive positions of that order, one stream of rows through its stages
+// (no pass per table row, so no refill of the stages per table row), and writes the sums of table row t
+// over its rows of t (in that order, i.e. row order) to slot b + t of row_partials (bwd_ranges + T, 2, H):
+// one or two slots per block instead of T (reduce_partials.cu's sorted kernel adds them up).
+// The residual variant takes a third input d_residual (rows, H) bf16, the gradient that reached x by
+// another path (an H3 block's residual stream), and writes
 //   dx[r] = bf16(bf16(rstd * (g - xhat * sum_h(g * xhat) / H)) + d_residual[r])
 // i.e. the bits of the plain kernel's dx added to d_residual in bf16 by torch (autograd's sum), with
 // one pass over the rows instead of three. d_residual travels in the stages beside x and dy
-// (ADALN_BWD_RES_STAGES of them: plan.bwd_res_smem).
-// Run: adaln_lab.launchers.launch_backward (its first kernel), launch_row_pass.
+// (ADALN_BWD_RES_STAGES of them: plan.bwd_res_smem). A row's dx is the same in every kernel here.
+// Run: adaln_lab.launchers.launch_backward (its first kernel), launch_row_pass, launch_sorted_row_pass.
 
 // this thread's vectors of row `row` of x, dy (and d_residual when NIN == 3) into stage buffer `stage`
 // ([NIN][VPT][THREADS]), as one commit group (an empty group when the row is not present, so every
@@ -51,7 +57,111 @@ __device__ __forceinline__ void fetch_row_inputs(uint4* stage, const bf16_t* x, 
     copy_async_commit();
 }
 
-// NIN inputs per row (2: x, dy; 3: x, dy, d_residual), STAGES rows in flight
+typedef float row_vectors[ADALN_BWD_VPT][ADALN_VEC];  // this thread's values of one row
+
+// norm_weight and 1 + scale[t] (fp32 table) of this thread's columns
+__device__ __forceinline__ void load_modulation(const bf16_t* norm_weight, const float* scale, row_vectors& w,
+                                                row_vectors& s1) {
+#pragma unroll
+    for (int i = 0; i < ADALN_BWD_VPT; ++i) {
+        const int v = threadIdx.x + i * ADALN_BWD_THREADS;
+        if (v < ADALN_NVEC_H) {
+            load8(norm_weight + v * ADALN_VEC, w[i]);
+            const float4 sa = *reinterpret_cast<const float4*>(scale + v * ADALN_VEC);
+            const float4 sb = *reinterpret_cast<const float4*>(scale + v * ADALN_VEC + 4);
+            const float sc[ADALN_VEC] = {sa.x, sa.y, sa.z, sa.w, sb.x, sb.y, sb.z, sb.w};
+#pragma unroll
+            for (int e = 0; e < ADALN_VEC; ++e) s1[i][e] = 1.0f + sc[e];
+        }
+    }
+}
+
+__device__ __forceinline__ void zero_sums(row_vectors& sum_dy_xhat, row_vectors& sum_dy) {
+#pragma unroll
+    for (int i = 0; i < ADALN_BWD_VPT; ++i)
+#pragma unroll
+        for (int e = 0; e < ADALN_VEC; ++e) sum_dy_xhat[i][e] = sum_dy[i][e] = 0.0f;
+}
+
+// this thread's columns of the partial sums into `slot` (2, H): sum dy * xhat, then sum dy
+__device__ __forceinline__ void store_sums(float* slot, const row_vectors& sum_dy_xhat, const row_vectors& sum_dy) {
+#pragma unroll
+    for (int i = 0; i < ADALN_BWD_VPT; ++i) {
+        const int v = threadIdx.x + i * ADALN_BWD_THREADS;
+        if (v < ADALN_NVEC_H) {
+#pragma unroll
+            for (int e = 0; e < ADALN_VEC; e += 4) {
+                *reinterpret_cast<float4*>(slot + v * ADALN_VEC + e) =
+                    make_float4(sum_dy_xhat[i][e], sum_dy_xhat[i][e + 1], sum_dy_xhat[i][e + 2], sum_dy_xhat[i][e + 3]);
+                *reinterpret_cast<float4*>(slot + ADALN_H + v * ADALN_VEC + e) =
+                    make_float4(sum_dy[i][e], sum_dy[i][e + 1], sum_dy[i][e + 2], sum_dy[i][e + 3]);
+            }
+        }
+    }
+}
+
+// One staged row (x, dy and, when NIN == 3, d_residual in `stage`): its dx stored at dx_row, its dy * xhat and
+// dy added to the sums (NaN for an invalid row). refill() runs as soon as this thread has read its slots of
+// the stage (the next row's copies land there while the block sums the row's dot product).
+template <int NIN, typename Refill>
+__device__ __forceinline__ void reduce_row(const uint4* stage, float rstd_r, bool invalid, const row_vectors& w,
+                                           const row_vectors& s1, row_vectors& sum_dy_xhat, row_vectors& sum_dy,
+                                           bf16_t* dx_row, float* scratch, Refill refill) {
+    float xhat[ADALN_BWD_VPT][ADALN_VEC], g[ADALN_BWD_VPT][ADALN_VEC];
+    float dot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < ADALN_BWD_VPT; ++i) {
+        const int v = threadIdx.x + i * ADALN_BWD_THREADS;
+        if (v < ADALN_NVEC_H) {
+            float dyv[ADALN_VEC];
+            unpack8(stage[i * ADALN_BWD_THREADS + threadIdx.x], xhat[i]);
+            unpack8(stage[(ADALN_BWD_VPT + i) * ADALN_BWD_THREADS + threadIdx.x], dyv);
+#pragma unroll
+            for (int e = 0; e < ADALN_VEC; ++e) {
+                xhat[i][e] *= rstd_r;
+                g[i][e] = dyv[e] * s1[i][e] * w[i][e];
+                dot = fmaf(g[i][e], xhat[i][e], dot);
+                sum_dy_xhat[i][e] = fmaf(dyv[e], xhat[i][e], sum_dy_xhat[i][e]);
+                sum_dy[i][e] += dyv[e];
+            }
+        }
+    }
+    uint4 res_raw[ADALN_BWD_VPT];
+    if (NIN == 3) {
+#pragma unroll
+        for (int i = 0; i < ADALN_BWD_VPT; ++i)
+            if (threadIdx.x + i * ADALN_BWD_THREADS < ADALN_NVEC_H)
+                res_raw[i] = stage[(2 * ADALN_BWD_VPT + i) * ADALN_BWD_THREADS + threadIdx.x];
+    }
+    refill();  // dot depends on every x and dy value; res_raw was read before
+    const float mean_dot = block_sum<ADALN_BWD_THREADS / 32>(dot, scratch) / (float)ADALN_H;
+#pragma unroll
+    for (int i = 0; i < ADALN_BWD_VPT; ++i) {
+        const int v = threadIdx.x + i * ADALN_BWD_THREADS;
+        if (v < ADALN_NVEC_H) {
+            float d[ADALN_VEC];
+#pragma unroll
+            for (int e = 0; e < ADALN_VEC; ++e)
+                d[e] = invalid ? __int_as_float(0x7fc00000) : rstd_r * (g[i][e] - xhat[i][e] * mean_dot);
+            if (NIN == 3) {
+                float res[ADALN_VEC];
+                unpack8(res_raw[i], res);
+#pragma unroll
+                for (int e = 0; e < ADALN_VEC; ++e) d[e] = round_bf16(d[e]) + res[e];
+            }
+            store8(dx_row + v * ADALN_VEC, d);
+        }
+    }
+    if (invalid) {  // poison: this row belongs to no table row
+#pragma unroll
+        for (int i = 0; i < ADALN_BWD_VPT; ++i)
+#pragma unroll
+            for (int e = 0; e < ADALN_VEC; ++e) sum_dy_xhat[i][e] = sum_dy[i][e] = __int_as_float(0x7fc00000);
+    }
+}
+
+// NIN inputs per row (2: x, dy; 3: x, dy, d_residual), STAGES rows in flight; the block's rows in row order,
+// one pass per timestep (norm_out's backward)
 template <int NIN, int STAGES>
 __device__ __forceinline__ void row_pass(const bf16_t* __restrict__ dy, const bf16_t* __restrict__ x,
                                          const bf16_t* __restrict__ d_residual, const float* __restrict__ rstd,
@@ -75,23 +185,9 @@ __device__ __forceinline__ void row_pass(const bf16_t* __restrict__ dy, const bf
                 reinterpret_cast<float4*>(slot)[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             continue;
         }
-        const float* scale = table_f32 + (size_t)t * table_stride + ADALN_H;
-        float w[ADALN_BWD_VPT][ADALN_VEC], s1[ADALN_BWD_VPT][ADALN_VEC];  // norm_weight, 1 + scale[t] (fp32)
-        float sum_dy_xhat[ADALN_BWD_VPT][ADALN_VEC], sum_dy[ADALN_BWD_VPT][ADALN_VEC];
-#pragma unroll
-        for (int i = 0; i < ADALN_BWD_VPT; ++i) {
-            const int v = threadIdx.x + i * ADALN_BWD_THREADS;
-            if (v < ADALN_NVEC_H) {
-                load8(norm_weight + v * ADALN_VEC, w[i]);
-                const float4 sa = *reinterpret_cast<const float4*>(scale + v * ADALN_VEC);
-                const float4 sb = *reinterpret_cast<const float4*>(scale + v * ADALN_VEC + 4);
-                const float sc[ADALN_VEC] = {sa.x, sa.y, sa.z, sa.w, sb.x, sb.y, sb.z, sb.w};
-#pragma unroll
-                for (int e = 0; e < ADALN_VEC; ++e) s1[i][e] = 1.0f + sc[e];
-            }
-#pragma unroll
-            for (int e = 0; e < ADALN_VEC; ++e) sum_dy_xhat[i][e] = sum_dy[i][e] = 0.0f;
-        }
+        row_vectors w, s1, sum_dy_xhat, sum_dy;
+        load_modulation(norm_weight, table_f32 + (size_t)t * table_stride + ADALN_H, w, s1);
+        zero_sums(sum_dy_xhat, sum_dy);
 
         int pos[STAGES + 1];      // pos[0]: the row being reduced; then the rows in flight
 #pragma unroll
@@ -104,79 +200,61 @@ __device__ __forceinline__ void row_pass(const bf16_t* __restrict__ dy, const bf
             uint4* stage = stages + (k % STAGES) * STAGE_VECTORS;
             copy_async_wait<STAGES - 1>();
             const int row = r0 + pos[0];
-            const bool invalid = timesteps[pos[0]] < 0;
-            const float rstd_r = row_rstd[pos[0]];
-            float xhat[ADALN_BWD_VPT][ADALN_VEC], g[ADALN_BWD_VPT][ADALN_VEC];
-            float dot = 0.0f;
+            reduce_row<NIN>(stage, row_rstd[pos[0]], timesteps[pos[0]] < 0, w, s1, sum_dy_xhat, sum_dy,
+                            dx + (size_t)row * ADALN_H, scratch, [&] {
+                                pos[STAGES] = next_in_pass(timesteps, pos[STAGES - 1], n, t);
+                                fetch_row_inputs<NIN>(stage, x, dy, d_residual, r0 + pos[STAGES], pos[STAGES] < n);
+                            });
 #pragma unroll
-            for (int i = 0; i < ADALN_BWD_VPT; ++i) {
-                const int v = threadIdx.x + i * ADALN_BWD_THREADS;
-                if (v < ADALN_NVEC_H) {
-                    float dyv[ADALN_VEC];
-                    unpack8(stage[i * ADALN_BWD_THREADS + threadIdx.x], xhat[i]);
-                    unpack8(stage[(ADALN_BWD_VPT + i) * ADALN_BWD_THREADS + threadIdx.x], dyv);
-#pragma unroll
-                    for (int e = 0; e < ADALN_VEC; ++e) {
-                        xhat[i][e] *= rstd_r;
-                        g[i][e] = dyv[e] * s1[i][e] * w[i][e];
-                        dot = fmaf(g[i][e], xhat[i][e], dot);
-                        sum_dy_xhat[i][e] = fmaf(dyv[e], xhat[i][e], sum_dy_xhat[i][e]);
-                        sum_dy[i][e] += dyv[e];
-                    }
-                }
-            }
-            uint4 res_raw[ADALN_BWD_VPT];
-            if (NIN == 3) {
-#pragma unroll
-                for (int i = 0; i < ADALN_BWD_VPT; ++i)
-                    if (threadIdx.x + i * ADALN_BWD_THREADS < ADALN_NVEC_H)
-                        res_raw[i] = stage[(2 * ADALN_BWD_VPT + i) * ADALN_BWD_THREADS + threadIdx.x];
-            }
-            // each thread refills only the slots it read, after reading them (dot depends on every x and
-            // dy value; res_raw is read before the refill is issued)
-            pos[STAGES] = next_in_pass(timesteps, pos[STAGES - 1], n, t);
-            fetch_row_inputs<NIN>(stage, x, dy, d_residual, r0 + pos[STAGES], pos[STAGES] < n);
-
-            const float mean_dot = block_sum<ADALN_BWD_THREADS / 32>(dot, scratch) / (float)ADALN_H;
-#pragma unroll
-            for (int i = 0; i < ADALN_BWD_VPT; ++i) {
-                const int v = threadIdx.x + i * ADALN_BWD_THREADS;
-                if (v < ADALN_NVEC_H) {
-                    float d[ADALN_VEC];
-#pragma unroll
-                    for (int e = 0; e < ADALN_VEC; ++e)
-                        d[e] = invalid ? __int_as_float(0x7fc00000) : rstd_r * (g[i][e] - xhat[i][e] * mean_dot);
-                    if (NIN == 3) {
-                        float res[ADALN_VEC];
-                        unpack8(res_raw[i], res);
-#pragma unroll
-                        for (int e = 0; e < ADALN_VEC; ++e) d[e] = round_bf16(d[e]) + res[e];
-                    }
-                    store8(dx + (size_t)row * ADALN_H + v * ADALN_VEC, d);
-                }
-            }
-            if (invalid) {  // poison: this row belongs to no timestep
-#pragma unroll
-                for (int i = 0; i < ADALN_BWD_VPT; ++i)
-#pragma unroll
-                    for (int e = 0; e < ADALN_VEC; ++e) sum_dy_xhat[i][e] = sum_dy[i][e] = __int_as_float(0x7fc00000);
-            }
-#pragma unroll
-            for (int d = 0; d < STAGES; ++d) {
-                pos[d] = pos[d + 1];
-            }
+            for (int d = 0; d < STAGES; ++d) pos[d] = pos[d + 1];
         }
+        store_sums(slot, sum_dy_xhat, sum_dy);
+    }
+}
+
+// The same rows' math over the positions of the rows in table-row order (row_order.cu): one stream of rows
+// through the stages whatever their table rows, the partial sums of table row t written to slot
+// blockIdx.x + t when the stream leaves t (an H3 block's backward)
+template <int NIN, int STAGES>
+__device__ __forceinline__ void sorted_row_pass(const bf16_t* __restrict__ dy, const bf16_t* __restrict__ x,
+                                                const bf16_t* __restrict__ d_residual, const float* __restrict__ rstd,
+                                                const bf16_t* __restrict__ norm_weight,
+                                                const float* __restrict__ table_f32,
+                                                const index_t* __restrict__ row_index, const int* __restrict__ row_order,
+                                                bf16_t* __restrict__ dx, float* __restrict__ row_partials, int S,
+                                                int rows, int rows_per_block, int table_stride, uint4* stages,
+                                                float* scratch, int* timesteps, float* row_rstd, int* row_ids) {
+    constexpr int STAGE_VECTORS = NIN * ADALN_BWD_VPT * ADALN_BWD_THREADS;
+    const int p0 = blockIdx.x * rows_per_block;
+    const int n = min(rows, p0 + rows_per_block) - p0;
+    fill_sorted_rows(row_ids, timesteps, row_index, row_order, row_order + ADALN_T + 1, p0, n, S, S ? rows / S : 0);
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += ADALN_BWD_THREADS) row_rstd[i] = rstd[row_ids[i]];
+    __syncthreads();
+
+    int t = max(timesteps[0], 0);
+    row_vectors w, s1, sum_dy_xhat, sum_dy;
+    load_modulation(norm_weight, table_f32 + (size_t)t * table_stride + ADALN_H, w, s1);
+    zero_sums(sum_dy_xhat, sum_dy);
 #pragma unroll
-        for (int i = 0; i < ADALN_BWD_VPT; ++i) {
-            const int v = threadIdx.x + i * ADALN_BWD_THREADS;
-            if (v < ADALN_NVEC_H) {
-#pragma unroll
-                for (int e = 0; e < ADALN_VEC; e += 4) {
-                    *reinterpret_cast<float4*>(slot + v * ADALN_VEC + e) =
-                        make_float4(sum_dy_xhat[i][e], sum_dy_xhat[i][e + 1], sum_dy_xhat[i][e + 2], sum_dy_xhat[i][e + 3]);
-                    *reinterpret_cast<float4*>(slot + ADALN_H + v * ADALN_VEC + e) =
-                        make_float4(sum_dy[i][e], sum_dy[i][e + 1], sum_dy[i][e + 2], sum_dy[i][e + 3]);
-                }
+    for (int d = 0; d < STAGES; ++d)
+        fetch_row_inputs<NIN>(stages + d * STAGE_VECTORS, x, dy, d_residual, d < n ? row_ids[d] : 0, d < n);
+#pragma unroll 1
+    for (int k = 0; k < n; ++k) {
+        uint4* stage = stages + (k % STAGES) * STAGE_VECTORS;
+        copy_async_wait<STAGES - 1>();
+        reduce_row<NIN>(stage, row_rstd[k], timesteps[k] < 0, w, s1, sum_dy_xhat, sum_dy,
+                        dx + (size_t)row_ids[k] * ADALN_H, scratch, [&] {
+                            const int next = k + STAGES;
+                            fetch_row_inputs<NIN>(stage, x, dy, d_residual, next < n ? row_ids[next] : 0, next < n);
+                        });
+        const int next_t = k + 1 < n ? max(timesteps[k + 1], 0) : -1;
+        if (next_t != t) {  // the stream leaves table row t: its sums to slot blockIdx.x + t
+            store_sums(row_partials + ((size_t)blockIdx.x + t) * 2 * ADALN_H, sum_dy_xhat, sum_dy);
+            if (next_t >= 0) {
+                t = next_t;
+                load_modulation(norm_weight, table_f32 + (size_t)t * table_stride + ADALN_H, w, s1);
+                zero_sums(sum_dy_xhat, sum_dy);
             }
         }
     }
@@ -195,18 +273,38 @@ norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__
                                   S, rows, rows_per_block, table_stride, stages, scratch, timesteps, row_rstd);
 }
 
+// An H3 block's row passes: the rows in table-row order (`row_order`: row_order.cu's row_offsets | order,
+// (T + 1 + S,) int32), partial sums per (range b, table row t) in slot b + t of row_partials (bwd_ranges + T, 2, H)
 extern "C" __global__ void __launch_bounds__(ADALN_BWD_THREADS)
-norm_modulate_bwd_residual_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__ x,
-                                const bf16_t* __restrict__ d_residual, const float* __restrict__ rstd,
-                                const bf16_t* __restrict__ norm_weight, const float* __restrict__ table_f32,
-                                const index_t* __restrict__ timestep_indices, bf16_t* __restrict__ dx,
-                                float* __restrict__ row_partials, int S, int rows, int rows_per_block,
-                                int table_stride) {
+norm_modulate_bwd_sorted_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__ x,
+                              const float* __restrict__ rstd, const bf16_t* __restrict__ norm_weight,
+                              const float* __restrict__ table_f32, const index_t* __restrict__ row_index,
+                              const int* __restrict__ row_order, bf16_t* __restrict__ dx,
+                              float* __restrict__ row_partials, int S, int rows, int rows_per_block,
+                              int table_stride) {
+    extern __shared__ __align__(16) uint4 stages[];  // [ADALN_BWD_STAGES][2][ADALN_BWD_VPT][ADALN_BWD_THREADS]
+    __shared__ float scratch[ADALN_BWD_THREADS / 32 + 1];
+    __shared__ int timesteps[ADALN_ROW_LIST_MAX];
+    __shared__ float row_rstd[ADALN_ROW_LIST_MAX];
+    __shared__ int row_ids[ADALN_ROW_LIST_MAX];
+    sorted_row_pass<2, ADALN_BWD_STAGES>(dy, x, nullptr, rstd, norm_weight, table_f32, row_index, row_order, dx,
+                                         row_partials, S, rows, rows_per_block, table_stride, stages, scratch,
+                                         timesteps, row_rstd, row_ids);
+}
+
+extern "C" __global__ void __launch_bounds__(ADALN_BWD_THREADS)
+norm_modulate_bwd_residual_sorted_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__ x,
+                                       const bf16_t* __restrict__ d_residual, const float* __restrict__ rstd,
+                                       const bf16_t* __restrict__ norm_weight, const float* __restrict__ table_f32,
+                                       const index_t* __restrict__ row_index, const int* __restrict__ row_order,
+                                       bf16_t* __restrict__ dx, float* __restrict__ row_partials, int S, int rows,
+                                       int rows_per_block, int table_stride) {
     extern __shared__ __align__(16) uint4 stages[];  // [ADALN_BWD_RES_STAGES][3][ADALN_BWD_VPT][ADALN_BWD_THREADS]
     __shared__ float scratch[ADALN_BWD_THREADS / 32 + 1];
     __shared__ int timesteps[ADALN_ROW_LIST_MAX];
     __shared__ float row_rstd[ADALN_ROW_LIST_MAX];
-    row_pass<3, ADALN_BWD_RES_STAGES>(dy, x, d_residual, rstd, norm_weight, table_f32, timestep_indices, dx,
-                                      row_partials, S, rows, rows_per_block, table_stride, stages, scratch, timesteps,
-                                      row_rstd);
+    __shared__ int row_ids[ADALN_ROW_LIST_MAX];
+    sorted_row_pass<3, ADALN_BWD_RES_STAGES>(dy, x, d_residual, rstd, norm_weight, table_f32, row_index, row_order, dx,
+                                             row_partials, S, rows, rows_per_block, table_stride, stages, scratch,
+                                             timesteps, row_rstd, row_ids);
 }

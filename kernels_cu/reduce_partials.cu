@@ -82,3 +82,45 @@ reduce_partials_bf16(const float* __restrict__ row_partials, const bf16_t* __res
         d_bias[ADALN_H + h] = float_to_bf16((float)d_scale_sum);
     }
 }
+
+// reduce_partials_sorted_bf16: the same outputs from the sorted row passes' partials (norm_modulate_bwd.cu:
+// row_partials (bwd_ranges + T, 2, H), table row t of range b in slot b + t). A and B of table row t add the
+// slots of the ranges that hold its positions (table_row_ranges), in range order, in double; then as above.
+// Geometry: block (32, ADALN_SUM_GROUPS), grid = ceil(H / 32); warp y takes the (t, half) sums y, y + groups, ..
+extern "C" __global__ void __launch_bounds__(32 * ADALN_SUM_GROUPS)
+reduce_partials_sorted_bf16(const float* __restrict__ row_partials, const bf16_t* __restrict__ norm_weight,
+                            const float* __restrict__ table_f32, float* __restrict__ d_shift,
+                            float* __restrict__ d_scale, bf16_t* __restrict__ d_norm_weight,
+                            bf16_t* __restrict__ d_bias, const int* __restrict__ row_order, int batches,
+                            int rows_per_range, int table_stride, int d_stride) {
+    __shared__ double combined[2 * ADALN_T][32];
+    const int h = blockIdx.x * 32 + threadIdx.x;
+    const bool valid = h < ADALN_H;
+    for (int c = threadIdx.y; c < 2 * ADALN_T; c += ADALN_SUM_GROUPS) {  // c = 2 * t + half
+        const int t = c / 2;
+        double s = 0.0;
+        int b0, b1;
+        if (valid && table_row_ranges(row_order, t, batches, rows_per_range, b0, b1)) {
+            const float* column = row_partials + ((size_t)(b0 + t) * 2 + c % 2) * ADALN_H + h;
+#pragma unroll 4
+            for (int b = 0; b <= b1 - b0; ++b) s += (double)column[(size_t)b * 2 * ADALN_H];
+        }
+        combined[c][threadIdx.x] = s;
+    }
+    __syncthreads();
+    if (threadIdx.y != 0 || !valid) return;
+    const double w = (double)bf16_to_float(norm_weight[h]);
+    double d_nw = 0.0, d_shift_sum = 0.0, d_scale_sum = 0.0;
+    for (int t = 0; t < ADALN_T; ++t) {
+        const double a = combined[2 * t][threadIdx.x], bsum = combined[2 * t + 1][threadIdx.x];
+        const float shift_grad = (float)bsum, scale_grad = (float)(w * a);
+        d_shift[(size_t)t * d_stride + h] = shift_grad;
+        d_scale[(size_t)t * d_stride + h] = scale_grad;
+        d_nw += (1.0 + (double)table_f32[(size_t)t * table_stride + ADALN_H + h]) * a;
+        d_shift_sum += (double)shift_grad;
+        d_scale_sum += (double)scale_grad;
+    }
+    d_norm_weight[h] = float_to_bf16((float)d_nw);
+    d_bias[h] = float_to_bf16((float)d_shift_sum);
+    d_bias[ADALN_H + h] = float_to_bf16((float)d_scale_sum);
+}

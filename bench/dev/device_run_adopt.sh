@@ -5,7 +5,8 @@
 #     clean tree of the commit before), its block_ab.py `shipped` too, for a same-run ratio; then the block
 #     report, the block profile, then the seed report (each skipped when the budget is spent).
 # Everything lands in OUT_DIR; OUT_DIR/all.tgz packs it after each step (the device returns at most 8 files).
-#   [AB_VARIANTS="shipped rp_t4"] [AB_BASELINE=DIR] [PYTEST_LIMIT=S] \
+# With PRECHECK (test files), those GPU tests run first, alone, and a failure ends the run there.
+#   [AB_VARIANTS="shipped rp_t4"] [AB_BASELINE=DIR] [PYTEST_LIMIT=S] [PRECHECK="tests/test_x.py ..."] \
 #     bash bench/dev/device_run_adopt.sh OUT_DIR [BUDGET_S]
 set -u
 out=$1
@@ -13,6 +14,12 @@ budget=${2:-500}
 mkdir -p "$out/sanitize"
 commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 source "$(dirname "$0")/device_lib.sh"
+if [ -n "${PRECHECK:-}" ]; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu $PRECHECK > "$out/pytest_precheck_$commit.txt" 2>&1
+  rc=$?
+  echo "precheck: exit $rc after $SECONDS s"; tail -3 "$out/pytest_precheck_$commit.txt"; pack
+  [ "$rc" -eq 0 ] || exit 1
+fi
 step pytest-gpu "${PYTEST_LIMIT:-330}" bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu tests > $out/pytest_gpu_$commit.txt 2>&1" &
 SANITIZE_TIMEOUT=60 step sanitize 150 bash bench/sanitize/run.sh "$out/sanitize" racecheck memcheck &
 wait
