@@ -13,16 +13,18 @@ rounding and autograd; these functions are their CUDA kernels:
   `modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None) -> dx,
   d_norm_weight (H,) bf16, d_shift (R, H) fp32, d_scale (R, H) fp32` (with d_residual, x's shape: dx =
   bf16(bf16(the norm's dx) + d_residual), in the row pass where three rows fit its stages, else torch's add):
-  norm_out's row kernels (norm_modulate.cu,
-  norm_modulate_bwd.cu, reduce_partials.cu) with the R table rows as their "timesteps". shift | scale
+  norm_out's row kernels (norm_modulate.cu; backward: norm_modulate_bwd.cu's sorted passes and
+  reduce_partials.cu's sorted reduce) with the R table rows as their "timesteps". The backward passes walk
+  the rows in table-row order (`row_order(row_index, plan) -> (R + 1 + S,) int32`, row_order.cu), so each row
+  range sums one or two table rows instead of R; per row the bits are norm_out's. shift | scale
   is one table (`_shift_scale`): the blocks' chunks, where scale follows shift in each row of the
   (3T, 6H) view, as they lie (row stride 6H); other shift and scale (any strides, values in bf16)
   gathered into an (R, 2H) array. The backward reads that fp32 table in place; the forward reads a
   contiguous bf16 copy (one small cast: its row-per-block kernel reads a table row per row, from L2,
   and an fp32 one cost 10 % more time, bench/NOTES.md v6).
 - `gated_residual_fwd(x, gate (R, H) fp32, y, row_index) -> out` and
-  `gated_residual_bwd(dout, gate, y, row_index) -> d_gate (R, H) fp32, d_y` (gated_residual.cu);
-  gate may be a column slice of the table (row stride of 6H floats).
+  `gated_residual_bwd(dout, gate, y, row_index) -> d_gate (R, H) fp32, d_y` (gated_residual.cu; the backward in
+  table-row order too); gate may be a column slice of the table (row stride of 6H floats).
 - `gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, eps) -> x_out, out, rstd` (one
   kernel, gated_residual_norm.cu) and `gated_residual_norm_bwd(d_x_out, d_out, x_out, gate, y, row_index,
   norm_weight, shift, scale, rstd) -> dx, d_gate, d_y, d_norm_weight, d_shift, d_scale`: the two ops above

@@ -13,8 +13,8 @@ into the feed-forward, so x_out receives two gradients: the one from downstream 
 Why one op: the unfused path reads x_out again for the norm (one pass over the rows more) and autograd
 adds x_out's two gradients in a kernel of its own (two passes more). Here the forward is one kernel
 (gated_residual_norm.cu) and the backward sums the residual gradient inside the norm's row pass
-(norm_modulate_bwd_residual_bf16) before the gated residual's backward reads it. Every output and gradient
-has the bits of the two ops run one after the other (tests/test_gated_residual_norm.py): the sum is
+(norm_modulate_bwd_residual_sorted_bf16) before the gated residual's backward reads it. Every output and
+gradient has the bits of the two ops run one after the other (tests/test_gated_residual_norm.py): the sum is
 rounded as autograd's bf16 add rounds it, bf16(bf16(norm dx) + d_x_out).
 
 Layers (as `adaln_lab.cuda_op`):

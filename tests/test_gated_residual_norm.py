@@ -1,8 +1,8 @@
 """The residual-stream fusions of an H3 block, each bitwise equal to the unfused ops with autograd adding the
 residual's two gradients: `adaln_lab.gated_residual_norm` (the first gated residual and the second modulated
 norm as one op) and `modulated_rms_norm_and_residual` (norm1 handing x on, its gradients summed in the norm's
-backward); CPU: their torch code, GPU: gated_residual_norm.cu and norm_modulate_bwd_residual_bf16, including
-the torch add where a row is too wide for three staged inputs."""
+backward); CPU: their torch code, GPU: gated_residual_norm.cu and norm_modulate_bwd_residual_sorted_bf16,
+including the torch add where a row is too wide for three staged inputs."""
 
 import pytest
 import torch
