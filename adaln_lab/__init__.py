@@ -9,9 +9,10 @@ from .module import AdaLNOut
 from .op import final_adaln_out
 from .patch import patch, unpatch
 from .reference import golden, replay
+from .row_order import row_order
 from .validate import validate
 
 __all__ = ["AdaLNOut", "AdaLNTransformerBlock", "block_adaln_path", "final_adaln_out", "gated_residual",
            "gated_residual_norm", "golden",
-           "modulated_rms_norm", "modulation_table", "patch", "replay", "unpatch", "validate"]
+           "modulated_rms_norm", "modulation_table", "patch", "replay", "row_order", "unpatch", "validate"]
 __version__ = "0.1.0"

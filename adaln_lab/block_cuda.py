@@ -251,11 +251,11 @@ def gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, ep
     return x_out, out, rstd
 
 
-def gated_residual_norm_bwd(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd):
+def gated_residual_norm_bwd(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, order=None):
     """(dx, d_gate, d_y, d_norm_weight, d_shift, d_scale): the norm's backward with the residual gradient
     d_x_out added in its row pass (norm_modulate_bwd_residual_sorted_bf16), then the gated residual's
     backward; one row_order for both."""
-    order = row_order(row_index, _row_plan(x_out, shift.shape[0])[0])
+    order = row_order(row_index, _row_plan(x_out, shift.shape[0])[0]) if order is None else order
     dx, d_norm_weight, d_shift, d_scale = modulated_rms_norm_bwd(d_out, x_out, norm_weight, shift, scale, row_index,
                                                                  rstd, d_residual=d_x_out, order=order)
     d_gate, d_y = gated_residual_bwd(dx, gate, y, row_index, order=order)

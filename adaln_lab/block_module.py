@@ -32,6 +32,7 @@ from .gated_residual import gated_residual
 from .gated_residual_norm import gated_residual_norm
 from .modulated_rms_norm import modulated_rms_norm_and_residual
 from .modulation_table import TABLE_BACKENDS, modulation_table
+from .row_order import row_order
 
 BLOCK_BACKENDS = ("auto", "torch", "cupy")
 
@@ -77,18 +78,22 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
         raise ValueError(f"block_adaln_path needs weight of shape (18H, D) = ({18 * H}, D), got {tuple(weight.shape)}")
     if backend == "torch":
         return replay_block_adaln(x, temb, weight, bias, norm1_weight, norm2_weight, row_index, attn, ff, eps1, eps2)
-    if backend == "cupy":
-        error = unsupported_block(x, temb, weight, bias, norm1_weight, norm2_weight)
-        if error is not None:
-            raise error
+    kernels = x.is_cuda and unsupported_block(x, temb, weight, bias, norm1_weight, norm2_weight) is None
+    if backend == "cupy" and not kernels:
+        raise unsupported_block(x, temb, weight, bias, norm1_weight, norm2_weight)
     table_dtype = weight.dtype
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table_chunks(
         modulation_table(temb, weight, bias, table_backend=table_backend), H)
+    # the CUDA backward passes walk the rows in table-row order: sorted once here for the block's three ops
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, temb, weight, bias, norm1_weight,
+                                                                          norm2_weight))
+    sortable = row_index.shape == (x.shape[-2],) and row_index.dtype == torch.int64  # else the ops raise
+    order = row_order(row_index, shift_msa.shape[0], H) if kernels and needs_grad and sortable else None
     h, x = modulated_rms_norm_and_residual(x, norm1_weight, shift_msa, scale_msa, row_index, eps1,
-                                           table_dtype=table_dtype)
+                                           table_dtype=table_dtype, row_order=order)
     x, h = gated_residual_norm(x, gate_msa, attn(h), norm2_weight, shift_mlp, scale_mlp, row_index, eps2,
-                               table_dtype=table_dtype)
-    return gated_residual(x, gate_mlp, ff(h), row_index, table_dtype=table_dtype)
+                               table_dtype=table_dtype, row_order=order)
+    return gated_residual(x, gate_mlp, ff(h), row_index, table_dtype=table_dtype, row_order=order)
 
 
 def _check_options(backend: str, table_backend: str) -> None:

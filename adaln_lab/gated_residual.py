@@ -27,6 +27,7 @@ import torch
 
 from .block_reference import replay_gated_residual
 from .modulated_rms_norm import _kernels_refuse, _rows_index, check_rows
+from .row_order import check_order
 
 
 def _fwd_torch(x, gate, y, row_index, table_dtype):
@@ -46,18 +47,19 @@ def _bwd_torch(dout, gate, y, row_index, table_dtype):
 
 @torch.library.custom_op("adaln_lab::gated_residual_fwd", mutates_args=())
 def gated_residual_fwd(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: torch.Tensor,
-                       table_dtype: torch.dtype) -> torch.Tensor:
-    """out (..., S, H) = x + gate[row_index] * y, diffusers' rounding (module docstring)."""
+                       table_dtype: torch.dtype, row_order: torch.Tensor | None = None) -> torch.Tensor:
+    """out (..., S, H) = x + gate[row_index] * y, diffusers' rounding (module docstring); row_order is only
+    kept for the backward."""
     return _fwd_torch(x, gate, y, row_index, table_dtype)
 
 
 @gated_residual_fwd.register_fake
-def _(x, gate, y, row_index, table_dtype):
+def _(x, gate, y, row_index, table_dtype, row_order=None):
     return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, torch.promote_types(table_dtype, y.dtype)))
 
 
 @gated_residual_fwd.register_kernel("cuda")
-def _(x, gate, y, row_index, table_dtype):
+def _(x, gate, y, row_index, table_dtype, row_order=None):
     if _kernels_refuse(x, gate.shape[0], table_dtype, gate, row_index, y=y):
         return _fwd_torch(x, gate, y, row_index, table_dtype)
     from . import block_cuda
@@ -68,45 +70,47 @@ def _(x, gate, y, row_index, table_dtype):
 
 @torch.library.custom_op("adaln_lab::gated_residual_bwd", mutates_args=())
 def gated_residual_bwd(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: torch.Tensor,
-                       table_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d_gate (R, H) in gate's dtype, d_y (..., S, H) in y's dtype) (module docstring)."""
+                       table_dtype: torch.dtype, row_order: torch.Tensor | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_gate (R, H) in gate's dtype, d_y (..., S, H) in y's dtype) (module docstring); row_order: see
+    `adaln_lab.row_order` (the CUDA kernels' row order, sorted here when None; the torch code ignores it)."""
     return _bwd_torch(dout, gate, y, row_index, table_dtype)
 
 
 @gated_residual_bwd.register_fake
-def _(dout, gate, y, row_index, table_dtype):
+def _(dout, gate, y, row_index, table_dtype, row_order=None):
     return gate.new_empty(gate.shape), y.new_empty(y.shape)
 
 
 @gated_residual_bwd.register_kernel("cuda")
-def _(dout, gate, y, row_index, table_dtype):
+def _(dout, gate, y, row_index, table_dtype, row_order=None):
     # dout is bf16 exactly when the forward's output was (bf16 x, y and table dtype)
     if _kernels_refuse(y, gate.shape[0], table_dtype, gate, row_index, dout=dout):
         return _bwd_torch(dout, gate, y, row_index, table_dtype)
     from . import block_cuda
 
     with torch.cuda.device(y.device):
-        d_gate, d_y = block_cuda.gated_residual_bwd(dout, gate, y, row_index)
+        d_gate, d_y = block_cuda.gated_residual_bwd(dout, gate, y, row_index, order=row_order)
     return d_gate.to(gate.dtype), d_y
 
 
 def _setup_context(ctx, inputs, output):
-    x, gate, y, row_index, table_dtype = inputs
+    x, gate, y, row_index, table_dtype, row_order = inputs
     ctx.x_dtype, ctx.table_dtype = x.dtype, table_dtype
-    ctx.save_for_backward(gate, y, row_index)
+    ctx.save_for_backward(gate, y, row_index, row_order)
 
 
 def _backward(ctx, dout):
-    gate, y, row_index = ctx.saved_tensors
-    d_gate, d_y = gated_residual_bwd(dout.contiguous(), gate, y, row_index, ctx.table_dtype)
-    return dout.to(ctx.x_dtype), d_gate, d_y, None, None
+    gate, y, row_index, row_order = ctx.saved_tensors
+    d_gate, d_y = gated_residual_bwd(dout.contiguous(), gate, y, row_index, ctx.table_dtype, row_order)
+    return dout.to(ctx.x_dtype), d_gate, d_y, None, None, None
 
 
 gated_residual_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: torch.Tensor, *,
-                   table_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   table_dtype: torch.dtype | None = None, row_order: torch.Tensor | None = None) -> torch.Tensor:
     """`x + gate[row_index] * y` with diffusers' rounding, differentiable.
 
     Args:
@@ -115,10 +119,13 @@ def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_ind
         y: (..., S, H) the branch output (attention or feed-forward), x's shape.
         row_index: (S,) int64 in [0, R): the table row of each row of x (for every leading index).
         table_dtype: the projection's dtype gate is cast back to before diffusers' ops (default x's).
+        row_order: None, or `adaln_lab.row_order(row_index, R, H)` computed once for several ops (the CUDA
+            backward's row order).
 
     Returns:
         (..., S, H) tensor of dtype promote_types(x.dtype, table_dtype, y.dtype), diffusers' output.
     """
     check_rows("gated_residual", x, row_index, y=y, gate=gate)
+    check_order("gated_residual", row_order, row_index, gate.shape[0])
     table_dtype = x.dtype if table_dtype is None else table_dtype
-    return gated_residual_fwd(x, gate, y, row_index, table_dtype)
+    return gated_residual_fwd(x, gate, y, row_index, table_dtype, row_order)

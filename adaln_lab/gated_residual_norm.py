@@ -37,6 +37,7 @@ import torch
 
 from . import gated_residual as gr
 from . import modulated_rms_norm as mrn
+from .row_order import check_order
 
 
 def _fwd_ops(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype):
@@ -46,11 +47,13 @@ def _fwd_ops(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype)
     return x_out, out, rstd
 
 
-def _bwd_ops(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype, x_dtype):
+def _bwd_ops(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype, x_dtype,
+             row_order=None):
     """The two ops' backwards one after the other (the norm's summing d_x_out in), each on its own kernels."""
     dx, d_norm_weight, d_shift, d_scale = mrn.modulated_rms_norm_bwd(d_out, x_out, norm_weight, shift, scale,
-                                                                     row_index, rstd, d_x_out.to(x_out.dtype))
-    d_gate, d_y = gr.gated_residual_bwd(dx, gate, y, row_index, table_dtype)
+                                                                     row_index, rstd, d_x_out.to(x_out.dtype),
+                                                                     row_order)
+    d_gate, d_y = gr.gated_residual_bwd(dx, gate, y, row_index, table_dtype, row_order)
     return dx.to(x_dtype), d_gate, d_y, d_norm_weight, d_shift, d_scale
 
 
@@ -69,13 +72,15 @@ def _refuse(x, gate, y, row_index, norm_weight, shift, scale, table_dtype, *othe
 @torch.library.custom_op("adaln_lab::gated_residual_norm_fwd", mutates_args=())
 def gated_residual_norm_fwd(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: torch.Tensor,
                             norm_weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,
-                            table_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x_out (..., S, H), out (..., S, H), rstd (rows,)) (module docstring)."""
+                            table_dtype: torch.dtype, row_order: torch.Tensor | None = None,
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_out (..., S, H), out (..., S, H), rstd (rows,)) (module docstring); row_order is only kept for the
+    backward."""
     return _fwd_ops(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype)
 
 
 @gated_residual_norm_fwd.register_fake
-def _(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype):
+def _(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, row_order=None):
     H = x.shape[-1]
     x_dtype = torch.promote_types(x.dtype, torch.promote_types(table_dtype, y.dtype))
     return (x.new_empty(x.shape, dtype=x_dtype), x.new_empty(x.shape, dtype=torch.promote_types(x_dtype, table_dtype)),
@@ -83,7 +88,7 @@ def _(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype):
 
 
 @gated_residual_norm_fwd.register_kernel("cuda")
-def _(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype):
+def _(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, row_order=None):
     if _refuse(x, gate, y, row_index, norm_weight, shift, scale, table_dtype):
         return _fwd_ops(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype)
     from . import block_cuda
@@ -96,49 +101,53 @@ def _(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype):
 def gated_residual_norm_bwd(d_x_out: torch.Tensor, d_out: torch.Tensor, x_out: torch.Tensor, gate: torch.Tensor,
                             y: torch.Tensor, row_index: torch.Tensor, norm_weight: torch.Tensor,
                             shift: torch.Tensor, scale: torch.Tensor, rstd: torch.Tensor, table_dtype: torch.dtype,
-                            x_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                           torch.Tensor, torch.Tensor]:
-    """(dx in x_dtype, d_gate (R, H), d_y, d_norm_weight (H,), d_shift (R, H), d_scale (R, H)) (module docstring)."""
+                            x_dtype: torch.dtype, row_order: torch.Tensor | None = None,
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                       torch.Tensor]:
+    """(dx in x_dtype, d_gate (R, H), d_y, d_norm_weight (H,), d_shift (R, H), d_scale (R, H)) (module docstring);
+    row_order: see `adaln_lab.row_order`."""
     _check_gradients(x_out, d_x_out=d_x_out, d_out=d_out)
     return _bwd_ops(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype, x_dtype)
 
 
 @gated_residual_norm_bwd.register_fake
-def _(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype, x_dtype):
+def _(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype, x_dtype,
+      row_order=None):
     return (x_out.new_empty(x_out.shape, dtype=x_dtype), gate.new_empty(gate.shape), y.new_empty(y.shape),
             norm_weight.new_empty(norm_weight.shape), shift.new_empty(shift.shape), scale.new_empty(scale.shape))
 
 
 @gated_residual_norm_bwd.register_kernel("cuda")
-def _(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype, x_dtype):
+def _(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype, x_dtype,
+      row_order=None):
     # the gradients are bf16 exactly when the forward's outputs were (the kernels' case)
     _check_gradients(x_out, d_x_out=d_x_out, d_out=d_out)
     if (_refuse(x_out, gate, y, row_index, norm_weight, shift, scale, table_dtype, rstd, d_x_out=d_x_out,
                 d_out=d_out) or rstd.dtype != torch.float32 or x_dtype != torch.bfloat16):
         return _bwd_ops(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype,
-                        x_dtype)
+                        x_dtype, row_order)
     from . import block_cuda
 
     with torch.cuda.device(x_out.device):
         dx, d_gate, d_y, d_norm_weight, d_shift, d_scale = block_cuda.gated_residual_norm_bwd(
-            d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd)
+            d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, order=row_order)
     return dx, d_gate.to(gate.dtype), d_y, d_norm_weight, d_shift.to(shift.dtype), d_scale.to(scale.dtype)
 
 
 def _setup_context(ctx, inputs, output):
-    x, gate, y, row_index, norm_weight, shift, scale, _, table_dtype = inputs
+    x, gate, y, row_index, norm_weight, shift, scale, _, table_dtype, row_order = inputs
     x_out, _, rstd = output
     ctx.mark_non_differentiable(rstd)
     ctx.x_dtype, ctx.table_dtype = x.dtype, table_dtype
-    ctx.save_for_backward(x_out, gate, y, row_index, norm_weight, shift, scale, rstd)
+    ctx.save_for_backward(x_out, gate, y, row_index, norm_weight, shift, scale, rstd, row_order)
 
 
 def _backward(ctx, d_x_out, d_out, d_rstd):
-    x_out, gate, y, row_index, norm_weight, shift, scale, rstd = ctx.saved_tensors
+    x_out, gate, y, row_index, norm_weight, shift, scale, rstd, row_order = ctx.saved_tensors
     dx, d_gate, d_y, d_norm_weight, d_shift, d_scale = gated_residual_norm_bwd(
         d_x_out.contiguous(), d_out.contiguous(), x_out, gate, y, row_index, norm_weight, shift, scale, rstd,
-        ctx.table_dtype, ctx.x_dtype)
-    return dx, d_gate, d_y, None, d_norm_weight, d_shift, d_scale, None, None
+        ctx.table_dtype, ctx.x_dtype, row_order)
+    return dx, d_gate, d_y, None, d_norm_weight, d_shift, d_scale, None, None, None
 
 
 gated_residual_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -146,7 +155,8 @@ gated_residual_norm_fwd.register_autograd(_backward, setup_context=_setup_contex
 
 def gated_residual_norm(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, norm_weight: torch.Tensor,
                         shift: torch.Tensor, scale: torch.Tensor, row_index: torch.Tensor, eps: float = 1e-5, *,
-                        table_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        table_dtype: torch.dtype | None = None,
+                        row_order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`x_out = x + gate[row_index] * y` and `out = modulated_rms_norm(x_out, ...)`, differentiable, in one op.
 
     Args:
@@ -155,6 +165,8 @@ def gated_residual_norm(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, no
         norm_weight: (H,) the RMSNorm's weight; eps its epsilon.
         row_index: (S,) int64 in [0, R): the table row of each row (for every leading index).
         table_dtype: the projection's dtype the chunks are cast back to (default x's).
+        row_order: None, or `adaln_lab.row_order(row_index, R, H)` computed once for several ops (the CUDA
+            backward's row order).
 
     Returns:
         (x_out, out), both (..., S, H): x_out of dtype promote_types(x, table_dtype, y), out of
@@ -162,6 +174,8 @@ def gated_residual_norm(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, no
     """
     mrn.check_rows("gated_residual_norm", x, row_index, y=y, norm_weight=norm_weight, gate=gate, shift=shift,
                    scale=scale)
+    check_order("gated_residual_norm", row_order, row_index, gate.shape[0])
     table_dtype = x.dtype if table_dtype is None else table_dtype
-    x_out, out, _ = gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, float(eps), table_dtype)
+    x_out, out, _ = gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, float(eps), table_dtype,
+                                            row_order)
     return x_out, out

@@ -18,7 +18,7 @@ import threading
 from functools import lru_cache
 
 from . import loader
-from .plan import Plan, Rows
+from .plan import ROW_ORDER_THREADS, Plan, Rows
 
 _C_TYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int32, "f": ctypes.c_float}
 SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
@@ -143,7 +143,8 @@ def launch_row_pass(k: dict, plan: Plan, rows: Rows, stream: int, dy: int, x: in
 def launch_row_order(k: dict, plan: Plan, stream: int, row_index: int, row_order: int, S: int) -> None:
     """row_order (T + 1 + S,) int32 = row_order.cu's row_offsets (T + 1,) | order (S,) of row_index (S,) int64:
     the positions sorted by table row, stably (T = plan.T table rows)."""
-    k["row_order"]((1, 1, 1), (1024, 1, 1), 0, stream, row_index, row_order, row_order + 4 * (plan.T + 1), S)
+    k["row_order"]((1, 1, 1), (ROW_ORDER_THREADS, 1, 1), plan.row_order_smem, stream, row_index, row_order,
+                   row_order + 4 * (plan.T + 1), S)
 
 
 def sorted_slots(plan: Plan, rows: Rows) -> int:

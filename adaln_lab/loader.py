@@ -143,6 +143,7 @@ def _compile(device_index: int, plan: Plan) -> dict:
             kernels["norm_modulate_bf16"].max_dynamic_shared_size_bytes = plan.fwd_smem
         kernels["norm_modulate_bwd_bf16"].max_dynamic_shared_size_bytes = plan.bwd_smem
         kernels["norm_modulate_bwd_sorted_bf16"].max_dynamic_shared_size_bytes = plan.bwd_smem
+        kernels["row_order"].max_dynamic_shared_size_bytes = plan.row_order_smem
         if plan.bwd_res_stages:
             kernels["norm_modulate_bwd_residual_sorted_bf16"].max_dynamic_shared_size_bytes = plan.bwd_res_smem
         kernels["reduce_partials_bf16"].max_dynamic_shared_size_bytes = plan.rp_smem

@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from .block_reference import replay_modulated_rms_norm
+from .row_order import check_order
 
 
 def _rows_index(row_index: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -123,21 +124,22 @@ def _(x, norm_weight, shift, scale, row_index, eps, table_dtype):
 @torch.library.custom_op("adaln_lab::modulated_rms_norm_bwd", mutates_args=())
 def modulated_rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor,
                            scale: torch.Tensor, row_index: torch.Tensor, rstd: torch.Tensor,
-                           d_residual: torch.Tensor | None = None,
+                           d_residual: torch.Tensor | None = None, row_order: torch.Tensor | None = None,
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx (..., S, H), d_norm_weight (H,), d_shift (R, H), d_scale (R, H)) (module docstring); with d_residual
-    (x's shape) dx is the norm's dx plus d_residual, added in x's dtype as autograd would."""
+    (x's shape) dx is the norm's dx plus d_residual, added in x's dtype as autograd would. row_order: see
+    `adaln_lab.row_order` (the CUDA kernels' row order, sorted here when None; the torch code ignores it)."""
     return _bwd_torch(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual)
 
 
 @modulated_rms_norm_bwd.register_fake
-def _(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None):
+def _(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None, row_order=None):
     return (x.new_empty(x.shape), norm_weight.new_empty(norm_weight.shape), shift.new_empty(shift.shape),
             scale.new_empty(scale.shape))
 
 
 @modulated_rms_norm_bwd.register_kernel("cuda")
-def _(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None):
+def _(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None, row_order=None):
     # dy is bf16 exactly when the forward's output was, i.e. when the forward ran the kernels
     _check_residual(x, d_residual)
     more = {} if d_residual is None else {"d_residual": d_residual}
@@ -148,7 +150,8 @@ def _(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None):
 
     with torch.cuda.device(x.device):
         dx, d_norm_weight, d_shift, d_scale = block_cuda.modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale,
-                                                                               row_index, rstd, d_residual)
+                                                                               row_index, rstd, d_residual,
+                                                                               order=row_order)
     return dx, d_norm_weight, d_shift.to(shift.dtype), d_scale.to(scale.dtype)
 
 
@@ -174,17 +177,17 @@ class _NormKeepingX(torch.autograd.Function):
     pass (`modulated_rms_norm_bwd(..., d_residual)`) instead of autograd adding it in a kernel of its own."""
 
     @staticmethod
-    def forward(ctx, x, norm_weight, shift, scale, row_index, eps, table_dtype):
+    def forward(ctx, x, norm_weight, shift, scale, row_index, eps, table_dtype, row_order):
         out, rstd = modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, eps, table_dtype)
-        ctx.save_for_backward(x, norm_weight, shift, scale, row_index, rstd)
+        ctx.save_for_backward(x, norm_weight, shift, scale, row_index, rstd, row_order)
         return out, x
 
     @staticmethod
     def backward(ctx, d_out, d_x):
-        x, norm_weight, shift, scale, row_index, rstd = ctx.saved_tensors
+        x, norm_weight, shift, scale, row_index, rstd, row_order = ctx.saved_tensors
         grads = modulated_rms_norm_bwd(d_out.contiguous(), x, norm_weight, shift, scale, row_index, rstd,
-                                       d_x.to(x.dtype).contiguous())
-        return (*grads, None, None, None)
+                                       d_x.to(x.dtype).contiguous(), row_order)
+        return (*grads, None, None, None, None)
 
 
 def check_rows(op: str, x: torch.Tensor, row_index: torch.Tensor, *, y: torch.Tensor | None = None,
@@ -236,7 +239,8 @@ def modulated_rms_norm(x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.
 
 def modulated_rms_norm_and_residual(x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor,
                                     scale: torch.Tensor, row_index: torch.Tensor, eps: float = 1e-5, *,
-                                    table_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                    table_dtype: torch.dtype | None = None,
+                                    row_order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(modulated_rms_norm(x, ...), x): the norm and x itself (a view) to carry on down the residual stream.
 
     Same values and gradients, bit for bit, as `modulated_rms_norm` with the caller then using x in place of
@@ -244,8 +248,10 @@ def modulated_rms_norm_and_residual(x: torch.Tensor, norm_weight: torch.Tensor, 
     the norm's backward (on the CUDA kernels, in its row pass: one pass over the rows instead of three).
     If the caller uses the original x as well, its third gradient is added by autograd afterwards (the same
     values, another order of the additions). The returned x is a view of x made by an autograd.Function:
-    modifying it in place under grad mode raises. Arguments as `modulated_rms_norm`.
+    modifying it in place under grad mode raises. Arguments as `modulated_rms_norm`, and row_order: None, or
+    `adaln_lab.row_order(row_index, R, H)` computed once for several ops (the CUDA backward's row order).
     """
     check_rows("modulated_rms_norm_and_residual", x, row_index, norm_weight=norm_weight, shift=shift, scale=scale)
+    check_order("modulated_rms_norm_and_residual", row_order, row_index, shift.shape[0])
     table_dtype = x.dtype if table_dtype is None else table_dtype
-    return _NormKeepingX.apply(x, norm_weight, shift, scale, row_index, float(eps), table_dtype)
+    return _NormKeepingX.apply(x, norm_weight, shift, scale, row_index, float(eps), table_dtype, row_order)

@@ -50,6 +50,7 @@ TD_MAX = 24576                     # table.cu keeps T * D bf16 activations in 48
 T_MAX = 32                         # table.cu / table_bwd.cu keep per-timestep arrays in registers, unrolled over T
 ROWS_MAX = 2 ** 31 - 1             # rows and S travel as int32
 TB_COLUMNS = 256                   # table_bwd.cu: columns k of one block (32 lanes x 8)
+ROW_ORDER_THREADS = 1024           # row_order.cu: its one block (32 warps: one per lane of the scan of their totals)
 
 
 def row_geometry(H: int, threads_max: int) -> tuple[int, int]:
@@ -179,6 +180,11 @@ class Plan:
         return (self.sum_groups + 1) * 2 * self.rp_t * 32 * 8
 
     @property
+    def row_order_smem(self) -> int:
+        """Dynamic shared memory of row_order: one int per thread and table row."""
+        return self.T * ROW_ORDER_THREADS * 4
+
+    @property
     def tb_split(self) -> bool:
         """table_bwd.cu: d_weight and dact in two kernels (on the same row blocks the same sums, the same bits;
         they take TB_SPLIT_ROWS rows per block, the one kernel TB_ROWS) from TB_SPLIT_MIN_T on. The
@@ -219,6 +225,7 @@ class Plan:
                     TABLE_ROWS_PER_WARP=t["TABLE_ROWS_PER_WARP"],
                     FWD_ROW_LIST_MAX=t["FWD_ROW_LIST_MAX"], ROW_LIST_MAX=t["ROW_LIST_MAX"],
                     TB_THREADS=t["TB_THREADS"], TB_ROWS=self.tb_rows, TB_COLUMNS=TB_COLUMNS,
+                    ROW_ORDER_THREADS=ROW_ORDER_THREADS,
                     GR_THREADS=self.gr_threads, SUM_GROUPS=t["SUM_GROUPS"], RP_T=self.rp_t, TABLE_N=self.columns,
                     TABLE_F32_ROUNDED=int(self.table_f32_rounded))
 

@@ -158,20 +158,22 @@ __device__ __forceinline__ int sort_key(index_t i) { return (i < 0 || i >= ADALN
 // (row_order.cu: `row_offsets` (T + 1,) and `order` (S,) over the S positions of row_index; the
 // rows = batches * S rows run table row by table row, inside one in row order). row_ids[i] is the
 // row at position p0 + i, timesteps[i] its table row, -1 where its index lies outside [0, T) (such
-// rows sort with table row 0). Called by every thread; the caller syncs before reading the lists.
+// rows sort with table row 0) or differs from the table row of its position (an order that is not
+// row_index's: the row kernels poison such rows, never use another row's modulation quietly).
+// Called by every thread; the caller syncs before reading the lists.
 __device__ __forceinline__ void fill_sorted_rows(int* row_ids, int* timesteps, const index_t* row_index,
                                                  const int* row_offsets, const int* order, int p0, int n, int S,
                                                  int batches) {
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         const long long p = (long long)p0 + i;
         int t = 0;  // the table row whose positions [batches * row_offsets[t], batches * row_offsets[t + 1]) hold p
-        while (t + 1 < ADALN_T && (long long)batches * row_offsets[t + 1] <= p) ++t;
+#pragma unroll
+        for (int k = 1; k < ADALN_T; ++k) t += (long long)batches * row_offsets[k] <= p;  // loads side by side
         const int begin = row_offsets[t], count = row_offsets[t + 1] - begin;
         const long long q = p - (long long)batches * begin;
         const int s = order[begin + (int)(q % count)];
         row_ids[i] = (int)(q / count) * S + s;
-        const index_t index = row_index[s];
-        timesteps[i] = (index < 0 || index >= ADALN_T) ? -1 : t;
+        timesteps[i] = row_index[s] == t ? t : -1;  // -1: outside [0, T), or an order not row_index's
     }
 }
 

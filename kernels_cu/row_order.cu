@@ -5,80 +5,87 @@
 //                                  index outside [0, T) sorts with table row 0), stable: s ascending inside
 //                                  one table row
 // A kernel over rows = batches * S rows walks the positions p of that order (fill_sorted_rows in
-// adaln_common.cuh): table row by table row, inside one the rows in row order. A range of positions then
+// adaln_common.cuh): table row by table row, inside one in row order. A range of positions then
 // holds the rows of one or two table rows instead of all T, so its partial sums are one or two rows of
-// (H,) instead of T (norm_modulate_bwd.cu's sorted pass, gated_residual.cu's backward): partial sums
+// (H,) instead of T (norm_modulate_bwd.cu's sorted passes, gated_residual.cu's backward): partial sums
 // slot b + t of range b and table row t (unique: along the ranges t never falls and b + t grows).
 // The order is a function of row_index alone: the same indices give the same order and the same sums.
 //
-// Geometry: one block of 1024 threads (32 warps); warp w counts, then places, the positions of its segment
-// [w * seg, (w + 1) * seg), seg = 32 * ceil(S / 1024): counts by ballot (lane t keeps table row t's), one
-// exclusive scan over (t, warp) by warp 0, then ranks inside a warp by __match_any_sync, segments in order.
-// Every count is an integer, so the result does not depend on timing. Loads: ROW_ORDER_BATCH keys per lane
-// in flight. Run: adaln_lab.launchers.launch_row_order (adaln_lab/block_cuda.py, every block backward).
+// Geometry: one block of ROW_ORDER_THREADS threads; thread i owns the positions [i * chunk, (i + 1) * chunk),
+// chunk = ceil(S / ROW_ORDER_THREADS), a counting sort: (1) thread i counts its positions per table row in its
+// own column of counts[t][i] (dynamic shared memory, plan.row_order_smem), (2) one exclusive scan of counts in
+// (t, i) order (warp shuffles, then the warps' totals, then the table rows'), (3) thread i places its positions
+// in order. Integers only: the result does not depend on timing. ROW_ORDER_BATCH keys per thread in flight.
+// Run: adaln_lab.launchers.launch_row_order (adaln_lab/block_cuda.py, every block backward).
 
-#define ROW_ORDER_BATCH 8
+#define ROW_ORDER_THREADS ADALN_ROW_ORDER_THREADS
+#define ROW_ORDER_BATCH 16
+static_assert(ROW_ORDER_THREADS == 32 * 32, "row_order: one warp per lane in the scan of the warps' totals");
 
-extern "C" __global__ void __launch_bounds__(1024)
+// inclusive prefix sum of v over the lanes of a warp
+__device__ __forceinline__ int warp_inclusive_scan(int v) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, v, offset);
+        if (lane >= offset) v += u;
+    }
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(ROW_ORDER_THREADS)
 row_order(const index_t* __restrict__ row_index, int* __restrict__ row_offsets, int* __restrict__ order, int S) {
-    __shared__ int counts[32][33];  // [warp][table row]: the counts, then each warp's next position per table row
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int seg = 32 * ((S + 1023) / 1024);
-    const int p_begin = min(S, warp * seg), p_end = min(S, p_begin + seg);
-    int count = 0;  // lane t: the positions of table row t in this warp's segment
-    for (int p = p_begin; p < p_end; p += 32 * ROW_ORDER_BATCH) {
+    extern __shared__ int counts[];                            // [ADALN_T][ROW_ORDER_THREADS]
+    __shared__ int warp_offsets[ADALN_T][ROW_ORDER_THREADS / 32];  // [t][warp]: the warps' totals, then offsets
+    __shared__ int starts[ADALN_T];                            // table rows' totals, then first positions
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int chunk = (S + ROW_ORDER_THREADS - 1) / ROW_ORDER_THREADS;
+    const int p_begin = min(S, tid * chunk), p_end = min(S, p_begin + chunk);
+    int* const mine = counts + tid;  // this thread's column: mine[t * ROW_ORDER_THREADS]
+#pragma unroll
+    for (int t = 0; t < ADALN_T; ++t) mine[t * ROW_ORDER_THREADS] = 0;
+    for (int p = p_begin; p < p_end; p += ROW_ORDER_BATCH) {
         int keys[ROW_ORDER_BATCH];
 #pragma unroll
-        for (int u = 0; u < ROW_ORDER_BATCH; ++u) {
-            const int pos = p + 32 * u + lane;
-            keys[u] = pos < p_end ? sort_key(row_index[pos]) : -1;
-        }
+        for (int u = 0; u < ROW_ORDER_BATCH; ++u) keys[u] = p + u < p_end ? sort_key(row_index[p + u]) : -1;
 #pragma unroll
         for (int u = 0; u < ROW_ORDER_BATCH; ++u)
-            for (int t = 0; t < ADALN_T; ++t) {
-                const unsigned hits = __ballot_sync(0xffffffffu, keys[u] == t);
-                if (lane == t) count += __popc(hits);
-            }
+            if (keys[u] >= 0) ++mine[keys[u] * ROW_ORDER_THREADS];
     }
-    if (lane < ADALN_T) counts[warp][lane] = count;
-    __syncthreads();
-    if (warp == 0) {
-        int total = 0;
-        if (lane < ADALN_T)
-            for (int w = 0; w < 32; ++w) total += counts[w][lane];
-        int inclusive = total;
+    int below[ADALN_T];  // per table row: the counts of the lanes below this one in its warp
 #pragma unroll
-        for (int offset = 1; offset < 32; offset <<= 1) {
-            const int v = __shfl_up_sync(0xffffffffu, inclusive, offset);
-            if (lane >= offset) inclusive += v;
-        }
+    for (int t = 0; t < ADALN_T; ++t) {
+        const int c = mine[t * ROW_ORDER_THREADS];
+        const int inclusive = warp_inclusive_scan(c);
+        below[t] = inclusive - c;
+        if (lane == 31) warp_offsets[t][warp] = inclusive;
+    }
+    __syncthreads();
+    if (warp < ADALN_T) {  // warp t: table row t's warps, in order
+        const int c = warp_offsets[warp][lane];
+        const int inclusive = warp_inclusive_scan(c);
+        warp_offsets[warp][lane] = inclusive - c;
+        if (lane == 31) starts[warp] = inclusive;
+    }
+    __syncthreads();
+    if (warp == 0) {  // the table rows, in order
+        const int c = lane < ADALN_T ? starts[lane] : 0;
+        const int inclusive = warp_inclusive_scan(c);
         if (lane < ADALN_T) {
-            int next = inclusive - total;
-            row_offsets[lane] = next;
-            for (int w = 0; w < 32; ++w) {
-                const int c = counts[w][lane];
-                counts[w][lane] = next;
-                next += c;
-            }
+            starts[lane] = inclusive - c;
+            row_offsets[lane] = inclusive - c;
         }
         if (lane == 0) row_offsets[ADALN_T] = S;
     }
     __syncthreads();
-    const unsigned lanes_below = (1u << lane) - 1u;
-    for (int p = p_begin; p < p_end; p += 32 * ROW_ORDER_BATCH) {
+#pragma unroll
+    for (int t = 0; t < ADALN_T; ++t) mine[t * ROW_ORDER_THREADS] = starts[t] + warp_offsets[t][warp] + below[t];
+    for (int p = p_begin; p < p_end; p += ROW_ORDER_BATCH) {
         int keys[ROW_ORDER_BATCH];
 #pragma unroll
-        for (int u = 0; u < ROW_ORDER_BATCH; ++u) {
-            const int pos = p + 32 * u + lane;
-            keys[u] = pos < p_end ? sort_key(row_index[pos]) : -1;
-        }
+        for (int u = 0; u < ROW_ORDER_BATCH; ++u) keys[u] = p + u < p_end ? sort_key(row_index[p + u]) : -1;
 #pragma unroll
-        for (int u = 0; u < ROW_ORDER_BATCH; ++u) {
-            const unsigned same = __match_any_sync(0xffffffffu, keys[u]);
-            if (keys[u] >= 0) order[counts[warp][keys[u]] + __popc(same & lanes_below)] = p + 32 * u + lane;
-            __syncwarp();
-            if (keys[u] >= 0 && (same & lanes_below) == 0) counts[warp][keys[u]] += __popc(same);
-            __syncwarp();
-        }
+        for (int u = 0; u < ROW_ORDER_BATCH; ++u)
+            if (keys[u] >= 0) order[mine[keys[u] * ROW_ORDER_THREADS]++] = p + u;
     }
 }

@@ -1,29 +1,68 @@
-"""GPU tests of kernels_cu/row_order.cu (the rows in table-row order) and of the H3 blocks' backward row passes
-that walk it (norm_modulate_bwd.cu's sorted passes, gated_residual.cu's backward): the order against torch's
-stable argsort, and the passes over a batch of several sequences, an index outside the table and a table row
-without rows, against float64 and row by row against one sequence."""
+"""Tests of `adaln_lab.row_order` (kernels_cu/row_order.cu: the rows in table-row order) and of the H3 blocks'
+backward row passes that walk it (norm_modulate_bwd.cu's sorted passes, gated_residual.cu's backward). CPU: the
+torch reference against a plain Python sort, the argument checks. GPU: the kernel against the reference, and the
+passes over a batch of several sequences, an index outside the table and a table row without rows, against
+float64 and row by row against one sequence; one order shared by a block's ops gives each op's own bits."""
 
 import pytest
 import torch
 
-from adaln_lab import block_cuda
+from adaln_lab import block_cuda, gated_residual, gated_residual_norm, row_order
+from adaln_lab.modulated_rms_norm import modulated_rms_norm_and_residual
 from adaln_lab.plan import T_MAX
 from adaln_lab.plan import plan as make_plan
+from adaln_lab.row_order import order_torch
 
-pytestmark = pytest.mark.gpu
+gpu = pytest.mark.gpu
 H = 1024
 
 
 def expected_order(row_index: torch.Tensor, T: int) -> torch.Tensor:
-    """row_offsets | order as row_order.cu defines it, from torch: an index outside [0, T) sorts with row 0."""
-    key = torch.where((row_index >= 0) & (row_index < T), row_index, 0)
-    counts = torch.bincount(key, minlength=T)
-    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-    return torch.cat([offsets, torch.argsort(key, stable=True)]).int()
+    """row_offsets | order by the definition, in Python: positions by (table row, position), invalid -> row 0."""
+    key = [i if 0 <= i < T else 0 for i in row_index.tolist()]
+    offsets = [sum(k < t for k in key) for t in range(T + 1)]
+    return torch.tensor(offsets + sorted(range(len(key)), key=lambda s: (key[s], s)), dtype=torch.int32)
 
 
+@pytest.mark.parametrize("S, T", [(0, 3), (1, 1), (50, 4), (300, 9)])
+def test_the_torch_order_is_the_definition(S, T):
+    g = torch.Generator().manual_seed(S)
+    row_index = torch.randint(-1, T + 1, (S,), generator=g)
+    assert torch.equal(order_torch(row_index, T), expected_order(row_index, T))
+    assert torch.equal(row_order(row_index, T, H), expected_order(row_index, T))  # the op's CPU kernel
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_custom_ops_pass_opcheck_with_an_order(device):
+    """The row_order op, and an op taking one (its fake kernel and autograd with the extra input)."""
+    from adaln_lab.gated_residual import gated_residual_bwd, gated_residual_fwd
+    from adaln_lab.row_order import row_order_op
+
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 3, (37,), generator=g).to(device)
+    torch.library.opcheck(row_order_op, (idx, 3, 16))
+    order = row_order(idx, 3, 16)
+    x, y, dout = (torch.randn(37, 16, generator=g).bfloat16().to(device) for _ in range(3))
+    gate = torch.randn(3, 16, generator=g).bfloat16().float().to(device)
+    torch.library.opcheck(gated_residual_fwd, (x.requires_grad_(True), gate.requires_grad_(True), y, idx,
+                                               torch.bfloat16, order))
+    torch.library.opcheck(gated_residual_bwd, (dout, gate.detach(), y, idx, torch.bfloat16, order))
+
+
+def test_row_order_and_the_ops_refuse_a_wrong_order():
+    x = torch.randn(5, 16).bfloat16()
+    table = torch.zeros(3, 16)
+    idx = torch.tensor([0, 2, 1, 1, 0])
+    with pytest.raises(ValueError, match="row_order needs row_index of shape"):
+        row_order(idx.int(), 3, 16)
+    with pytest.raises(ValueError, match=r"needs row_order = adaln_lab.row_order\(row_index, 3, H\): \(9,\) int32"):
+        gated_residual(x, table, x, idx, row_order=torch.zeros(8, dtype=torch.int32))
+    assert gated_residual(x, table, x, idx, row_order=row_order(idx, 3, 16)).shape == x.shape
+
+
+@gpu
 @pytest.mark.parametrize("S, T", [(0, 9), (1, 9), (37, 1), (4097, 9), (70001, 9), (5000, T_MAX)])
-def test_row_order_is_torchs_stable_sort_by_table_row(S, T):
+def test_row_order_kernel_is_the_torch_order(S, T):
     g = torch.Generator("cuda").manual_seed(S + T)
     row_index = torch.randint(0, T, (S,), device="cuda", generator=g)
     if S > 10:
@@ -31,17 +70,19 @@ def test_row_order_is_torchs_stable_sort_by_table_row(S, T):
         if T > 1:
             row_index[row_index == T - 1] = 0  # a table row without rows
     order = block_cuda.row_order(row_index, make_plan(H, 8, T))
-    assert torch.equal(order, expected_order(row_index, T))
+    assert torch.equal(order, order_torch(row_index, T))
     assert torch.equal(block_cuda.row_order(row_index, make_plan(H, 8, T)), order)
+    assert torch.equal(row_order(row_index, T, H), order)  # the op's CUDA kernel
 
 
+@gpu
 def test_the_order_check_catches_an_unstable_order():
     """The comparison above fails on an order that swaps two positions of one table row (planted)."""
     row_index = torch.tensor([2, 0, 2, 1, 0], device="cuda")
     order = block_cuda.row_order(row_index, make_plan(H, 8, 3))
     planted = order.clone()
     planted[4:6] = planted[4:6].flip(0)  # the two positions of table row 0, swapped
-    assert torch.equal(order, expected_order(row_index, 3)) and not torch.equal(planted, expected_order(row_index, 3))
+    assert torch.equal(order, order_torch(row_index, 3)) and not torch.equal(planted, order_torch(row_index, 3))
 
 
 def _batch(B, S, R, seed=3):
@@ -53,6 +94,7 @@ def _batch(B, S, R, seed=3):
     return x, y, dy, d_res, idx, table, nw
 
 
+@gpu
 @pytest.mark.parametrize("B, S", [(2, 700), (3, 1365)])
 def test_sorted_passes_over_several_sequences(B, S):
     """x (B, S, H) with row_index (S,): the rows run through the passes in table-row order across the B
@@ -83,6 +125,7 @@ def test_sorted_passes_over_several_sequences(B, S):
     assert torch.allclose(d_gate.double(), exact, rtol=1e-5, atol=1e-5)
 
 
+@gpu
 def test_sorted_passes_poison_only_through_table_row_0():
     """An index outside [0, R) sorts with table row 0: its row's dx and d_y are NaN and so are table row 0's
     d_shift, d_scale and d_gate; the other table rows' gradients stay finite."""
@@ -97,3 +140,29 @@ def test_sorted_passes_poison_only_through_table_row_0():
     assert dx[0, 11].isnan().all() and d_y[0, 11].isnan().all() and not dx[0, 10].isnan().any()
     for grad in (d_shift, d_scale, d_gate):
         assert grad[0].isnan().all() and not grad[1:].isnan().any()
+
+
+@gpu
+def test_one_order_for_the_blocks_ops_gives_each_ops_own_bits():
+    """The three ops of a block given one row_order (as block_adaln_path does) or sorting in their own
+    backward: the same gradients, bit for bit; a wrong order (planted: the positions shifted by one) changes
+    them, so the comparison can fail: rows whose index is not their position's table row come out NaN."""
+    R = 9
+    x, y, dy, _, idx, table, nw = _batch(1, 1000, R)
+    x = x[0]
+    table = table.requires_grad_(True)
+    shift, scale, gate = table[:, :H], table[:, H:2 * H], table[:, 2 * H:3 * H]
+
+    def grads(order):
+        xr = x.clone().requires_grad_(True)
+        h, x1 = modulated_rms_norm_and_residual(xr, nw, shift, scale, idx, 1e-5, row_order=order)
+        x2, h2 = gated_residual_norm(x1, gate, h * 0.5, nw, shift, scale, idx, 1e-5, row_order=order)
+        out = gated_residual(x2, gate, h2, idx, row_order=order)
+        return torch.autograd.grad(out, (xr, table), dy[0])
+
+    own, shared = grads(None), grads(row_order(idx, R, H))
+    assert all(torch.equal(a, b) for a, b in zip(own, shared))
+    wrong = row_order(idx, R, H)
+    wrong[R + 1:] = wrong[R + 1:].roll(1)
+    assert not all(torch.equal(a, b) for a, b in zip(own, grads(wrong)))
+    assert grads(wrong)[0].isnan().any()

@@ -1,0 +1,72 @@
+"""`row_order`: the rows of a batch in table-row order (kernels_cu/row_order.cu), as a custom op.
+
+    order = row_order(row_index (S,) int64, table_rows R, H) -> (R + 1 + S,) int32
+
+order[:R + 1] are the first positions of table rows 0 .. R-1 and S; order[R + 1:] the positions s of row_index
+sorted by table row, stably (s ascending inside a table row); an index outside [0, R) sorts with table row 0.
+The H3 blocks' backward row passes (modulated_rms_norm, gated_residual_norm, gated_residual on the CUDA
+kernels) walk the rows in this order so that a range of rows sums one or two table rows instead of R. Each of
+those ops sorts in its backward unless given the order (`row_order=`): `block_adaln_path` sorts once per
+block. The order is a function of row_index alone (integers: no rounding, no timing).
+
+Layers (as `adaln_lab.cuda_op`): the custom op `torch.ops.adaln_lab.row_order` with a fake kernel; CPU (and
+shapes the kernel does not take): torch's stable argsort and bincount; CUDA: row_order.cu (one block), compiled
+in the row kernels' unit of width H (`plan(H, 8, R)`: H picks the unit only).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def order_torch(row_index: torch.Tensor, table_rows: int) -> torch.Tensor:
+    """row_order with torch ops (any device): the reference the kernel is tested against."""
+    key = torch.where((row_index >= 0) & (row_index < table_rows), row_index, 0)
+    counts = torch.bincount(key, minlength=table_rows)
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    return torch.cat([offsets, torch.argsort(key, stable=True)]).int()
+
+
+@torch.library.custom_op("adaln_lab::row_order", mutates_args=())
+def row_order_op(row_index: torch.Tensor, table_rows: int, H: int) -> torch.Tensor:
+    """(R + 1 + S,) int32 (module docstring)."""
+    return order_torch(row_index, table_rows)
+
+
+@row_order_op.register_fake
+def _(row_index, table_rows, H):
+    return row_index.new_empty((table_rows + 1 + row_index.shape[0],), dtype=torch.int32)
+
+
+@row_order_op.register_kernel("cuda")
+def _(row_index, table_rows, H):
+    from . import block_cuda
+    from .plan import check_shapes
+    from .plan import plan as make_plan
+
+    try:
+        check_shapes(H, 8, max(table_rows, 1))
+    except ValueError:
+        return order_torch(row_index, table_rows)
+    with torch.cuda.device(row_index.device):
+        return block_cuda.row_order(row_index, make_plan(H, 8, table_rows))
+
+
+def row_order(row_index: torch.Tensor, table_rows: int, H: int) -> torch.Tensor:
+    """The rows' table-row order of row_index (S,) int64 for a table of `table_rows` rows and rows of width H:
+    (table_rows + 1 + S,) int32 (module docstring)."""
+    if row_index.dim() != 1 or row_index.dtype != torch.int64:
+        raise ValueError(f"row_order needs row_index of shape (S,) and dtype int64, got {tuple(row_index.shape)} "
+                         f"{row_index.dtype}")
+    if table_rows < 1:
+        raise ValueError(f"row_order needs at least one table row, got {table_rows}")
+    return row_order_op(row_index.contiguous(), int(table_rows), int(H))
+
+
+def check_order(op: str, order: torch.Tensor | None, row_index: torch.Tensor, table_rows: int) -> None:
+    """Raise ValueError unless order is None or has row_order's shape and dtype for this row_index."""
+    if order is not None and (order.shape != (table_rows + 1 + row_index.shape[0],) or order.dtype != torch.int32
+                              or order.device != row_index.device):
+        raise ValueError(f"{op} needs row_order = adaln_lab.row_order(row_index, {table_rows}, H): "
+                         f"({table_rows + 1 + row_index.shape[0]},) int32 on {row_index.device}, got "
+                         f"{tuple(order.shape)} {order.dtype} on {order.device}")
