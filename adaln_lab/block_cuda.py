@@ -15,8 +15,9 @@ rounding and autograd; these functions are their CUDA kernels:
   bf16(bf16(the norm's dx) + d_residual), in the row pass where three rows fit its stages, else torch's add):
   norm_out's row kernels (norm_modulate.cu; backward: norm_modulate_bwd.cu's sorted passes and
   reduce_partials.cu's sorted reduce) with the R table rows as their "timesteps". The backward passes walk
-  the rows in table-row order (`row_order(row_index, plan) -> (R + 1 + S,) int32`, row_order.cu), so each row
-  range sums one or two table rows instead of R; per row the bits are norm_out's. shift | scale
+  the rows in table-row order (`row_order(row_index, plan) -> (R + 1 + S,) int32`, row_order.cu), so a row
+  range sums the few table rows its positions span (one or two where each table row holds more rows than a
+  range) instead of R; per row the bits are norm_out's. shift | scale
   is one table (`_shift_scale`): the blocks' chunks, where scale follows shift in each row of the
   (3T, 6H) view, as they lie (row stride 6H); other shift and scale (any strides, values in bf16)
   gathered into an (R, 2H) array. The backward reads that fp32 table in place; the forward reads a
@@ -175,7 +176,7 @@ def modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_
     dy, x, norm_weight = _aligned(dy), _aligned(x), _aligned(norm_weight)
     table_f32, table_stride = _shift_scale(shift, scale)
     row_index, rstd = row_index.contiguous(), rstd.contiguous()
-    order = row_order(row_index, plan) if order is None else order
+    order = row_order(row_index, plan) if order is None else order.contiguous()
     fused = d_residual is not None and plan.bwd_res_stages > 0
     d_residual = _aligned(d_residual) if fused else d_residual
     k, stream = _setup(x.device, plan)
@@ -223,7 +224,7 @@ def gated_residual_bwd(dout, gate, y, row_index, order=None):
     R, H = gate.shape
     plan, rows = _row_plan(y, R)
     dout, y, row_index = _aligned(dout), _aligned(y), row_index.contiguous()
-    order = row_order(row_index, plan) if order is None else order
+    order = row_order(row_index, plan) if order is None else order.contiguous()
     gate, stride = _gate_pointer(gate)
     k, stream = _setup(y.device, plan)
     d_y = torch.empty_like(y)
@@ -255,7 +256,7 @@ def gated_residual_norm_bwd(d_x_out, d_out, x_out, gate, y, row_index, norm_weig
     """(dx, d_gate, d_y, d_norm_weight, d_shift, d_scale): the norm's backward with the residual gradient
     d_x_out added in its row pass (norm_modulate_bwd_residual_sorted_bf16), then the gated residual's
     backward; one row_order for both."""
-    order = row_order(row_index, _row_plan(x_out, shift.shape[0])[0]) if order is None else order
+    order = row_order(row_index, _row_plan(x_out, shift.shape[0])[0]) if order is None else order.contiguous()
     dx, d_norm_weight, d_shift, d_scale = modulated_rms_norm_bwd(d_out, x_out, norm_weight, shift, scale, row_index,
                                                                  rstd, d_residual=d_x_out, order=order)
     d_gate, d_y = gated_residual_bwd(dx, gate, y, row_index, order=order)

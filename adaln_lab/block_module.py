@@ -85,10 +85,9 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table_chunks(
         modulation_table(temb, weight, bias, table_backend=table_backend), H)
     # the CUDA backward passes walk the rows in table-row order: sorted once here for the block's three ops
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, temb, weight, bias, norm1_weight,
-                                                                          norm2_weight))
+    # (whenever grad mode is on: attn's or ff's parameters alone may want a backward through them)
     sortable = row_index.shape == (x.shape[-2],) and row_index.dtype == torch.int64  # else the ops raise
-    order = row_order(row_index, shift_msa.shape[0], H) if kernels and needs_grad and sortable else None
+    order = row_order(row_index, shift_msa.shape[0], H) if kernels and torch.is_grad_enabled() and sortable else None
     h, x = modulated_rms_norm_and_residual(x, norm1_weight, shift_msa, scale_msa, row_index, eps1,
                                            table_dtype=table_dtype, row_order=order)
     x, h = gated_residual_norm(x, gate_msa, attn(h), norm2_weight, shift_mlp, scale_mlp, row_index, eps2,

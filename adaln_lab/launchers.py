@@ -125,11 +125,10 @@ def launch_norm_modulate(k: dict, plan: Plan, rows: Rows, stream: int, x: int, n
 
 
 def launch_row_pass(k: dict, plan: Plan, rows: Rows, stream: int, dy: int, x: int, rstd: int, norm_weight: int,
-                    table_f32: int, timestep_indices: int, dx: int, row_partials: int, S: int,
-                    table_stride: int = 0) -> None:
+                    table_f32: int, timestep_indices: int, dx: int, row_partials: int, S: int) -> None:
     """dx and row_partials (bwd_ranges, T, 2, H) fp32 (norm_out's pass per timestep); with no rows, one range
-    of zero partials instead. table_f32: row t of shift | scale at table_f32 + t * table_stride floats (0: 2H)."""
-    stride = table_stride or 2 * plan.H
+    of zero partials instead. table_f32: (T, 2H) shift | scale."""
+    stride = 2 * plan.H
     if rows.rows:
         k["norm_modulate_bwd_bf16"]((rows.bwd_ranges, 1, 1), (plan.bwd_threads, 1, 1), plan.bwd_smem, stream,
                                     dy, x, rstd, norm_weight, table_f32, timestep_indices, dx, row_partials,
@@ -183,21 +182,17 @@ def launch_reduce_sorted_partials(k: dict, plan: Plan, rows: Rows, stream: int, 
     partials, in a fixed order (zeros when rows == 0)."""
     k["reduce_partials_sorted_bf16"]((-(-plan.H // 32), 1, 1), (32, plan.sum_groups, 1), 0, stream, row_partials,
                                      norm_weight, table_f32, d_shift, d_scale, d_norm_weight, d_bias, row_order,
-                                     _batches(rows, S), max(rows.bwd_rows_per_range, 1), table_stride, plan.H)
+                                     _batches(rows, S), max(rows.bwd_rows_per_range, 1), table_stride or 2 * plan.H,
+                                     plan.H)
 
 
 def launch_reduce_partials(k: dict, plan: Plan, rows: Rows, stream: int, row_partials: int, norm_weight: int,
-                           table_f32: int, d_table: int, d_norm_weight: int, d_bias: int, *, table_stride: int = 0,
-                           d_scale: int = 0) -> None:
+                           table_f32: int, d_table: int, d_norm_weight: int, d_bias: int) -> None:
     """d_table (T, 2H) fp32 = d_shift | d_scale, d_norm_weight and d_bias from the row partials, in a fixed
-    order. With d_scale: d_shift at d_table and d_scale there, each (T, H) contiguous. table_f32 as
-    launch_row_pass's."""
-    d_shift, d_stride = d_table, plan.H
-    if not d_scale:
-        d_scale, d_stride = d_table + 4 * plan.H, 2 * plan.H
+    order. table_f32 as launch_row_pass's."""
     k["reduce_partials_bf16"]((-(-plan.H // 32), 1, 1), (32, plan.sum_groups, 1), plan.rp_smem, stream,
-                              row_partials, norm_weight, table_f32, d_shift, d_scale, d_norm_weight, d_bias,
-                              max(rows.bwd_ranges, 1), table_stride or 2 * plan.H, d_stride)
+                              row_partials, norm_weight, table_f32, d_table, d_table + 4 * plan.H, d_norm_weight,
+                              d_bias, max(rows.bwd_ranges, 1), 2 * plan.H, 2 * plan.H)
 
 
 def launch_table_bwd(k: dict, plan: Plan, stream: int, d_table: int, temb: int, weight: int, d_weight: int,

@@ -68,7 +68,7 @@ def unsupported(x, norm_weight, temb, weight, bias=None) -> Exception | None:
     dtype, ValueError for a device or a shape, naming the argument); None if it can.
 
     The cupy rule (`cuda_op.unsupported`: bf16 x / norm_weight / weight / bias, fp32 temb, H and D
-    divisible by 8, H <= H_MAX, T <= T_MAX, T * D <= TD_MAX, fewer than 2^31 rows) on CUDA tensors, or
+    divisible by 8, H <= H_MAX, T <= T_MAX, T * D <= TD_MAX, at most 2^31 - 2^12 rows) on CUDA tensors, or
     on CPU tensors under numba's CUDA simulator; and T * D <= `twin_td_max`.
     """
     for name, t in (("x", x), ("norm_weight", norm_weight), ("weight", weight), ("bias", bias)):
@@ -95,7 +95,7 @@ def unsupported(x, norm_weight, temb, weight, bias=None) -> Exception | None:
                           "backend='cupy' or 'torch'")
     rows = x.numel() // H
     if rows > ROWS_MAX:
-        return ValueError(f"backend='numba' takes fewer than 2^31 rows (x.numel() / H), got {rows}; split the batch")
+        return ValueError(f"backend='numba' takes at most {ROWS_MAX} rows (x.numel() / H), got {rows}; split the batch")
     return None
 
 

@@ -10,7 +10,7 @@ Rules (bench/NOTES.md has the measurements behind each number):
   `bwd_threads`, `bwd_vpt`), a function of H alone; which rows share a block never changes a bit.
 
 Shapes the CUDA path supports: H and D divisible by 8, H <= `H_MAX`, T <= `T_MAX`, T * D <= `TD_MAX`,
-fewer than 2^31 rows.
+at most 2^31 - 2^12 rows.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ H_MAX = 50176                      # the largest H whose backward stage (an x an
                                    # row block) fits BWD_STAGE_BUDGET: tests/test_kernels_compile.py checks it
 TD_MAX = 24576                     # table.cu keeps T * D bf16 activations in 48 KiB of static shared memory
 T_MAX = 32                         # table.cu / table_bwd.cu keep per-timestep arrays in registers, unrolled over T
-ROWS_MAX = 2 ** 31 - 1             # rows and S travel as int32
+ROWS_MAX = 2 ** 31 - 2 ** 12      # rows and S travel as int32; a range's end (p0 + rows per range) must fit too
 TB_COLUMNS = 256                   # table_bwd.cu: columns k of one block (32 lanes x 8)
 ROW_ORDER_THREADS = 1024           # row_order.cu: its one block (32 warps: one per lane of the scan of their totals)
 
@@ -238,7 +238,7 @@ class Plan:
 @lru_cache(maxsize=4096)
 def _rows(plan: Plan, rows: int) -> Rows:
     if rows > ROWS_MAX:
-        raise ValueError(f"backend='cupy' takes fewer than 2^31 rows (x.numel() / H), got {rows}; split the batch")
+        raise ValueError(f"backend='cupy' takes at most {ROWS_MAX} rows (x.numel() / H), got {rows}; split the batch")
     t = dict(plan.tuning)
     fwd_per = max(1, min(t["FWD_ROW_LIST_MAX"], max(t["FWD_MIN_ROWS"], math.ceil(rows / t["FWD_RANGES"]))))
     bwd_per = max(1, min(t["ROW_LIST_MAX"], math.ceil(rows / t["BWD_RANGES"])))

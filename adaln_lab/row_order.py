@@ -5,9 +5,16 @@
 order[:R + 1] are the first positions of table rows 0 .. R-1 and S; order[R + 1:] the positions s of row_index
 sorted by table row, stably (s ascending inside a table row); an index outside [0, R) sorts with table row 0.
 The H3 blocks' backward row passes (modulated_rms_norm, gated_residual_norm, gated_residual on the CUDA
-kernels) walk the rows in this order so that a range of rows sums one or two table rows instead of R. Each of
-those ops sorts in its backward unless given the order (`row_order=`): `block_adaln_path` sorts once per
-block. The order is a function of row_index alone (integers: no rounding, no timing).
+kernels) walk the rows in this order so that a range of rows sums the few table rows its positions span
+(one or two where every table row holds more rows than a range) instead of R. Each of those ops sorts in its
+backward unless given the order (`row_order=`): `block_adaln_path` sorts once per block. The order is a
+function of row_index alone (integers: no rounding, no timing).
+
+A `row_order=` argument must be this function's output for that very row_index (checked: shape, dtype,
+device). An order of another row_index of the same length poisons, in the CUDA backward, the rows whose
+index is not their position's table row (their dx is NaN) and leaves the table gradients undefined (a
+known defect of the kernels, bench/NOTES.md v7 "next": such a row's partial sums may land in another
+range's slot); anything else that is not an order is undefined.
 
 Layers (as `adaln_lab.cuda_op`): the custom op `torch.ops.adaln_lab.row_order` with a fake kernel; CPU (and
 shapes the kernel does not take): torch's stable argsort and bincount; CUDA: row_order.cu (one block), compiled

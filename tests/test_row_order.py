@@ -77,7 +77,8 @@ def test_row_order_kernel_is_the_torch_order(S, T):
 
 @gpu
 def test_the_order_check_catches_an_unstable_order():
-    """The comparison above fails on an order that swaps two positions of one table row (planted)."""
+    """The comparison above tells a stable order from an unstable one: an order with two positions of one table
+    row swapped (planted) is a valid sort by table row, yet differs from the reference."""
     row_index = torch.tensor([2, 0, 2, 1, 0], device="cuda")
     order = block_cuda.row_order(row_index, make_plan(H, 8, 3))
     planted = order.clone()
@@ -146,7 +147,8 @@ def test_sorted_passes_poison_only_through_table_row_0():
 def test_one_order_for_the_blocks_ops_gives_each_ops_own_bits():
     """The three ops of a block given one row_order (as block_adaln_path does) or sorting in their own
     backward: the same gradients, bit for bit; a wrong order (planted: the positions shifted by one) changes
-    them, so the comparison can fail: rows whose index is not their position's table row come out NaN."""
+    them, so the comparison can fail: x's gradient has NaN rows (rows whose index is not their position's
+    table row; the table's gradient is then undefined, adaln_lab.row_order's docstring)."""
     R = 9
     x, y, dy, _, idx, table, nw = _batch(1, 1000, R)
     x = x[0]
@@ -166,3 +168,27 @@ def test_one_order_for_the_blocks_ops_gives_each_ops_own_bits():
     wrong[R + 1:] = wrong[R + 1:].roll(1)
     assert not all(torch.equal(a, b) for a, b in zip(own, grads(wrong)))
     assert grads(wrong)[0].isnan().any()
+
+
+@gpu
+def test_sorted_passes_with_ranges_across_many_table_rows():
+    """Table rows of one row each (R = 30, 4097 rows: 32 rows per range), so one range spans many table rows
+    and writes a slot for each: d_shift, d_scale, d_norm_weight and d_gate still agree with float64."""
+    R = 30
+    x, y, dy, d_res, _, table, nw = _batch(1, 4097, R)
+    idx = torch.full((4097,), R - 1, device="cuda")
+    idx[torch.randperm(4097, device="cuda")[:R - 2]] = torch.arange(R - 2, device="cuda")  # rows 0..27: one each
+    shift, scale, gate = table[:, :H], table[:, H:2 * H], table[:, 2 * H:3 * H]
+    out, rstd = block_cuda.modulated_rms_norm_fwd(x, nw, shift, scale, idx, 1e-5)
+    dx, d_nw, d_shift, d_scale = block_cuda.modulated_rms_norm_bwd(dy, x, nw, shift, scale, idx, rstd)
+    d_gate, _ = block_cuda.gated_residual_bwd(dy, gate, y, idx)
+    x64, nw64 = x.double().requires_grad_(True), nw.double().requires_grad_(True)
+    sh64, sc64 = shift.double().requires_grad_(True), scale.double().requires_grad_(True)
+    normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * nw64
+    (normed * (1 + sc64[idx]) + sh64[idx]).backward(dy.double())
+    assert torch.allclose(d_shift.double(), sh64.grad, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(d_scale.double(), sc64.grad, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(d_nw.double(), nw64.grad, rtol=2 ** -7, atol=1e-2)
+    exact = torch.zeros(R, H, dtype=torch.float64, device="cuda").index_add_(
+        0, idx, (dy.double() * y.double()).reshape(-1, H))
+    assert torch.allclose(d_gate.double(), exact, rtol=1e-5, atol=1e-5)
