@@ -78,14 +78,17 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
         raise ValueError(f"block_adaln_path needs weight of shape (18H, D) = ({18 * H}, D), got {tuple(weight.shape)}")
     if backend == "torch":
         return replay_block_adaln(x, temb, weight, bias, norm1_weight, norm2_weight, row_index, attn, ff, eps1, eps2)
-    kernels = x.is_cuda and unsupported_block(x, temb, weight, bias, norm1_weight, norm2_weight) is None
-    if backend == "cupy" and not kernels:
-        raise unsupported_block(x, temb, weight, bias, norm1_weight, norm2_weight)
+    if backend == "cupy":
+        error = unsupported_block(x, temb, weight, bias, norm1_weight, norm2_weight)
+        if error is not None:
+            raise error
     table_dtype = weight.dtype
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table_chunks(
         modulation_table(temb, weight, bias, table_backend=table_backend), H)
     # the CUDA backward passes walk the rows in table-row order: sorted once here for the block's three ops
-    # (whenever grad mode is on: attn's or ff's parameters alone may want a backward through them)
+    # (whenever grad mode is on: attn's or ff's parameters alone may want a backward through them); where the
+    # ops then run torch code instead (say an fp32 norm weight), they ignore it
+    kernels = x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
     sortable = row_index.shape == (x.shape[-2],) and row_index.dtype == torch.int64  # else the ops raise
     order = row_order(row_index, shift_msa.shape[0], H) if kernels and torch.is_grad_enabled() and sortable else None
     h, x = modulated_rms_norm_and_residual(x, norm1_weight, shift_msa, scale_msa, row_index, eps1,
