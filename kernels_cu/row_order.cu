@@ -6,8 +6,8 @@
 //                                  one table row
 // A kernel over rows = batches * S rows walks the positions p of that order (fill_sorted_rows in
 // adaln_common.cuh): table row by table row, inside one in row order. A range of positions then
-// holds the rows of one or two table rows instead of all T, so its partial sums are one or two rows of
-// (H,) instead of T (norm_modulate_bwd.cu's sorted passes, gated_residual.cu's backward): partial sums
+// holds the rows of the few table rows it spans (one or two where each holds more rows than a range) instead
+// of all T, so its partial sums are that many rows of (H,) instead of T (norm_modulate_bwd.cu's sorted passes, gated_residual.cu's backward): partial sums
 // slot b + t of range b and table row t (unique: along the ranges t never falls and b + t grows).
 // The order is a function of row_index alone: the same indices give the same order and the same sums.
 //
