@@ -73,24 +73,12 @@ FUSED, STAGED = {"TB_SPLIT_MIN_T": plan_module.T_MAX + 1}, {"FWD_STAGED_MIN_BLOC
 DACT_ON_STACK = {"table_bwd.cu": ("#pragma unroll\n        for (int t = 0; t < ADALN_T; ++t) {",
                                   "#pragma unroll 1\n        for (int t = 0; t < ADALN_T; ++t) {")}
 # table.cu with its first weight step(s) issued before the SiLU prologue and its barrier (the same sums):
-TABLE_LOOP = """    for (int i = threadIdx.x; i < ADALN_T * ADALN_D; i += ADALN_TABLE_THREADS) act[i] = float_to_bf16(silu(temb[i]));
-    __syncthreads();
-
-    float acc[TABLE_R][ADALN_T];
-#pragma unroll
-    for (int r = 0; r < TABLE_R; ++r)
-#pragma unroll
-        for (int t = 0; t < ADALN_T; ++t) acc[r][t] = 0.0f;
-#pragma unroll 2
-    for (int kv = lane; kv < ADALN_NVEC_D; kv += 32) {
-        uint4 w_raw[TABLE_R];
+TABLE_PROLOGUE = ("    for (int i = threadIdx.x; i < ADALN_T * ADALN_D; i += ADALN_TABLE_THREADS) "
+                  "act[i] = float_to_bf16(silu(temb[i]));\n")
+TABLE_STEP = """        uint4 w_raw[TABLE_R];
         load_weight_step(w_raw, weight, first, kv);
-        accumulate_step(acc, w_raw, act, kv);
-    }"""
-TABLE_PREFETCH = {"table.cu": (TABLE_LOOP, """    uint4 w_next[TABLE_R];
-    if (lane < ADALN_NVEC_D) load_weight_step(w_next, weight, first, lane);
-    for (int i = threadIdx.x; i < ADALN_T * ADALN_D; i += ADALN_TABLE_THREADS) act[i] = float_to_bf16(silu(temb[i]));
-    __syncthreads();
+"""
+TABLE_LOOP = TABLE_PROLOGUE + """    __syncthreads();
 
     float acc[TABLE_R][ADALN_T];
 #pragma unroll
@@ -99,34 +87,33 @@ TABLE_PREFETCH = {"table.cu": (TABLE_LOOP, """    uint4 w_next[TABLE_R];
         for (int t = 0; t < ADALN_T; ++t) acc[r][t] = 0.0f;
 #pragma unroll 2
     for (int kv = lane; kv < ADALN_NVEC_D; kv += 32) {
-        uint4 w_raw[TABLE_R];
+""" + TABLE_STEP + """        accumulate_step(acc, w_raw, act, kv);
+    }"""
+
+
+def _table_prefetched(ahead: str, step: str) -> dict:
+    """table.cu's loop with `ahead` (the first loads) before its prologue and `step` as the loop's loads."""
+    return {"table.cu": (TABLE_LOOP, ahead + TABLE_LOOP.replace(TABLE_STEP, step))}
+
+
+TABLE_PREFETCH = _table_prefetched("""    uint4 w_next[TABLE_R];
+    if (lane < ADALN_NVEC_D) load_weight_step(w_next, weight, first, lane);
+""", """        uint4 w_raw[TABLE_R];
 #pragma unroll
         for (int r = 0; r < TABLE_R; ++r) w_raw[r] = w_next[r];
         if (kv + 32 < ADALN_NVEC_D) load_weight_step(w_next, weight, first, kv + 32);
-        accumulate_step(acc, w_raw, act, kv);
-    }""")}
-TABLE_PREFETCH2 = {"table.cu": (TABLE_LOOP, """    uint4 w_next[TABLE_R], w_after[TABLE_R];
+""")
+TABLE_PREFETCH2 = _table_prefetched("""    uint4 w_next[TABLE_R], w_after[TABLE_R];
     if (lane < ADALN_NVEC_D) load_weight_step(w_next, weight, first, lane);
     if (lane + 32 < ADALN_NVEC_D) load_weight_step(w_after, weight, first, lane + 32);
-    for (int i = threadIdx.x; i < ADALN_T * ADALN_D; i += ADALN_TABLE_THREADS) act[i] = float_to_bf16(silu(temb[i]));
-    __syncthreads();
-
-    float acc[TABLE_R][ADALN_T];
-#pragma unroll
-    for (int r = 0; r < TABLE_R; ++r)
-#pragma unroll
-        for (int t = 0; t < ADALN_T; ++t) acc[r][t] = 0.0f;
-#pragma unroll 2
-    for (int kv = lane; kv < ADALN_NVEC_D; kv += 32) {
-        uint4 w_raw[TABLE_R];
+""", """        uint4 w_raw[TABLE_R];
 #pragma unroll
         for (int r = 0; r < TABLE_R; ++r) {
             w_raw[r] = w_next[r];
             w_next[r] = w_after[r];
         }
         if (kv + 64 < ADALN_NVEC_D) load_weight_step(w_after, weight, first, kv + 64);
-        accumulate_step(acc, w_raw, act, kv);
-    }""")}
+""")
 UNFUSED = {"modulated_rms_norm_and_residual": _unfused_norm_and_residual,
            "gated_residual_norm": _unfused_gated_residual_norm}
 VARIANTS = {  # name: (TUNING knobs, {kernel file: (text, replacement)}, {block_module name: replacement})
