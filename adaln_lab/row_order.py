@@ -11,10 +11,10 @@ backward unless given the order (`row_order=`): `block_adaln_path` sorts once pe
 function of row_index alone (integers: no rounding, no timing).
 
 A `row_order=` argument must be this function's output for that very row_index (checked: shape, dtype,
-device). An order of another row_index of the same length poisons, in the CUDA backward, the rows whose
-index is not their position's table row (their dx is NaN) and leaves the table gradients undefined (a
-known defect of the kernels, bench/NOTES.md v7 "next": such a row's partial sums may land in another
-range's slot); anything else that is not an order is undefined.
+device). With an order of another row_index of the same length the CUDA backward poisons the rows whose
+index is not their position's table row: their dx is NaN and so are the gradients of their positions'
+table rows, the same bits on every run; an order whose offsets name no row for a position reads and writes
+nothing for it. Offsets that are not sorted are undefined.
 
 Layers (as `adaln_lab.cuda_op`): the custom op `torch.ops.adaln_lab.row_order` with a fake kernel; CPU (and
 shapes the kernel does not take): torch's stable argsort and bincount; CUDA: row_order.cu (one block), compiled

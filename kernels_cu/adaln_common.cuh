@@ -157,9 +157,12 @@ __device__ __forceinline__ int sort_key(index_t i) { return (i < 0 || i >= ADALN
 // The row list of a block that owns positions p0 .. p0 + n - 1 of the rows in table-row order
 // (row_order.cu: `row_offsets` (T + 1,) and `order` (S,) over the S positions of row_index; the
 // rows = batches * S rows run table row by table row, inside one in row order). row_ids[i] is the
-// row at position p0 + i, timesteps[i] its table row, -1 where its index lies outside [0, T) (such
-// rows sort with table row 0) or differs from the table row of its position (an order that is not
-// row_index's: the row kernels poison such rows, never use another row's modulation quietly).
+// row at position p0 + i; timesteps[i] the table row t of its position, or -(t + 1) for a row to poison:
+// its index lies outside [0, T) (such rows sort with table row 0) or differs from t (an order that is not
+// row_index's). A poisoned row keeps its position's t, so its NaN sums land in this range's slot of t, never
+// in another range's; an order whose offsets give no row for the position (a count <= 0, a position or row
+// out of range) yields row -1, poisoned: the kernels read and write nothing of it (never out of bounds).
+// sorted_table_row() reads t back.
 // Called by every thread; the caller syncs before reading the lists.
 __device__ __forceinline__ void fill_sorted_rows(int* row_ids, int* timesteps, const index_t* row_index,
                                                  const int* row_offsets, const int* order, int p0, int n, int S,
@@ -171,11 +174,17 @@ __device__ __forceinline__ void fill_sorted_rows(int* row_ids, int* timesteps, c
         for (int k = 1; k < ADALN_T; ++k) t += (long long)batches * row_offsets[k] <= p;  // loads side by side
         const int begin = row_offsets[t], count = row_offsets[t + 1] - begin;
         const long long q = p - (long long)batches * begin;
-        const int s = order[begin + (int)(q % count)];
-        row_ids[i] = (int)(q / count) * S + s;
-        timesteps[i] = row_index[s] == t ? t : -1;  // -1: outside [0, T), or an order not row_index's
+        const int at = count > 0 && q >= 0 ? begin + (int)(q % count) : -1;
+        const int s = at >= 0 && at < S ? order[at] : -1;
+        const long long row = s >= 0 && s < S ? (q / count) * S + s : -1;
+        const bool usable = row >= 0 && row < (long long)batches * S;
+        row_ids[i] = usable ? (int)row : -1;
+        timesteps[i] = usable && row_index[s] == t ? t : -(t + 1);
     }
 }
+
+// The table row of a position from fill_sorted_rows' timesteps entry (poisoned or not).
+__device__ __forceinline__ int sorted_table_row(int timestep) { return timestep >= 0 ? timestep : -timestep - 1; }
 
 // The first range b0 and the last b1 of the ranges of `per` positions that hold table row t's positions
 // (row_order.cu's layout, as fill_sorted_rows): false when t has no rows.

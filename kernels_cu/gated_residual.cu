@@ -10,7 +10,7 @@
 //     range b (Rows.bwd_rows_per_range consecutive positions of that order) with table row i of dout * y (fp32,
 //     in row order; the products of two bf16 numbers are exact in fp32). A thread keeps its 8 columns' sums
 //     and gate values of the current table row in registers and writes the sums when its rows leave that
-//     table row: one or two slots per range. grid = (Rows.bwd_ranges, ceil(H / 8 / ADALN_GR_THREADS)),
+//     table row: a slot per table row the range spans. grid = (Rows.bwd_ranges, ceil(H / 8 / ADALN_GR_THREADS)),
 //     the ranges of norm_modulate_bwd (from the number of rows alone).
 //   gated_residual_reduce_sorted: d_gate[i, h] = the slots of table row i's ranges (table_row_ranges) in
 //     range order, in double, stored fp32. block (32, ADALN_SUM_GROUPS), grid ceil(H / 32).
@@ -70,7 +70,7 @@ gated_residual_bwd_sorted_bf16(const bf16_t* __restrict__ dout, const float* __r
     fill_sorted_rows(row_ids, timesteps, row_index, row_order, row_order + ADALN_T + 1, p0, n, S, S ? rows / S : 0);
     __syncthreads();
     if (c >= GR_VECTORS_H) return;
-    int i = max(timesteps[0], 0);
+    int i = sorted_table_row(timesteps[0]);
     float g[ADALN_VEC], sums[ADALN_VEC];
     load_gate8(gate + (size_t)i * gate_stride + c * ADALN_VEC, g);
 #pragma unroll
@@ -80,7 +80,7 @@ gated_residual_bwd_sorted_bf16(const bf16_t* __restrict__ dout, const float* __r
         uint4 dy_raw[GR_ROWS_IN_FLIGHT], y_raw[GR_ROWS_IN_FLIGHT];
 #pragma unroll
         for (int q = 0; q < GR_ROWS_IN_FLIGHT; ++q) {  // every load of the group issued before any use
-            const size_t at = (size_t)row_ids[min(k + q, n - 1)] * ADALN_H + c * ADALN_VEC;
+            const size_t at = (size_t)max(row_ids[min(k + q, n - 1)], 0) * ADALN_H + c * ADALN_VEC;
             dy_raw[q] = load_raw8(dout + at);
             y_raw[q] = load_raw8(y + at);
         }
@@ -88,9 +88,9 @@ gated_residual_bwd_sorted_bf16(const bf16_t* __restrict__ dout, const float* __r
         for (int q = 0; q < GR_ROWS_IN_FLIGHT; ++q) {
             if (k + q >= n) break;
             const int ts = timesteps[k + q];
-            if (max(ts, 0) != i) {  // the rows leave table row i: its sums to slot blockIdx.x + i
+            if (sorted_table_row(ts) != i) {  // the rows leave table row i: its sums to slot blockIdx.x + i
                 store_gate_sums(gate_partials, (size_t)blockIdx.x + i, c, sums);
-                i = max(ts, 0);
+                i = sorted_table_row(ts);
                 load_gate8(gate + (size_t)i * gate_stride + c * ADALN_VEC, g);
 #pragma unroll
                 for (int e = 0; e < ADALN_VEC; ++e) sums[e] = 0.0f;
@@ -103,7 +103,7 @@ gated_residual_bwd_sorted_bf16(const bf16_t* __restrict__ dout, const float* __r
                 dyy[e] = ts < 0 ? GR_NAN : g[e] * dyv[e];
                 sums[e] += ts < 0 ? GR_NAN : dyv[e] * yv[e];
             }
-            store8(d_y + (size_t)row_ids[k + q] * ADALN_H + c * ADALN_VEC, dyy);
+            if (row_ids[k + q] >= 0) store8(d_y + (size_t)row_ids[k + q] * ADALN_H + c * ADALN_VEC, dyy);
         }
     }
     store_gate_sums(gate_partials, (size_t)blockIdx.x + i, c, sums);

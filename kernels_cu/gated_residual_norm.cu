@@ -8,8 +8,8 @@
 // run one after the other, and each row's reduction uses the forward's tree (block = ADALN_FWD_THREADS
 // threads x ADALN_FWD_VPT vectors, from H alone). A row whose index lies outside [0, R) gets NaN in
 // x_out and out. grid = rows (one row per block).
-// The backward needs no kernel of its own: norm_modulate_bwd_residual_bf16 (the norm's dx plus the
-// gradient that reached x_out through the residual), then gated_residual_bwd_bf16.
+// The backward needs no kernel of its own: norm_modulate_bwd_residual_sorted_bf16 (the norm's dx plus the
+// gradient that reached x_out through the residual), then gated_residual_bwd_sorted_bf16.
 // Run: adaln_lab.block_cuda.gated_residual_norm_fwd on CUDA tensors.
 
 extern "C" __global__ void __launch_bounds__(ADALN_FWD_THREADS)

@@ -27,7 +27,8 @@
 // owns Rows.bwd_rows_per_range consecutive positions of that order, one stream of rows through its stages
 // (no pass per table row, so no refill of the stages per table row), and writes the sums of table row t
 // over its rows of t (in that order, i.e. row order) to slot b + t of row_partials (bwd_ranges + T, 2, H):
-// one or two slots per block instead of T (reduce_partials.cu's sorted kernel adds them up).
+// one slot per table row its positions span (one or two where each table row holds more rows than a range)
+// instead of T (reduce_partials.cu's sorted kernel adds them up).
 // The residual variant takes a third input d_residual (rows, H) bf16, the gradient that reached x by
 // another path (an H3 block's residual stream), and writes
 //   dx[r] = bf16(bf16(rstd * (g - xhat * sum_h(g * xhat) / H)) + d_residual[r])
@@ -101,7 +102,8 @@ __device__ __forceinline__ void store_sums(float* slot, const row_vectors& sum_d
 }
 
 // One staged row (x, dy and, when NIN == 3, d_residual in `stage`): its dx stored at dx_row, its dy * xhat and
-// dy added to the sums (NaN for an invalid row). refill() runs as soon as this thread has read its slots of
+// dy added to the sums (NaN for an invalid row; dx_row nullptr: nothing stored). refill() runs as soon as this
+// thread has read its slots of
 // the stage (the next row's copies land there while the block sums the row's dot product).
 template <int NIN, typename Refill>
 __device__ __forceinline__ void reduce_row(const uint4* stage, float rstd_r, bool invalid, const row_vectors& w,
@@ -149,7 +151,7 @@ __device__ __forceinline__ void reduce_row(const uint4* stage, float rstd_r, boo
 #pragma unroll
                 for (int e = 0; e < ADALN_VEC; ++e) d[e] = round_bf16(d[e]) + res[e];
             }
-            store8(dx_row + v * ADALN_VEC, d);
+            if (dx_row != nullptr) store8(dx_row + v * ADALN_VEC, d);
         }
     }
     if (invalid) {  // poison: this row belongs to no table row
@@ -229,26 +231,28 @@ __device__ __forceinline__ void sorted_row_pass(const bf16_t* __restrict__ dy, c
     const int n = min(rows, p0 + rows_per_block) - p0;
     fill_sorted_rows(row_ids, timesteps, row_index, row_order, row_order + ADALN_T + 1, p0, n, S, S ? rows / S : 0);
     __syncthreads();
-    for (int i = threadIdx.x; i < n; i += ADALN_BWD_THREADS) row_rstd[i] = rstd[row_ids[i]];
+    for (int i = threadIdx.x; i < n; i += ADALN_BWD_THREADS) row_rstd[i] = row_ids[i] >= 0 ? rstd[row_ids[i]] : 0.0f;
     __syncthreads();
 
-    int t = max(timesteps[0], 0);
+    int t = sorted_table_row(timesteps[0]);
     row_vectors w, s1, sum_dy_xhat, sum_dy;
     load_modulation(norm_weight, table_f32 + (size_t)t * table_stride + ADALN_H, w, s1);
     zero_sums(sum_dy_xhat, sum_dy);
 #pragma unroll
     for (int d = 0; d < STAGES; ++d)
-        fetch_row_inputs<NIN>(stages + d * STAGE_VECTORS, x, dy, d_residual, d < n ? row_ids[d] : 0, d < n);
+        fetch_row_inputs<NIN>(stages + d * STAGE_VECTORS, x, dy, d_residual, d < n ? row_ids[d] : 0,
+                              d < n && row_ids[d] >= 0);
 #pragma unroll 1
     for (int k = 0; k < n; ++k) {
         uint4* stage = stages + (k % STAGES) * STAGE_VECTORS;
         copy_async_wait<STAGES - 1>();
         reduce_row<NIN>(stage, row_rstd[k], timesteps[k] < 0, w, s1, sum_dy_xhat, sum_dy,
-                        dx + (size_t)row_ids[k] * ADALN_H, scratch, [&] {
+                        row_ids[k] >= 0 ? dx + (size_t)row_ids[k] * ADALN_H : nullptr, scratch, [&] {
                             const int next = k + STAGES;
-                            fetch_row_inputs<NIN>(stage, x, dy, d_residual, next < n ? row_ids[next] : 0, next < n);
+                            fetch_row_inputs<NIN>(stage, x, dy, d_residual, next < n ? row_ids[next] : 0,
+                                                  next < n && row_ids[next] >= 0);
                         });
-        const int next_t = k + 1 < n ? max(timesteps[k + 1], 0) : -1;
+        const int next_t = k + 1 < n ? sorted_table_row(timesteps[k + 1]) : -1;
         if (next_t != t) {  // the stream leaves table row t: its sums to slot blockIdx.x + t
             store_sums(row_partials + ((size_t)blockIdx.x + t) * 2 * ADALN_H, sum_dy_xhat, sum_dy);
             if (next_t >= 0) {

@@ -20,6 +20,29 @@
 
 #define RP_C (2 * ADALN_RP_T)  // (t, half) sums of one pass
 
+// Column h's table gradients from table row t's sums over rows, A = sum dy * xhat and B = sum dy (both
+// kernels here): add() stores d_shift[t] and d_scale[t] and carries d_norm_weight's and d_bias's sums,
+// called for t = 0 .. T-1 in order; store() rounds those once.
+struct TableGradients {
+    double w, d_nw, d_shift_sum, d_scale_sum;
+    __device__ explicit TableGradients(double norm_weight) : w(norm_weight), d_nw(0.0), d_shift_sum(0.0),
+                                                             d_scale_sum(0.0) {}
+    __device__ void add(int t, int h, double a, double bsum, const float* table_f32, int table_stride,
+                        float* d_shift, float* d_scale, int d_stride) {
+        const float shift_grad = (float)bsum, scale_grad = (float)(w * a);
+        d_shift[(size_t)t * d_stride + h] = shift_grad;
+        d_scale[(size_t)t * d_stride + h] = scale_grad;
+        d_nw += (1.0 + (double)table_f32[(size_t)t * table_stride + ADALN_H + h]) * a;
+        d_shift_sum += (double)shift_grad;
+        d_scale_sum += (double)scale_grad;
+    }
+    __device__ void store(int h, bf16_t* d_norm_weight, bf16_t* d_bias) const {
+        d_norm_weight[h] = float_to_bf16((float)d_nw);
+        d_bias[h] = float_to_bf16((float)d_shift_sum);
+        d_bias[ADALN_H + h] = float_to_bf16((float)d_scale_sum);
+    }
+};
+
 extern "C" __global__ void __launch_bounds__(32 * ADALN_SUM_GROUPS)
 reduce_partials_bf16(const float* __restrict__ row_partials, const bf16_t* __restrict__ norm_weight,
                      const float* __restrict__ table_f32, float* __restrict__ d_shift,
@@ -31,11 +54,10 @@ reduce_partials_bf16(const float* __restrict__ row_partials, const bf16_t* __res
     double* const combined = rp_smem + ADALN_SUM_GROUPS * RP_C * 32;
     const int h = blockIdx.x * 32 + threadIdx.x;
     const bool valid = h < ADALN_H;
-    const double w = valid ? (double)bf16_to_float(norm_weight[h]) : 0.0;
+    TableGradients grads(valid ? (double)bf16_to_float(norm_weight[h]) : 0.0);
     const size_t stride = (size_t)ADALN_T * 2 * ADALN_H;
     int b0, b1;
     group_bounds(nblocks, threadIdx.y, b0, b1);
-    double d_nw = 0.0, d_shift_sum = 0.0, d_scale_sum = 0.0;
 #pragma unroll 1
     for (int t0 = 0; t0 < ADALN_T; t0 += ADALN_RP_T) {
         double s[RP_C];
@@ -64,23 +86,14 @@ reduce_partials_bf16(const float* __restrict__ row_partials, const bf16_t* __res
             for (int tt = 0; tt < ADALN_RP_T; ++tt) {
                 const int t = t0 + tt;
                 if (t >= ADALN_T) break;
-                const double a = combined[(2 * tt) * 32 + threadIdx.x], bsum = combined[(2 * tt + 1) * 32 + threadIdx.x];
-                const float shift_grad = (float)bsum, scale_grad = (float)(w * a);
-                d_shift[(size_t)t * d_stride + h] = shift_grad;
-                d_scale[(size_t)t * d_stride + h] = scale_grad;
-                d_nw += (1.0 + (double)table_f32[(size_t)t * table_stride + ADALN_H + h]) * a;
-                d_shift_sum += (double)shift_grad;
-                d_scale_sum += (double)scale_grad;
+                grads.add(t, h, combined[(2 * tt) * 32 + threadIdx.x], combined[(2 * tt + 1) * 32 + threadIdx.x],
+                          table_f32, table_stride, d_shift, d_scale, d_stride);
             }
         }
         // the next pass writes group_sums only after every warp has passed this pass's second barrier,
         // and combined only after warp 0, done with it, reaches the next pass's first barrier
     }
-    if (threadIdx.y == 0 && valid) {
-        d_norm_weight[h] = float_to_bf16((float)d_nw);
-        d_bias[h] = float_to_bf16((float)d_shift_sum);
-        d_bias[ADALN_H + h] = float_to_bf16((float)d_scale_sum);
-    }
+    if (threadIdx.y == 0 && valid) grads.store(h, d_norm_weight, d_bias);
 }
 
 // reduce_partials_sorted_bf16: the same outputs from the sorted row passes' partials (norm_modulate_bwd.cu:
@@ -109,18 +122,9 @@ reduce_partials_sorted_bf16(const float* __restrict__ row_partials, const bf16_t
     }
     __syncthreads();
     if (threadIdx.y != 0 || !valid) return;
-    const double w = (double)bf16_to_float(norm_weight[h]);
-    double d_nw = 0.0, d_shift_sum = 0.0, d_scale_sum = 0.0;
-    for (int t = 0; t < ADALN_T; ++t) {
-        const double a = combined[2 * t][threadIdx.x], bsum = combined[2 * t + 1][threadIdx.x];
-        const float shift_grad = (float)bsum, scale_grad = (float)(w * a);
-        d_shift[(size_t)t * d_stride + h] = shift_grad;
-        d_scale[(size_t)t * d_stride + h] = scale_grad;
-        d_nw += (1.0 + (double)table_f32[(size_t)t * table_stride + ADALN_H + h]) * a;
-        d_shift_sum += (double)shift_grad;
-        d_scale_sum += (double)scale_grad;
-    }
-    d_norm_weight[h] = float_to_bf16((float)d_nw);
-    d_bias[h] = float_to_bf16((float)d_shift_sum);
-    d_bias[ADALN_H + h] = float_to_bf16((float)d_scale_sum);
+    TableGradients grads((double)bf16_to_float(norm_weight[h]));
+    for (int t = 0; t < ADALN_T; ++t)
+        grads.add(t, h, combined[2 * t][threadIdx.x], combined[2 * t + 1][threadIdx.x], table_f32, table_stride,
+                  d_shift, d_scale, d_stride);
+    grads.store(h, d_norm_weight, d_bias);
 }

@@ -6,8 +6,8 @@
 //                                  one table row
 // A kernel over rows = batches * S rows walks the positions p of that order (fill_sorted_rows in
 // adaln_common.cuh): table row by table row, inside one in row order. A range of positions then
-// holds the rows of one or two table rows instead of all T, so its partial sums are one or two rows of
-// (H,) instead of T (norm_modulate_bwd.cu's sorted passes, gated_residual.cu's backward): partial sums
+// holds the rows of the few table rows it spans (one or two where each holds more rows than a range) instead
+// of all T, so its partial sums are that many rows of (H,) instead of T (norm_modulate_bwd.cu's sorted passes, gated_residual.cu's backward): partial sums
 // slot b + t of range b and table row t (unique: along the ranges t never falls and b + t grows).
 // The order is a function of row_index alone: the same indices give the same order and the same sums.
 //
@@ -33,6 +33,12 @@ __device__ __forceinline__ int warp_inclusive_scan(int v) {
     return v;
 }
 
+// the table rows (sort_key) of positions p .. p + ROW_ORDER_BATCH - 1, -1 from p_end on
+__device__ __forceinline__ void load_keys(int keys[ROW_ORDER_BATCH], const index_t* row_index, int p, int p_end) {
+#pragma unroll
+    for (int u = 0; u < ROW_ORDER_BATCH; ++u) keys[u] = p + u < p_end ? sort_key(row_index[p + u]) : -1;
+}
+
 extern "C" __global__ void __launch_bounds__(ROW_ORDER_THREADS)
 row_order(const index_t* __restrict__ row_index, int* __restrict__ row_offsets, int* __restrict__ order, int S) {
     extern __shared__ int counts[];                            // [ADALN_T][ROW_ORDER_THREADS]
@@ -46,8 +52,7 @@ row_order(const index_t* __restrict__ row_index, int* __restrict__ row_offsets, 
     for (int t = 0; t < ADALN_T; ++t) mine[t * ROW_ORDER_THREADS] = 0;
     for (int p = p_begin; p < p_end; p += ROW_ORDER_BATCH) {
         int keys[ROW_ORDER_BATCH];
-#pragma unroll
-        for (int u = 0; u < ROW_ORDER_BATCH; ++u) keys[u] = p + u < p_end ? sort_key(row_index[p + u]) : -1;
+        load_keys(keys, row_index, p, p_end);
 #pragma unroll
         for (int u = 0; u < ROW_ORDER_BATCH; ++u)
             if (keys[u] >= 0) ++mine[keys[u] * ROW_ORDER_THREADS];
@@ -82,8 +87,7 @@ row_order(const index_t* __restrict__ row_index, int* __restrict__ row_offsets, 
     for (int t = 0; t < ADALN_T; ++t) mine[t * ROW_ORDER_THREADS] = starts[t] + warp_offsets[t][warp] + below[t];
     for (int p = p_begin; p < p_end; p += ROW_ORDER_BATCH) {
         int keys[ROW_ORDER_BATCH];
-#pragma unroll
-        for (int u = 0; u < ROW_ORDER_BATCH; ++u) keys[u] = p + u < p_end ? sort_key(row_index[p + u]) : -1;
+        load_keys(keys, row_index, p, p_end);
 #pragma unroll
         for (int u = 0; u < ROW_ORDER_BATCH; ++u)
             if (keys[u] >= 0) order[mine[keys[u] * ROW_ORDER_THREADS]++] = p + u;
