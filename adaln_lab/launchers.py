@@ -105,7 +105,7 @@ def kernels(device_index: int, plan: Plan) -> dict:
 
 def launch_table(k: dict, plan: Plan, stream: int, temb: int, weight: int, bias: int, table: int,
                  table_f32: int) -> None:
-    """table (T, 2H) bf16 and table_f32 (T, 2H) fp32 = linear(bf16(silu(temb)), weight, bias)."""
+    """table (T, N) bf16 and table_f32 (T, N) fp32 = linear(bf16(silu(temb)), weight, bias), N = plan.columns."""
     k["table_bf16"]((plan.table_grid, 1, 1), (plan.table_threads, 1, 1), 0, stream,
                     temb, weight, bias, table, table_f32)
 
@@ -142,7 +142,7 @@ def launch_row_pass(k: dict, plan: Plan, rows: Rows, stream: int, dy: int, x: in
 def launch_row_order(k: dict, plan: Plan, stream: int, row_index: int, row_order: int, S: int) -> None:
     """row_order (T + 1 + S,) int32 = row_order.cu's row_offsets (T + 1,) | order (S,) of row_index (S,) int64:
     the positions sorted by table row, stably (T = plan.T table rows)."""
-    k["row_order"]((1, 1, 1), (ROW_ORDER_THREADS, 1, 1), plan.row_order_smem, stream, row_index, row_order,
+    k["row_order"]((1, 1, 1), (ROW_ORDER_THREADS, 1, 1), plan.row_order_smem(S), stream, row_index, row_order,
                    row_order + 4 * (plan.T + 1), S)
 
 

@@ -29,7 +29,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-from .plan import Plan
+from .plan import ROW_ORDER_KEYS_MAX, Plan
 
 KERNEL_FILES = ("adaln_common.cuh", "table.cu", "norm_modulate.cu", "row_order.cu", "norm_modulate_bwd.cu",
                 "reduce_partials.cu", "table_bwd.cu", "gated_residual.cu", "gated_residual_norm.cu")
@@ -143,7 +143,7 @@ def _compile(device_index: int, plan: Plan) -> dict:
             kernels["norm_modulate_bf16"].max_dynamic_shared_size_bytes = plan.fwd_smem
         kernels["norm_modulate_bwd_bf16"].max_dynamic_shared_size_bytes = plan.bwd_smem
         kernels["norm_modulate_bwd_sorted_bf16"].max_dynamic_shared_size_bytes = plan.bwd_smem
-        kernels["row_order"].max_dynamic_shared_size_bytes = plan.row_order_smem
+        kernels["row_order"].max_dynamic_shared_size_bytes = plan.row_order_smem(ROW_ORDER_KEYS_MAX)
         if plan.bwd_res_stages:
             kernels["norm_modulate_bwd_residual_sorted_bf16"].max_dynamic_shared_size_bytes = plan.bwd_res_smem
         kernels["reduce_partials_bf16"].max_dynamic_shared_size_bytes = plan.rp_smem

@@ -91,8 +91,9 @@ def _device_functions():
 
 @lru_cache(maxsize=None)
 def table_kernel(H: int, D: int, T: int):
-    """Twin of table_bf16 (kernels_cu/table.cu): the plan's table_threads / 32 warps, TABLE_ROWS_PER_WARP rows
-    each, lane-strided k (the kernel's weight prefetch changes when loads are issued, not the sums)."""
+    """Twin of table_bf16 (kernels_cu/table.cu): plan.table_grid blocks of table_threads / 32 warps looping over
+    the same interleaved tasks of TABLE_ROWS_PER_WARP rows, lane-strided k (the kernel's weight loads in flight
+    change when loads are issued, not the sums)."""
     cuda()
     from numba import float32
 
@@ -100,6 +101,7 @@ def table_kernel(H: int, D: int, T: int):
     plan = make_plan(H, D, T)
     threads, rows_per_warp = plan.table_threads, dict(plan.tuning)["TABLE_ROWS_PER_WARP"]
     nvec_d, act_size, warps_per_block = D // 8, T * D, threads // 32  # shared sizes: constants
+    tasks = -(-2 * H // rows_per_warp)  # a task: rows_per_warp consecutive rows j, one warp's
 
     @nc.jit
     def kernel(temb, weight, bias, table, table_f32):
@@ -110,22 +112,25 @@ def table_kernel(H: int, D: int, T: int):
             act[i] = round_bf16(float32(silu(temb[i // D, i % D])))
         nc.syncthreads()
         lane, warp = tid % 32, tid // 32
-        first = (nc.blockIdx.x * warps_per_block + warp) * rows_per_warp
-        for r in range(rows_per_warp):
-            j = first + r
-            for t in range(T):
-                acc = float32(0.0)  # k-vectors lane, lane + 32, ... in order, 8 elements each in order
-                if j < 2 * H:
-                    for kv in range(lane, nvec_d, 32):
-                        for e in range(8):
-                            k = kv * 8 + e
-                            acc = nc.fma(bf16_to_float(weight[j, k]), act[t * D + k], acc)
-                lanes[warp, lane] = acc
-                total = warp_sum_lane0(lanes[warp], lane)
-                if lane == 0 and j < 2 * H:
-                    value = total + bf16_to_float(bias[j])
-                    table_f32[t, j] = value
-                    table[t, j] = float_to_bf16(value)
+        task, stride = warp * nc.gridDim.x + nc.blockIdx.x, nc.gridDim.x * warps_per_block  # interleaved tasks
+        while task < tasks:
+            first = task * rows_per_warp
+            for r in range(rows_per_warp):
+                j = first + r
+                for t in range(T):
+                    acc = float32(0.0)  # k-vectors lane, lane + 32, ... in order, 8 elements each in order
+                    if j < 2 * H:
+                        for kv in range(lane, nvec_d, 32):
+                            for e in range(8):
+                                k = kv * 8 + e
+                                acc = nc.fma(bf16_to_float(weight[j, k]), act[t * D + k], acc)
+                    lanes[warp, lane] = acc
+                    total = warp_sum_lane0(lanes[warp], lane)
+                    if lane == 0 and j < 2 * H:
+                        value = total + bf16_to_float(bias[j])
+                        table_f32[t, j] = value
+                        table[t, j] = float_to_bf16(value)
+            task += stride
 
     return kernel
 

@@ -23,7 +23,11 @@ from functools import lru_cache
 # (its text carries the values), and `clear_caches()` forgets every derived plan.
 TUNING = {
     "TABLE_THREADS": 512,       # table.cu: block size
-    "TABLE_ROWS_PER_WARP": 4,   # table.cu: output rows j per warp, their weight rows loaded side by side
+    "TABLE_ROWS_PER_WARP": 4,   # table.cu: output rows j per warp task, their weight rows loaded side by side
+    "TABLE_AHEAD": 2,           # table.cu: weight steps (a task's rows x 16 B per lane) in flight per lane
+    "TABLE_MIN_BLOCKS": 1,      # table.cu: __launch_bounds__ blocks per SM (a register cap for the compiler)
+    "TABLE_BLOCKS": 132,        # table.cu: most blocks (a constant, not the SM count: each block loops over
+                                # warp tasks; a row's sum is one warp's whatever the grid); 0: one task per warp
     "FWD_THREADS_MAX": 256,     # norm_modulate.cu: row block size cap (H = 5376: 224 threads x 3 vectors)
     "FWD_RANGES": 264,          # norm_modulate.cu: row ranges of the staged kernel (a constant, not the SM count)
     "FWD_MIN_ROWS": 8,          # norm_modulate.cu: fewest rows of one range (the table staging is per range)
@@ -37,6 +41,7 @@ TUNING = {
     "TB_THREADS": 256,          # table_bwd.cu: block size
     "TB_ROWS": 512,             # table_bwd.cu: weight rows j per block (table_bwd_bf16, one kernel)
     "TB_SPLIT_ROWS": 256,       # table_bwd.cu: weight rows j per block of its two halves (T >= TB_SPLIT_MIN_T)
+    "TB_EARLY": 4,              # table_bwd.cu: weight rows a warp loads before its block's prologue
     "TB_SPLIT_MIN_T": 5,        # table_bwd.cu: from this many table rows T on, d_weight and dact run as two kernels
     "SUM_GROUPS": 16,           # adaln_common.cuh: row groups of an ordered column sum
     "RP_T_MAX": 12,             # reduce_partials.cu: most timesteps summed in one pass (8 KiB of shared memory each)
@@ -51,6 +56,7 @@ T_MAX = 32                         # table.cu / table_bwd.cu keep per-timestep a
 ROWS_MAX = 2 ** 31 - 2 ** 12      # rows and S travel as int32; a range's end (p0 + rows per range) must fit too
 TB_COLUMNS = 256                   # table_bwd.cu: columns k of one block (32 lanes x 8)
 ROW_ORDER_THREADS = 1024           # row_order.cu: its one block (32 warps: one per lane of the scan of their totals)
+ROW_ORDER_KEYS_MAX = 65536         # row_order.cu: most positions whose keys it stages in shared memory (bytes)
 
 
 def row_geometry(H: int, threads_max: int) -> tuple[int, int]:
@@ -179,10 +185,10 @@ class Plan:
         """Dynamic shared memory of reduce_partials_bf16: a double per group, (t, half) and lane, then their sums."""
         return (self.sum_groups + 1) * 2 * self.rp_t * 32 * 8
 
-    @property
-    def row_order_smem(self) -> int:
-        """Dynamic shared memory of row_order: one int per thread and table row."""
-        return self.T * ROW_ORDER_THREADS * 4
+    def row_order_smem(self, S: int) -> int:
+        """Dynamic shared memory of row_order over S positions: one int per thread and table row, then the
+        staged keys (one byte per position, padded to 16) where S <= ROW_ORDER_KEYS_MAX."""
+        return self.T * ROW_ORDER_THREADS * 4 + (-(-S // 16) * 16 if S <= ROW_ORDER_KEYS_MAX else 0)
 
     @property
     def tb_split(self) -> bool:
@@ -222,10 +228,11 @@ class Plan:
                     FWD_STAGES=max(self.fwd_stages, 1), BWD_THREADS=self.bwd_threads, BWD_VPT=self.bwd_vpt,
                     BWD_STAGES=self.bwd_stages, BWD_RES_STAGES=max(self.bwd_res_stages, 1),
                     TABLE_THREADS=t["TABLE_THREADS"],
-                    TABLE_ROWS_PER_WARP=t["TABLE_ROWS_PER_WARP"],
+                    TABLE_ROWS_PER_WARP=t["TABLE_ROWS_PER_WARP"], TABLE_AHEAD=t["TABLE_AHEAD"],
+                    TABLE_MIN_BLOCKS=t["TABLE_MIN_BLOCKS"],
                     FWD_ROW_LIST_MAX=t["FWD_ROW_LIST_MAX"], ROW_LIST_MAX=t["ROW_LIST_MAX"],
-                    TB_THREADS=t["TB_THREADS"], TB_ROWS=self.tb_rows, TB_COLUMNS=TB_COLUMNS,
-                    ROW_ORDER_THREADS=ROW_ORDER_THREADS,
+                    TB_THREADS=t["TB_THREADS"], TB_ROWS=self.tb_rows, TB_EARLY=t["TB_EARLY"], TB_COLUMNS=TB_COLUMNS,
+                    ROW_ORDER_THREADS=ROW_ORDER_THREADS, ROW_ORDER_KEYS_MAX=ROW_ORDER_KEYS_MAX,
                     GR_THREADS=self.gr_threads, SUM_GROUPS=t["SUM_GROUPS"], RP_T=self.rp_t, TABLE_N=self.columns,
                     TABLE_F32_ROUNDED=int(self.table_f32_rounded))
 
@@ -286,7 +293,8 @@ def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = Fal
     rows_per_block = t["TABLE_THREADS"] // 32 * t["TABLE_ROWS_PER_WARP"]
     return Plan(H=H, D=D, T=T, fwd_threads=fwd_threads, fwd_vpt=fwd_vpt, fwd_stages=fwd_stages,
                 bwd_threads=bwd_threads, bwd_vpt=bwd_vpt, bwd_stages=bwd_stages, bwd_res_stages=bwd_res_stages,
-                table_grid=math.ceil(N / rows_per_block), table_threads=t["TABLE_THREADS"],
+                table_grid=math.ceil(N / rows_per_block) if not t["TABLE_BLOCKS"] else
+                min(t["TABLE_BLOCKS"], math.ceil(N / rows_per_block)), table_threads=t["TABLE_THREADS"],
                 tb_threads=t["TB_THREADS"],
                 sum_groups=t["SUM_GROUPS"], gr_threads=gr_geometry(H, t["GR_THREADS_MAX"]),
                 tuning=tuple(sorted(t.items())), table_n=table_n,

@@ -12,15 +12,20 @@
 // The order is a function of row_index alone: the same indices give the same order and the same sums.
 //
 // Geometry: one block of ROW_ORDER_THREADS threads; thread i owns the positions [i * chunk, (i + 1) * chunk),
-// chunk = ceil(S / ROW_ORDER_THREADS), a counting sort: (1) thread i counts its positions per table row in its
-// own column of counts[t][i] (dynamic shared memory, plan.row_order_smem), (2) one exclusive scan of counts in
-// (t, i) order (warp shuffles, then the warps' totals, then the table rows'), (3) thread i places its positions
-// in order. Integers only: the result does not depend on timing. ROW_ORDER_BATCH keys per thread in flight.
+// chunk = ceil(S / ROW_ORDER_THREADS) rounded up to a multiple of 16, a counting sort: (1) thread i counts its
+// positions per table row in its own column of counts[t][i] (dynamic shared memory, plan.row_order_smem),
+// (2) one exclusive scan of counts in (t, i) order (warp shuffles, then the warps' totals, then the table
+// rows'), (3) thread i places its positions in order. Where S <= ROW_ORDER_KEYS_MAX the keys are first
+// staged in shared memory as bytes (coalesced loads of row_index, read once; plan.row_order_smem(S) counts
+// them) and each thread reads 16 at a time; else both passes load them from row_index (ROW_ORDER_BATCH in
+// flight per thread). Integers only: the result does not depend on timing.
 // Run: adaln_lab.launchers.launch_row_order (adaln_lab/block_cuda.py, every block backward).
 
 #define ROW_ORDER_THREADS ADALN_ROW_ORDER_THREADS
 #define ROW_ORDER_BATCH 16
+#define ROW_ORDER_KEYS_MAX ADALN_ROW_ORDER_KEYS_MAX
 static_assert(ROW_ORDER_THREADS == 32 * 32, "row_order: one warp per lane in the scan of the warps' totals");
+static_assert(ADALN_T <= 255 && ROW_ORDER_BATCH == 16, "row_order: a staged key is one byte, read 16 at a time");
 
 // inclusive prefix sum of v over the lanes of a warp
 __device__ __forceinline__ int warp_inclusive_scan(int v) {
@@ -33,26 +38,43 @@ __device__ __forceinline__ int warp_inclusive_scan(int v) {
     return v;
 }
 
-// the table rows (sort_key) of positions p .. p + ROW_ORDER_BATCH - 1, -1 from p_end on
-__device__ __forceinline__ void load_keys(int keys[ROW_ORDER_BATCH], const index_t* row_index, int p, int p_end) {
+// the table rows (sort_key) of positions p .. p + ROW_ORDER_BATCH - 1, -1 from p_end on: from the staged bytes
+// (16 at a time: p is a multiple of 16) or from row_index
+__device__ __forceinline__ void load_keys(int keys[ROW_ORDER_BATCH], const unsigned char* staged,
+                                          const index_t* row_index, int p, int p_end) {
+    if (staged != nullptr) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(staged + p);
+        const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+        for (int u = 0; u < ROW_ORDER_BATCH; ++u)
+            keys[u] = p + u < p_end ? (int)((words[u / 4] >> (8 * (u % 4))) & 0xffu) : -1;
+        return;
+    }
 #pragma unroll
     for (int u = 0; u < ROW_ORDER_BATCH; ++u) keys[u] = p + u < p_end ? sort_key(row_index[p + u]) : -1;
 }
 
 extern "C" __global__ void __launch_bounds__(ROW_ORDER_THREADS)
 row_order(const index_t* __restrict__ row_index, int* __restrict__ row_offsets, int* __restrict__ order, int S) {
-    extern __shared__ int counts[];                            // [ADALN_T][ROW_ORDER_THREADS]
+    extern __shared__ __align__(16) int counts[];  // [ADALN_T][ROW_ORDER_THREADS], then the staged keys [S] (bytes)
     __shared__ int warp_offsets[ADALN_T][ROW_ORDER_THREADS / 32];  // [t][warp]: the warps' totals, then offsets
     __shared__ int starts[ADALN_T];                            // table rows' totals, then first positions
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int chunk = (S + ROW_ORDER_THREADS - 1) / ROW_ORDER_THREADS;
-    const int p_begin = min(S, tid * chunk), p_end = min(S, p_begin + chunk);
+    const int chunk = ((S + ROW_ORDER_THREADS - 1) / ROW_ORDER_THREADS + 15) / 16 * 16;
+    const int p_begin = (int)min((long long)S, (long long)tid * chunk), p_end = min(S, p_begin + chunk);
+    unsigned char* const staged = S <= ROW_ORDER_KEYS_MAX ? reinterpret_cast<unsigned char*>(counts + ADALN_T *
+                                                                                              ROW_ORDER_THREADS)
+                                                          : nullptr;
+    if (staged != nullptr) {
+        for (int p = tid; p < S; p += ROW_ORDER_THREADS) staged[p] = (unsigned char)sort_key(row_index[p]);
+        __syncthreads();
+    }
     int* const mine = counts + tid;  // this thread's column: mine[t * ROW_ORDER_THREADS]
 #pragma unroll
     for (int t = 0; t < ADALN_T; ++t) mine[t * ROW_ORDER_THREADS] = 0;
     for (int p = p_begin; p < p_end; p += ROW_ORDER_BATCH) {
         int keys[ROW_ORDER_BATCH];
-        load_keys(keys, row_index, p, p_end);
+        load_keys(keys, staged, row_index, p, p_end);
 #pragma unroll
         for (int u = 0; u < ROW_ORDER_BATCH; ++u)
             if (keys[u] >= 0) ++mine[keys[u] * ROW_ORDER_THREADS];
@@ -87,7 +109,7 @@ row_order(const index_t* __restrict__ row_index, int* __restrict__ row_offsets, 
     for (int t = 0; t < ADALN_T; ++t) mine[t * ROW_ORDER_THREADS] = starts[t] + warp_offsets[t][warp] + below[t];
     for (int p = p_begin; p < p_end; p += ROW_ORDER_BATCH) {
         int keys[ROW_ORDER_BATCH];
-        load_keys(keys, row_index, p, p_end);
+        load_keys(keys, staged, row_index, p, p_end);
 #pragma unroll
         for (int u = 0; u < ROW_ORDER_BATCH; ++u)
             if (keys[u] >= 0) order[mine[keys[u] * ROW_ORDER_THREADS]++] = p + u;

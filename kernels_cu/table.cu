@@ -6,17 +6,24 @@
 // ADALN_TABLE_F32_ROUNDED, the bf16 values in fp32 (the blocks' modulation table, adaln_lab/block_cuda.py).
 // N = ADALN_TABLE_N columns: 2H for norm_out (shift | scale), 18H for an H3 block's adaln_proj.
 //
-// Geometry (adaln_lab/plan.py): block = ADALN_TABLE_THREADS, each warp owns ADALN_TABLE_ROWS_PER_WARP
-// consecutive output rows j (their weight rows loaded side by side), grid = plan.table_grid =
-// ceil(N / (warps * rows per warp)). Static shared memory: the T * D bf16 activations
-// (plan.check_shapes keeps them within 48 KiB).
+// Work: a task is ADALN_TABLE_ROWS_PER_WARP consecutive output rows j (their weight rows loaded side by
+// side), done by one warp. Warp w of block b takes tasks w * gridDim + b, then + gridDim * warps, ...
+// (interleaved, so the last round's tasks spread over every SM). Grid = plan.table_grid: at most TABLE_BLOCKS
+// (a constant of the plan; 132, one per SM of an H200), each block looping over its warps' tasks, so the
+// activations' prologue runs once per block. Each lane keeps ADALN_TABLE_AHEAD weight steps in
+// flight, across the end of a task into its next one, and the first ones are issued before the prologue.
+// Block = ADALN_TABLE_THREADS. Static shared memory: the T * D bf16 activations (plan.check_shapes keeps
+// them within 48 KiB).
 // Reduction order of one (t, j): lane l sums the 8-wide k-vectors l, l + 32, l + 64, ... in that
 // order (fmaf over the 8 elements in k order); the 32 lane sums go through warp_sum_lane0.
 // Each timestep has its own accumulator, so row t has the same bits whatever T is and whichever
-// other timesteps are present. weight is read once.
+// other timesteps are present; a row's sums are one warp's whatever the grid, so the grid never changes a
+// bit. weight is read once.
 // Run: adaln_lab.cuda_op.table(temb, weight, bias) on CUDA tensors.
 
 #define TABLE_R ADALN_TABLE_ROWS_PER_WARP
+#define TABLE_WARPS (ADALN_TABLE_THREADS / 32)
+#define TABLE_TASKS ((ADALN_TABLE_N + TABLE_R - 1) / TABLE_R)
 
 __device__ __forceinline__ void load_weight_step(uint4 w_raw[TABLE_R], const bf16_t* weight, int first, int kv) {
 #pragma unroll
@@ -41,37 +48,64 @@ __device__ __forceinline__ void accumulate_step(float acc[TABLE_R][ADALN_T], con
     }
 }
 
-extern "C" __global__ void __launch_bounds__(ADALN_TABLE_THREADS)
+// The weight steps of one lane in the order it uses them: step i of task `task` is vector lane + 32 i of its
+// rows, for i < steps (the lane's share of the D / 8 vectors), then the next task of the warp.
+struct WeightStream {
+    int task, i, steps, stride;
+    __device__ __forceinline__ void issue(uint4 w_raw[TABLE_R], const bf16_t* weight, int lane) {
+        if (task < TABLE_TASKS) load_weight_step(w_raw, weight, task * TABLE_R, lane + 32 * i);
+        if (++i == steps) {
+            i = 0;
+            task += stride;
+        }
+    }
+};
+
+extern "C" __global__ void __launch_bounds__(ADALN_TABLE_THREADS, ADALN_TABLE_MIN_BLOCKS)
 table_bf16(const float* __restrict__ temb, const bf16_t* __restrict__ weight, const bf16_t* __restrict__ bias,
            bf16_t* __restrict__ table, float* __restrict__ table_f32) {
     __shared__ __align__(16) bf16_t act[ADALN_T * ADALN_D];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int first = (blockIdx.x * (ADALN_TABLE_THREADS / 32) + warp) * TABLE_R;
+    const int stride = gridDim.x * TABLE_WARPS;
+    const int steps = lane < ADALN_NVEC_D ? (ADALN_NVEC_D - lane + 31) / 32 : 0;
+    WeightStream stream{warp * (int)gridDim.x + (int)blockIdx.x, 0, steps, stride};
+    uint4 ahead[ADALN_TABLE_AHEAD][TABLE_R];  // the next weight steps of this lane, in use order
+#pragma unroll
+    for (int a = 0; a < ADALN_TABLE_AHEAD; ++a)
+        if (steps > 0) stream.issue(ahead[a], weight, lane);
     for (int i = threadIdx.x; i < ADALN_T * ADALN_D; i += ADALN_TABLE_THREADS) act[i] = float_to_bf16(silu(temb[i]));
     __syncthreads();
 
-    float acc[TABLE_R][ADALN_T];
+    for (int task = warp * gridDim.x + blockIdx.x; task < TABLE_TASKS; task += stride) {
+        float acc[TABLE_R][ADALN_T];
 #pragma unroll
-    for (int r = 0; r < TABLE_R; ++r)
+        for (int r = 0; r < TABLE_R; ++r)
 #pragma unroll
-        for (int t = 0; t < ADALN_T; ++t) acc[r][t] = 0.0f;
-#pragma unroll 2
-    for (int kv = lane; kv < ADALN_NVEC_D; kv += 32) {
-        uint4 w_raw[TABLE_R];
-        load_weight_step(w_raw, weight, first, kv);
-        accumulate_step(acc, w_raw, act, kv);
-    }
+            for (int t = 0; t < ADALN_T; ++t) acc[r][t] = 0.0f;
+        for (int kv = lane; kv < ADALN_NVEC_D; kv += 32) {
+            uint4 w_raw[TABLE_R];
 #pragma unroll
-    for (int r = 0; r < TABLE_R; ++r) {
-        const int j = first + r;
-        if (j >= ADALN_TABLE_N) break;
-        const float b = bf16_to_float(bias[j]);
+            for (int r = 0; r < TABLE_R; ++r) w_raw[r] = ahead[0][r];
 #pragma unroll
-        for (int t = 0; t < ADALN_T; ++t) {
-            const float sum = warp_sum_lane0(acc[r][t]) + b;
-            if (lane == 0) {
-                table_f32[t * ADALN_TABLE_N + j] = ADALN_TABLE_F32_ROUNDED ? round_bf16(sum) : sum;
-                table[t * ADALN_TABLE_N + j] = float_to_bf16(sum);
+            for (int a = 0; a + 1 < ADALN_TABLE_AHEAD; ++a)
+#pragma unroll
+                for (int r = 0; r < TABLE_R; ++r) ahead[a][r] = ahead[a + 1][r];
+            stream.issue(ahead[ADALN_TABLE_AHEAD - 1], weight, lane);
+            accumulate_step(acc, w_raw, act, kv);
+        }
+        const int first = task * TABLE_R;
+#pragma unroll
+        for (int r = 0; r < TABLE_R; ++r) {
+            const int j = first + r;
+            if (j >= ADALN_TABLE_N) break;
+            const float b = bf16_to_float(bias[j]);
+#pragma unroll
+            for (int t = 0; t < ADALN_T; ++t) {
+                const float sum = warp_sum_lane0(acc[r][t]) + b;
+                if (lane == 0) {
+                    table_f32[t * ADALN_TABLE_N + j] = ADALN_TABLE_F32_ROUNDED ? round_bf16(sum) : sum;
+                    table[t * ADALN_TABLE_N + j] = float_to_bf16(sum);
+                }
             }
         }
     }

@@ -21,6 +21,7 @@
 
 #define TB_WARPS (ADALN_TB_THREADS / 32)
 #define TB_ROWS_PER_WARP (ADALN_TB_ROWS / TB_WARPS)
+#define TB_EARLY (ADALN_TB_EARLY < TB_ROWS_PER_WARP ? ADALN_TB_EARLY : TB_ROWS_PER_WARP)
 static_assert(ADALN_TB_ROWS % TB_WARPS == 0, "ADALN_TB_ROWS must split evenly over the warps");
 static_assert(ADALN_TB_COLUMNS == 32 * ADALN_VEC, "a D tile is one 8-wide vector per lane");
 
@@ -29,7 +30,8 @@ static_assert(ADALN_TB_COLUMNS == 32 * ADALN_VEC, "a D tile is one 8-wide vector
 // plan.tb_split's T on: the fused kernel keeps 2 x 8 x T fp32 accumulators per thread; ptxas gives it
 // 118 registers at T = 3 and 255 at T = 9, the halves 128 each; which is faster at T >= 5 is not
 // measured yet). Every sum has the same terms in the same order either way, so the bits do not depend on it.
-// The block's d_table slice (T x ADALN_TB_ROWS fp32) is staged in shared memory first.
+// The block's d_table slice (T x ADALN_TB_ROWS fp32) is staged in shared memory first; a warp whose rows all
+// exist issues its first ADALN_TB_EARLY weight loads before that (they do not need it).
 template <bool D_WEIGHT, bool DACT>
 __device__ __forceinline__ void table_bwd_tile(const float* __restrict__ d_table, const float* __restrict__ temb,
                                                const bf16_t* __restrict__ weight, bf16_t* __restrict__ d_weight,
@@ -41,6 +43,14 @@ __device__ __forceinline__ void table_bwd_tile(const float* __restrict__ d_table
     const int k0 = blockIdx.x * ADALN_TB_COLUMNS;
     const int j0 = blockIdx.y * ADALN_TB_ROWS;
     const bool valid = kv < ADALN_NVEC_D;
+    const int r0 = warp * TB_ROWS_PER_WARP;
+    const int nrows = valid ? min(TB_ROWS_PER_WARP, ADALN_TABLE_N - (j0 + r0)) : 0;
+    const bool full = nrows == TB_ROWS_PER_WARP;  // every row of the warp exists: no bound checks between the loads
+    uint4 early[TB_EARLY > 0 ? TB_EARLY : 1];       // a full warp's first weight rows, loaded before the prologue
+    if (DACT && full) {
+#pragma unroll
+        for (int i = 0; i < TB_EARLY; ++i) early[i] = load_raw8(weight + (size_t)(j0 + r0 + i) * ADALN_D + kv * ADALN_VEC);
+    }
     for (int i = threadIdx.x; i < ADALN_T * ADALN_TB_ROWS; i += ADALN_TB_THREADS) {
         const int t = i / ADALN_TB_ROWS, r = i % ADALN_TB_ROWS;
         g_tile[t][r] = j0 + r < ADALN_TABLE_N ? d_table[t * ADALN_TABLE_N + j0 + r] : 0.0f;
@@ -62,16 +72,14 @@ __device__ __forceinline__ void table_bwd_tile(const float* __restrict__ d_table
             if constexpr (D_WEIGHT) act[t][e] = valid ? silu(temb[t * ADALN_D + kv * ADALN_VEC + e]) : 0.0f;
             if constexpr (DACT) dact[t][e] = 0.0f;
         }
-    const int r0 = warp * TB_ROWS_PER_WARP;
-    const int nrows = valid ? min(TB_ROWS_PER_WARP, ADALN_TABLE_N - (j0 + r0)) : 0;
-    auto row = [&](int i) {  // row j = j0 + r0 + i of the tile
+    auto row = [&](int i, const uint4* loaded) {  // row j = j0 + r0 + i of the tile (its weight `loaded` early)
         const int j = j0 + r0 + i;
         float g[ADALN_T];
 #pragma unroll
         for (int t = 0; t < ADALN_T; ++t) g[t] = g_tile[t][r0 + i];
         if constexpr (DACT) {
             float w[ADALN_VEC];
-            load8(weight + (size_t)j * ADALN_D + kv * ADALN_VEC, w);
+            unpack8(loaded != nullptr ? *loaded : load_raw8(weight + (size_t)j * ADALN_D + kv * ADALN_VEC), w);
 #pragma unroll
             for (int e = 0; e < ADALN_VEC; ++e)
 #pragma unroll
@@ -89,12 +97,12 @@ __device__ __forceinline__ void table_bwd_tile(const float* __restrict__ d_table
             store8(d_weight + (size_t)j * ADALN_D + kv * ADALN_VEC, dw);
         }
     };
-    if (nrows == TB_ROWS_PER_WARP) {  // every row of the warp exists: no bound checks between the loads
+    if (full) {
 #pragma unroll
-        for (int i = 0; i < TB_ROWS_PER_WARP; ++i) row(i);
+        for (int i = 0; i < TB_ROWS_PER_WARP; ++i) row(i, DACT && i < TB_EARLY ? &early[i] : nullptr);
     } else {
 #pragma unroll 1
-        for (int i = 0; i < nrows; ++i) row(i);
+        for (int i = 0; i < nrows; ++i) row(i, nullptr);
     }
     if constexpr (DACT) {  // unrolled over t: a runtime t would put dact on the stack (local memory)
 #pragma unroll
@@ -113,7 +121,7 @@ __device__ __forceinline__ void table_bwd_tile(const float* __restrict__ d_table
     }
 }
 
-extern "C" __global__ void __launch_bounds__(ADALN_TB_THREADS)
+extern "C" __global__ void __launch_bounds__(ADALN_TB_THREADS, 2)
 table_bwd_bf16(const float* __restrict__ d_table, const float* __restrict__ temb, const bf16_t* __restrict__ weight,
                bf16_t* __restrict__ d_weight, float* __restrict__ dact_partials, bf16_t* __restrict__ d_bias) {
     table_bwd_tile<true, true>(d_table, temb, weight, d_weight, dact_partials, d_bias);

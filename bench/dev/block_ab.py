@@ -34,11 +34,15 @@ gradients within 2^-10 relative (l2) of shipped's, else they are not timed:
   d_temb's bits): table_bwd with 128 weight rows per block for both kernels (v5's choice), 256 for the one
   kernel, or 512 threads and 256 rows (shipped since v6: 512 rows for table_bwd_bf16, 256 for its halves; a
   block's fixed work, d_table staging, SiLU of its columns, the dact combine, spread over more rows);
-- `table_threads256`, `table_threads128`: TABLE_THREADS = 256 / 128 (table.cu's block; shipped 512, one block
-  per SM by registers): more, smaller blocks per SM, so one block's prologue (temb from L2, SiLU, a barrier
-  before its first weight load) overlaps another's weight stream; `table_prefetch`, `table_prefetch2`: the
-  first one / two weight steps of each warp issued before that prologue (checked text edits of table.cu).
-  A table row's sums are a warp's whatever the block, so all four keep shipped's bits (NOTES v7 "next");
+- table.cu (v8: persistent blocks looping over warp tasks, TABLE_AHEAD weight steps in flight per lane, the
+  first issued before the SiLU prologue; shipped: TABLE_BLOCKS 132 of 512 threads, AHEAD 2): `table_one_task`
+  (TABLE_BLOCKS 0: a block per 16 tasks, 1512 blocks, as up to v7 but with the loads in flight), `table_ahead1`,
+  `table_ahead3`, `table_rows2` (2 rows per task, 4 steps ahead: finer tasks, the same bytes in flight),
+  `table_threads256` (264 blocks of 256 threads, two per SM), `table_blocks264` (that with 3 steps ahead).
+  A table row's sums are one warp's whatever the block or grid, so all keep shipped's bits.
+- table_bwd.cu (v8: a warp whose rows all exist issues its first TB_EARLY = 4 weight loads before the block's
+  prologue, d_table staging and SiLU; the fused kernel capped at 128 registers, two blocks per SM): `tb_early0`
+  (none early), `tb_early8`. The same sums, the same bits.
 Times: CUDA-graph replay of forward+backward (harness.latency.graph_latency) at 4097 and 32768 rows,
 for the block (`block`: its table has T = 3 rows, so table_bwd is never split) and for norm_out's
 `final_adaln_out` at T = 3 (`norm_out`) and at T = 9 timesteps (`norm_out_T9`, where the split applies).
@@ -72,48 +76,6 @@ def _unfused_gated_residual_norm(x, gate, y, norm_weight, shift, scale, row_inde
 FUSED, STAGED = {"TB_SPLIT_MIN_T": plan_module.T_MAX + 1}, {"FWD_STAGED_MIN_BLOCKS": 1}
 DACT_ON_STACK = {"table_bwd.cu": ("#pragma unroll\n        for (int t = 0; t < ADALN_T; ++t) {",
                                   "#pragma unroll 1\n        for (int t = 0; t < ADALN_T; ++t) {")}
-# table.cu with its first weight step(s) issued before the SiLU prologue and its barrier (the same sums):
-TABLE_PROLOGUE = ("    for (int i = threadIdx.x; i < ADALN_T * ADALN_D; i += ADALN_TABLE_THREADS) "
-                  "act[i] = float_to_bf16(silu(temb[i]));\n")
-TABLE_STEP = """        uint4 w_raw[TABLE_R];
-        load_weight_step(w_raw, weight, first, kv);
-"""
-TABLE_LOOP = TABLE_PROLOGUE + """    __syncthreads();
-
-    float acc[TABLE_R][ADALN_T];
-#pragma unroll
-    for (int r = 0; r < TABLE_R; ++r)
-#pragma unroll
-        for (int t = 0; t < ADALN_T; ++t) acc[r][t] = 0.0f;
-#pragma unroll 2
-    for (int kv = lane; kv < ADALN_NVEC_D; kv += 32) {
-""" + TABLE_STEP + """        accumulate_step(acc, w_raw, act, kv);
-    }"""
-
-
-def _table_prefetched(ahead: str, step: str) -> dict:
-    """table.cu's loop with `ahead` (the first loads) before its prologue and `step` as the loop's loads."""
-    return {"table.cu": (TABLE_LOOP, ahead + TABLE_LOOP.replace(TABLE_STEP, step))}
-
-
-TABLE_PREFETCH = _table_prefetched("""    uint4 w_next[TABLE_R];
-    if (lane < ADALN_NVEC_D) load_weight_step(w_next, weight, first, lane);
-""", """        uint4 w_raw[TABLE_R];
-#pragma unroll
-        for (int r = 0; r < TABLE_R; ++r) w_raw[r] = w_next[r];
-        if (kv + 32 < ADALN_NVEC_D) load_weight_step(w_next, weight, first, kv + 32);
-""")
-TABLE_PREFETCH2 = _table_prefetched("""    uint4 w_next[TABLE_R], w_after[TABLE_R];
-    if (lane < ADALN_NVEC_D) load_weight_step(w_next, weight, first, lane);
-    if (lane + 32 < ADALN_NVEC_D) load_weight_step(w_after, weight, first, lane + 32);
-""", """        uint4 w_raw[TABLE_R];
-#pragma unroll
-        for (int r = 0; r < TABLE_R; ++r) {
-            w_raw[r] = w_next[r];
-            w_next[r] = w_after[r];
-        }
-        if (kv + 64 < ADALN_NVEC_D) load_weight_step(w_after, weight, first, kv + 64);
-""")
 UNFUSED = {"modulated_rms_norm_and_residual": _unfused_norm_and_residual,
            "gated_residual_norm": _unfused_gated_residual_norm}
 VARIANTS = {  # name: (TUNING knobs, {kernel file: (text, replacement)}, {block_module name: replacement})
@@ -133,10 +95,14 @@ VARIANTS = {  # name: (TUNING knobs, {kernel file: (text, replacement)}, {block_
     "tb_rows128": ({"TB_ROWS": 128, "TB_SPLIT_ROWS": 128}, {}, {}),
     "tb_rows256": ({"TB_ROWS": 256}, {}, {}),
     "tb_threads512": ({"TB_THREADS": 512, "TB_ROWS": 256}, {}, {}),
-    "table_threads256": ({"TABLE_THREADS": 256}, {}, {}),
-    "table_threads128": ({"TABLE_THREADS": 128}, {}, {}),
-    "table_prefetch": ({}, TABLE_PREFETCH, {}),
-    "table_prefetch2": ({}, TABLE_PREFETCH2, {}),
+    "tb_early0": ({"TB_EARLY": 0}, {}, {}),
+    "tb_early8": ({"TB_EARLY": 8}, {}, {}),
+    "table_one_task": ({"TABLE_BLOCKS": 0}, {}, {}),
+    "table_ahead1": ({"TABLE_AHEAD": 1}, {}, {}),
+    "table_ahead3": ({"TABLE_AHEAD": 3}, {}, {}),
+    "table_rows2": ({"TABLE_ROWS_PER_WARP": 2, "TABLE_AHEAD": 4}, {}, {}),
+    "table_threads256": ({"TABLE_THREADS": 256, "TABLE_BLOCKS": 264, "TABLE_MIN_BLOCKS": 2}, {}, {}),
+    "table_blocks264": ({"TABLE_THREADS": 256, "TABLE_BLOCKS": 264, "TABLE_MIN_BLOCKS": 2, "TABLE_AHEAD": 3}, {}, {}),
 }
 REORDERS = {"bwd264", "bwd264_s2", "tb_rows128", "tb_rows256", "tb_threads512"}
 RETREES = {"bwd_threads384", "bwd_threads256"}
