@@ -26,8 +26,9 @@ TUNING = {
     "TABLE_ROWS_PER_WARP": 4,   # table.cu: output rows j per warp task, their weight rows loaded side by side
     "TABLE_AHEAD": 2,           # table.cu: weight steps (a task's rows x 16 B per lane) in flight per lane
     "TABLE_MIN_BLOCKS": 1,      # table.cu: __launch_bounds__ blocks per SM (a register cap for the compiler)
-    "TABLE_BLOCKS": 132,        # table.cu: most blocks (a constant, not the SM count: each block loops over
-                                # warp tasks; a row's sum is one warp's whatever the grid); 0: one task per warp
+    "TABLE_BLOCKS": 132,        # table.cu: blocks of its persistent schedule (a constant, not the SM count: each
+                                # block loops over warp tasks; a row's sum is one warp's whatever the grid)
+    "TABLE_PERSISTENT_MIN_ROUNDS": 8,  # table.cu: persistent from this many TABLE_BLOCKS of one-task blocks on
     "FWD_THREADS_MAX": 256,     # norm_modulate.cu: row block size cap (H = 5376: 224 threads x 3 vectors)
     "FWD_RANGES": 264,          # norm_modulate.cu: row ranges of the staged kernel (a constant, not the SM count)
     "FWD_MIN_ROWS": 8,          # norm_modulate.cu: fewest rows of one range (the table staging is per range)
@@ -148,6 +149,7 @@ class Plan:
     bwd_res_stages: int      # norm_modulate_bwd_residual_sorted_bf16: rows in flight (three inputs each); 0: unused
     table_grid: int
     table_threads: int
+    table_persistent: bool   # table.cu's schedule: TABLE_BLOCKS blocks looping over tasks, or a task per warp
     tb_threads: int
     sum_groups: int
     gr_threads: int
@@ -229,7 +231,7 @@ class Plan:
                     BWD_STAGES=self.bwd_stages, BWD_RES_STAGES=max(self.bwd_res_stages, 1),
                     TABLE_THREADS=t["TABLE_THREADS"],
                     TABLE_ROWS_PER_WARP=t["TABLE_ROWS_PER_WARP"], TABLE_AHEAD=t["TABLE_AHEAD"],
-                    TABLE_MIN_BLOCKS=t["TABLE_MIN_BLOCKS"],
+                    TABLE_MIN_BLOCKS=t["TABLE_MIN_BLOCKS"], TABLE_PERSISTENT=int(self.table_persistent),
                     FWD_ROW_LIST_MAX=t["FWD_ROW_LIST_MAX"], ROW_LIST_MAX=t["ROW_LIST_MAX"],
                     TB_THREADS=t["TB_THREADS"], TB_ROWS=self.tb_rows, TB_EARLY=t["TB_EARLY"], TB_COLUMNS=TB_COLUMNS,
                     ROW_ORDER_THREADS=ROW_ORDER_THREADS, ROW_ORDER_KEYS_MAX=ROW_ORDER_KEYS_MAX,
@@ -291,10 +293,12 @@ def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = Fal
     if bwd_stages < 1:
         raise ValueError(f"backend='cupy' needs H (x.shape[-1]) <= {H_MAX}, got {H}; use backend='torch'")
     rows_per_block = t["TABLE_THREADS"] // 32 * t["TABLE_ROWS_PER_WARP"]
+    table_blocks = math.ceil(N / rows_per_block)  # one task per warp
+    table_persistent = 0 < t["TABLE_BLOCKS"] and t["TABLE_BLOCKS"] * t["TABLE_PERSISTENT_MIN_ROUNDS"] <= table_blocks
     return Plan(H=H, D=D, T=T, fwd_threads=fwd_threads, fwd_vpt=fwd_vpt, fwd_stages=fwd_stages,
                 bwd_threads=bwd_threads, bwd_vpt=bwd_vpt, bwd_stages=bwd_stages, bwd_res_stages=bwd_res_stages,
-                table_grid=math.ceil(N / rows_per_block) if not t["TABLE_BLOCKS"] else
-                min(t["TABLE_BLOCKS"], math.ceil(N / rows_per_block)), table_threads=t["TABLE_THREADS"],
+                table_grid=t["TABLE_BLOCKS"] if table_persistent else table_blocks, table_threads=t["TABLE_THREADS"],
+                table_persistent=table_persistent,
                 tb_threads=t["TB_THREADS"],
                 sum_groups=t["SUM_GROUPS"], gr_threads=gr_geometry(H, t["GR_THREADS_MAX"]),
                 tuning=tuple(sorted(t.items())), table_n=table_n,

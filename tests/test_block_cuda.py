@@ -106,6 +106,36 @@ def test_split_and_fused_table_backward_agree_bit_for_bit(monkeypatch, rows):
     assert torch.allclose(results[True][1].double(), exact, rtol=2 ** -8, atol=1e-6)
 
 
+@pytest.mark.parametrize("T_", [3, 9])
+def test_persistent_and_one_task_tables_agree_bit_for_bit(monkeypatch, T_):
+    """table.cu's two schedules (plan.table_persistent: TABLE_BLOCKS blocks looping over interleaved warp tasks
+    with weight loads in flight across tasks, or a task per warp) give every table row the same bits: a row is
+    one warp's sum either way. N not a multiple of the 64 rows of a block (a ragged last task), D not a multiple
+    of 256 (lanes with fewer steps)."""
+    from adaln_lab import launchers, plan as plan_module
+
+    g = torch.Generator("cuda").manual_seed(T_)
+    N, D_ = 18 * H + 72, 264
+    temb = torch.randn(T_, D_, device="cuda", generator=g)
+    weight = (torch.randn(N, D_, device="cuda", generator=g) * 0.05).bfloat16()
+    bias = (torch.randn(N, device="cuda", generator=g) * 0.1).bfloat16()
+    tables = {}
+    try:
+        for blocks, rounds in ((3, 1), (0, 1)):  # 3 persistent blocks of 16 warps, then a task per warp
+            monkeypatch.setitem(plan_module.TUNING, "TABLE_BLOCKS", blocks)
+            monkeypatch.setitem(plan_module.TUNING, "TABLE_PERSISTENT_MIN_ROUNDS", rounds)
+            launchers.forget_compiled()
+            persistent = plan_module.plan(8, D_, T_, table_n=N, table_f32_rounded=True).table_persistent
+            assert persistent == (blocks > 0)  # the schedule asked for is the one taken
+            tables[persistent] = block_cuda.modulation_table_fwd(temb, weight, bias)
+    finally:
+        monkeypatch.undo()
+        launchers.forget_compiled()
+    assert torch.equal(tables[True], tables[False])
+    exact = F.linear(F.silu(temb.double()).bfloat16().double(), weight.double(), bias.double())
+    assert torch.allclose(tables[True].double(), exact, rtol=2 ** -7, atol=1e-3)
+
+
 def test_modulated_norm_is_norm_outs_kernels():
     """With norm_out's table split into shift and scale, the forward is final_adaln_out's, bit for bit."""
     inputs = make(1, 300, "cuda", H=H, D=D, T=T)

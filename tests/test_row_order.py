@@ -61,7 +61,7 @@ def test_row_order_and_the_ops_refuse_a_wrong_order():
 
 
 @gpu
-@pytest.mark.parametrize("S, T", [(0, 9), (1, 9), (37, 1), (4097, 9), (70001, 9), (5000, T_MAX)])
+@pytest.mark.parametrize("S, T", [(0, 9), (1, 9), (37, 1), (4097, 9), (65536, 9), (70001, 9), (5000, T_MAX)])
 def test_row_order_kernel_is_the_torch_order(S, T):
     g = torch.Generator("cuda").manual_seed(S + T)
     row_index = torch.randint(0, T, (S,), device="cuda", generator=g)

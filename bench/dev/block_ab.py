@@ -34,12 +34,14 @@ gradients within 2^-10 relative (l2) of shipped's, else they are not timed:
   d_temb's bits): table_bwd with 128 weight rows per block for both kernels (v5's choice), 256 for the one
   kernel, or 512 threads and 256 rows (shipped since v6: 512 rows for table_bwd_bf16, 256 for its halves; a
   block's fixed work, d_table staging, SiLU of its columns, the dact combine, spread over more rows);
-- table.cu (v8: persistent blocks looping over warp tasks, TABLE_AHEAD weight steps in flight per lane, the
-  first issued before the SiLU prologue; shipped: TABLE_BLOCKS 132 of 512 threads, AHEAD 2): `table_one_task`
-  (TABLE_BLOCKS 0: a block per 16 tasks, 1512 blocks, as up to v7 but with the loads in flight), `table_ahead1`,
-  `table_ahead3`, `table_rows2` (2 rows per task, 4 steps ahead: finer tasks, the same bytes in flight),
-  `table_threads256` (264 blocks of 256 threads, two per SM), `table_blocks264` (that with 3 steps ahead).
-  A table row's sums are one warp's whatever the block or grid, so all keep shipped's bits.
+- table.cu (v8: a large table, at least TABLE_PERSISTENT_MIN_ROUNDS x TABLE_BLOCKS blocks of one task per warp,
+  runs persistent blocks looping over warp tasks, TABLE_AHEAD weight steps in flight per lane, the first issued
+  before the SiLU prologue; shipped: TABLE_BLOCKS 132 of 512 threads, AHEAD 2, from 8 rounds on, i.e. the H3
+  block's 18H rows persistent, norm_out's 2H a task per warp as up to v7): `table_one_task` (every table a
+  task per warp), `table_persistent_all` (every table persistent), `table_ahead1`, `table_ahead3`,
+  `table_rows2` (2 rows per task, 4 steps ahead), `table_threads256` (264 blocks of 256 threads, two per SM),
+  `table_blocks264` (that with 3 steps ahead). A table row's sums are one warp's whatever the block or grid,
+  so all keep shipped's bits.
 - table_bwd.cu (v8: a warp whose rows all exist issues its first TB_EARLY = 4 weight loads before the block's
   prologue, d_table staging and SiLU; the fused kernel capped at 128 registers, two blocks per SM): `tb_early0`
   (none early), `tb_early8`. The same sums, the same bits.
@@ -97,7 +99,8 @@ VARIANTS = {  # name: (TUNING knobs, {kernel file: (text, replacement)}, {block_
     "tb_threads512": ({"TB_THREADS": 512, "TB_ROWS": 256}, {}, {}),
     "tb_early0": ({"TB_EARLY": 0}, {}, {}),
     "tb_early8": ({"TB_EARLY": 8}, {}, {}),
-    "table_one_task": ({"TABLE_BLOCKS": 0}, {}, {}),
+    "table_one_task": ({"TABLE_PERSISTENT_MIN_ROUNDS": 10 ** 6}, {}, {}),
+    "table_persistent_all": ({"TABLE_PERSISTENT_MIN_ROUNDS": 0}, {}, {}),
     "table_ahead1": ({"TABLE_AHEAD": 1}, {}, {}),
     "table_ahead3": ({"TABLE_AHEAD": 3}, {}, {}),
     "table_rows2": ({"TABLE_ROWS_PER_WARP": 2, "TABLE_AHEAD": 4}, {}, {}),
