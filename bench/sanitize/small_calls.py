@@ -4,7 +4,7 @@ synccheck): every CUDA kernel of adaln_lab at small shapes, 0 and 1 rows include
 - `final_adaln_out` (backend "cupy"), forward+backward: (H, D, T) = (264, 64, 3), (1024, 256, 1) and the
   real (5376, 2688, 3), at 0, 1, 7 and 300 rows (300 not at the real size), plus x (2, 7, H) (leading dims);
 - the blocks' kernels of adaln_lab/block_cuda.py, when it has them: modulation_table_fwd/bwd (H 264,
-  D 64, T 3, N = 18H), modulated_rms_norm_fwd/bwd (with and without d_residual), gated_residual_fwd/bwd and
+  D 64, T 3, N = 18H; the table also on 2 persistent blocks), modulated_rms_norm_fwd/bwd (with and without d_residual), gated_residual_fwd/bwd and
   gated_residual_norm_fwd/bwd on R = 3T table rows (strided shift / scale / gate slices of the table) at 0, 1,
   7 and 300 rows.
 Every result is checked finite (and, for 0 rows, the parameter gradients exactly zero), so a workload that
@@ -52,6 +52,21 @@ def op_calls() -> None:
     print("final_adaln_out: done")
 
 
+def persistent_table(table_fwd, temb, weight, bias, table) -> None:
+    """table.cu's persistent schedule (the real block's; small tables take a task per warp) on 2 blocks."""
+    from adaln_lab import launchers, plan as plan_module
+
+    saved = dict(plan_module.TUNING)
+    try:
+        plan_module.TUNING.update(TABLE_BLOCKS=2, TABLE_PERSISTENT_MIN_ROUNDS=1)
+        launchers.forget_compiled()
+        assert torch.equal(table_fwd(temb, weight, bias), table), "the persistent schedule changed the table"
+    finally:
+        plan_module.TUNING.clear()
+        plan_module.TUNING.update(saved)
+        launchers.forget_compiled()
+
+
 def block_calls() -> None:
     try:
         from adaln_lab import block_cuda
@@ -71,6 +86,7 @@ def block_calls() -> None:
     weight, bias = randn(18 * H, D, scale=0.02, dtype=torch.bfloat16), randn(18 * H, scale=0.1, dtype=torch.bfloat16)
     table = fns["modulation_table_fwd"](temb, weight, bias)
     _finite(table, *fns["modulation_table_bwd"](randn(T, 18 * H), temb, weight))
+    persistent_table(fns["modulation_table_fwd"], temb, weight, bias, table)
     rows6 = table.view(R, 6 * H)
     shift, scale, gate = rows6[:, 3 * H:4 * H], rows6[:, 4 * H:5 * H], rows6[:, 2 * H:3 * H]
     norm_weight = (1 + 0.1 * randn(H)).to(torch.bfloat16)
