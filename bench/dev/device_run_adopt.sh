@@ -12,14 +12,9 @@ set -u
 out=$1
 budget=${2:-500}
 mkdir -p "$out/sanitize"
-commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 source "$(dirname "$0")/device_lib.sh"
-if [ -n "${PRECHECK:-}" ]; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu $PRECHECK > "$out/pytest_precheck_$commit.txt" 2>&1
-  rc=$?
-  echo "precheck: exit $rc after $SECONDS s"; tail -3 "$out/pytest_precheck_$commit.txt"; pack
-  [ "$rc" -eq 0 ] || exit 1
-fi
+commit=$(tree_commit)
+precheck
 step pytest-gpu "${PYTEST_LIMIT:-330}" bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu tests > $out/pytest_gpu_$commit.txt 2>&1" &
 SANITIZE_TIMEOUT=60 step sanitize 150 bash bench/sanitize/run.sh "$out/sanitize" racecheck memcheck &
 wait

@@ -8,14 +8,9 @@ set -u
 mkdir -p "$1" && out=$(cd "$1" && pwd)
 budget=${2:-540}
 mkdir -p "$out"
-commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 source "$(dirname "$0")/device_lib.sh"
-if [ -n "${PRECHECK:-}" ]; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu $PRECHECK > "$out/pytest_precheck_$commit.txt" 2>&1
-  rc=$?
-  echo "precheck: exit $rc after $SECONDS s"; tail -3 "$out/pytest_precheck_$commit.txt"; pack
-  [ "$rc" -eq 0 ] || exit 1
-fi
+commit=$(tree_commit)
+precheck
 if [ -n "${BASE_DIR:-}" ]; then
   base=$(cat "$BASE_DIR/COMMIT" 2>/dev/null || echo baseline)
   step block-ab-base 90 bash -c "cd $BASE_DIR && PYTHONPATH=/tmp/site:\$PWD python3 bench/dev/block_ab.py shipped \
