@@ -7,7 +7,6 @@
 set -u
 mkdir -p "$1" && out=$(cd "$1" && pwd)
 budget=${2:-540}
-mkdir -p "$out"
 source "$(dirname "$0")/device_lib.sh"
 commit=$(tree_commit)
 precheck
