@@ -91,9 +91,11 @@ def _device_functions():
 
 @lru_cache(maxsize=None)
 def table_kernel(H: int, D: int, T: int):
-    """Twin of table_bf16 (kernels_cu/table.cu): plan.table_grid blocks of table_threads / 32 warps looping over
-    the same interleaved tasks of TABLE_ROWS_PER_WARP rows, lane-strided k (the kernel's weight loads in flight
-    change when loads are issued, not the sums)."""
+    """Twin of table_bf16 (kernels_cu/table.cu): plan.table_grid blocks of table_threads / 32 warps, tasks of
+    TABLE_ROWS_PER_WARP rows, lane-strided k. The kernel's two schedules: a task per warp (task b * warps + w) or,
+    with plan.table_persistent, tasks w * grid + b + round * grid * warps; every warp runs the same number of
+    rounds (its block syncs in warp_sum_lane0), a task past the last does nothing. The kernel's weight loads in
+    flight change when loads are issued, not the sums."""
     cuda()
     from numba import float32
 
@@ -102,6 +104,8 @@ def table_kernel(H: int, D: int, T: int):
     threads, rows_per_warp = plan.table_threads, dict(plan.tuning)["TABLE_ROWS_PER_WARP"]
     nvec_d, act_size, warps_per_block = D // 8, T * D, threads // 32  # shared sizes: constants
     tasks = -(-2 * H // rows_per_warp)  # a task: rows_per_warp consecutive rows j, one warp's
+    persistent, stride = plan.table_persistent, plan.table_grid * warps_per_block
+    rounds = -(-tasks // stride)
 
     @nc.jit
     def kernel(temb, weight, bias, table, table_f32):
@@ -112,9 +116,9 @@ def table_kernel(H: int, D: int, T: int):
             act[i] = round_bf16(float32(silu(temb[i // D, i % D])))
         nc.syncthreads()
         lane, warp = tid % 32, tid // 32
-        task, stride = warp * nc.gridDim.x + nc.blockIdx.x, nc.gridDim.x * warps_per_block  # interleaved tasks
-        while task < tasks:
-            first = task * rows_per_warp
+        start = warp * nc.gridDim.x + nc.blockIdx.x if persistent else nc.blockIdx.x * warps_per_block + warp
+        for round_ in range(rounds):
+            first = (start + round_ * stride) * rows_per_warp
             for r in range(rows_per_warp):
                 j = first + r
                 for t in range(T):
@@ -130,7 +134,6 @@ def table_kernel(H: int, D: int, T: int):
                         value = total + bf16_to_float(bias[j])
                         table_f32[t, j] = value
                         table[t, j] = float_to_bf16(value)
-            task += stride
 
     return kernel
 

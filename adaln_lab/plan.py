@@ -54,7 +54,8 @@ H_MAX = 50176                      # the largest H whose backward stage (an x an
                                    # row block) fits BWD_STAGE_BUDGET: tests/test_kernels_compile.py checks it
 TD_MAX = 24576                     # table.cu keeps T * D bf16 activations in 48 KiB of static shared memory
 T_MAX = 32                         # table.cu / table_bwd.cu keep per-timestep arrays in registers, unrolled over T
-ROWS_MAX = 2 ** 31 - 2 ** 12      # rows and S travel as int32; a range's end (p0 + rows per range) must fit too
+ROWS_MAX = 2 ** 31 - 2 ** 15      # rows and S travel as int32; a range's end (p0 + rows per range) must fit too,
+                                  # and row_order.cu's last chunk end (up to S + 16383: chunks rounded up to 16)
 TB_COLUMNS = 256                   # table_bwd.cu: columns k of one block (32 lanes x 8)
 ROW_ORDER_THREADS = 1024           # row_order.cu: its one block (32 warps: one per lane of the scan of their totals)
 ROW_ORDER_KEYS_MAX = 65536         # row_order.cu: most positions whose keys it stages in shared memory (bytes)

@@ -17,7 +17,7 @@ table rows, the same bits on every run; an order whose offsets name no row for a
 nothing for it. Offsets that are not sorted are undefined.
 
 Layers (as `adaln_lab.cuda_op`): the custom op `torch.ops.adaln_lab.row_order` with a fake kernel; CPU (and
-shapes the kernel does not take): torch's stable argsort and bincount; CUDA: row_order.cu (one block), compiled
+shapes the kernel does not take, more than plan.ROWS_MAX positions): torch's stable argsort and bincount; CUDA: row_order.cu (one block), compiled
 in the row kernels' unit of width H (`plan(H, 8, R)`: H picks the unit only).
 """
 
@@ -48,12 +48,14 @@ def _(row_index, table_rows, H):
 @row_order_op.register_kernel("cuda")
 def _(row_index, table_rows, H):
     from . import block_cuda
-    from .plan import check_shapes
+    from .plan import ROWS_MAX, check_shapes
     from .plan import plan as make_plan
 
     try:
         check_shapes(H, 8, max(table_rows, 1))
     except ValueError:
+        return order_torch(row_index, table_rows)
+    if row_index.shape[0] > ROWS_MAX:  # positions travel as int32
         return order_torch(row_index, table_rows)
     with torch.cuda.device(row_index.device):
         return block_cuda.row_order(row_index, make_plan(H, 8, table_rows))

@@ -27,9 +27,10 @@ static_assert(ADALN_TB_COLUMNS == 32 * ADALN_VEC, "a D tile is one 8-wide vector
 
 // One block's tile: D_WEIGHT stores d_weight's rows, DACT stores the block's dact_partials. Both in
 // one kernel (table_bwd_bf16) or one each (table_bwd_d_weight_bf16, table_bwd_dact_bf16, from
-// plan.tb_split's T on: the fused kernel keeps 2 x 8 x T fp32 accumulators per thread; ptxas gives it
-// 118 registers at T = 3 and 255 at T = 9, the halves 128 each; which is faster at T >= 5 is not
-// measured yet). Every sum has the same terms in the same order either way, so the bits do not depend on it.
+// plan.tb_split's T on: the fused kernel keeps 2 x 8 x T fp32 accumulators per thread, capped at 128 registers
+// for two blocks per SM (ptxas: no spill at T = 3, 12 bytes at T = 4), the halves 128 each; the split measured
+// faster at T = 9, bench/NOTES.md v4). Every sum has the same terms in the same order either way, so the bits
+// do not depend on it.
 // The block's d_table slice (T x ADALN_TB_ROWS fp32) is staged in shared memory first; a warp whose rows all
 // exist issues its first ADALN_TB_EARLY weight loads before that (they do not need it).
 template <bool D_WEIGHT, bool DACT>
