@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "table":
-        from .harness.table import ReportError, render
+        from .harness.render import ReportError, render
 
         try:
             print(render(args.report_json))
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from .harness.report import _provenance, run_report, write
+    from .harness.report import provenance, run_report, write
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_block_report([n for n in args.candidates.split(",") if n], device, args.quick)
         except ValueError as error:
             parser.error(str(error))
-        write({**_provenance(), **result}, args.out)
+        write({**provenance(), **result}, args.out)
         return 0
     names = [n for n in (args.candidates or DEFAULT_CANDIDATES[device]).split(",") if n]
     try:

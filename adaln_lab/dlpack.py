@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import torch
 
-from . import launchers
-from .plan import plan as make_plan
-from .validate import validate
+from .cuda import launchers
+from .cuda.plan import plan as make_plan
+from .cuda.tensors import current_stream
+from .ops import support
+from .ops.checks import validate
+from .ops.final_adaln_out import final_adaln_out_bwd, final_adaln_out_fwd
 
 _TORCH_TO_CUPY = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -62,19 +65,13 @@ class _Allocator:
             import cupy
 
             return cupy.cuda.get_current_stream().ptr
-        from .cuda_op import current_stream
-
         return current_stream(device.index)
 
 
 def _check(x, norm_weight, temb, weight, bias, timestep_indices, eps):
     validate(x, norm_weight, temb, weight, bias, timestep_indices, eps, check_indices=False)
     if x.is_cuda:
-        from .cuda_op import unsupported
-
-        error = unsupported(x, norm_weight, temb, weight, bias)
-        if error is not None:
-            raise error
+        support.refuse(support.final_adaln_out(x, norm_weight, temb, weight, bias))
     elif x.dtype != torch.bfloat16 or temb.dtype != torch.float32:
         raise TypeError(f"adaln_lab.dlpack needs x in bfloat16 and temb in float32, got {x.dtype} and {temb.dtype}")
     _in_place(x=x, norm_weight=norm_weight, temb=temb, weight=weight, bias=bias, timestep_indices=timestep_indices)
@@ -101,8 +98,6 @@ def forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: float = 1
                                                                        timestep_indices))
     _check(x, norm_weight, temb, weight, bias, timestep_indices, eps)
     if not x.is_cuda:
-        from .cuda_op import final_adaln_out_fwd
-
         return final_adaln_out_fwd(x, norm_weight, temb, weight, bias, timestep_indices, float(eps), "cuda")
     plan, rows, alloc = _setup(x, temb, like)
     H, T = plan.H, plan.T
@@ -137,8 +132,6 @@ def backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd
     if rstd.shape != (x.numel() // H,) or rstd.dtype != torch.float32:
         raise ValueError(f"rstd must be the forward's ({x.numel() // H},) float32 array")
     if not x.is_cuda:
-        from .cuda_op import final_adaln_out_bwd
-
         return final_adaln_out_bwd(dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd)
     plan, rows, alloc = _setup(x, temb, like)
     H, T, D = plan.H, plan.T, plan.D

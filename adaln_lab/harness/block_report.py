@@ -8,7 +8,7 @@ work of one block; every candidate runs the real block forward with those maps:
 - `diffusers`: diffusers' block through `torch.func.functional_call`;
 - `torch_compile`: the same under `torch.compile` (the pass-through maps are `torch.compiler.disable`d,
   so Inductor sees and may fuse each AdaLN stretch between them, as it would around real attention);
-- `adaln_lab`: `adaln_lab.block_module.AdaLNTransformerBlock` built from the same diffusers block.
+- `adaln_lab`: `adaln_lab.nn.block.AdaLNTransformerBlock` built from the same diffusers block.
 
 Per size: CUDA-graph replay time of forward and forward+backward, eager host time, the run's memory
 floor (`block_floor_bytes`) and ratios; per candidate the gradients' error against the float64 golden
@@ -32,9 +32,9 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from ..block_reference import MODALITIES
+from ..reference.block import MODALITIES
 from .accuracy import rel_err
-from .inputs import H_REAL, D_REAL, T_REAL, PARAMETER_SEED, SALT_X, CallArgs, _generator
+from .inputs import H_REAL, D_REAL, T_REAL, PARAMETER_SEED, SALT_X, CallArgs, generator
 from .latency import copy_bandwidth, graph_latency, host_latency
 
 EPS = 1e-6
@@ -65,10 +65,10 @@ def make_block(seed: int, n: int, device="cpu", *, H: int = H_REAL, D: int = D_R
     device = torch.device(device)
 
     def randn(*shape, salt, s=PARAMETER_SEED):
-        return torch.randn(*shape, generator=_generator(device, s, salt), device=device)
+        return torch.randn(*shape, generator=generator(device, s, salt), device=device)
 
     x = (randn(n, H, s=seed, salt=SALT_X) * 2).to(torch.bfloat16)
-    norms = [(0.5 + torch.rand(H, generator=_generator(device, PARAMETER_SEED, SALTS[name]), device=device))
+    norms = [(0.5 + torch.rand(H, generator=generator(device, PARAMETER_SEED, SALTS[name]), device=device))
              .to(torch.bfloat16) for name in ("norm1_weight", "norm2_weight")]
     temb = randn(T, D, salt=SALTS["temb"])
     weight = (randn(6 * MODALITIES * H, D, salt=SALTS["weight"]) * D ** -0.5).to(torch.bfloat16)
@@ -105,10 +105,10 @@ class PassThrough(nn.Module):
 
 @functools.lru_cache(maxsize=None)
 def _diffusers_block(H: int, D: int):
-    from ..patch import _diffusers_block_class
+    from ..nn.upstream import diffusers_class
 
     with torch.device("meta"):
-        block = _diffusers_block_class()(H, 1, H, 8, D, norm_eps=EPS, qk_norm_eps=EPS)
+        block = diffusers_class("MiniMaxH3TransformerBlock")(H, 1, H, 8, D, norm_eps=EPS, qk_norm_eps=EPS)
     block.attn, block.ff = PassThrough(), PassThrough()
     return block
 
@@ -136,7 +136,7 @@ def diffusers_block_call(x, norm1_weight, norm2_weight, temb, weight, bias, adal
 
 
 def _adaln_lab(H: int, D: int):
-    from ..block_module import AdaLNTransformerBlock
+    from ..nn.block import AdaLNTransformerBlock
 
     return block_call(AdaLNTransformerBlock.from_diffusers(_diffusers_block(H, D)))
 
@@ -192,7 +192,7 @@ def run_block_report(names: list[str], device: str | torch.device, quick: bool, 
     built = {name: CANDIDATES[name][1](shape["H"], shape["D"]) for name in names}
     for S in tqdm(sizes, desc="block report sizes", leave=True, dynamic_ncols=True):
         inputs = make_block(1, S, device, **shape)
-        dy = torch.randn(inputs.x.shape, generator=_generator(device, 1, SALTS["dy"]), device=device,
+        dy = torch.randn(inputs.x.shape, generator=generator(device, 1, SALTS["dy"]), device=device,
                          dtype=torch.float32).to(torch.bfloat16)
         nbytes = block_floor_bytes(S, **shape)
         floor = {**nbytes, "fwd_us": nbytes["fwd_bytes"] / copy / 1e6, "fwd_bwd_us": nbytes["fwd_bwd_bytes"] / copy / 1e6}

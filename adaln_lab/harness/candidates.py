@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from ..reference import replay
+from ..reference.final_adaln_out import replay
 
 EPS = 1e-5
 Candidate = Callable[..., torch.Tensor]
@@ -76,7 +76,7 @@ def adaln_lab_candidate(table_backend: str = "cuda", device: str | torch.device 
     `device` is where the candidate will be called; its `source` (and, off CUDA, `warning`) say
     which of the two runs there.
     """
-    from ..op import final_adaln_out
+    from ..ops.final_adaln_out import final_adaln_out
 
     def call(x, norm_weight, temb, weight, bias, timestep_indices):
         return final_adaln_out(x, norm_weight, temb, weight, bias, timestep_indices, EPS,
@@ -93,19 +93,19 @@ def adaln_lab_candidate(table_backend: str = "cuda", device: str | torch.device 
 
 
 def adaln_lab_numba_candidate(table_backend: str = "cuda", device: str | torch.device | None = "cuda") -> Named:
-    """`final_adaln_out` with backend "numba": the Numba-CUDA twin of kernels_cu (adaln_lab.numba_backend,
-    adaln_lab.numba_backward) through numba-cuda, on torch's current stream.
+    """`final_adaln_out` with backend "numba": the Numba-CUDA twin of kernels_cu (adaln_lab.numba.forward,
+    adaln_lab.numba.backward) through numba-cuda, on torch's current stream.
 
     Raises ValueError (naming the candidate) where it cannot run: numba-cuda not importable, or
     `device` not CUDA while numba is not in its simulator, or CUDA while it is (the simulator takes
     CPU tensors only). Under the simulator (NUMBA_ENABLE_CUDASIM=1) a CPU candidate is built, with a
     warning, for tests; `resolve` refuses it off CUDA all the same.
     """
-    from ..op import final_adaln_out
+    from ..ops.final_adaln_out import final_adaln_out
 
     kind = torch.device(device).type if device is not None else "cuda"
     try:
-        from ..numba_op import simulating
+        from ..numba.op import simulating
 
         simulated = simulating()
     except Exception as error:  # numba-cuda missing or broken: say so before any row is measured
@@ -121,7 +121,7 @@ def adaln_lab_numba_candidate(table_backend: str = "cuda", device: str | torch.d
                                backend="numba", table_backend=table_backend, check_indices=False)
 
     source = (f"adaln_lab final_adaln_out (backend numba: the Numba-CUDA twin of the kernels_cu kernels, "
-              f"adaln_lab.numba_backend / numba_backward, through numba-cuda on torch's stream, "
+              f"adaln_lab.numba.forward / numba_backward, through numba-cuda on torch's stream, "
               f"table_backend={table_backend}, check_indices=False)")
     if simulated:
         return Named("adaln_lab_numba", source.replace("through numba-cuda on torch's stream",

@@ -57,7 +57,7 @@ class Inputs(CallArgs):
                       self.timestep_indices.index_select(0, index))
 
 
-def _generator(device: torch.device, s: int, salt: int) -> torch.Generator:
+def generator(device: torch.device, s: int, salt: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(s * 1000 + salt)
 
 
@@ -66,10 +66,10 @@ def make(seed: int, n: int, device="cpu", *, H: int = H_REAL, D: int = D_REAL, T
     device = torch.device(device)
 
     def randn(*shape, s, salt):
-        return torch.randn(*shape, generator=_generator(device, s, salt), device=device)
+        return torch.randn(*shape, generator=generator(device, s, salt), device=device)
 
     x = (randn(n, H, s=seed, salt=SALT_X) * 2).to(torch.bfloat16)
-    norm_weight = (0.5 + torch.rand(H, generator=_generator(device, PARAMETER_SEED, SALT_NORM_WEIGHT),
+    norm_weight = (0.5 + torch.rand(H, generator=generator(device, PARAMETER_SEED, SALT_NORM_WEIGHT),
                                     device=device)).to(torch.bfloat16)
     temb = randn(T, D, s=PARAMETER_SEED, salt=SALT_TEMB)
     weight = (randn(2 * H, D, s=PARAMETER_SEED, salt=SALT_WEIGHT) * D ** -0.5).to(torch.bfloat16)
@@ -86,5 +86,5 @@ def upstream(seed: int, like: torch.Tensor) -> torch.Tensor:
     Row r of dy depends on the seed and r only, so a row keeps its dy when it is moved between
     batches by `Inputs.rows`-style indexing of the same tensor.
     """
-    g = _generator(like.device, seed, SALT_UPSTREAM)
+    g = generator(like.device, seed, SALT_UPSTREAM)
     return torch.randn(like.shape, generator=g, device=like.device).to(like.dtype)

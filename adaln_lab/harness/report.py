@@ -86,7 +86,7 @@ def _git(*args: str):
         return None
 
 
-def _provenance() -> dict:
+def provenance() -> dict:
     """The commit measured and whether tracked files differ from it.
 
     ADALN_LAB_COMMIT, when set, names the commit of a copied tree and wins over git: a copy can
@@ -210,7 +210,7 @@ def run_report(names: list[str], device: str | torch.device, quick: bool) -> dic
         "kind": "adaln_lab_report",
         "rfc": None,
         "op": "final_adaln_out",
-        **_provenance(),
+        **provenance(),
         "environment": environment(device),
         "quick": quick,
         "protocol": vars(protocol) | {"sweep_sizes": protocol.sweep_sizes},

@@ -16,7 +16,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from . import errors, evidence, latency, walkthrough
+from . import errors, evidence, latency_sweep, walkthrough
 
 STEPS = ("errors", "invariance", "latency")  # CUDA-graph captures (latency) last, as the report does
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
                    + (f"  !! {c.warning}" if c.warning else ""), file=sys.stderr)
     main_candidates = [c for c in candidates if c.name != "adaln_lab_numba"]
     err_plan = errors.plan(args.quick)
-    rows = latency.QUICK_ROWS if args.quick else latency.FULL_ROWS
+    rows = latency_sweep.QUICK_ROWS if args.quick else latency_sweep.FULL_ROWS
     total = {"errors": len(err_plan["sizes"]),
              "latency": 2 * len(main_candidates) * len(rows) + (0 if device.type != "cuda" else 2),
              "invariance": len(candidates) + 1}
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             if step == "errors":
                 data = errors.measure(main_candidates, device, args.quick, bar=bar)
             elif step == "latency":
-                data = latency.measure(main_candidates, device, args.quick, bar=bar)
+                data = latency_sweep.measure(main_candidates, device, args.quick, bar=bar)
             else:
                 data = walkthrough.measure(candidates, device, args.quick, bar=bar)
             data["meta"] = {**meta, "seconds": time.perf_counter() - start, "skipped_candidates": skipped}

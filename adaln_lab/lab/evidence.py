@@ -94,9 +94,9 @@ def save(data: dict, path: str | Path) -> Path:
 
 def meta(device: torch.device, quick: bool) -> dict:
     """Provenance of a measurement: the harness report's environment and commit, and the size flag."""
-    from ..harness.report import _provenance, environment
+    from ..harness.report import provenance, environment
 
-    return {**_provenance(), "environment": environment(device), "quick": quick}
+    return {**provenance(), "environment": environment(device), "quick": quick}
 
 
 def describe(data: dict) -> str:

@@ -24,7 +24,7 @@ from ..harness.accuracy import ulp_distance
 from ..harness.calls import forward_backward
 from ..harness.inputs import Inputs, make, upstream
 from ..harness.protocol import QUICK, Protocol
-from ..reference import replay
+from ..reference.final_adaln_out import replay
 
 CHECKS = ("all_rows", "full_vs_sub_batches", "batch_size_sweep", "params_repeatable")
 NAMES = ("diffusers", "torch_compile", "adaln_lab", "adaln_lab_numba")

@@ -1,0 +1,268 @@
+"""Launchers: kernels_cu on raw device pointers, on a given CUDA stream, geometry from the plan.
+
+Two layers:
+- `launch_table`, `launch_norm_modulate` and `launch_backward` take device pointers (ints), the plan,
+  its `Rows` and a raw stream handle. Whoever allocates (torch in `cuda_op`, CuPy in `dlpack`) passes pointers in.
+- `Kernel`: one kernel's launch through the driver (`cuLaunchKernel`) from a preallocated
+  argument block, so a launch costs the driver call and a few field writes.
+
+Pointer arguments: x, dy, dx, out (rows, H) bf16 row-major; norm_weight (H,) bf16; temb (T, D)
+fp32; weight (2H, D) bf16; bias (2H,) bf16; timestep_indices (S,) int64; rows = x.numel() / H and
+row r uses timestep_indices[r % S]. Workspace pieces are laid out by `plan.Rows`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from functools import lru_cache
+
+from . import loader
+from .plan import ROW_ORDER_THREADS, Plan, Rows
+
+_C_TYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int32, "f": ctypes.c_float}
+SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
+    "table_bf16": "ppppp",
+    "norm_modulate_bf16": "ppppppifii",
+    "norm_modulate_rowwise_bf16": "ppppppifii",
+    "norm_modulate_bwd_bf16": "ppppppppiiii",
+    "norm_modulate_bwd_sorted_bf16": "pppppppppiiii",
+    "norm_modulate_bwd_residual_sorted_bf16": "ppppppppppiiii",
+    "reduce_partials_bf16": "pppppppiii",
+    "reduce_partials_sorted_bf16": "ppppppppiiii",
+    "row_order": "pppi",
+    "table_bwd_bf16": "pppppp",
+    "table_bwd_d_weight_bf16": "pppppp",
+    "table_bwd_dact_bf16": "pppppp",
+    "table_bwd_reduce": "pppi",
+    "gated_residual_fwd_bf16": "pppppiii",
+    "gated_residual_bwd_sorted_bf16": "pppppppiiii",
+    "gated_residual_reduce_sorted": "pppii",
+    "gated_residual_norm_bf16": "pppppppppiifi",
+}
+
+
+class Kernel:
+    """A compiled kernel launched by `cuLaunchKernel` from an argument block built once.
+
+    `__call__(grid, block, shared_mem, stream, *args)`: grid and block are 3-tuples, stream a raw
+    `cudaStream_t` handle (int), args in the order and kinds of `SIGNATURES[name]`. Thread-safe:
+    a lock covers the few field writes and the launch (the driver copies the arguments).
+    """
+
+    def __init__(self, name: str, raw_kernel):
+        from cupy.cuda import driver
+
+        self.name = name
+        self.function = raw_kernel.kernel  # keeps the module alive
+        self._launch = driver.launchKernel
+        self._slots = [_C_TYPES[kind]() for kind in SIGNATURES[name]]
+        self._params = (ctypes.c_void_p * len(self._slots))(*[ctypes.addressof(s) for s in self._slots])
+        self._params_address = ctypes.addressof(self._params)
+        self._lock = threading.Lock()
+
+    def __call__(self, grid, block, shared_mem: int, stream: int, *args) -> None:
+        if len(args) != len(self._slots):
+            raise TypeError(f"{self.name} takes {len(self._slots)} arguments, got {len(args)}")
+        with self._lock:
+            for slot, value in zip(self._slots, args):
+                slot.value = value
+            self._launch(self.function.ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                         shared_mem, stream, self._params_address, 0)
+
+
+_FORGET = []  # caches built on top of these launchers (cuda.tensors.context), cleared with them
+
+
+def on_forget(clear) -> None:
+    """Have forget_compiled also call `clear` (a cache holding plans or kernels)."""
+    _FORGET.append(clear)
+
+
+def forget_compiled() -> None:
+    """Forget every plan, compiled module and launcher (after a change of plan.TUNING or of kernels_cu/)."""
+    from . import plan
+
+    plan.clear_caches()
+    loader.clear_caches()
+    kernels.cache_clear()
+    for clear in _FORGET:
+        clear()
+
+
+def bind(device_index: int) -> None:
+    """Make the device's primary context current on this thread (the driver launch needs it).
+
+    torch's autograd engine runs the backward on a thread of its own, where torch may never have
+    made a CUDA runtime call that binds the context (torch skips setting device 0, the default):
+    cuLaunchKernel then fails with CUDA_ERROR_INVALID_CONTEXT. cudaSetDevice binds it; it is cheap
+    when the device is already current.
+    """
+    from cupy.cuda import runtime
+
+    runtime.setDevice(device_index)
+
+
+@lru_cache(maxsize=None)
+def kernels(device_index: int, plan: Plan) -> dict:
+    """{name: Kernel} of one plan on one device (compiled on first use; resolved on that device, whatever
+    device is current)."""
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        return {name: Kernel(name, raw) for name, raw in loader.module(device_index, plan).items()}
+
+
+def launch_table(k: dict, plan: Plan, stream: int, temb: int, weight: int, bias: int, table: int,
+                 table_f32: int) -> None:
+    """table (T, N) bf16 and table_f32 (T, N) fp32 = linear(bf16(silu(temb)), weight, bias), N = plan.columns."""
+    k["table_bf16"]((plan.table_grid, 1, 1), (plan.table_threads, 1, 1), 0, stream,
+                    temb, weight, bias, table, table_f32)
+
+
+def launch_norm_modulate(k: dict, plan: Plan, rows: Rows, stream: int, x: int, norm_weight: int, table: int,
+                         timestep_indices: int, out: int, rstd: int, S: int, eps: float) -> None:
+    """out (rows, H) bf16 and rstd (rows,) fp32 from x and the bf16 table; nothing when rows == 0."""
+    if not rows.rows:
+        return
+    if plan.fwd_staged:
+        k["norm_modulate_bf16"]((rows.fwd_ranges, 1, 1), (plan.fwd_threads, 1, 1), plan.fwd_smem, stream,
+                                x, norm_weight, table, timestep_indices, out, rstd, S, eps, rows.rows,
+                                rows.fwd_rows_per_range)
+    else:
+        k["norm_modulate_rowwise_bf16"]((rows.rows, 1, 1), (plan.fwd_threads, 1, 1), 0, stream,
+                                        x, norm_weight, table, timestep_indices, out, rstd, S, eps, rows.rows, 1)
+
+
+def launch_row_pass(k: dict, plan: Plan, rows: Rows, stream: int, dy: int, x: int, rstd: int, norm_weight: int,
+                    table_f32: int, timestep_indices: int, dx: int, row_partials: int, S: int) -> None:
+    """dx and row_partials (bwd_ranges, T, 2, H) fp32 (norm_out's pass per timestep); with no rows, one range
+    of zero partials instead. table_f32: (T, 2H) shift | scale."""
+    stride = 2 * plan.H
+    if rows.rows:
+        k["norm_modulate_bwd_bf16"]((rows.bwd_ranges, 1, 1), (plan.bwd_threads, 1, 1), plan.bwd_smem, stream,
+                                    dy, x, rstd, norm_weight, table_f32, timestep_indices, dx, row_partials,
+                                    S, rows.rows, rows.bwd_rows_per_range, stride)
+    else:
+        from cupy.cuda import runtime
+
+        runtime.memsetAsync(row_partials, 0, plan.T * 2 * plan.H * 4, stream)
+
+
+def launch_row_order(k: dict, plan: Plan, stream: int, row_index: int, row_order: int, S: int) -> None:
+    """row_order (T + 1 + S,) int32 = row_order.cu's row_offsets (T + 1,) | order (S,) of row_index (S,) int64:
+    the positions sorted by table row, stably (T = plan.T table rows)."""
+    k["row_order"]((1, 1, 1), (ROW_ORDER_THREADS, 1, 1), plan.row_order_smem(S), stream, row_index, row_order,
+                   row_order + 4 * (plan.T + 1), S)
+
+
+def sorted_slots(plan: Plan, rows: Rows) -> int:
+    """Slots of partial sums of the sorted row passes: range b's sums of table row t in slot b + t."""
+    return rows.bwd_ranges + plan.T
+
+
+def _batches(rows: Rows, S: int) -> int:
+    return rows.rows // S if S else 0
+
+
+def launch_sorted_row_pass(k: dict, plan: Plan, rows: Rows, stream: int, dy: int, x: int, rstd: int,
+                           norm_weight: int, table_f32: int, row_index: int, row_order: int, dx: int,
+                           row_partials: int, S: int, d_residual: int = 0, table_stride: int = 0) -> None:
+    """dx and row_partials (sorted_slots, 2, H) fp32 over the rows in table-row order (row_order from
+    launch_row_order); the slots no range writes are never read. With d_residual (rows, H) bf16 (needs
+    plan.bwd_res_stages), dx = bf16(bf16(the norm's dx) + d_residual). Nothing when rows == 0."""
+    if not rows.rows:
+        return
+    stride = table_stride or 2 * plan.H
+    if d_residual:
+        k["norm_modulate_bwd_residual_sorted_bf16"]((rows.bwd_ranges, 1, 1), (plan.bwd_threads, 1, 1),
+                                                    plan.bwd_res_smem, stream, dy, x, d_residual, rstd, norm_weight,
+                                                    table_f32, row_index, row_order, dx, row_partials, S, rows.rows,
+                                                    rows.bwd_rows_per_range, stride)
+    else:
+        k["norm_modulate_bwd_sorted_bf16"]((rows.bwd_ranges, 1, 1), (plan.bwd_threads, 1, 1), plan.bwd_smem,
+                                           stream, dy, x, rstd, norm_weight, table_f32, row_index, row_order, dx,
+                                           row_partials, S, rows.rows, rows.bwd_rows_per_range, stride)
+
+
+def launch_reduce_sorted_partials(k: dict, plan: Plan, rows: Rows, stream: int, row_partials: int, norm_weight: int,
+                                  table_f32: int, d_shift: int, d_scale: int, d_norm_weight: int, d_bias: int,
+                                  row_order: int, S: int, table_stride: int) -> None:
+    """d_shift, d_scale (T, H) fp32, d_norm_weight (H,) and d_bias (2H,) bf16 from launch_sorted_row_pass's
+    partials, in a fixed order (zeros when rows == 0)."""
+    k["reduce_partials_sorted_bf16"]((-(-plan.H // 32), 1, 1), (32, plan.sum_groups, 1), 0, stream, row_partials,
+                                     norm_weight, table_f32, d_shift, d_scale, d_norm_weight, d_bias, row_order,
+                                     _batches(rows, S), max(rows.bwd_rows_per_range, 1), table_stride or 2 * plan.H,
+                                     plan.H)
+
+
+def launch_reduce_partials(k: dict, plan: Plan, rows: Rows, stream: int, row_partials: int, norm_weight: int,
+                           table_f32: int, d_table: int, d_norm_weight: int, d_bias: int) -> None:
+    """d_table (T, 2H) fp32 = d_shift | d_scale, d_norm_weight and d_bias from the row partials, in a fixed
+    order. table_f32 as launch_row_pass's."""
+    k["reduce_partials_bf16"]((-(-plan.H // 32), 1, 1), (32, plan.sum_groups, 1), plan.rp_smem, stream,
+                              row_partials, norm_weight, table_f32, d_table, d_table + 4 * plan.H, d_norm_weight,
+                              d_bias, max(rows.bwd_ranges, 1), 2 * plan.H, 2 * plan.H)
+
+
+def launch_table_bwd(k: dict, plan: Plan, stream: int, d_table: int, temb: int, weight: int, d_weight: int,
+                     dact_partials: int, d_temb: int, d_bias: int = 0) -> None:
+    """d_weight and d_temb (and d_bias (N,) bf16 = the t-sum of d_table, if given) from d_table: table_bwd_bf16
+    (or, where plan.tb_split, its two halves table_bwd_d_weight_bf16 and table_bwd_dact_bf16: the same sums),
+    then table_bwd_reduce's ordered sum."""
+    grid, block = (plan.d_tiles, plan.blocks_j, 1), (plan.tb_threads, 1, 1)
+    for name in ("table_bwd_d_weight_bf16", "table_bwd_dact_bf16") if plan.tb_split else ("table_bwd_bf16",):
+        k[name](grid, block, 0, stream, d_table, temb, weight, d_weight, dact_partials, d_bias)
+    k["table_bwd_reduce"]((-(-plan.D // 32), plan.T, 1), (32, plan.sum_groups, 1), 0, stream,
+                          dact_partials, temb, d_temb, plan.blocks_j)
+
+
+def launch_backward(k: dict, plan: Plan, rows: Rows, stream: int, *, dy: int, x: int, rstd: int, norm_weight: int,
+                    table_f32: int, timestep_indices: int, temb: int, weight: int, workspace: int, dx: int,
+                    d_norm_weight: int, d_temb: int, d_weight: int, d_bias: int, S: int) -> None:
+    """dx and the four parameter gradients; every reduction in a fixed order (see kernels_cu/).
+
+    `workspace` holds rows.bwd_bytes bytes laid out by `rows.bwd_offsets`. With no rows the row
+    pass launches nothing and row_partials is zeroed (one range of zeros), so every parameter
+    gradient is exactly zero.
+    """
+    o = rows.bwd_offsets
+    row_partials, d_table = workspace + o["row_partials"], workspace + o["d_table"]
+    launch_row_pass(k, plan, rows, stream, dy, x, rstd, norm_weight, table_f32, timestep_indices, dx, row_partials, S)
+    launch_reduce_partials(k, plan, rows, stream, row_partials, norm_weight, table_f32, d_table, d_norm_weight, d_bias)
+    launch_table_bwd(k, plan, stream, d_table, temb, weight, d_weight, workspace + o["dact_partials"], d_temb)
+
+
+def launch_gated_residual(k: dict, plan: Plan, rows: Rows, stream: int, x: int, gate: int, y: int, row_index: int,
+                          out: int, gate_stride: int, S: int) -> None:
+    """out (rows, H) bf16 = x + bf16(gate[i]) * y (diffusers' bf16 roundings); gate (T, H) fp32, row
+    stride gate_stride floats, T = plan.T table rows; nothing when rows == 0."""
+    if not rows.rows:
+        return
+    vectors = rows.rows * plan.H // 8
+    k["gated_residual_fwd_bf16"]((-(-vectors // plan.gr_threads), 1, 1), (plan.gr_threads, 1, 1), 0, stream,
+                                 x, gate, y, row_index, out, gate_stride, S, rows.rows)
+
+
+def launch_gated_residual_bwd(k: dict, plan: Plan, rows: Rows, stream: int, dout: int, gate: int, y: int,
+                              row_index: int, row_order: int, d_y: int, gate_partials: int, d_gate: int,
+                              gate_stride: int, S: int) -> None:
+    """d_y (rows, H) bf16 and d_gate (T, H) fp32 over the rows in table-row order (row_order from
+    launch_row_order); gate_partials holds sorted_slots * H floats. With no rows d_gate is exactly zero."""
+    if rows.rows:
+        k["gated_residual_bwd_sorted_bf16"]((rows.bwd_ranges, -(-plan.H // (8 * plan.gr_threads)), 1),
+                                            (plan.gr_threads, 1, 1), 0, stream, dout, gate, y, row_index, row_order,
+                                            d_y, gate_partials, gate_stride, S, rows.rows, rows.bwd_rows_per_range)
+    k["gated_residual_reduce_sorted"]((-(-plan.H // 32), 1, 1), (32, plan.sum_groups, 1), 0, stream,
+                                      gate_partials, d_gate, row_order, _batches(rows, S),
+                                      max(rows.bwd_rows_per_range, 1))
+
+
+def launch_gated_residual_norm(k: dict, plan: Plan, rows: Rows, stream: int, x: int, gate: int, y: int,
+                               row_index: int, norm_weight: int, table: int, x_out: int, out: int, rstd: int,
+                               gate_stride: int, S: int, eps: float) -> None:
+    """x_out = x + bf16(gate[i]) * y and out, rstd = the modulated norm of x_out (gated_residual_norm.cu): the
+    bits of launch_gated_residual then launch_norm_modulate; nothing when rows == 0."""
+    if rows.rows:
+        k["gated_residual_norm_bf16"]((rows.rows, 1, 1), (plan.fwd_threads, 1, 1), 0, stream, x, gate, y, row_index,
+                                      norm_weight, table, x_out, out, rstd, gate_stride, S, eps, rows.rows)

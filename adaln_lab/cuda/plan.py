@@ -1,0 +1,320 @@
+"""The launch plan of one shape: every kernel's grid, block, shared memory and constant, computed once.
+
+Read by the launchers, the Numba twin, the sweep and the profiler; the kernels receive the same
+numbers as `#define ADALN_<NAME>` macros (`Plan.defines`), so nothing is written twice.
+
+Rules (bench/NOTES.md has the measurements behind each number):
+- Every number is a function of the shapes (H, D, T) and, for the row ranges only, of the number
+  of rows; never of the GPU (no SM count is read anywhere).
+- A row's reductions use the tree of its row kernel's block (`fwd_threads`, `fwd_vpt` and
+  `bwd_threads`, `bwd_vpt`), a function of H alone; which rows share a block never changes a bit.
+
+Shapes the CUDA path supports: H and D divisible by 8, H <= `H_MAX`, T <= `T_MAX`, T * D <= `TD_MAX`,
+at most 2^31 - 2^12 rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+# Constants of the kernels: the one place they live. Changing one changes the compiled unit
+# (its text carries the values), and `clear_caches()` forgets every derived plan.
+TUNING = {
+    "TABLE_THREADS": 512,       # table.cu: block size
+    "TABLE_ROWS_PER_WARP": 4,   # table.cu: output rows j per warp task, their weight rows loaded side by side
+    "TABLE_AHEAD": 2,           # table.cu: weight steps (a task's rows x 16 B per lane) in flight per lane
+    "TABLE_MIN_BLOCKS": 1,      # table.cu: __launch_bounds__ blocks per SM (a register cap for the compiler)
+    "TABLE_BLOCKS": 132,        # table.cu: blocks of its persistent schedule (a constant, not the SM count: each
+                                # block loops over warp tasks; a row's sum is one warp's whatever the grid)
+    "TABLE_PERSISTENT_MIN_ROUNDS": 8,  # table.cu: persistent from this many TABLE_BLOCKS of one-task blocks on
+    "FWD_THREADS_MAX": 256,     # norm_modulate.cu: row block size cap (H = 5376: 224 threads x 3 vectors)
+    "FWD_RANGES": 264,          # norm_modulate.cu: row ranges of the staged kernel (a constant, not the SM count)
+    "FWD_MIN_ROWS": 8,          # norm_modulate.cu: fewest rows of one range (the table staging is per range)
+    "FWD_STAGES": 3,            # norm_modulate.cu: rows of x in flight per block (cp.async)
+    "FWD_STAGED_MIN_BLOCKS": 2,  # norm_modulate.cu: stage the table only where this many blocks fit an SM
+    "FWD_ROW_LIST_MAX": 1024,   # norm_modulate.cu: most rows of one range (their timesteps sit in shared memory)
+    "BWD_THREADS_MAX": 1024,    # norm_modulate_bwd.cu: row block size cap (H = 5376: 672 threads x 1 vector)
+    "BWD_RANGES": 132,          # norm_modulate_bwd.cu: row ranges (a constant, not the SM count)
+    "BWD_STAGES": 4,            # norm_modulate_bwd.cu: rows of x and dy in flight (cp.async)
+    "ROW_LIST_MAX": 2048,       # norm_modulate_bwd.cu: most rows of one range
+    "TB_THREADS": 256,          # table_bwd.cu: block size
+    "TB_ROWS": 512,             # table_bwd.cu: weight rows j per block (table_bwd_bf16, one kernel)
+    "TB_SPLIT_ROWS": 256,       # table_bwd.cu: weight rows j per block of its two halves (T >= TB_SPLIT_MIN_T)
+    "TB_EARLY": 4,              # table_bwd.cu: weight rows a warp loads before its block's prologue
+    "TB_SPLIT_MIN_T": 5,        # table_bwd.cu: from this many table rows T on, d_weight and dact run as two kernels
+    "SUM_GROUPS": 16,           # adaln_common.cuh: row groups of an ordered column sum
+    "RP_T_MAX": 12,             # reduce_partials.cu: most timesteps summed in one pass (8 KiB of shared memory each)
+    "GR_THREADS_MAX": 256,      # gated_residual.cu: block size cap (H = 5376: 3 column tiles of 224 threads)
+}
+SMEM_BLOCK_MAX = 227 * 1024       # dynamic + static shared memory one block may opt in to (sm_90, sm_100)
+BWD_STAGE_BUDGET = 200 * 1024     # dynamic shared memory of the backward's stages (static scratch beside it)
+H_MAX = 50176                      # the largest H whose backward stage (an x and a dy row, padded to the
+                                   # row block) fits BWD_STAGE_BUDGET: tests/test_kernels_compile.py checks it
+TD_MAX = 24576                     # table.cu keeps T * D bf16 activations in 48 KiB of static shared memory
+T_MAX = 32                         # table.cu / table_bwd.cu keep per-timestep arrays in registers, unrolled over T
+ROWS_MAX = 2 ** 31 - 2 ** 15      # rows and S travel as int32; a range's end (p0 + rows per range) must fit too,
+                                  # and row_order.cu's last chunk end (up to S + 16383: chunks rounded up to 16)
+TB_COLUMNS = 256                   # table_bwd.cu: columns k of one block (32 lanes x 8)
+ROW_ORDER_THREADS = 1024           # row_order.cu: its one block (32 warps: one per lane of the scan of their totals)
+ROW_ORDER_KEYS_MAX = 65536         # row_order.cu: most positions whose keys it stages in shared memory (bytes)
+
+
+def row_geometry(H: int, threads_max: int) -> tuple[int, int]:
+    """(threads, 8-wide vectors per thread) of a row kernel whose blocks hold at most threads_max, from H alone."""
+    nvec = H // 8
+    vpt = math.ceil(nvec / threads_max)
+    threads = 32 * math.ceil(math.ceil(nvec / vpt) / 32)
+    return threads, vpt
+
+
+def gr_geometry(H: int, threads_max: int) -> int:
+    """Threads of gated_residual.cu's blocks, from H alone: the fewest column tiles of at most threads_max
+    threads (8 columns each), split evenly. A column's sums do not depend on it."""
+    nvec = H // 8
+    tiles = math.ceil(nvec / threads_max)
+    return 32 * math.ceil(math.ceil(nvec / tiles) / 32)
+
+
+def check_shapes(H: int, D: int, T: int) -> None:
+    """The shapes the CUDA kernels support; a clear error (naming the argument) otherwise."""
+    if H % 8 or H < 8:
+        raise ValueError(f"the CUDA kernels need H (x.shape[-1]) divisible by 8, got {H}; use backend='torch'")
+    if D % 8 or D < 8:
+        raise ValueError(f"the CUDA kernels need D (temb.shape[1]) divisible by 8, got {D}; use backend='torch'")
+    if H > H_MAX:
+        raise ValueError(f"the CUDA kernels need H (x.shape[-1]) <= {H_MAX}, got {H}; use backend='torch'")
+    if T > T_MAX:
+        raise ValueError(f"the CUDA kernels need T (temb.shape[0]) <= {T_MAX}, got {T}; use backend='torch'")
+    if T * D > TD_MAX:
+        raise ValueError(f"the CUDA kernels need T * D <= {TD_MAX} (temb is {T} x {D}); use backend='torch'")
+
+
+ALIGN = 256  # bytes: every piece of a workspace starts on this boundary
+
+
+def layout(sizes: dict) -> tuple[dict, int]:
+    """Byte offsets of named pieces laid out one after another (each ALIGN-aligned), and the total."""
+    offsets, total = {}, 0
+    for name, nbytes in sizes.items():
+        offsets[name] = total
+        total += -(-nbytes // ALIGN) * ALIGN
+    return offsets, max(total, ALIGN)
+
+
+def supported(H: int, D: int, T: int) -> bool:
+    """check_shapes as a yes / no."""
+    try:
+        check_shapes(H, D, T)
+    except ValueError:
+        return False
+    return True
+
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The parts of a plan that depend on the number of rows (x.numel() / H): row ranges and workspaces.
+
+    fwd_offsets / fwd_bytes: one forward workspace holding `table` (T, 2H) bf16, `table_f32` (T, 2H)
+    fp32 and `rstd` (rows,) fp32. bwd_offsets / bwd_bytes: one backward workspace holding
+    `row_partials` (bwd_ranges, T, 2, H) fp32, `d_table` (T, 2H) fp32, `dact_partials`
+    (blocks_j, T, D) fp32.
+    """
+
+    rows: int
+    fwd_rows_per_range: int
+    fwd_ranges: int
+    bwd_rows_per_range: int
+    bwd_ranges: int
+    fwd_offsets: dict
+    fwd_bytes: int
+    bwd_offsets: dict
+    bwd_bytes: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Geometry and constants of every kernel for one (H, D, T); see the module docstring."""
+
+    H: int
+    D: int
+    T: int
+    fwd_threads: int
+    fwd_vpt: int
+    fwd_stages: int          # 0: the row-per-block kernel (the staged one does not fit shared memory)
+    bwd_threads: int
+    bwd_vpt: int
+    bwd_stages: int
+    bwd_res_stages: int      # norm_modulate_bwd_residual_sorted_bf16: rows in flight (three inputs each); 0: unused
+    table_grid: int
+    table_threads: int
+    table_persistent: bool   # table.cu's schedule: TABLE_BLOCKS blocks looping over tasks, or a task per warp
+    tb_threads: int
+    sum_groups: int
+    gr_threads: int
+    tuning: tuple
+    table_n: int = 0               # table.cu / table_bwd.cu: columns of the table (0: 2H, norm_out's)
+    table_f32_rounded: bool = False  # table.cu: table_f32 holds the bf16 values (the blocks' table)
+
+    def __hash__(self) -> int:
+        # computed once: a plan keys the row, kernel and module caches on every call (host time)
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.H, self.D, self.T, self.table_n, self.table_f32_rounded, self.tuning))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    @property
+    def fwd_staged(self) -> bool:
+        return self.fwd_stages > 0
+
+    @property
+    def fwd_smem(self) -> int:
+        """Dynamic shared memory of the staged forward: the modulation of every timestep, then the x stages."""
+        return (2 * self.T + self.fwd_stages) * self.fwd_threads * self.fwd_vpt * 16
+
+    @property
+    def bwd_smem(self) -> int:
+        """Dynamic shared memory of norm_modulate_bwd: its stages, one row of x and one of dy each."""
+        return self.bwd_stages * 2 * self.bwd_threads * self.bwd_vpt * 16
+
+    @property
+    def bwd_res_smem(self) -> int:
+        """Dynamic shared memory of norm_modulate_bwd_residual_sorted_bf16: its stages, a row of x, dy and d_residual
+        each."""
+        return self.bwd_res_stages * 3 * self.bwd_threads * self.bwd_vpt * 16
+
+    @property
+    def rp_t(self) -> int:
+        """reduce_partials.cu: timesteps summed in one pass (every one, up to RP_T_MAX)."""
+        return min(self.T, dict(self.tuning)["RP_T_MAX"])
+
+    @property
+    def rp_smem(self) -> int:
+        """Dynamic shared memory of reduce_partials_bf16: a double per group, (t, half) and lane, then their sums."""
+        return (self.sum_groups + 1) * 2 * self.rp_t * 32 * 8
+
+    def row_order_smem(self, S: int) -> int:
+        """Dynamic shared memory of row_order over S positions: one int per thread and table row, then the
+        staged keys (one byte per position, padded to 16) where S <= ROW_ORDER_KEYS_MAX."""
+        return self.T * ROW_ORDER_THREADS * 4 + (-(-S // 16) * 16 if S <= ROW_ORDER_KEYS_MAX else 0)
+
+    @property
+    def tb_split(self) -> bool:
+        """table_bwd.cu: d_weight and dact in two kernels (on the same row blocks the same sums, the same bits;
+        they take TB_SPLIT_ROWS rows per block, the one kernel TB_ROWS) from TB_SPLIT_MIN_T on. The
+        fused kernel keeps 2 x 8 x T fp32 accumulators per thread (ptxas: 118 registers at T = 3, 255 at
+        T = 9, one block per SM); 5 comes from that count; at T = 9 the split measured 34 us faster (NOTES v4)."""
+        return self.T >= dict(self.tuning)["TB_SPLIT_MIN_T"]
+
+    @property
+    def tb_rows(self) -> int:
+        """table_bwd.cu: weight rows j per block: TB_ROWS for the one kernel, TB_SPLIT_ROWS for its halves
+        (bench/NOTES.md v6)."""
+        t = dict(self.tuning)
+        return t["TB_SPLIT_ROWS"] if self.tb_split else t["TB_ROWS"]
+
+    @property
+    def tb_grid(self) -> tuple[int, int]:
+        """table_bwd.cu's grid: (D tiles of TB_COLUMNS columns, row blocks of tb_rows weight rows)."""
+        return math.ceil(self.D / TB_COLUMNS), math.ceil(self.columns / self.tb_rows)
+
+    @property
+    def blocks_j(self) -> int:
+        return self.tb_grid[1]
+
+    @property
+    def d_tiles(self) -> int:
+        return self.tb_grid[0]
+
+    def rows(self, rows: int) -> Rows:
+        return _rows(self, rows)
+
+    def defines(self) -> dict:
+        """Every macro of the compiled unit, by name without the ADALN_ prefix."""
+        t = dict(self.tuning)
+        return dict(H=self.H, D=self.D, T=self.T, FWD_THREADS=self.fwd_threads, FWD_VPT=self.fwd_vpt,
+                    FWD_STAGES=max(self.fwd_stages, 1), BWD_THREADS=self.bwd_threads, BWD_VPT=self.bwd_vpt,
+                    BWD_STAGES=self.bwd_stages, BWD_RES_STAGES=max(self.bwd_res_stages, 1),
+                    TABLE_THREADS=t["TABLE_THREADS"],
+                    TABLE_ROWS_PER_WARP=t["TABLE_ROWS_PER_WARP"], TABLE_AHEAD=t["TABLE_AHEAD"],
+                    TABLE_MIN_BLOCKS=t["TABLE_MIN_BLOCKS"], TABLE_PERSISTENT=int(self.table_persistent),
+                    FWD_ROW_LIST_MAX=t["FWD_ROW_LIST_MAX"], ROW_LIST_MAX=t["ROW_LIST_MAX"],
+                    TB_THREADS=t["TB_THREADS"], TB_ROWS=self.tb_rows, TB_EARLY=t["TB_EARLY"], TB_COLUMNS=TB_COLUMNS,
+                    ROW_ORDER_THREADS=ROW_ORDER_THREADS, ROW_ORDER_KEYS_MAX=ROW_ORDER_KEYS_MAX,
+                    GR_THREADS=self.gr_threads, SUM_GROUPS=t["SUM_GROUPS"], RP_T=self.rp_t, TABLE_N=self.columns,
+                    TABLE_F32_ROUNDED=int(self.table_f32_rounded))
+
+    @property
+    def columns(self) -> int:
+        """N, the table's columns: 2H (norm_out) unless the plan was made with table_n."""
+        return self.table_n or 2 * self.H
+
+
+@lru_cache(maxsize=4096)
+def _rows(plan: Plan, rows: int) -> Rows:
+    if rows > ROWS_MAX:
+        raise ValueError(f"the CUDA kernels take at most {ROWS_MAX} rows (x.numel() / H), got {rows}; split the batch")
+    t = dict(plan.tuning)
+    fwd_per = max(1, min(t["FWD_ROW_LIST_MAX"], max(t["FWD_MIN_ROWS"], math.ceil(rows / t["FWD_RANGES"]))))
+    bwd_per = max(1, min(t["ROW_LIST_MAX"], math.ceil(rows / t["BWD_RANGES"])))
+    bwd_ranges = math.ceil(rows / bwd_per) if rows else 0
+    T, H, D = plan.T, plan.H, plan.D
+    fwd_offsets, fwd_bytes = layout({"table": T * 2 * H * 2, "table_f32": T * 2 * H * 4, "rstd": rows * 4})
+    bwd_offsets, bwd_bytes = layout({"row_partials": max(bwd_ranges, 1) * T * 2 * H * 4, "d_table": T * 2 * H * 4,
+                                     "dact_partials": plan.blocks_j * T * D * 4})
+    return Rows(rows, fwd_per, math.ceil(rows / fwd_per) if rows else 0, bwd_per, bwd_ranges,
+                fwd_offsets, fwd_bytes, bwd_offsets, bwd_bytes)
+
+
+@lru_cache(maxsize=None)
+def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = False) -> Plan:
+    """The plan of one shape (checked first: an unsupported shape raises ValueError naming the argument).
+
+    table_n: the table's columns N when not norm_out's 2H (an H3 block's adaln_proj: 18H), with
+    `table_f32_rounded` the table_f32 output holds the bf16 values. A plan used only for its table
+    kernels passes H = 8; one used only for its row kernels passes D = 8 (adaln_lab/block_cuda.py).
+    """
+    check_shapes(H, D, T)
+    if table_n and (table_n % 8 or table_n < 8):
+        raise ValueError(f"the CUDA kernels need the table's columns (weight.shape[0]) divisible by 8, got {table_n}")
+    N = table_n or 2 * H
+    t = TUNING
+    fwd_threads, fwd_vpt = row_geometry(H, t["FWD_THREADS_MAX"])
+    bwd_threads, bwd_vpt = row_geometry(H, t["BWD_THREADS_MAX"])
+    slot = fwd_threads * fwd_vpt * 16
+    fwd_static = 4 * t["FWD_ROW_LIST_MAX"] + 4 * (fwd_threads // 32 + 1)
+    fwd_stages = t["FWD_STAGES"]
+    fwd_budget = SMEM_BLOCK_MAX // t["FWD_STAGED_MIN_BLOCKS"]  # 2: stage only where two blocks fit an SM
+    while fwd_stages >= 2 and (2 * T + fwd_stages) * slot + fwd_static > fwd_budget:  # (bench/scripts/block_ab.py)
+        fwd_stages -= 1
+    if fwd_stages < 2:
+        fwd_stages = 0  # fall back to one row per block: same threads, same tree, same bits per row
+    if BWD_STAGE_BUDGET + 12 * t["ROW_LIST_MAX"] + 4 * (bwd_threads // 32 + 1) > SMEM_BLOCK_MAX:
+        raise ValueError(f"ROW_LIST_MAX {t['ROW_LIST_MAX']}: the backward's row list (row, timestep and rstd of "
+                         f"each row, static shared memory) does not fit beside its stages")
+    bwd_stage = 2 * bwd_threads * bwd_vpt * 16
+    bwd_stages = min(t["BWD_STAGES"], BWD_STAGE_BUDGET // bwd_stage)  # a wide row keeps fewer stages
+    # 0 where three rows do not fit (H > 33280): the gradient sum then runs as a torch add after the plain kernel
+    bwd_res_stages = min(t["BWD_STAGES"], BWD_STAGE_BUDGET // (3 * bwd_threads * bwd_vpt * 16))
+    if bwd_stages < 1:
+        raise ValueError(f"the CUDA kernels need H (x.shape[-1]) <= {H_MAX}, got {H}; use backend='torch'")
+    rows_per_block = t["TABLE_THREADS"] // 32 * t["TABLE_ROWS_PER_WARP"]
+    table_blocks = math.ceil(N / rows_per_block)  # one task per warp
+    table_persistent = 0 < t["TABLE_BLOCKS"] and t["TABLE_BLOCKS"] * t["TABLE_PERSISTENT_MIN_ROUNDS"] <= table_blocks
+    return Plan(H=H, D=D, T=T, fwd_threads=fwd_threads, fwd_vpt=fwd_vpt, fwd_stages=fwd_stages,
+                bwd_threads=bwd_threads, bwd_vpt=bwd_vpt, bwd_stages=bwd_stages, bwd_res_stages=bwd_res_stages,
+                table_grid=t["TABLE_BLOCKS"] if table_persistent else table_blocks, table_threads=t["TABLE_THREADS"],
+                table_persistent=table_persistent,
+                tb_threads=t["TB_THREADS"],
+                sum_groups=t["SUM_GROUPS"], gr_threads=gr_geometry(H, t["GR_THREADS_MAX"]),
+                tuning=tuple(sorted(t.items())), table_n=table_n,
+                table_f32_rounded=table_f32_rounded)
+
+
+def clear_caches() -> None:
+    """Forget every plan, e.g. after changing TUNING (bench/scripts/sweep.py)."""
+    plan.cache_clear()
+    _rows.cache_clear()

@@ -1,0 +1,347 @@
+"""torch glue of the CUDA kernels: torch allocates every output and workspace, `launchers` launch on torch's
+current stream of the tensors' device. One function per op and direction; inputs are validated and
+supported (`adaln_lab.ops.support`) before they come here.
+
+norm_out (`final_adaln_out`): x (..., S, H) bf16, norm_weight (H,) bf16, temb (T, D) fp32, weight (2H, D)
+bf16, bias (2H,) bf16, timestep_indices (S,) int64; row s of every leading index of x is modulated by
+table[timestep_indices[s]], table = linear(bf16(silu(temb)), weight, bias) (T, 2H) = shift | scale.
+- `forward_tensors` -> out and what the backward needs (table_f32 (T, 2H) fp32, the table before its bf16
+  rounding, and rstd (rows,) fp32); `backward_tensors` -> dx (..., S, H) bf16, d_norm_weight (H,) bf16,
+  d_temb (T, D) fp32, d_weight (2H, D) bf16, d_bias (2H,) bf16, every reduction in a fixed order.
+
+The H3 blocks' ops (the row kernels with the R = 3T table rows as their "timesteps"):
+- `modulation_table_fwd(temb (T, D) fp32, weight (N, D) bf16, bias (N,) bf16) -> table (T, N) fp32` holding
+  bf16 values (table.cu with N columns: the fixed-order GEMV, each row T-invariant);
+  `modulation_table_bwd(d_table, temb, weight) -> d_temb (T, D) fp32, d_weight (N, D) bf16, d_bias (N,) bf16`.
+- `modulated_rms_norm_fwd(x, norm_weight, shift (R, H), scale (R, H), row_index (S,), eps) -> out, rstd` and
+  `modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None, order=None) ->
+  dx, d_norm_weight (H,) bf16, d_shift (R, H) fp32, d_scale (R, H) fp32` (with d_residual, x's shape: dx =
+  bf16(bf16(the norm's dx) + d_residual), in the row pass where three rows fit its stages, else torch's add).
+  The backward passes walk the rows in table-row order (`row_order(row_index, plan) -> (R + 1 + S,) int32`,
+  row_order.cu), so a row range sums the few table rows its positions span instead of R. shift | scale is
+  one table (`_shift_scale`): the blocks' chunks, where scale follows shift in each row of the (3T, 6H) view,
+  are read where they lie (row stride 6H); other shift and scale are gathered into an (R, 2H) array. The
+  forward reads a contiguous bf16 copy (one small cast: bench/NOTES.md v6).
+- `gated_residual_fwd(x, gate (R, H) fp32, y, row_index) -> out`, `gated_residual_bwd(dout, gate, y,
+  row_index, order=None) -> d_gate (R, H) fp32, d_y`; gate may be a column slice of the table.
+- `gated_residual_norm_fwd(...) -> x_out, out, rstd` (one kernel) and `gated_residual_norm_bwd(...) -> dx,
+  d_gate, d_y, d_norm_weight, d_shift, d_scale`: the two ops composed, the residual gradient summed in the
+  norm's row pass: the bits of the ops one after the other with autograd's bf16 add between.
+
+Plans: the table's is `plan(8, D, T, table_n=N, table_f32_rounded=True)` (its row kernels unused), the rows'
+`plan(H, 8, R)` (its table kernels unused); see `adaln_lab.cuda.plan`.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from . import launchers
+from .plan import plan as make_plan
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream(device_index: int) -> int:
+    """torch's current CUDA stream on a device, as a raw handle."""
+    if _raw_stream is not None:
+        return _raw_stream(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous and starting on a 16-byte boundary (the kernels load 8 bf16 at a time); a copy only if not."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+@lru_cache(maxsize=4096)
+def context(device_index: int, H: int, D: int, T: int, rows: int, table_n: int = 0, rounded: bool = False):
+    """(plan, its Rows for `rows` rows, {name: Kernel} on the device) of one call's shapes, from one cache lookup
+    keyed on integers (the eager path's host time)."""
+    plan = make_plan(H, D, T, table_n, rounded)
+    return plan, plan.rows(rows), launchers.kernels(device_index, plan)
+
+
+launchers.on_forget(context.cache_clear)
+
+
+def table_from_torch(temb, weight, bias):
+    """The table by F.linear (cuBLAS), diffusers' bits, and its fp32 twin: the same sums unrounded (as
+    table.cu's table_f32), which the backward uses. Tensors to keep alive."""
+    act = F.silu(temb).to(weight.dtype)
+    return F.linear(act, weight, bias), F.linear(act.float(), weight.float(), bias.float())
+
+
+def forward_tensors(x, norm_weight, temb, weight, bias, timestep_indices, eps: float, table_backend: str,
+                    fused_workspace: bool = True):
+    """(out, saved): out (..., S, H) and what the backward needs.
+
+    saved = (plan, rows, keep, table_f32_ptr, rstd_ptr). With `fused_workspace` the bf16 table,
+    table_f32 and rstd share one allocation (the eager path); otherwise `keep` is the tuple
+    (table_f32 (T, 2H), rstd (rows,)) of separate tensors (the custom op's outputs).
+    """
+    x, norm_weight, weight, bias = aligned(x), aligned(norm_weight), aligned(weight), aligned(bias)
+    H = x.shape[-1]
+    T, D = temb.shape
+    device = x.device
+    plan, rows, k = context(device.index, H, D, T, x.numel() // H)
+    launchers.bind(device.index)
+    stream = current_stream(device.index)
+    out = torch.empty_like(x)
+    if fused_workspace:
+        keep = torch.empty(rows.fwd_bytes, dtype=torch.uint8, device=device)
+        base, o = keep.data_ptr(), rows.fwd_offsets
+        table, table_f32, rstd = base + o["table"], base + o["table_f32"], base + o["rstd"]
+    else:
+        table_f32_t = torch.empty(T, 2 * H, dtype=torch.float32, device=device)
+        rstd_t = torch.empty(rows.rows, dtype=torch.float32, device=device)
+        keep = (table_f32_t, rstd_t)
+        table_t = torch.empty(T, 2 * H, dtype=torch.bfloat16, device=device)
+        table, table_f32, rstd = table_t.data_ptr(), table_f32_t.data_ptr(), rstd_t.data_ptr()
+    if table_backend == "torch":
+        table_t, table_f32_t = table_from_torch(temb, weight, bias)
+        if fused_workspace:
+            keep = (keep, table_f32_t)
+        else:
+            keep[0].copy_(table_f32_t)
+        table = table_t.data_ptr()
+        table_f32 = table_f32_t.data_ptr() if fused_workspace else table_f32
+    else:
+        launchers.launch_table(k, plan, stream, temb.data_ptr(), weight.data_ptr(), bias.data_ptr(), table, table_f32)
+    launchers.launch_norm_modulate(k, plan, rows, stream, x.data_ptr(), norm_weight.data_ptr(), table,
+                                   timestep_indices.data_ptr(), out.data_ptr(), rstd, x.shape[-2], eps)
+    return out, (plan, rows, keep, table_f32, rstd)
+
+
+def backward_tensors(dy, x, norm_weight, temb, weight, timestep_indices, saved):
+    """dx, d_norm_weight, d_temb, d_weight, d_bias (see the module docstring) for one forward's `saved`."""
+    plan, rows, _, table_f32, rstd = saved
+    x, norm_weight, weight = aligned(x), aligned(norm_weight), aligned(weight)
+    device = x.device
+    k = launchers.kernels(device.index, plan)
+    launchers.bind(device.index)
+    stream = current_stream(device.index)
+    dy = aligned(dy)
+    dx = torch.empty_like(x)
+    H = plan.H
+    small = torch.empty(3 * H, dtype=weight.dtype, device=device)  # d_norm_weight | d_bias: one allocation
+    d_norm_weight, d_bias = small[:H], small[H:]
+    d_temb = torch.empty_like(temb)
+    d_weight = torch.empty_like(weight)
+    workspace = torch.empty(rows.bwd_bytes, dtype=torch.uint8, device=device)
+    launchers.launch_backward(k, plan, rows, stream, dy=dy.data_ptr(), x=x.data_ptr(), rstd=rstd,
+                              norm_weight=norm_weight.data_ptr(), table_f32=table_f32,
+                              timestep_indices=timestep_indices.data_ptr(), temb=temb.data_ptr(),
+                              weight=weight.data_ptr(), workspace=workspace.data_ptr(), dx=dx.data_ptr(),
+                              d_norm_weight=d_norm_weight.data_ptr(), d_temb=d_temb.data_ptr(),
+                              d_weight=d_weight.data_ptr(), d_bias=d_bias.data_ptr(), S=x.shape[-2])
+    return dx, d_norm_weight, d_temb, d_weight, d_bias
+
+
+def table(temb, weight, bias):
+    """table (T, 2H) bf16 and table_f32 (T, 2H) fp32 by kernels_cu/table.cu (one kernel, for tests and tools)."""
+    T, D = temb.shape
+    H = weight.shape[0] // 2
+    plan = make_plan(H, D, T)
+    out = torch.empty(T, 2 * H, dtype=torch.bfloat16, device=temb.device)
+    out_f32 = torch.empty(T, 2 * H, dtype=torch.float32, device=temb.device)
+    launchers.bind(temb.device.index)
+    launchers.launch_table(launchers.kernels(temb.device.index, plan), plan, current_stream(temb.device.index),
+                           temb.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(), out_f32.data_ptr())
+    return out, out_f32
+
+
+def norm_modulate(x, norm_weight, table_bf16, timestep_indices, eps: float, D: int):
+    """out (..., S, H) bf16 and rstd (rows,) fp32 by kernels_cu/norm_modulate.cu (one kernel, for tests and tools)."""
+    H, T = x.shape[-1], table_bf16.shape[0]
+    plan = make_plan(H, D, T)
+    rows = plan.rows(x.numel() // H)
+    out = torch.empty_like(x)
+    rstd = torch.empty(rows.rows, dtype=torch.float32, device=x.device)
+    launchers.bind(x.device.index)
+    launchers.launch_norm_modulate(launchers.kernels(x.device.index, plan), plan, rows, current_stream(x.device.index),
+                                   x.data_ptr(), norm_weight.data_ptr(), table_bf16.data_ptr(),
+                                   timestep_indices.data_ptr(), out.data_ptr(), rstd.data_ptr(), x.shape[-2], eps)
+    return out, rstd
+
+
+def _setup(device: torch.device, plan):
+    launchers.bind(device.index)
+    return launchers.kernels(device.index, plan), current_stream(device.index)
+
+
+def _table_setup(temb: torch.Tensor, N: int):
+    """(plan, kernels, stream) of the table kernels for temb (T, D) and N columns."""
+    index = temb.device.index
+    plan, _, k = context(index, 8, temb.shape[1], temb.shape[0], 0, N, True)
+    launchers.bind(index)
+    return plan, k, current_stream(index)
+
+
+def modulation_table_fwd(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    T, D = temb.shape
+    N = weight.shape[0]
+    plan, k, stream = _table_setup(temb, N)
+    temb, weight, bias = temb.contiguous(), aligned(weight), aligned(bias)
+    table = torch.empty(T, N, dtype=torch.float32, device=temb.device)
+    table_bf16 = torch.empty(T, N, dtype=torch.bfloat16, device=temb.device)
+    launchers.launch_table(k, plan, stream, temb.data_ptr(), weight.data_ptr(), bias.data_ptr(),
+                           table_bf16.data_ptr(), table.data_ptr())
+    return table
+
+
+def modulation_table_bwd(d_table: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor):
+    T, D = temb.shape
+    N = weight.shape[0]
+    plan, k, stream = _table_setup(temb, N)
+    d_table, temb, weight = d_table.float().contiguous(), temb.contiguous(), aligned(weight)
+    d_temb = torch.empty_like(temb)
+    d_weight = torch.empty_like(weight)
+    d_bias = torch.empty(N, dtype=weight.dtype, device=temb.device)
+    dact_partials = torch.empty(plan.blocks_j, T, D, dtype=torch.float32, device=temb.device)
+    launchers.launch_table_bwd(k, plan, stream, d_table.data_ptr(), temb.data_ptr(), weight.data_ptr(),
+                               d_weight.data_ptr(), dact_partials.data_ptr(), d_temb.data_ptr(), d_bias.data_ptr())
+    return d_temb, d_weight, d_bias
+
+
+def _row_setup(x: torch.Tensor, table_rows: int):
+    """(plan, rows, kernels, stream) of the row kernels for x (..., S, H) and `table_rows` table rows."""
+    H, index = x.shape[-1], x.device.index
+    plan, rows, k = context(index, H, 8, table_rows, x.numel() // H)
+    launchers.bind(index)
+    return plan, rows, k, current_stream(index)
+
+
+def _shift_scale(shift: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """shift | scale (R, H) each as the one fp32 table the row kernels read: (tensor whose data starts at row 0's
+    shift, row stride in floats). Where scale follows shift within each row (the blocks' chunks of the (3T, 6H)
+    table view, row stride 6H) the table is read where it lies; anything else is gathered into an (R, 2H) array."""
+    R, H = shift.shape
+    if (shift.dtype == scale.dtype == torch.float32 and shift.stride() == scale.stride() and shift.stride(1) == 1
+            and scale.data_ptr() == shift.data_ptr() + 4 * H and shift.data_ptr() % 16 == 0
+            and (R == 1 or 2 * H <= shift.stride(0) < 2 ** 31) and shift.stride(0) % 4 == 0):
+        return shift, shift.stride(0) if R > 1 else 2 * H
+    return torch.cat([shift, scale], dim=1).float().contiguous(), 2 * H
+
+
+def _shift_scale_bf16(shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """shift | scale as the contiguous (R, 2H) bf16 table the forward kernels read (one cast kernel)."""
+    table, stride = _shift_scale(shift, scale)
+    R, H = shift.shape
+    return table.as_strided((R, 2 * H), (stride, 1)).to(torch.bfloat16).contiguous()
+
+
+def modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, eps: float):
+    plan, rows, k, stream = _row_setup(x, shift.shape[0])
+    x, norm_weight = aligned(x), aligned(norm_weight)
+    table = _shift_scale_bf16(shift, scale)
+    row_index = row_index.contiguous()
+    out = torch.empty_like(x)
+    rstd = torch.empty(rows.rows, dtype=torch.float32, device=x.device)
+    launchers.launch_norm_modulate(k, plan, rows, stream, x.data_ptr(), norm_weight.data_ptr(), table.data_ptr(),
+                                   row_index.data_ptr(), out.data_ptr(), rstd.data_ptr(), x.shape[-2], float(eps))
+    return out, rstd
+
+
+def row_order(row_index: torch.Tensor, plan) -> torch.Tensor:
+    """(T + 1 + S,) int32: row_order.cu's row_offsets | order of row_index (S,) int64, the positions sorted by
+    table row (T = plan.T, a row plan's), stably; the backward row passes walk the rows in that order."""
+    row_index = row_index.contiguous()
+    k, stream = _setup(row_index.device, plan)
+    order = torch.empty(plan.T + 1 + row_index.shape[0], dtype=torch.int32, device=row_index.device)
+    launchers.launch_row_order(k, plan, stream, row_index.data_ptr(), order.data_ptr(), row_index.shape[0])
+    return order
+
+
+def modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None, order=None):
+    """order: `row_order(row_index, plan)` if the caller has it (one sort for several backward passes)."""
+    R, H = shift.shape
+    plan, rows, k, stream = _row_setup(x, R)
+    dy, x, norm_weight = aligned(dy), aligned(x), aligned(norm_weight)
+    table_f32, table_stride = _shift_scale(shift, scale)
+    row_index, rstd = row_index.contiguous(), rstd.contiguous()
+    order = row_order(row_index, plan) if order is None else order.contiguous()
+    fused = d_residual is not None and plan.bwd_res_stages > 0
+    d_residual = aligned(d_residual) if fused else d_residual
+    dx = torch.empty_like(x)
+    d_norm_weight = torch.empty_like(norm_weight)
+    d_shift_scale = torch.empty(2, R, H, dtype=torch.float32, device=x.device)  # one allocation for the two
+    d_shift, d_scale = d_shift_scale[0], d_shift_scale[1]
+    # the row partials, and after them room for the reduce's d_bias output (2H bf16), which the blocks do not use
+    row_partials = torch.empty(launchers.sorted_slots(plan, rows) * 2 * H + H, dtype=torch.float32, device=x.device)
+    d_sum_unused = row_partials.data_ptr() + 4 * launchers.sorted_slots(plan, rows) * 2 * H
+    launchers.launch_sorted_row_pass(k, plan, rows, stream, dy.data_ptr(), x.data_ptr(), rstd.data_ptr(),
+                                     norm_weight.data_ptr(), table_f32.data_ptr(), row_index.data_ptr(),
+                                     order.data_ptr(), dx.data_ptr(), row_partials.data_ptr(), x.shape[-2],
+                                     d_residual.data_ptr() if fused else 0, table_stride)
+    launchers.launch_reduce_sorted_partials(k, plan, rows, stream, row_partials.data_ptr(), norm_weight.data_ptr(),
+                                            table_f32.data_ptr(), d_shift.data_ptr(), d_scale.data_ptr(),
+                                            d_norm_weight.data_ptr(), d_sum_unused, order.data_ptr(),
+                                            x.shape[-2], table_stride)
+    if d_residual is not None and not fused:  # a row too wide for three staged inputs: torch's bf16 add, same bits
+        dx = dx + d_residual
+    return dx, d_norm_weight, d_shift, d_scale
+
+
+def _gate_pointer(gate: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """gate as fp32 rows of H contiguous floats, 16-byte aligned rows: (tensor, row stride in floats)."""
+    gate = gate.float()
+    if gate.stride(-1) != 1 or gate.stride(0) % 4 or gate.data_ptr() % 16:
+        gate = gate.contiguous()
+    return gate, gate.stride(0)
+
+
+def gated_residual_fwd(x, gate, y, row_index):
+    plan, rows, k, stream = _row_setup(x, gate.shape[0])
+    x, y, row_index = aligned(x), aligned(y), row_index.contiguous()
+    gate, stride = _gate_pointer(gate)
+    out = torch.empty_like(x)
+    launchers.launch_gated_residual(k, plan, rows, stream, x.data_ptr(), gate.data_ptr(), y.data_ptr(),
+                                    row_index.data_ptr(), out.data_ptr(), stride, x.shape[-2])
+    return out
+
+
+def gated_residual_bwd(dout, gate, y, row_index, order=None):
+    """order: `row_order(row_index, plan)` if the caller has it."""
+    R, H = gate.shape
+    plan, rows, k, stream = _row_setup(y, R)
+    dout, y, row_index = aligned(dout), aligned(y), row_index.contiguous()
+    order = row_order(row_index, plan) if order is None else order.contiguous()
+    gate, stride = _gate_pointer(gate)
+    d_y = torch.empty_like(y)
+    d_gate = torch.empty(R, H, dtype=torch.float32, device=y.device)
+    gate_partials = torch.empty(launchers.sorted_slots(plan, rows) * H, dtype=torch.float32, device=y.device)
+    launchers.launch_gated_residual_bwd(k, plan, rows, stream, dout.data_ptr(), gate.data_ptr(), y.data_ptr(),
+                                        row_index.data_ptr(), order.data_ptr(), d_y.data_ptr(),
+                                        gate_partials.data_ptr(), d_gate.data_ptr(), stride, y.shape[-2])
+    return d_gate, d_y
+
+
+def gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, eps: float):
+    """(x_out, out, rstd): gated_residual_fwd then modulated_rms_norm_fwd of its output, in one kernel."""
+    plan, rows, k, stream = _row_setup(x, shift.shape[0])
+    x, y, norm_weight, row_index = aligned(x), aligned(y), aligned(norm_weight), row_index.contiguous()
+    gate, stride = _gate_pointer(gate)
+    table = _shift_scale_bf16(shift, scale)
+    x_out, out = torch.empty_like(x), torch.empty_like(x)
+    rstd = torch.empty(rows.rows, dtype=torch.float32, device=x.device)
+    launchers.launch_gated_residual_norm(k, plan, rows, stream, x.data_ptr(), gate.data_ptr(), y.data_ptr(),
+                                         row_index.data_ptr(), norm_weight.data_ptr(), table.data_ptr(),
+                                         x_out.data_ptr(), out.data_ptr(), rstd.data_ptr(), stride, x.shape[-2],
+                                         float(eps))
+    return x_out, out, rstd
+
+
+def gated_residual_norm_bwd(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, order=None):
+    """(dx, d_gate, d_y, d_norm_weight, d_shift, d_scale): the norm's backward with the residual gradient
+    d_x_out added in its row pass (norm_modulate_bwd_residual_sorted_bf16), then the gated residual's
+    backward; one row_order for both."""
+    order = row_order(row_index, _row_setup(x_out, shift.shape[0])[0]) if order is None else order.contiguous()
+    dx, d_norm_weight, d_shift, d_scale = modulated_rms_norm_bwd(d_out, x_out, norm_weight, shift, scale, row_index,
+                                                                 rstd, d_residual=d_x_out, order=order)
+    d_gate, d_y = gated_residual_bwd(dx, gate, y, row_index, order=order)
+    return dx, d_gate, d_y, d_norm_weight, d_shift, d_scale

@@ -1,0 +1,10 @@
+"""Modules for diffusers models: `AdaLNOut` (norm_out), `AdaLNTransformerBlock` (a block), `patch` / `unpatch`.
+
+The only layer that imports diffusers (through `upstream`, on demand, never at `import adaln_lab`).
+"""
+
+from .adaln_out import AdaLNOut, AdaLNOutFallbackWarning
+from .block import AdaLNTransformerBlock
+from .patch import patch, unpatch
+
+__all__ = ["AdaLNOut", "AdaLNOutFallbackWarning", "AdaLNTransformerBlock", "patch", "unpatch"]

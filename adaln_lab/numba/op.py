@@ -1,0 +1,137 @@
+"""The Numba backend of `final_adaln_out`: the Numba-CUDA twin of kernels_cu behind an autograd node.
+
+`final_adaln_out(..., backend="numba")` (validated by `adaln_lab.ops.final_adaln_out`) comes here. The forward runs the
+twin's table and norm_modulate kernels (`adaln_lab.numba.forward`), the backward its norm_modulate_bwd,
+reduce_partials, table_bwd and table_bwd_reduce (`adaln_lab.numba.backward`), launched in
+launch_backward's order. Same contract as the cupy backend (`adaln_lab.ops.final_adaln_out`):
+
+- Inputs: x (..., S, H) bf16, norm_weight (H,) bf16, temb (T, D) fp32, weight (2H, D) bf16, bias (2H,)
+  bf16, timestep_indices (S,) int64; row s of every leading index of x is modulated by
+  table[timestep_indices[s]]. Anything the kernels cannot take is refused by `unsupported` with an error
+  naming the argument (the cupy rule, plus one limit of the twin's table kernel: see `twin_td_max`).
+- Output (..., S, H) bf16; gradients dx (..., S, H) bf16, d_norm_weight (H,) bf16, d_temb (T, D) fp32,
+  d_weight (2H, D) bf16, d_bias (2H,) bf16, every reduction in the kernels' fixed order.
+- Saved for the backward: x, norm_weight, temb, weight, timestep_indices and the forward's table_f32
+  (T, 2H) fp32 (the table before its bf16 rounding) and rstd (rows,) fp32, as the cupy backend saves them.
+- Rounding: the twin's, which is meant to be the CUDA kernels' bit for bit on a GPU
+  (tests/test_numba_op.py checks every output and gradient against backend="cupy" there).
+- table_backend "cuda": the twin's fixed-order GEMV; "torch": F.linear, as the cupy backend.
+
+Where it runs:
+- On CUDA tensors, through numba-cuda (the tensors travel through `__cuda_array_interface__`, bf16 as its
+  16-bit patterns), every kernel launched on torch's current stream of x's device, with that device's
+  primary context current (the backward runs on autograd's own thread). Eager only: under
+  torch.compile the call is a graph break.
+- On CPU tensors under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1 before numba is imported): the
+  same kernels on the CPU, slowly (a few thousand threads a second: tiny shapes only), with the
+  simulator's differences (`cuda.fma` rounds twice, rsqrt is 1 / sqrt, the C library's exp); that is
+  what lets CI run this backend. numba is imported on the first call, never at import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..cuda.tensors import table_from_torch
+from ..ops import support
+
+
+def _numba_cuda():
+    """`numba.cuda`, imported (after numba_backend's numpy shim) on first use."""
+    from . import forward
+
+    return forward.cuda()
+
+
+def simulating() -> bool:
+    """Whether numba runs its CUDA simulator (NUMBA_ENABLE_CUDASIM=1 when numba was imported)."""
+    _numba_cuda()
+    from numba import config
+
+    return bool(config.ENABLE_CUDASIM)
+
+
+def unsupported(x, norm_weight, temb, weight, bias=None) -> Exception | None:
+    """Why backend "numba" cannot take these (validated) inputs, as the error to raise; None if it can:
+    `support.numba_final_adaln_out` (the kernels' rule and the twin's table limit) on CUDA tensors, or on
+    CPU tensors under numba's CUDA simulator."""
+    error = support.numba_final_adaln_out(x, norm_weight, temb, weight, bias)
+    if error is not None:
+        return error
+    if simulating():
+        if x.device.type != "cpu":
+            return ValueError(f"backend='numba' under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) needs CPU "
+                              f"tensors, but x is on {x.device}; unset NUMBA_ENABLE_CUDASIM to run on the GPU")
+    elif x.device.type != "cuda":
+        return ValueError(f"backend='numba' needs CUDA tensors (or CPU tensors under numba's CUDA simulator, "
+                          f"NUMBA_ENABLE_CUDASIM=1), but x is on {x.device}")
+    return None
+
+
+@contextlib.contextmanager
+def _launching(device: torch.device):
+    """The numba stream to launch on: torch's current stream of `device` (its primary context current
+    meanwhile); 0 for CPU tensors (the simulator has no external streams, and runs synchronously)."""
+    if device.type != "cuda":
+        yield 0
+        return
+    nc = _numba_cuda()
+    with nc.gpus[device.index]:
+        yield nc.external_stream(torch.cuda.current_stream(device).cuda_stream)
+
+
+def forward_tensors(x, norm_weight, temb, weight, bias, timestep_indices, eps: float, table_backend: str = "cuda"):
+    """(out (..., S, H) bf16, table_f32 (T, 2H) fp32, rstd (rows,) fp32) from contiguous inputs."""
+    from . import forward
+
+    H = x.shape[-1]
+    with _launching(x.device) as stream:
+        if table_backend == "torch":
+            table_bf16, table_f32 = table_from_torch(temb, weight, bias)
+        else:
+            table_bf16, table_f32 = forward.table(temb, weight, bias, stream=stream)
+        out, rstd = forward.norm_modulate(x.reshape(-1, H), norm_weight, table_bf16, timestep_indices, eps,
+                                                stream=stream)
+    return out.view(x.shape), table_f32, rstd
+
+
+def backward_tensors(dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd):
+    """dx, d_norm_weight, d_temb, d_weight, d_bias (see the module docstring) for one forward's saved tensors."""
+    from . import backward
+
+    with _launching(x.device) as stream:
+        return backward.backward(dy.contiguous(), x, rstd, norm_weight, table_f32, timestep_indices, temb,
+                                       weight, stream=stream)
+
+
+class FinalAdaLNOutNumba(torch.autograd.Function):
+    """The autograd node of backend "numba": forward(x, norm_weight, temb, weight, bias, timestep_indices,
+    eps, table_backend) -> out; backward(dy) -> dx, d_norm_weight, d_temb, d_weight, d_bias (shapes and
+    broadcast in the module docstring). Takes contiguous, supported inputs (`final_adaln_out` sees to it).
+    Saves x, norm_weight, temb, weight, timestep_indices, table_f32 and rstd."""
+
+    @staticmethod
+    def forward(ctx, x, norm_weight, temb, weight, bias, timestep_indices, eps, table_backend):
+        out, table_f32, rstd = forward_tensors(x, norm_weight, temb, weight, bias, timestep_indices, eps,
+                                               table_backend)
+        ctx.save_for_backward(x, norm_weight, temb, weight, timestep_indices, table_f32, rstd)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, norm_weight, temb, weight, timestep_indices, table_f32, rstd = ctx.saved_tensors
+        grads = backward_tensors(dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd)
+        needs = ctx.needs_input_grad
+        return (*(g if need else None for g, need in zip(grads, needs)), None, None, None)
+
+
+@torch.compiler.disable
+def final_adaln_out(x, norm_weight, temb, weight, bias, timestep_indices, eps, *, table_backend="cuda"):
+    """The Numba backend of `adaln_lab.final_adaln_out` (inputs already validated by `adaln_lab.ops.final_adaln_out`)."""
+    support.refuse(unsupported(x, norm_weight, temb, weight, bias))
+    return FinalAdaLNOutNumba.apply(x.contiguous(), norm_weight.contiguous(), temb.contiguous(), weight.contiguous(),
+                                    bias.contiguous(), timestep_indices.contiguous(), float(eps), table_backend)

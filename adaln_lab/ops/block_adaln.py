@@ -1,0 +1,109 @@
+"""`block_adaln_path`: one H3 block's AdaLN ops composed around its attention and feed-forward.
+
+    table = modulation_table(temb, weight, bias)          (T, 18H) -> six (3T, H) chunks
+    h, x = modulated_rms_norm_and_residual(x, norm1_weight, shift_msa, scale_msa, row_index, eps1)
+    x, h = gated_residual_norm(x, gate_msa, attn(h), norm2_weight, shift_mlp, scale_mlp, row_index, eps2)
+    x = gated_residual(x, gate_mlp, ff(h), row_index)
+
+diffusers' first residual and norm2 run as one op (`gated_residual_norm`); norm1 hands x on so that x's two
+gradients are summed inside its backward. The inputs are checked once for the whole block and the kernel
+rule (`support.block`) asked once; the CUDA backward's row order is sorted once (`row_order`) for the three
+row ops. Eager calls go to the ops' autograd nodes straight onto the kernels; under torch.compile to their
+custom ops. Numerics: the ops' (CPU: diffusers bit for bit; CUDA kernels: parameter gradients in a fixed
+order); backend "torch" runs diffusers' own ops and autograd (`reference.block.replay_block_adaln`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cuda import tensors
+from ..cuda.plan import ROWS_MAX
+from ..cuda.plan import plan as make_plan
+from ..reference.block import MODALITIES, replay_block_adaln, table_chunks
+from . import gated_residual as gr
+from . import gated_residual_norm as grn
+from . import modulated_rms_norm as mrn
+from . import modulation_table as mt
+from . import support
+from .checks import BLOCK_BACKENDS, TABLE_BACKENDS, check_option, check_rows, check_table_inputs
+from .row_order import row_order
+
+
+def _bf16_beside(y: torch.Tensor, x: torch.Tensor) -> bool:
+    return y.dtype == torch.bfloat16 and y.device == x.device
+
+
+def _check_branch(name: str, y: torch.Tensor, x: torch.Tensor) -> None:
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+        raise ValueError(f"block_adaln_path needs {name}(h) of x's shape {tuple(x.shape)}, got {got}")
+
+
+def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                     norm1_weight: torch.Tensor, norm2_weight: torch.Tensor, row_index: torch.Tensor, attn, ff,
+                     eps1: float = 1e-5, eps2: float = 1e-5, *, backend: str = "auto",
+                     table_backend: str = "cuda") -> torch.Tensor:
+    """One H3 block with `attn` and `ff` as given (module docstring; `adaln_lab.reference.block`).
+
+    Args:
+        x: (..., S, H) hidden states; temb (T, D); weight (18H, D), bias (18H,): `adaln_proj.linear`;
+        norm1_weight, norm2_weight: (H,); row_index: (S,) int64 in [0, 3T) (diffusers' `adaln_indices`),
+        row s of every leading index of x uses table row row_index[s].
+        attn, ff: maps of (..., S, H) tensors (row-wise ones keep the path batch-invariant).
+        backend: "auto" (the CUDA kernels where they run, torch code elsewhere), "cupy" (refuse inputs the
+            kernels cannot take, with the reason) or "torch" (diffusers' ops); table_backend: "cuda" or "torch".
+
+    Returns:
+        (..., S, H), diffusers' block output for these attn and ff.
+    """
+    check_option("backend", backend, BLOCK_BACKENDS)
+    check_option("table_backend", table_backend, TABLE_BACKENDS)
+    H = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[0] != 6 * MODALITIES * H:
+        raise ValueError(f"block_adaln_path needs weight of shape (18H, D) = ({18 * H}, D), got {tuple(weight.shape)}")
+    if backend == "torch":
+        return replay_block_adaln(x, temb, weight, bias, norm1_weight, norm2_weight, row_index, attn, ff, eps1, eps2)
+    check_table_inputs(temb, weight, bias)
+    check_rows("block_adaln_path", x, row_index, norm_weight=norm1_weight)
+    check_rows("block_adaln_path", x, row_index, norm_weight=norm2_weight)
+    table_rows = MODALITIES * temb.shape[0]
+    table_dtype = weight.dtype
+    compiling = torch.compiler.is_compiling()  # the custom ops then decide inside, per op
+    if compiling and backend != "cupy":
+        error, rows_ok = None, False
+    else:
+        error = support.block(x, temb, weight, bias, norm1_weight, norm2_weight) or support.on_device(
+            x, row_index=row_index, temb=temb)
+        if backend == "cupy" and error is not None:
+            raise error
+        rows_ok = error is None or (table_dtype == torch.bfloat16 and x.is_cuda and support.on_device(
+            x, row_index=row_index, temb=temb) is None and support.rows(
+            x, table_rows, norm1_weight=norm1_weight, norm2_weight=norm2_weight) is None)
+    table = mt.table_op(temb, weight, bias, table_backend, not compiling and mt.kernels_take(temb, weight, bias))
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table_chunks(table, H)
+    # the CUDA backward passes walk the rows in table-row order: sorted once here for the block's three ops
+    # (whenever grad mode is on: attn's or ff's parameters alone may want a backward through them)
+    order = None
+    if torch.is_grad_enabled() and (rows_ok or (compiling and x.is_cuda and x.dtype == torch.bfloat16
+                                                and table_dtype == torch.bfloat16)):
+        if compiling or row_index.shape[0] > ROWS_MAX:
+            order = row_order(row_index, table_rows, H)
+        else:
+            order = tensors.row_order(row_index.contiguous(), make_plan(H, 8, table_rows))
+    eps1, eps2 = float(eps1), float(eps2)
+    norm1_kernels = rows_ok or (not compiling and mrn.kernels_take(x, norm1_weight, shift_msa, scale_msa, row_index,
+                                                                   table_dtype))
+    h, x = mrn.ModulatedRMSNormAndResidual.apply(x, norm1_weight, shift_msa, scale_msa, row_index, eps1,
+                                                 table_dtype, order, norm1_kernels)
+    y = attn(h)
+    _check_branch("attn", y, x)
+    kernels = (rows_ok and _bf16_beside(y, x)) or (not rows_ok and not compiling and grn.kernels_take(
+        x, gate_msa, y, row_index, norm2_weight, shift_mlp, scale_mlp, table_dtype))
+    x, h = grn.gated_residual_norm_op(x, gate_msa, y, row_index, norm2_weight, shift_mlp, scale_mlp, eps2,
+                                      table_dtype, order, kernels)
+    y = ff(h)
+    _check_branch("ff", y, x)
+    kernels = (rows_ok and _bf16_beside(y, x) and x.dtype == torch.bfloat16) or (
+        not rows_ok and not compiling and gr.kernels_take(x, gate_mlp, y, row_index, table_dtype))
+    return gr.gated_residual_op(x, gate_mlp, y, row_index, table_dtype, order, kernels)
