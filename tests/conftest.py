@@ -1,16 +1,75 @@
+"""Shared test setup.
+
+- `gpu` mark: skipped without a CUDA device (on the H200: `python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider
+  tests`).
+- `slow` mark: a repeat that adds no coverage (another test already checks the same property); skipped unless
+  `--runslow` is given or ADALN_LAB_SLOW=1 is set: `python3 -m pytest -q -n 2 --runslow -m slow` runs them.
+  A skip rather than `-m "not slow"` in addopts, so that `-m gpu` keeps working as it is.
+- No GPU: NUMBA_ENABLE_CUDASIM=1 (set here, before anything imports numba), so the Numba twin's tests run in
+  numba's CUDA simulator; tests that need it off start a fresh process without it.
+- pytest-xdist: each worker takes its share of the cores (torch threads, and OMP_NUM_THREADS for the processes
+  tests start, unless OMP_NUM_THREADS is set): N workers of all-core OpenMP pools on the same cores spin in
+  each other's barriers. And `-n N` alone distributes with `--dist loadgroup` (like `load`, but the tests of
+  one `xdist_group` share a worker, so a module-scoped fixture is built once); an explicit --dist is kept.
+"""
+
+import os
+
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _WORKERS and "OMP_NUM_THREADS" not in os.environ:  # a pytest-xdist worker: its share of the cores, for
+    _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    _THREADS = str(max(1, _CORES // _WORKERS))  # torch here and the processes the tests start
+    os.environ["OMP_NUM_THREADS"] = _THREADS
+    torch.set_num_threads(int(_THREADS))
+if not HAS_CUDA:  # before any test module imports numba: without a GPU the Numba twin runs in numba's CUDA simulator
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False,
+                     help="also run the tests marked slow (or set ADALN_LAB_SLOW=1)")
+
+
+def _run_slow(config) -> bool:
+    return config.getoption("--runslow") or os.environ.get("ADALN_LAB_SLOW", "") == "1"
+
+
+def _default_dist(config) -> bool:
+    """Whether the command asked for no --dist of its own (`-n N` alone sets it to 'load')."""
+    args = [str(a) for a in config.invocation_params.args]
+    return not any(a == "--dist" or a.startswith("--dist=") or a == "-d" for a in args)
+
+
+def pytest_configure(config):
+    if getattr(config.option, "dist", "no") == "load" and _default_dist(config):
+        config.option.dist = "loadgroup"  # the controller schedules by group
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None and workerinput.get("adaln_lab_loadgroup"):
+        config.option.loadgroup = True  # workers tag the grouped tests' ids (xdist reads its own --dist there)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist: tell each worker that the controller runs --dist loadgroup."""
+    node.workerinput["adaln_lab_loadgroup"] = node.config.getoption("dist") == "loadgroup"
 
 
 def pytest_collection_modifyitems(config, items):
-    if HAS_CUDA:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (none here); run on the H200, see bench/README.md")
+    skips = []
+    if not HAS_CUDA:
+        skips.append(("gpu", pytest.mark.skip(reason="needs a CUDA GPU (none here); run on the H200, see "
+                                                     "bench/README.md")))
+    if not _run_slow(config):
+        skips.append(("slow", pytest.mark.skip(reason="slow: a repeat of a property another test checks; run with "
+                                                      "--runslow or ADALN_LAB_SLOW=1")))
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for keyword, skip in skips:
+            if keyword in item.keywords:
+                item.add_marker(skip)
 
 
 _SM90_LOOP = """
@@ -36,7 +95,6 @@ def compile_for_sm90():
     """compile(source) -> stdout: runs `source` (which defines sigs = {name: (numba kernel, signature,
     text the PTX must hold)}) and compiles each kernel for numba's real CUDA target (NVVM, sm_90) in a
     fresh process without the simulator; skips when libNVVM is missing."""
-    import os
     import subprocess
     import sys
 

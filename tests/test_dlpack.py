@@ -25,7 +25,7 @@ def test_cpu_forward_is_the_replay_and_backward_has_every_gradient():
 
 def test_bad_arrays_are_refused_naming_the_argument():
     inputs = make(1, 8, "cpu", **SMALL)
-    with pytest.raises(TypeError, match="x in bfloat16"):
+    with pytest.raises(TypeError, match="adaln_lab.dlpack needs x in bfloat16 and temb in float32, got torch.float32"):
         dlpack.forward(inputs.x.float(), *inputs.args[1:])
     out, table_f32, rstd = dlpack.forward(*inputs.args)
     with pytest.raises(ValueError, match="rstd"):

@@ -117,8 +117,9 @@ def forward_tensors(x, norm_weight, temb, weight, bias, timestep_indices, eps: f
     return out, (plan, rows, keep, table_f32, rstd)
 
 
-def backward_tensors(dy, x, norm_weight, temb, weight, timestep_indices, saved):
-    """dx, d_norm_weight, d_temb, d_weight, d_bias (see the module docstring) for one forward's `saved`."""
+def backward_tensors(dy, x, norm_weight, temb, weight, timestep_indices, saved, fused_workspace: bool = True):
+    """dx, d_norm_weight, d_temb, d_weight, d_bias (see the module docstring) for one forward's `saved`; with
+    `fused_workspace` d_norm_weight and d_bias are views of one allocation (the eager path)."""
     plan, rows, _, table_f32, rstd = saved
     x, norm_weight, weight = aligned(x), aligned(norm_weight), aligned(weight)
     device = x.device
@@ -128,8 +129,11 @@ def backward_tensors(dy, x, norm_weight, temb, weight, timestep_indices, saved):
     dy = aligned(dy)
     dx = torch.empty_like(x)
     H = plan.H
-    small = torch.empty(3 * H, dtype=weight.dtype, device=device)  # d_norm_weight | d_bias: one allocation
-    d_norm_weight, d_bias = small[:H], small[H:]
+    if fused_workspace:  # the eager path: d_norm_weight | d_bias in one allocation (a custom op's outputs
+        small = torch.empty(3 * H, dtype=weight.dtype, device=device)  # may not alias each other)
+        d_norm_weight, d_bias = small[:H], small[H:]
+    else:
+        d_norm_weight, d_bias = torch.empty_like(norm_weight), torch.empty(2 * H, dtype=weight.dtype, device=device)
     d_temb = torch.empty_like(temb)
     d_weight = torch.empty_like(weight)
     workspace = torch.empty(rows.bwd_bytes, dtype=torch.uint8, device=device)
@@ -269,8 +273,8 @@ def modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_
     d_residual = aligned(d_residual) if fused else d_residual
     dx = torch.empty_like(x)
     d_norm_weight = torch.empty_like(norm_weight)
-    d_shift_scale = torch.empty(2, R, H, dtype=torch.float32, device=x.device)  # one allocation for the two
-    d_shift, d_scale = d_shift_scale[0], d_shift_scale[1]
+    d_shift = torch.empty(R, H, dtype=torch.float32, device=x.device)  # apart: custom-op outputs may not alias
+    d_scale = torch.empty(R, H, dtype=torch.float32, device=x.device)
     # the row partials, and after them room for the reduce's d_bias output (2H bf16), which the blocks do not use
     row_partials = torch.empty(launchers.sorted_slots(plan, rows) * 2 * H + H, dtype=torch.float32, device=x.device)
     d_sum_unused = row_partials.data_ptr() + 4 * launchers.sorted_slots(plan, rows) * 2 * H

@@ -194,7 +194,7 @@ def user_report(named, device="cpu", quick: bool = True, protocol: Protocol | No
     p = protocol or (QUICK if quick else FULL)
     copy = copy_bandwidth(device, p.copy_bytes)
     floors = {str(S): memory_floor(S, p.H, p.D, p.T, copy) for S in p.accuracy_sizes}
-    out = {"kind": "adaln_lab_report", "op": "final_adaln_out", **rep._provenance(),
+    out = {"kind": "adaln_lab_report", "op": "final_adaln_out", **rep.provenance(),
            "environment": rep.environment(device), "quick": quick,
            "protocol": dataclasses.asdict(p) | {"sweep_sizes": p.sweep_sizes}, "copy_TBps": copy,
            "memory_floor": floors, "schema_notes": rep.SCHEMA_NOTES, "results": {"plain": {}}}

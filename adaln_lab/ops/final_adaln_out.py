@@ -99,7 +99,7 @@ def final_adaln_out_bwd(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Te
     saved = (plan, plan.rows(x.numel() // H), None, table_f32.data_ptr(), rstd.data_ptr())
     with torch.cuda.device(x.device):
         return tensors.backward_tensors(dy, x, norm_weight, temb.contiguous(), weight, timestep_indices.contiguous(),
-                                        saved)
+                                        saved, fused_workspace=False)
 
 
 @final_adaln_out_bwd.register_fake

@@ -1,0 +1,104 @@
+"""kernels_cu/ compiles without a GPU (NVRTC through cuda.core) for every plan's macros, errors name the real
+file and line, the source carries its content hash, a TUNING the kernels cannot run stops at compile time, and
+the wheel ships the kernels (the plan itself: test_plan.py)."""
+
+import re
+import shutil
+
+import pytest
+
+from adaln_lab.cuda import loader, plan as plan_module
+from adaln_lab.cuda.plan import plan
+
+from ..paths import ROOT
+
+core = pytest.importorskip("cuda.core", reason="the test extra brings cuda-core and the NVRTC wheel")
+
+SHAPES = [(5376, 2688, 3), (264, 64, 1), (1024, 256, 8), (5376, 2688, 8)]
+
+
+def compile_unit(text: str, arch: str):
+    program = core.Program(text, "c++", core.ProgramOptions(arch=arch, std="c++17"))
+    return program.compile("cubin")
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_every_kernel_compiles(arch, shape):
+    text = loader.source(plan(*shape))
+    code = compile_unit(text, arch).code
+    assert len(code) > 1000
+    for name in loader.KERNELS:  # every entry point is in the unit, extern "C" (unmangled)
+        assert f" {name}(" in text.replace("\n", " ")
+
+
+def test_compile_error_names_the_real_file_and_line(tmp_path, monkeypatch):
+    broken = tmp_path / "kernels_cu"
+    shutil.copytree(loader.kernel_dir(), broken)
+    lines = (broken / "table_bwd.cu").read_text().splitlines()
+    target = next(i for i, line in enumerate(lines) if "store8(d_weight" in line)
+    lines[target] = lines[target].replace("store8(", "store_eight(")
+    (broken / "table_bwd.cu").write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(loader, "kernel_dir", lambda: broken)
+    loader.clear_caches()
+    try:
+        with pytest.raises(Exception) as error:
+            compile_unit(loader.source(plan(264, 64, 1)), "sm_90")
+        message = str(error.value)
+        match = re.search(r"kernels_cu/table_bwd\.cu\((\d+)\)", message)
+        assert match, message
+        assert int(match.group(1)) == target + 1
+    finally:
+        loader.clear_caches()
+
+
+def test_source_carries_a_hash_of_every_file(tmp_path, monkeypatch):
+    loader.clear_caches()
+    before = loader.source(plan(264, 64, 1)).splitlines()[0]
+    copy = tmp_path / "kernels_cu"
+    shutil.copytree(loader.kernel_dir(), copy)
+    (copy / "adaln_common.cuh").write_text((copy / "adaln_common.cuh").read_text() + "\n// edited\n")
+    monkeypatch.setattr(loader, "kernel_dir", lambda: copy)
+    loader.clear_caches()
+    after = loader.source(plan(264, 64, 1)).splitlines()[0]
+    loader.clear_caches()
+    assert before.startswith("// adaln_lab kernels_cu sha256 ") and before != after
+
+
+def test_the_wheel_ships_the_kernels(tmp_path):
+    import subprocess
+    import sys
+    import zipfile
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path)], check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("adaln_lab-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for name in loader.KERNEL_FILES:
+        assert f"adaln_lab/kernels_cu/{name}" in names
+    for module in sorted((ROOT / "adaln_lab").rglob("*.py")):  # and every module of the package's tree
+        name = module.relative_to(ROOT).as_posix()
+        assert "__pycache__" in name or name in names, name
+
+
+def test_a_tuning_the_kernels_cannot_run_does_not_compile(monkeypatch):
+    """table_bwd splits a block's rows evenly over its warps: a TUNING that cannot must stop at compile
+    time, naming the constraint (4e05566 ran a TUNING whose combine step wrote nothing, NOTES v7)."""
+    monkeypatch.setitem(plan_module.TUNING, "TB_ROWS", 100)
+    plan_module.clear_caches()
+    try:
+        with pytest.raises(Exception, match="ADALN_TB_ROWS must split evenly"):
+            compile_unit(loader.source(plan(5376, 2688, 3)), "sm_90")
+    finally:
+        plan_module.clear_caches()
+
+
+def test_the_largest_T_accepted_compiles_in_seconds():
+    """check_shapes caps T (the table kernels unroll over it in registers): the largest accepted T compiles."""
+    import time
+
+    t0 = time.perf_counter()
+    code = compile_unit(loader.source(plan(64, 64, plan_module.T_MAX)), "sm_90").code
+    assert len(code) > 1000 and time.perf_counter() - t0 < 120
+    with pytest.raises(ValueError, match=r"T \(temb.shape\[0\]\) <= "):
+        plan_module.check_shapes(64, 64, plan_module.T_MAX + 1)

@@ -1,0 +1,125 @@
+"""The launch sequence of the CUDA op, checked on the CPU: a recorder stands in for every kernel, so CI
+sees which kernels a forward and a backward launch, with which geometry, and that every pointer they
+get lies inside a live buffer of the right size (the kernels themselves run in tests/ops/test_final_adaln_out.py)."""
+
+import pytest
+import torch
+
+from adaln_lab.cuda import launchers, tensors
+from adaln_lab.cuda import plan as plan_module
+from adaln_lab.harness.inputs import make, upstream
+
+
+class Recorder:
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def __call__(self, grid, block, shared_mem, stream, *args):
+        assert len(args) == len(launchers.SIGNATURES[self.name]), self.name
+        self.calls.append((self.name, grid, block, shared_mem, args))
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    recorded = []
+    monkeypatch.setattr(launchers, "kernels", lambda device, plan: {n: Recorder(n, recorded) for n in launchers.SIGNATURES})
+    monkeypatch.setattr(launchers, "bind", lambda device: None)
+    monkeypatch.setattr(tensors, "current_stream", lambda device: 0)
+    from cupy.cuda import runtime
+
+    monkeypatch.setattr(runtime, "memsetAsync", lambda ptr, value, size, stream: recorded.append(("memset", ptr, size)))
+    return recorded
+
+
+def _buffers(buffers):
+    return [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in buffers if t.numel()]
+
+
+def _inside(pointer, buffers):
+    return any(a <= pointer < b for a, b in buffers)
+
+
+@pytest.mark.parametrize("rows", [1, 1031])
+def test_forward_and_backward_launch_each_kernel_once_on_live_buffers(calls, rows):
+    i = make(1, rows, "cpu")
+    out, saved = tensors.forward_tensors(*i.args, 1e-5, "cuda")
+    dy = upstream(1, i.x)
+    grads = tensors.backward_tensors(dy, i.x, i.norm_weight, i.temb, i.weight, i.timestep_indices, saved)
+    names = [c[0] for c in calls]
+    assert names == ["table_bf16", "norm_modulate_bf16", "norm_modulate_bwd_bf16", "reduce_partials_bf16",
+                     "table_bwd_bf16", "table_bwd_reduce"]
+    plan, r = saved[0], saved[1]
+    assert calls[1][1] == (r.fwd_ranges, 1, 1) and calls[2][1] == (r.bwd_ranges, 1, 1)
+    assert calls[3][1] == (-(-plan.H // 32), 1, 1) and calls[4][1] == plan.tb_grid + (1,)
+    assert calls[5][1] == (-(-plan.D // 32), plan.T, 1) and calls[5][4][3] == plan.blocks_j
+    # every pointer argument points into something alive: inputs, outputs, the forward's workspace
+    # (kept for the backward) or the backward's workspace (the only allocation not returned); the one null
+    # pointer is table_bwd's d_bias, an output norm_out takes from reduce_partials instead
+    live = _buffers([*i.args, dy, out, saved[2], *grads])
+    workspace_pointers = [a for c in calls[2:] for kind, a in zip(launchers.SIGNATURES[c[0]], c[4])
+                          if kind == "p" and a and not _inside(a, live)]
+    base = min(workspace_pointers)
+    for name, _, _, _, args in calls:
+        for kind, a in zip(launchers.SIGNATURES[name], args):
+            if kind == "p" and (a or name != "table_bwd_bf16"):
+                assert _inside(a, live) or 0 <= a - base < r.bwd_bytes, (name, a)
+    # the backward's workspace pieces are where the plan lays them out (d_scale: the second half of d_table's rows)
+    d_scale = base + r.bwd_offsets["d_table"] + 4 * plan.H
+    assert sorted(a - base for a in set(workspace_pointers) - {d_scale}) == sorted(r.bwd_offsets.values())
+    # and every argument is the buffer its kernel parameter names (a swap of two would pass the checks above)
+    fws, o, b = saved[2].data_ptr(), r.fwd_offsets, r.bwd_offsets
+    p = {name: t.data_ptr() for name, t in zip(("x", "norm_weight", "temb", "weight", "bias", "idx"), i.args)}
+    expected = {
+        "table_bf16": [p["temb"], p["weight"], p["bias"], fws + o["table"], fws + o["table_f32"]],
+        "norm_modulate_bf16": [p["x"], p["norm_weight"], fws + o["table"], p["idx"], out.data_ptr(), fws + o["rstd"]],
+        "norm_modulate_bwd_bf16": [dy.data_ptr(), p["x"], fws + o["rstd"], p["norm_weight"], fws + o["table_f32"],
+                                   p["idx"], grads[0].data_ptr(), base + b["row_partials"]],
+        "reduce_partials_bf16": [base + b["row_partials"], p["norm_weight"], fws + o["table_f32"], base + b["d_table"],
+                                 d_scale, grads[1].data_ptr(), grads[4].data_ptr()],
+        "table_bwd_bf16": [base + b["d_table"], p["temb"], p["weight"], grads[3].data_ptr(), base + b["dact_partials"],
+                           0],
+        "table_bwd_reduce": [base + b["dact_partials"], p["temb"], grads[2].data_ptr()],
+    }
+    for name, _, _, _, args in calls:
+        pointers = [a for kind, a in zip(launchers.SIGNATURES[name], args) if kind == "p"]
+        assert pointers == expected[name], name
+
+
+def test_a_large_table_launches_table_bwd_as_two_halves_with_the_same_arguments(calls):
+    """From TB_SPLIT_MIN_T table rows on, d_weight and dact come from two kernels on table_bwd_bf16's
+    grid, block and arguments (the same sums: tests/cuda/test_tensors.py checks the bits on a GPU)."""
+    i = make(1, 37, "cpu", T=9)
+    out, saved = tensors.forward_tensors(*i.args, 1e-5, "cuda")
+    assert saved[0].tb_split and not plan_module.plan(5376, 2688, 4).tb_split
+    tensors.backward_tensors(upstream(1, i.x), i.x, i.norm_weight, i.temb, i.weight, i.timestep_indices, saved)
+    names = [c[0] for c in calls]
+    assert names[-3:] == ["table_bwd_d_weight_bf16", "table_bwd_dact_bf16", "table_bwd_reduce"]
+    assert "table_bwd_bf16" not in names
+    halves = calls[-3:-1]
+    assert halves[0][1:] == halves[1][1:] and halves[0][1] == saved[0].tb_grid + (1,)
+
+
+def test_signatures_match_the_kernels():
+    """launchers.SIGNATURES (what the driver launch packs) against each kernel's parameter list in kernels_cu/."""
+    import re
+
+    from adaln_lab.cuda import loader
+
+    text = "".join((loader.kernel_dir() / n).read_text() for n in loader.KERNEL_FILES)
+    kinds = {"int": "i", "float": "f"}
+    for name, signature in launchers.SIGNATURES.items():
+        params = re.search(rf"{name}\(([^)]*)\)", text).group(1).split(",")
+        got = "".join("p" if "*" in param else kinds[param.split()[-2]] for param in params)
+        assert got == signature, (name, got, signature)
+
+
+def test_empty_batch_launches_no_row_kernel_and_zeroes_the_partials(calls):
+    i = make(1, 0, "cpu", H=264, D=64, T=2)
+    out, saved = tensors.forward_tensors(*i.args, 1e-5, "cuda")
+    assert out.shape == (0, 264)
+    tensors.backward_tensors(torch.empty_like(out), i.x, i.norm_weight, i.temb, i.weight, i.timestep_indices, saved)
+    names = [c[0] for c in calls]
+    assert names == ["table_bf16", "memset", "reduce_partials_bf16", "table_bwd_bf16", "table_bwd_reduce"]
+    memset = calls[1]
+    assert memset[2] == 2 * 2 * 264 * 4  # one range of (T, 2, H) fp32 zeros
+    assert calls[2][4][7] == 1  # reduce_partials sums that one range (its nblocks argument)

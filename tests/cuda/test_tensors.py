@@ -1,0 +1,316 @@
+"""GPU tests of adaln_lab/cuda/tensors.py, the torch glue of the CUDA kernels, on their own.
+
+norm_out's (`table`, `norm_modulate`): the table within the dot product's error bound and T-invariant, the
+staged and row-per-block forward kernels bit for bit. The H3 blocks' AdaLN ops: the N-column table against
+diffusers' and T-invariant, the modulated norm bitwise equal to norm_out's kernels, the gated residual
+bitwise equal to diffusers' bf16 ops, every gradient against float64, repeatable, row-invariant, and
+exactly zero for an empty batch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from adaln_lab import final_adaln_out
+from adaln_lab.cuda import tensors
+from adaln_lab.harness.accuracy import bf16_ulp
+from adaln_lab.harness.inputs import make
+
+pytestmark = pytest.mark.gpu
+H, D, T = 1024, 256, 3
+R = 3 * T
+
+
+def _table_inputs(T_=T, N=18 * H, seed=0):
+    g = torch.Generator("cuda").manual_seed(seed)
+    temb = torch.randn(T_, D, device="cuda", generator=g)
+    weight = (torch.randn(N, D, device="cuda", generator=g) * 0.02).bfloat16()
+    bias = (torch.randn(N, device="cuda", generator=g) * 0.1).bfloat16()
+    return temb, weight, bias
+
+
+def _rows(S, seed=1):
+    g = torch.Generator("cuda").manual_seed(seed)
+    x = torch.randn(S, H, device="cuda", generator=g).bfloat16()
+    y = torch.randn(S, H, device="cuda", generator=g).bfloat16()
+    dy = torch.randn(S, H, device="cuda", generator=g).bfloat16()
+    idx = torch.randint(0, R, (S,), device="cuda", generator=g)
+    return x, y, dy, idx
+
+
+def assert_table_within_the_dot_product_bound(table, temb, weight, bias):
+    """table (T, N) holds, per entry, the exact linear(bf16(silu(temb)), weight, bias) summed in fp32 in some
+    order and rounded to bf16 once: within (D + 2) 2^-24 sum|terms| of the exact value (any fp32 order, the
+    bias add included), then one bf16 ulp of rounding. Entries near cancellation can differ from another
+    order's (cuBLAS's) by more than one ulp of their own tiny size; this bound holds for both."""
+    act = F.silu(temb).to(torch.bfloat16).double()
+    w, b = weight.double(), bias.double()
+    exact = act @ w.T + b
+    bound = (temb.shape[1] + 2) * 2.0 ** -24 * (act.abs() @ w.abs().T + b.abs())
+    error = (table.double() - exact).abs()
+    assert bool((error <= bound + bf16_ulp(exact.abs() + bound)).all()), float((error - bound).max())
+
+
+# ---------------------------------------------------------------- norm_out's table and forward
+
+def test_cuda_table_within_the_dot_product_error_bound():
+    """table_f32 is within the fp32 summation bound of the exact table; table is it rounded once."""
+    inputs = make(1, 4, "cuda", T=5)
+    table_bf16, table_f32 = tensors.table(inputs.temb, inputs.weight, inputs.bias)
+    act = torch.nn.functional.silu(inputs.temb).to(torch.bfloat16).double()
+    w = inputs.weight.double()
+    exact = act @ w.T + inputs.bias.double()
+    bound = (inputs.temb.shape[1] + 2) * 2.0 ** -24 * ((act.abs() @ w.abs().T) + inputs.bias.double().abs())
+    assert bool(((table_f32.double() - exact).abs() <= bound).all())
+    assert torch.equal(table_bf16, table_f32.to(torch.bfloat16))
+
+
+def test_table_rows_are_T_invariant():
+    full = make(1, 4, "cuda", H=5376, D=2688, T=8)
+    table_bf16, table_f32 = tensors.table(full.temb, full.weight, full.bias)
+    for picked in ([0], [5, 2], [7, 0, 3], [1, 2, 3, 4, 5, 6]):
+        sub_bf16, sub_f32 = tensors.table(full.temb[picked].contiguous(), full.weight, full.bias)
+        assert torch.equal(sub_bf16, table_bf16[picked])
+        assert torch.equal(sub_f32.view(torch.int32), table_f32[picked].view(torch.int32))
+
+
+def test_staged_and_row_per_block_forward_agree_bit_for_bit(monkeypatch):
+    """The staged kernel and the row-per-block fallback share the thread map and tree: same bits per row."""
+    from adaln_lab.cuda import launchers, plan as plan_module
+
+    inputs = make(3, 1500, "cuda")
+    tab, _ = tensors.table(inputs.temb, inputs.weight, inputs.bias)
+    out, rstd = tensors.norm_modulate(inputs.x, inputs.norm_weight, tab, inputs.timestep_indices, 1e-5,
+                                      inputs.temb.shape[1])
+    monkeypatch.setitem(plan_module.TUNING, "FWD_STAGES", 1)  # below 2 stages: the row-per-block kernel
+    launchers.forget_compiled()
+    try:
+        assert not plan_module.plan(5376, 2688, 3).fwd_staged
+        out2, rstd2 = tensors.norm_modulate(inputs.x, inputs.norm_weight, tab, inputs.timestep_indices, 1e-5,
+                                            inputs.temb.shape[1])
+    finally:
+        monkeypatch.undo()
+        launchers.forget_compiled()
+    assert torch.equal(out, out2) and torch.equal(rstd, rstd2)
+
+
+# ---------------------------------------------------------------- the blocks' ops
+
+def test_table_matches_diffusers_and_is_t_invariant():
+    temb, weight, bias = _table_inputs()
+    table = tensors.modulation_table_fwd(temb, weight, bias)
+    assert table.dtype == torch.float32 and table.shape == (T, 18 * H)
+    assert torch.equal(table, table.bfloat16().float())  # bf16 values
+    diffusers = F.linear(F.silu(temb).bfloat16(), weight, bias).float()
+    assert (table == diffusers).float().mean().item() >= 0.999
+    assert_table_within_the_dot_product_bound(table, temb, weight, bias)
+    assert_table_within_the_dot_product_bound(diffusers, temb, weight, bias)
+    for rows in ([1], [2, 0], [0]):
+        sub = tensors.modulation_table_fwd(temb[rows].contiguous(), weight, bias)
+        assert torch.equal(sub, table[rows])
+
+
+def test_table_backward_against_float64_and_repeatable():
+    temb, weight, bias = _table_inputs()
+    d_table = torch.randn(T, 18 * H, device="cuda")
+    d_temb, d_weight, d_bias = tensors.modulation_table_bwd(d_table, temb, weight)
+    again = tensors.modulation_table_bwd(d_table, temb, weight)
+    assert all(torch.equal(a, b) for a, b in zip((d_temb, d_weight, d_bias), again))
+    t64 = temb.double().requires_grad_(True)
+    w64 = weight.double().requires_grad_(True)
+    b64 = bias.double().requires_grad_(True)
+    (F.linear(F.silu(t64), w64, b64) * d_table.double()).sum().backward()
+    assert torch.allclose(d_weight.double(), w64.grad, rtol=2 ** -8, atol=1e-6)
+    assert torch.allclose(d_bias.double(), b64.grad, rtol=2 ** -8, atol=1e-6)
+    assert torch.allclose(d_temb.double(), t64.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [3, 9])
+def test_split_and_fused_table_backward_agree_bit_for_bit(monkeypatch, rows):
+    """table_bwd_bf16 and its two halves (plan.tb_split, T >= TB_SPLIT_MIN_T) sum the same terms in the
+    same order on the same row blocks: the same d_weight and d_temb bits, at T below and above the split, N
+    not a multiple of TB_ROWS (a ragged last row block) and D not a multiple of the 256-column tile. (The
+    shipped plan gives the halves other row blocks, TB_SPLIT_ROWS; here both take TB_ROWS, so that the one
+    difference left is the kernels'.)"""
+    from adaln_lab.cuda import launchers, plan as plan_module
+
+    g = torch.Generator("cuda").manual_seed(rows)
+    N, D_ = 18 * H + 72, 264
+    temb = torch.randn(rows, D_, device="cuda", generator=g)
+    weight = (torch.randn(N, D_, device="cuda", generator=g) * 0.02).bfloat16()
+    d_table = torch.randn(rows, N, device="cuda", generator=g)
+    results = {}
+    try:
+        for split_min_t in (rows, rows + 1):  # split, then fused
+            monkeypatch.setitem(plan_module.TUNING, "TB_SPLIT_MIN_T", split_min_t)
+            monkeypatch.setitem(plan_module.TUNING, "TB_SPLIT_ROWS", plan_module.TUNING["TB_ROWS"])
+            launchers.forget_compiled()
+            split = plan_module.plan(8, D_, rows, table_n=N, table_f32_rounded=True).tb_split
+            assert split == (split_min_t == rows)  # the path asked for is the path taken
+            results[split] = tensors.modulation_table_bwd(d_table, temb, weight)
+    finally:
+        monkeypatch.undo()
+        launchers.forget_compiled()
+    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
+    exact = d_table.double().T @ F.silu(temb.double())  # d_weight in float64: both are it rounded once
+    assert torch.allclose(results[True][1].double(), exact, rtol=2 ** -8, atol=1e-6)
+
+
+@pytest.mark.parametrize("T_", [3, 9])
+def test_persistent_and_one_task_tables_agree_bit_for_bit(monkeypatch, T_):
+    """table.cu's two schedules (plan.table_persistent: TABLE_BLOCKS blocks looping over interleaved warp tasks
+    with weight loads in flight across tasks, or a task per warp) give every table row the same bits: a row is
+    one warp's sum either way. N not a multiple of the 64 rows of a block (a ragged last task), D not a multiple
+    of 256 (lanes with fewer steps)."""
+    from adaln_lab.cuda import launchers, plan as plan_module
+
+    g = torch.Generator("cuda").manual_seed(T_)
+    N, D_ = 18 * H + 72, 264
+    temb = torch.randn(T_, D_, device="cuda", generator=g)
+    weight = (torch.randn(N, D_, device="cuda", generator=g) * 0.05).bfloat16()
+    bias = (torch.randn(N, device="cuda", generator=g) * 0.1).bfloat16()
+    tables = {}
+    try:
+        for blocks, rounds in ((3, 1), (0, 1)):  # 3 persistent blocks of 16 warps, then a task per warp
+            monkeypatch.setitem(plan_module.TUNING, "TABLE_BLOCKS", blocks)
+            monkeypatch.setitem(plan_module.TUNING, "TABLE_PERSISTENT_MIN_ROUNDS", rounds)
+            launchers.forget_compiled()
+            persistent = plan_module.plan(8, D_, T_, table_n=N, table_f32_rounded=True).table_persistent
+            assert persistent == (blocks > 0)  # the schedule asked for is the one taken
+            tables[persistent] = tensors.modulation_table_fwd(temb, weight, bias)
+    finally:
+        monkeypatch.undo()
+        launchers.forget_compiled()
+    assert torch.equal(tables[True], tables[False])
+    exact = F.linear(F.silu(temb.double()).bfloat16().double(), weight.double(), bias.double())
+    assert torch.allclose(tables[True].double(), exact, rtol=2 ** -7, atol=1e-3)
+
+
+def test_modulated_norm_is_norm_outs_kernels():
+    """With norm_out's table split into shift and scale, the forward is final_adaln_out's, bit for bit."""
+    inputs = make(1, 300, "cuda", H=H, D=D, T=T)
+    table = tensors.modulation_table_fwd(inputs.temb, inputs.weight, inputs.bias)
+    shift, scale = table[:, :H], table[:, H:]
+    out, rstd = tensors.modulated_rms_norm_fwd(inputs.x, inputs.norm_weight, shift, scale,
+                                                  inputs.timestep_indices, 1e-5)
+    expected = final_adaln_out(*inputs.args, 1e-5, backend="cupy")
+    assert torch.equal(out, expected)
+    assert rstd.shape == (inputs.x.numel() // H,)
+
+
+def test_modulated_norm_backward_against_float64_repeatable_and_row_invariant():
+    x, _, dy, idx = _rows(700)
+    temb, weight, bias = _table_inputs()
+    table = tensors.modulation_table_fwd(temb, weight, bias).view(R, 6 * H)
+    shift, scale = table[:, 3 * H:4 * H], table[:, 4 * H:5 * H]  # norm2's chunks: strided views
+    nw = (1 + 0.1 * torch.randn(H, device="cuda")).bfloat16()
+    out, rstd = tensors.modulated_rms_norm_fwd(x, nw, shift, scale, idx, 1e-5)
+    grads = tensors.modulated_rms_norm_bwd(dy, x, nw, shift, scale, idx, rstd)
+    again = tensors.modulated_rms_norm_bwd(dy, x, nw, shift, scale, idx, rstd)
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))
+    dx, d_nw, d_shift, d_scale = grads
+    perm = torch.randperm(700, device="cuda")[:333]
+    out_p, rstd_p = tensors.modulated_rms_norm_fwd(x[perm], nw, shift, scale, idx[perm], 1e-5)
+    dx_p = tensors.modulated_rms_norm_bwd(dy[perm], x[perm], nw, shift, scale, idx[perm], rstd_p)[0]
+    assert torch.equal(out_p, out[perm]) and torch.equal(dx_p, dx[perm])
+    x64, nw64 = x.double().requires_grad_(True), nw.double().requires_grad_(True)
+    sh64, sc64 = shift.double().requires_grad_(True), scale.double().requires_grad_(True)
+    normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * nw64
+    (normed * (1 + sc64[idx]) + sh64[idx]).backward(dy.double())
+    assert torch.allclose(dx.double(), x64.grad, rtol=2 ** -7, atol=1e-3)
+    assert torch.allclose(d_shift.double(), sh64.grad, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(d_scale.double(), sc64.grad, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(d_nw.double(), nw64.grad, rtol=2 ** -7, atol=1e-2)
+
+
+def test_shift_and_scale_read_in_place_or_gathered_give_the_same_bits():
+    """The blocks' chunks (scale right after shift in each row of the (3T, 6H) table view) are read in place,
+    any other shift and scale gathered into an (R, 2H) array: forward, gated-residual forward and backward give
+    the same bits either way; a shift and scale swapped (a planted layout mix-up) change the output."""
+    x, y, dy, idx = _rows(300)
+    temb, weight, bias = _table_inputs()
+    table = tensors.modulation_table_fwd(temb, weight, bias).view(R, 6 * H)
+    shift, scale, gate = table[:, 3 * H:4 * H], table[:, 4 * H:5 * H], table[:, 2 * H:3 * H]
+    nw = (1 + 0.1 * torch.randn(H, device="cuda")).bfloat16()
+    assert tensors._shift_scale(shift, scale) == (shift, 6 * H)  # in place: the same tensor, row stride 6H
+    layouts = {"in place": (shift, scale), "copies": (shift.clone(), scale.clone()),
+               "bf16": (shift.bfloat16(), scale.bfloat16())}
+    assert tensors._shift_scale(*layouts["copies"])[1] == 2 * H
+    results = {}
+    for name, (sh, sc) in layouts.items():
+        out, rstd = tensors.modulated_rms_norm_fwd(x, nw, sh, sc, idx, 1e-5)
+        grads = tensors.modulated_rms_norm_bwd(dy, x, nw, sh, sc, idx, rstd, d_residual=y)
+        fused = tensors.gated_residual_norm_fwd(x, gate, y, idx, nw, sh, sc, 1e-5)
+        results[name] = [out, rstd, *grads, *fused]
+    for name in ("copies", "bf16"):
+        assert all(torch.equal(a, b) for a, b in zip(results[name], results["in place"])), name
+    swapped, _ = tensors.modulated_rms_norm_fwd(x, nw, scale, shift, idx, 1e-5)
+    assert not torch.equal(swapped, results["in place"][0])
+
+
+def test_gated_residual_matches_diffusers_bitwise():
+    x, y, dy, idx = _rows(513)
+    temb, weight, bias = _table_inputs()
+    gate = tensors.modulation_table_fwd(temb, weight, bias).view(R, 6 * H)[:, 2 * H:3 * H]  # gate_msa
+    gate_bf16 = gate.bfloat16()
+    out = tensors.gated_residual_fwd(x, gate, y, idx)
+    assert torch.equal(out, x + gate_bf16.index_select(0, idx) * y)
+    d_gate, d_y = tensors.gated_residual_bwd(dy, gate, y, idx)
+    assert torch.equal(d_y, dy * gate_bf16.index_select(0, idx))
+    exact = torch.zeros(R, H, dtype=torch.float64, device="cuda").index_add_(0, idx, dy.double() * y.double())
+    assert torch.allclose(d_gate.double(), exact, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip((d_gate, d_y), tensors.gated_residual_bwd(dy, gate, y, idx)))
+    perm = torch.randperm(513, device="cuda")[:200]
+    assert torch.equal(tensors.gated_residual_bwd(dy[perm], gate, y[perm], idx[perm])[1], d_y[perm])
+
+
+@pytest.mark.parametrize("threads", [96, 128])
+def test_gated_residual_bits_do_not_depend_on_its_block_size(monkeypatch, threads):
+    """GR_THREADS_MAX (a TUNING knob, bench/scripts/block_ab.py) picks how columns split over blocks; each column's
+    sums still run over the same rows in the same order: out, d_y and d_gate keep their bits (H 5376 and
+    1032 rows: a column tile left partly empty at every block size)."""
+    from adaln_lab.cuda import launchers, plan as plan_module
+
+    g = torch.Generator("cuda").manual_seed(threads)
+    H_, S = 5376, 1032
+    x, y, dy = (torch.randn(S, H_, device="cuda", generator=g).bfloat16() for _ in range(3))
+    idx = torch.randint(0, R, (S,), device="cuda", generator=g)
+    gate = torch.randn(R, H_, device="cuda", generator=g).bfloat16().float()
+    results = {}
+    try:
+        for value in (plan_module.TUNING["GR_THREADS_MAX"], threads):
+            monkeypatch.setitem(plan_module.TUNING, "GR_THREADS_MAX", value)
+            launchers.forget_compiled()
+            out = tensors.gated_residual_fwd(x, gate, y, idx)
+            results[value] = (out, *tensors.gated_residual_bwd(dy, gate, y, idx))
+    finally:
+        monkeypatch.undo()
+        launchers.forget_compiled()
+    shipped, other = results.values()
+    assert all(torch.equal(a, b) for a, b in zip(shipped, other))
+
+
+def test_empty_batch_gives_zero_gradients():
+    x, y, dy, idx = (t[:0] for t in _rows(4))
+    temb, weight, bias = _table_inputs()
+    table = tensors.modulation_table_fwd(temb, weight, bias).view(R, 6 * H)
+    gate, shift, scale = table[:, 2 * H:3 * H], table[:, :H], table[:, H:2 * H]
+    assert tensors.gated_residual_fwd(x, gate, y, idx).shape == (0, H)
+    d_gate, d_y = tensors.gated_residual_bwd(dy, gate, y, idx)
+    assert d_y.shape == (0, H) and torch.equal(d_gate, torch.zeros_like(d_gate))
+    nw = torch.ones(H, device="cuda", dtype=torch.bfloat16)
+    out, rstd = tensors.modulated_rms_norm_fwd(x, nw, shift, scale, idx, 1e-5)
+    dx, d_nw, d_shift, d_scale = tensors.modulated_rms_norm_bwd(dy, x, nw, shift, scale, idx, rstd)
+    assert out.shape == (0, H) and dx.shape == (0, H)
+    assert not d_nw.any() and not d_shift.any() and not d_scale.any()
+
+
+def test_out_of_range_index_gives_nan_not_a_wild_read():
+    x, y, dy, idx = _rows(64)
+    idx = idx.clone()
+    idx[5] = R + 7
+    temb, weight, bias = _table_inputs()
+    gate = tensors.modulation_table_fwd(temb, weight, bias).view(R, 6 * H)[:, 2 * H:3 * H]
+    out = tensors.gated_residual_fwd(x, gate, y, idx)
+    assert out[5].isnan().all() and not out[4].isnan().any()
+    d_gate, d_y = tensors.gated_residual_bwd(dy, gate, y, idx)
+    assert d_y[5].isnan().all() and d_gate.isnan().any()

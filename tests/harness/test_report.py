@@ -1,0 +1,140 @@
+"""`adaln_lab.harness.report` and its CLI (`python -m adaln_lab report`): the quick CPU run writes the seed report's
+schema (same keys, side by side), says what each row ran, and `python -m adaln_lab table` renders it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ..paths import DATA
+
+one_worker = pytest.mark.xdist_group("harness_report")  # the tests of the module fixture `quick_run`: built once
+SEED = DATA / "seed_prior_art_b200.json"
+RENAMED = {"rl_kernel_commit": "adaln_lab_commit"}
+
+
+def schema(value, path="$"):
+    """Key paths of a JSON value; size keys ("4097") and candidate names are generalised."""
+    if isinstance(value, dict):
+        out = set()
+        for key, item in value.items():
+            if key.isdigit():
+                key = "<size>"
+            elif path == "$.results.plain":
+                key = "<candidate>"
+            out |= schema(item, f"{path}.{RENAMED.get(key, key)}")
+        return out or {path}
+    return {path}
+
+
+NEW_FIGURES = ("fwd_us_inference", "host_fwd_us", "host_fwd_bwd_us", "fwd_us_graph", "fwd_bwd_us_graph",
+               "fwd_us_graph_error", "fwd_bwd_us_graph_error")
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report") / "quick.json"
+    run = subprocess.run([sys.executable, "-m", "adaln_lab", "report", "--quick", "--device", "cpu", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return out, run
+
+
+@pytest.fixture(scope="module")
+def quick_report(quick_run):
+    return json.loads(quick_run[0].read_text())
+
+
+def table(path):
+    return subprocess.run([sys.executable, "-m", "adaln_lab", "table", str(path)], capture_output=True, text=True,
+                          timeout=120)
+
+
+@one_worker
+def test_quick_report_has_every_key_of_the_seed_report(quick_report):
+    seed = json.loads(SEED.read_text())
+    missing = schema(seed) - schema(quick_report)
+    assert not missing, sorted(missing)
+
+
+@one_worker
+def test_quick_report_measures_and_says_what_it_ran(quick_report):
+    assert quick_report["quick"] is True
+    assert quick_report["copy_TBps"] > 0
+    plain = quick_report["results"]["plain"]
+    assert set(plain) == {"diffusers", "adaln_lab"}
+    assert "real module" in plain["diffusers"]["source"]
+    for entry in plain.values():
+        assert entry["batch_invariance"]["batch_invariant"] in (True, False)
+        for size, figures in entry["accuracy_latency"].items():
+            assert size in quick_report["memory_floor"]
+            assert 0 < figures["fwd_rel_err"] < 0.02
+            assert figures["fwd_us"] > 0 and figures["fwd_bwd_us_pure"] > 0
+
+
+def test_cli_rejects_unknown_candidates_and_gpu_only_ones_on_cpu(tmp_path):
+    for names, message in (("nope", "unknown candidate"), ("torch_compile", "runs on CUDA only")):
+        run = subprocess.run([sys.executable, "-m", "adaln_lab", "report", "--quick", "--device", "cpu",
+                              "--candidates", names, "--out", str(tmp_path / "x.json")],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and message in run.stderr
+        assert not (tmp_path / "x.json").exists()
+
+
+def test_provenance_prefers_the_named_commit_over_a_stale_git(monkeypatch):
+    """A copied tree may carry a stale .git: ADALN_LAB_COMMIT wins, and the dirty flag is only
+    git's answer when git's HEAD is the named commit."""
+    from adaln_lab.harness import report
+
+    answers = {("rev-parse", "HEAD"): "41b0f5953857cf4f6ec4aeac11da6b85a94ae448",
+               ("status", "--porcelain", "--untracked-files=no"): " M adaln_lab/ops/final_adaln_out.py"}
+    monkeypatch.setattr(report, "_git", lambda *args: answers[args])
+    monkeypatch.setenv("ADALN_LAB_COMMIT", "574ba6f")
+    assert report.provenance() == {"adaln_lab_commit": "574ba6f", "tracked_tree_dirty": None}
+    monkeypatch.setenv("ADALN_LAB_COMMIT", "41b0f59")
+    assert report.provenance() == {"adaln_lab_commit": answers[("rev-parse", "HEAD")], "tracked_tree_dirty": True}
+    monkeypatch.delenv("ADALN_LAB_COMMIT")
+    assert report.provenance()["adaln_lab_commit"] == answers[("rev-parse", "HEAD")]
+
+
+@one_worker
+def test_quick_report_has_every_new_timing_key(quick_report):
+    assert quick_report["autograd_floor_us"] > 0 and quick_report["autograd_floor_host_us"] > 0
+    for entry in quick_report["results"]["plain"].values():
+        for figures in entry["accuracy_latency"].values():
+            assert set(NEW_FIGURES) <= set(figures)
+            assert figures["fwd_us_inference"] > 0
+            assert figures["host_fwd_us"] > 0 and figures["host_fwd_bwd_us"] > 0
+            assert figures["fwd_us_graph"] is None and figures["fwd_bwd_us_graph"] is None
+            assert figures["fwd_us_graph_error"] == figures["fwd_bwd_us_graph_error"] == "no CUDA"
+
+
+@one_worker
+def test_quick_report_explains_the_seed_schema_keys(quick_report):
+    notes = quick_report["schema_notes"]
+    assert quick_report["rfc"] is None and "unused" in notes["rfc"]
+    assert "seed_prior_art_b200.json" in notes["seed"] and "RL-Kernel" in notes["seed"]
+    for key in ("fwd_us_graph", "fwd_us_inference", "host_fwd_bwd_us", "autograd_floor_us", "autograd_floor_host_us"):
+        assert key in notes
+
+
+@one_worker
+def test_report_says_on_screen_what_each_row_ran(quick_run, quick_report):
+    lines = [line for line in quick_run[1].stderr.splitlines() if "[adaln_lab report] candidate" in line]
+    assert len(lines) == 2
+    lab = quick_report["results"]["plain"]["adaln_lab"]["source"]
+    assert "torch replay" in lab and "table_backend=cuda" not in lab
+    assert any("adaln_lab" in line and "WARNING" in line and "torch replay" in line for line in lines)
+
+
+@one_worker
+def test_table_renders_a_new_report(quick_run):
+    run = table(quick_run[0])
+    assert run.returncode == 0, run.stderr
+    text = run.stdout
+    assert "| graph fwd us (x floor) |" in text and "| inference fwd us |" in text
+    assert text.count("| adaln_lab |") == text.count("| diffusers |") == 2
+    assert "(floor " in text and "us host." in text and "graph columns: n/a (no CUDA" in text
+    assert "| rows | memory floor fwd us | memory floor fwd+bwd us |" in text
+    assert "- adaln_lab ran: " in text

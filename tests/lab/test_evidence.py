@@ -1,0 +1,42 @@
+"""`adaln_lab.lab.evidence`: the notebooks' MODE and the fallback between committed evidence and measuring now."""
+
+import json
+
+import pytest
+import torch
+
+from adaln_lab.lab import evidence
+
+
+def test_modes_and_the_evidence_fallback(tmp_path, monkeypatch):
+    assert evidence.resolve_mode("evidence") == "evidence"
+    assert evidence.resolve_mode("auto") == ("measure" if torch.cuda.is_available() else "evidence")
+    with pytest.raises(ValueError, match="MODE must be"):
+        evidence.resolve_mode("gpu")
+    calls = []
+
+    def measure(device, quick):
+        calls.append((device.type, quick))
+        return {"x": 1}
+
+    data, banner = evidence.obtain("errors", "evidence", measure, directory=tmp_path)
+    assert calls == [("cpu", True)] and "NOT H200" in banner and data["meta"]["quick"] is True
+    evidence.save({"x": 2, "meta": {"environment": {"gpu": "NVIDIA H200"}, "adaln_lab_commit": "abcdef0123",
+                                    "quick": False}}, evidence.lab_path("errors", tmp_path))
+    data, banner = evidence.obtain("errors", "evidence", measure, directory=tmp_path)
+    assert data["x"] == 2 and "NVIDIA H200, commit abcdef0, full sizes" in banner and len(calls) == 1
+    monkeypatch.setenv("ADALN_LAB_EVIDENCE_DIR", str(tmp_path))
+    assert evidence.lab_path("latency") == tmp_path / "lab_latency.json"
+    saved = tmp_path / "saved"
+    monkeypatch.delenv("ADALN_LAB_SAVE_DIR", raising=False)
+    monkeypatch.setattr(evidence, "device_for", lambda mode: torch.device("cuda"))  # as on a GPU
+    monkeypatch.setattr(evidence, "meta", lambda device, quick: {"device": device.type, "quick": quick})
+    assert evidence.obtain("latency", "measure", measure)[0]["x"] == 1
+    assert not (tmp_path / "lab_latency.json").exists() and not saved.exists()  # no save dir, no file
+    monkeypatch.setenv("ADALN_LAB_SAVE_DIR", str(saved))
+    data, banner = evidence.obtain("latency", "measure", measure)
+    assert "measured now" in banner and json.loads((saved / "lab_latency.json").read_text()) == data
+    monkeypatch.setattr(evidence, "device_for", lambda mode: torch.device("cpu"))  # quick CPU figures
+    (saved / "lab_latency.json").unlink()
+    evidence.obtain("latency", "measure", measure)
+    assert not (saved / "lab_latency.json").exists()  # are never saved as evidence

@@ -1,0 +1,200 @@
+"""Every notebook runs top to bottom on the CPU without an error (MODE "auto" -> evidence: the kernel
+is shown no GPU, also on a GPU machine), says where its figures come from, shows no progress bars,
+and prints the H200 report's own numbers.
+
+Two runs: against the committed evidence (bench/results/h200: report.json, and lab_*.json once the
+H200 run of `python -m adaln_lab.lab` is committed; until then the notebooks compute a small CPU
+version live and say so), and against a synthetic evidence directory holding complete lab_*.json
+files (torch.compile, adaln_lab_numba, CUDA-graph times and a kernel profile included), so the
+reading path of H200 data runs here too. Every notebook reads report.json: while bench/results/h200
+waits for its GPU run, the tests that execute them skip, naming the missing file.
+
+One pytest-xdist worker runs the tests of the committed evidence (`xdist_group`): those notebooks execute once.
+"""
+
+import dataclasses
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from ..paths import EVIDENCE, NOTEBOOKS as NOTEBOOK_DIR, needs_evidence
+
+nbformat = pytest.importorskip("nbformat", reason="the test extra brings nbformat and nbclient")
+nbclient = pytest.importorskip("nbclient")
+
+from adaln_lab.harness.candidates import Named  # noqa: E402
+from adaln_lab.harness.inputs import make, upstream  # noqa: E402
+from adaln_lab.harness.protocol import QUICK  # noqa: E402
+from adaln_lab.lab import errors, evidence, latency_sweep as latency, tables, walkthrough  # noqa: E402
+from adaln_lab.lab import notebooks as run_notebooks  # noqa: E402
+from adaln_lab.reference import replay  # noqa: E402
+
+one_worker = pytest.mark.xdist_group("notebooks")  # the tests of the module fixture `executed`: notebooks run once
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+PROGRESS = re.compile(r"\d+%\||\d+/\d+ \[|it/s|call/s|step/s")
+
+
+def _execute(path: Path) -> tuple:
+    """(executed notebook, seconds): `python -m adaln_lab.lab.notebooks`'s own runner, nothing written."""
+    notebook, seconds, _ = run_notebooks.execute(path, timeout=600)
+    return notebook, seconds
+
+
+def _outputs(notebook) -> list:
+    return [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+
+
+def _text(notebook) -> str:
+    parts = []
+    for o in _outputs(notebook):
+        if o.get("output_type") == "stream":
+            parts.append(o["text"])
+        for kind in ("text/plain", "text/markdown"):
+            if kind in o.get("data", {}):
+                parts.append(o["data"][kind])
+    return "\n".join(parts)
+
+
+@pytest.fixture(scope="module")
+def executed():
+    """{stem: (executed notebook, seconds)} against the committed evidence, each notebook run once,
+    in a kernel that sees no GPU (MODE "auto" -> evidence, as in CI, also on a GPU machine)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("CUDA_VISIBLE_DEVICES", "")
+        return {path.stem: _execute(path) for path in NOTEBOOKS}
+
+
+def _check_clean(notebook):
+    outputs = _outputs(notebook)
+    assert outputs, "no output at all"
+    errors_ = [o for o in outputs if o.get("output_type") == "error"]
+    assert not errors_, "\n".join(errors_[0].get("traceback", []))[-3000:]
+    streams = "\n".join(o["text"] for o in outputs if o.get("output_type") == "stream")
+    assert not PROGRESS.search(streams), f"progress-bar noise in the output: {PROGRESS.search(streams).group(0)!r}"
+    assert "MODE " in streams  # the banner: measured now, committed evidence, or computed live on this CPU
+    assert any("image/png" in o.get("data", {}) for o in outputs), "no figure"
+
+
+@one_worker
+@needs_evidence("report.json")  # every notebook shows its figures
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs(path, executed):
+    _check_clean(executed[path.stem][0])
+
+
+def test_notebooks_are_set_up_for_both_modes():
+    for path in NOTEBOOKS:
+        notebook = nbformat.read(path, as_version=4)
+        code = [c.source for c in notebook.cells if c.cell_type == "code"]
+        assert code[0].startswith('MODE = "auto"'), path.name
+        assert "parameters" in notebook.cells[1].metadata.get("tags", []), path.name  # papermill's parameter cell
+        assert not any("matplotlib.use" in source for source in code), path.name
+        kernel_code = ("__global__", "cuda.jit", "triton.jit", "RawKernel", "load_inline")
+        assert not any(k in source for k in kernel_code for source in code), path.name  # kernels live in adaln_lab
+
+
+@one_worker
+@needs_evidence("report.json")
+def test_three_notebooks_take_under_four_minutes_on_the_cpu(executed):
+    seconds = {stem: round(s, 1) for stem, (_, s) in executed.items()}
+    assert sum(seconds.values()) < 240, seconds  # ~60 s on an idle 2-core CPU; the bar is loose for loaded CI
+
+
+@one_worker
+@needs_evidence("report.json")
+def test_the_numbers_shown_are_the_reports(executed):
+    report = evidence.load_report(EVIDENCE)
+    runs = report["results"]["plain"]
+    text = _text(executed["error_analysis"][0])
+    for name in runs:
+        for S in ("4097", "32768"):
+            a = runs[name]["accuracy_latency"][S]
+            row = f"| {name} | {S} | {tables.fmt(a['fwd_rel_err'])} | " + " | ".join(
+                tables.fmt(a["grad_rel_err"][g]) for g in tables.GRADS)
+            assert row in text, row
+    assert tables.pct(runs["adaln_lab"]["forward_parity_vs_diffusers"]["table_backend=cuda"]["4097"]
+                      ["bitwise_equal_fraction"], 5) in text
+    text = _text(executed["latency_analysis"][0])
+    for name in runs:
+        a = runs[name]["accuracy_latency"]["4097"]
+        assert f"| {name} | 4097 | {tables.us(a['fwd_us_graph'])} | {tables.us(a['fwd_us'])} |" in text
+    assert f"autograd host floor {report['autograd_floor_host_us']:.1f} us" in text
+    text = _text(executed["invariance_walkthrough"][0])
+    b = runs["torch_compile"]["batch_invariance"]["full_vs_sub_batches"]
+    assert f"{b['fwd_differ']} / {b['rowgrad_differ']}" in text
+    assert "non_repeatable         caught by: params_repeatable" in text
+
+
+@needs_evidence("lab_errors.json", "report.json")
+def test_committed_lab_evidence_agrees_with_the_report():
+    """Once the H200 run of `python -m adaln_lab.lab` is committed: its deterministic figures match report.json."""
+    data = evidence.load_json(evidence.lab_path("errors", EVIDENCE))
+    report = evidence.load_report(EVIDENCE)
+    assert not data["meta"]["quick"] and data["meta"]["environment"]["gpu"]
+    for S in ("4097", "32768"):
+        for name in ("diffusers", "adaln_lab"):
+            ours, theirs = data["errors"][S][name], report["results"]["plain"][name]["accuracy_latency"][S]
+            assert ours["fwd_rel_err"] == pytest.approx(theirs["fwd_rel_err"], rel=0.05), (S, name)
+        assert data["errors"][S]["adaln_lab"]["grad_correctly_rounded"]["b"] > 0.999
+
+
+# --- the same notebooks on complete (synthetic) lab files --------------------------------------------
+
+def _synthetic_evidence(directory: Path) -> None:
+    """report.json and sweep.json copied; lab_*.json made on the CPU at tiny sizes with the GPU-only
+    parts filled in: a 'torch_compile' (the replay, named so), an 'adaln_lab_numba' row, CUDA-graph
+    times (half the eager ones) and a kernel profile."""
+    for name in ("report.json", "sweep.json"):
+        shutil.copy(EVIDENCE / name, directory / name)
+    shape = {"H": 64, "D": 32, "T": 3}
+    named = walkthrough.candidates_here("cpu", ("diffusers", "adaln_lab"))[0]
+    named.insert(1, Named("torch_compile", "the replay, standing in for torch.compile", replay))
+    meta = {**evidence.meta(torch.device("cpu"), False), "seconds": 1.0}
+    meta["environment"]["gpu"] = "synthetic H200"
+    data = errors.measure(named, "cpu", shape=shape, sizes=(16, 64, 256), table_sizes=(64, 256), attribution_rows=64,
+                          ulp_rows=256, spread_rows=64, repeats=2, chunk_rows=100)
+    evidence.save({**data, "meta": meta}, evidence.lab_path("errors", directory))
+    lat = {"kind": "adaln_lab_lab_latency", "candidates": {c.name: c.source for c in named}, "warnings": {},
+           "sweep": latency.rows_sweep(named, (1, 16, 256), "cpu", shape, quick=True), "kernels_error": None}
+    for entries in lat["sweep"]["candidates"].values():
+        for e in entries.values():
+            e["fwd_us_graph"], e["fwd_bwd_us_graph"] = e["fwd_us"] / 2, e["fwd_bwd_us_pure"] / 2
+    profile = [{"name": n, "calls": 1.0, "us": 10.0 + k} for k, n in enumerate(latency.kernel_bytes(256, **shape))]
+    lat["kernels"] = {"256": latency.roofline(profile + [{"name": "Memset (Device)", "calls": 1.0, "us": 1.0}], 256,
+                                              shape, lat["sweep"]["copy_TBps"])}
+    evidence.save({**lat, "meta": meta}, evidence.lab_path("latency", directory))
+    small = dataclasses.replace(QUICK, H=32, D=16, seeds=(3,), sub_batch_sizes=(7,), batch_sizes=(1, 2, 17))
+    checks = {"diffusers": replay, "torch_compile": walkthrough.dx_batch_dependent, "adaln_lab_numba": replay}
+    inputs = make(3, 33, **small.shape)
+    dy = upstream(3, inputs.x)
+    inv = {"kind": "adaln_lab_lab_invariance", "protocol": dataclasses.asdict(small), "candidates": {},
+           "checks": {n: {c: walkthrough.run_check(c, fn, small, "cpu") for c in walkthrough.CHECKS}
+                      for n, fn in checks.items()},
+           "planted": None,
+           "rows_differ": {"torch_compile": walkthrough.rows_that_differ(walkthrough.dx_batch_dependent, inputs, dy,
+                                                                          range(0, 33, 8))}, "meta": meta}
+    evidence.save(inv, evidence.lab_path("invariance", directory))
+
+
+@needs_evidence("report.json", "sweep.json")
+def test_notebooks_read_complete_lab_files(tmp_path, monkeypatch):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny CPU problems: faster on one thread
+    try:
+        _synthetic_evidence(tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setenv("ADALN_LAB_EVIDENCE_DIR", str(tmp_path))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # evidence mode on any machine
+    texts = {}
+    for path in NOTEBOOKS:
+        notebook, _ = _execute(path)
+        _check_clean(notebook)
+        texts[path.stem] = _text(notebook)
+        assert "synthetic H200" in texts[path.stem], path.stem  # the banner names the committed file's machine
+        assert "NOT H200" not in texts[path.stem], path.stem
+    assert "profiled inside forward+backward calls" in texts["latency_analysis"]  # the kernel profile was read
+    assert "torch_compile" in texts["error_analysis"] and "adaln_lab_numba" in texts["invariance_walkthrough"]

@@ -1,0 +1,82 @@
+"""The Numba twin of the forward (adaln_lab.numba.forward): on a CPU through numba's CUDA simulator (tiny shapes;
+tests/conftest.py turns it on where there is no GPU), on a GPU against kernels_cu bit for bit."""
+
+import pytest
+import torch
+
+from adaln_lab.harness.accuracy import parity
+from adaln_lab.harness.inputs import make
+from adaln_lab.numba import forward as numba_forward
+from adaln_lab.reference import replay
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TINY = {"H": 32, "D": 16, "T": 2}  # the simulator runs ~6,000 threads a second: keep grids tiny
+
+
+def twin_forward(*args):
+    return numba_forward.forward(*args)[0]
+
+
+def test_numpy_shim_is_in_place_once_numba_cuda_is_imported():
+    import numpy
+
+    numba_forward.cuda()
+    assert numpy.row_stack is not None
+
+
+def test_twin_table_rows_are_T_invariant():
+    full = make(1, 2, DEVICE, **{**TINY, "T": 3})
+    table_bf16, table_f32 = numba_forward.table(full.temb, full.weight, full.bias)
+    for picked in ([2], [2, 0]):
+        sub_bf16, sub_f32 = numba_forward.table(full.temb[picked].contiguous(), full.weight, full.bias)
+        assert torch.equal(sub_bf16, table_bf16[picked])
+        assert torch.equal(sub_f32, table_f32[picked])
+    assert torch.equal(table_bf16, table_f32.to(torch.bfloat16))
+
+
+def test_twin_rows_do_not_depend_on_the_batch():
+    batch = make(3, 6, DEVICE, **TINY)
+    out, rstd, table_bf16 = numba_forward.forward(*batch.args)
+    for r in (0, 5):
+        alone = batch.rows(torch.tensor([r]))
+        out_r, rstd_r = numba_forward.norm_modulate(alone.x, alone.norm_weight, table_bf16, alone.timestep_indices, 1e-5)
+        assert torch.equal(out_r[0], out[r]) and torch.equal(rstd_r[0], rstd[r])
+
+
+def test_twin_forward_is_diffusers_up_to_summation_order():
+    inputs = make(2, 5, DEVICE, **TINY)
+    result = parity(twin_forward, replay, inputs)
+    assert result["within_1_ulp_fraction"] >= 0.99
+    assert result["max_operand_ulp"] <= 4
+
+
+@pytest.mark.gpu
+def test_twin_equals_kernels_cu_bit_for_bit():
+    from adaln_lab.cuda import tensors
+
+    inputs = make(1, 33, "cuda")
+    table_cu, table_f32_cu = tensors.table(inputs.temb, inputs.weight, inputs.bias)
+    out_cu, rstd_cu = tensors.norm_modulate(inputs.x, inputs.norm_weight, table_cu, inputs.timestep_indices,
+                                            1e-5, inputs.temb.shape[1])
+    out, rstd, table_bf16 = numba_forward.forward(*inputs.args)
+    torch.cuda.synchronize()
+    assert torch.equal(table_bf16, table_cu)
+    assert torch.equal(rstd, rstd_cu)
+    assert torch.equal(out, out_cu)
+
+
+def test_twin_compiles_for_the_cuda_target_without_a_gpu(compile_for_sm90):
+    """numba's real CUDA target (NVVM from the test extra), not the simulator: types and shared sizes hold."""
+    script = """
+from adaln_lab.numba import forward as nb
+nb.cuda()
+from numba import cuda, float32, int64, uint16
+sigs = {
+    "table": (nb.table_kernel(5376, 2688, 3), (float32[:, ::1], uint16[:, ::1], uint16[::1], uint16[:, ::1], float32[:, ::1]),
+              ".entry"),
+    "norm_modulate": (nb.norm_modulate_kernel(5376, 3), (uint16[:, ::1], uint16[::1], uint16[:, ::1], int64[::1],
+                                                           uint16[:, ::1], float32[::1], int64, float32), ".entry"),
+}
+"""
+    stdout = compile_for_sm90(script)
+    assert "table ok" in stdout and "norm_modulate ok" in stdout

@@ -1,0 +1,191 @@
+"""`adaln_lab.modulation_table`: diffusers' `adaln_proj` table upcast to float32, its custom ops, exact float64
+backward; GPU: table.cu against cuBLAS, T-invariant rows, fallbacks, gradients against float64."""
+
+import pytest
+import torch
+
+from adaln_lab import modulation_table
+from adaln_lab.ops.modulation_table import modulation_table_bwd, modulation_table_fwd
+from adaln_lab.reference import block as br
+
+diffusers = pytest.importorskip("diffusers", reason="the test extra brings diffusers 0.42")
+from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AdaLayerNormModulation  # noqa: E402
+
+H, D, T = 16, 24, 3
+OPS = (modulation_table_fwd, modulation_table_bwd)
+
+
+def _inputs(dtype=torch.bfloat16, temb_dtype=torch.float32, T_=T, H_=H, D_=D, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    temb = torch.randn(T_, D_, generator=g).to(temb_dtype)
+    weight = (torch.randn(18 * H_, D_, generator=g) * D_ ** -0.5).to(dtype)
+    bias = (torch.randn(18 * H_, generator=g) * 0.1).to(dtype)
+    return temb.to(device), weight.to(device), bias.to(device)
+
+
+def _grads(fn, leaves, d_out):
+    leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
+    fn(*leaves).backward(d_out)
+    return [t.grad for t in leaves]
+
+
+def _rel_l2(value, ref):
+    ref = ref.double()
+    return float((value.double() - ref).norm() / ref.norm())
+
+
+# (param dtype, temb dtype): the checkpoint's mixed layout, a model cast wholesale, fp32, fp16, fp64
+DTYPES = [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+          (torch.float16, torch.float32), (torch.float64, torch.float64)]
+
+
+@pytest.mark.parametrize("dtype,temb_dtype", DTYPES)
+def test_table_is_diffusers_adaln_proj_upcast_exactly(dtype, temb_dtype):
+    temb, weight, bias = _inputs(dtype, temb_dtype)
+    module = MiniMaxH3AdaLayerNormModulation(D, H).to(dtype)
+    with torch.no_grad():
+        module.linear.weight.copy_(weight)
+        module.linear.bias.copy_(bias)
+        want = module(temb)  # diffusers' six (3T, H) chunks in the projection's dtype
+    table = modulation_table(temb, weight, bias)
+    assert table.shape == (T, 18 * H) and table.dtype == torch.promote_types(dtype, torch.float32)
+    assert table.is_contiguous()
+    assert torch.equal(table, br.replay_table(temb, weight, bias).to(table.dtype))
+    for got, expected in zip(br.table_chunks(table, H), want):
+        assert got.shape == (3 * T, H) and got.stride() == (6 * H, 1)
+        assert torch.equal(got.to(dtype), expected)  # the cast back is exact
+    assert torch.equal(modulation_table(temb, weight, bias, table_backend="torch"), table)  # CPU: the same code
+
+
+def test_backward_is_the_exact_derivative_and_at_least_as_accurate_as_diffusers():
+    """d_weight, d_bias: float64 sums rounded once (one rounding of the golden, a bf16 ulp at most); d_temb
+    float32 from float64. diffusers' bf16 table takes a bf16 gradient and uses the rounded SiLU."""
+    temb, weight, bias = _inputs(seed=1, T_=5)
+    d_table = torch.randn(5, 18 * H, generator=torch.Generator().manual_seed(2)).bfloat16().float()
+    ours = _grads(modulation_table, (temb, weight, bias), d_table)
+    golden = _grads(br.golden_table, (temb.double(), weight.double(), bias.double()), d_table.double())
+    theirs = _grads(br.replay_table, (temb, weight, bias), d_table.bfloat16())
+    for got, gold, dtype in zip(ours, golden, (torch.float32, torch.bfloat16, torch.bfloat16)):
+        assert got.dtype == dtype
+        ulp = gold.abs() * 2.0 ** -(7 if dtype == torch.bfloat16 else 22) + 1e-30  # one ulp
+        assert ((got.double() - gold).abs() <= ulp).all()
+    for name, got, theirs_, gold in zip(("temb", "weight", "bias"), ours, theirs, golden):
+        assert _rel_l2(got, gold) <= _rel_l2(theirs_, gold), name
+
+
+def test_gradients_flow_from_the_chunks_in_float32_and_repeat_bitwise():
+    temb, weight, bias = _inputs(seed=3)
+
+    def chunk_sum(temb, weight, bias):
+        chunks = br.table_chunks(modulation_table(temb, weight, bias), H)
+        return sum((c * (k + 1)).sum() for k, c in enumerate(chunks))
+
+    first = _grads(chunk_sum, (temb, weight, bias), torch.tensor(1.0))
+    second = _grads(chunk_sum, (temb, weight, bias), torch.tensor(1.0))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    d_table = torch.arange(1.0, 7.0).repeat_interleave(H).repeat(3).expand(T, -1)  # each chunk's factor
+    expected = modulation_table_bwd(d_table.contiguous(), temb, weight, bias)
+    assert all(torch.equal(a, b) for a, b in zip(first, expected))
+
+
+@pytest.mark.parametrize("dtype,temb_dtype", DTYPES[:3])
+def test_opcheck(dtype, temb_dtype):
+    temb, weight, bias = (t.requires_grad_(True) for t in _inputs(dtype, temb_dtype))
+    torch.library.opcheck(modulation_table_fwd, (temb, weight, bias, "cuda"))
+    d_table = torch.randn(T, 18 * H)
+    torch.library.opcheck(modulation_table_bwd, (d_table, temb.detach(), weight.detach(), bias.detach()))
+
+
+def test_fake_kernel_on_meta_tensors():
+    temb, weight, bias = (t.to("meta") for t in _inputs())
+    table = modulation_table(temb, weight, bias)
+    assert table.device.type == "meta" and table.shape == (T, 18 * H) and table.dtype == torch.float32
+    d_temb, d_weight, d_bias = modulation_table_bwd(table, temb, weight, bias)
+    assert (d_temb.dtype, d_weight.dtype, d_bias.dtype) == (torch.float32, torch.bfloat16, torch.bfloat16)
+
+
+def test_compile_fullgraph_matches_eager():
+    temb, weight, bias = _inputs(seed=4)
+    compiled = torch.compile(modulation_table, fullgraph=True, backend="aot_eager")
+    d_table = torch.randn(T, 18 * H)
+    eager = _grads(modulation_table, (temb, weight, bias), d_table)
+    traced = _grads(compiled, (temb, weight, bias), d_table)
+    assert torch.equal(compiled(temb, weight, bias), modulation_table(temb, weight, bias))
+    assert all(torch.equal(a, b) for a, b in zip(eager, traced))
+
+
+def test_bad_inputs_are_refused_naming_the_argument():
+    temb, weight, bias = _inputs()
+    with pytest.raises(ValueError, match="table_backend"):
+        modulation_table(temb, weight, bias, table_backend="cublas")
+    with pytest.raises(ValueError, match="shapes"):
+        modulation_table(temb[0], weight, bias)
+    with pytest.raises(ValueError, match="disagree"):
+        modulation_table(temb[:, :-1], weight, bias)
+    with pytest.raises(ValueError, match="disagree"):
+        modulation_table(temb, weight, bias[:-1])
+    with pytest.raises(TypeError, match="temb"):
+        modulation_table(temb.long(), weight, bias)
+
+
+# ---------------------------------------------------------------- GPU (H200) ----------------------------------
+
+GH, GD, GT = 256, 128, 3
+
+
+@pytest.mark.gpu
+def test_cuda_table_against_cublas_and_t_invariant():
+    """table_backend="torch": F.linear on the GPU, diffusers' bits. "cuda": table.cu, equal to cuBLAS's on
+    >= 99.9 % of entries, every entry within the fp32 dot-product bound of the exact table plus one bf16
+    rounding (as cuBLAS's), and whose rows do not depend on the other timesteps."""
+    from ..cuda.test_tensors import assert_table_within_the_dot_product_bound
+
+    temb, weight, bias = _inputs(T_=GT, H_=GH, D_=GD, device="cuda")
+    want = br.replay_table(temb, weight, bias).float()
+    assert torch.equal(modulation_table(temb, weight, bias, table_backend="torch"), want)
+    table = modulation_table(temb, weight, bias)
+    assert table.dtype == torch.float32 and torch.equal(table, table.bfloat16().float())
+    assert (table == want).float().mean().item() >= 0.999
+    assert_table_within_the_dot_product_bound(table, temb, weight, bias)
+    assert_table_within_the_dot_product_bound(want, temb, weight, bias)
+    for rows in ([2], [1, 0], [0, 2]):
+        assert torch.equal(modulation_table(temb[rows].contiguous(), weight, bias), table[rows])
+    # bf16 temb (a model cast wholesale) is widened exactly for the kernels: the same table as its fp32 copy
+    t16 = temb.bfloat16()
+    assert torch.equal(modulation_table(t16, weight, bias), modulation_table(t16.float(), weight, bias))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,temb_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float64)])
+def test_cuda_falls_back_to_torch_for_what_the_kernels_do_not_take(dtype, temb_dtype):
+    temb, weight, bias = _inputs(dtype, temb_dtype, T_=GT, H_=GH, D_=GD, device="cuda")
+    table = modulation_table(temb, weight, bias)
+    assert torch.equal(table, br.replay_table(temb, weight, bias).to(table.dtype))
+    d_table = torch.randn_like(table)
+    got = _grads(modulation_table, (temb, weight, bias), d_table)
+    want = modulation_table_bwd(d_table.cpu(), temb.cpu(), weight.cpu(), bias.cpu())
+    for a, b in zip(got, want):
+        assert torch.allclose(a.cpu().double(), b.double(), rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temb_dtype", [torch.float32, torch.bfloat16])
+def test_cuda_backward_against_float64_repeatable_and_no_worse_than_diffusers(temb_dtype):
+    temb, weight, bias = _inputs(temb_dtype=temb_dtype, T_=GT, H_=GH, D_=GD, device="cuda")
+    d_table = torch.randn(GT, 18 * GH, device="cuda").bfloat16().float()
+    ours = _grads(modulation_table, (temb, weight, bias), d_table)
+    again = _grads(modulation_table, (temb, weight, bias), d_table)
+    assert all(torch.equal(a, b) for a, b in zip(ours, again))
+    assert [g.dtype for g in ours] == [temb_dtype, torch.bfloat16, torch.bfloat16]
+    golden = _grads(br.golden_table, (temb.double(), weight.double(), bias.double()), d_table.double())
+    theirs = _grads(br.replay_table, (temb, weight, bias), d_table.bfloat16())
+    for name, got, theirs_, gold in zip(("temb", "weight", "bias"), ours, theirs, golden):
+        assert _rel_l2(got, gold) <= _rel_l2(theirs_, gold) * 1.001 + 1e-7, name
+
+
+@pytest.mark.gpu
+def test_cuda_opcheck():
+    temb, weight, bias = (t.requires_grad_(True) for t in _inputs(T_=GT, H_=GH, D_=GD, device="cuda"))
+    torch.library.opcheck(modulation_table_fwd, (temb, weight, bias, "cuda"))
+    d_table = torch.randn(GT, 18 * GH, device="cuda")
+    torch.library.opcheck(modulation_table_bwd, (d_table, temb.detach(), weight.detach(), bias.detach()))
