@@ -15,6 +15,7 @@
 #   sanitize      compute-sanitizer over bench/scripts/sanitize_calls.py  sanitize/sanitize_<tool>.txt,
 #                 (plain run first, then one tool at a time)              sanitize_plain.txt, sanitize_summary.txt
 #   profile       bench/scripts/block_profile.py: the block's kernels     block_profile.txt
+#   host          bench/scripts/host_breakdown.py: host time and cProfile  host_breakdown.txt
 #   sweep         bench/scripts/sweep.py default: each kernel alone       sweep.json, sweep.log
 #   memory        bench/scripts/memory_figures.py: peak and growth        memory_figures.json, memory_figures.log
 # STEP+STEP runs steps side by side; only those that time nothing may share the GPU (tests, compare, sanitize,
@@ -35,13 +36,13 @@ set -u
 
 self=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")
 root=$(cd "$(dirname "$self")/.." && pwd)
-ALL_STEPS="tests compare report block-report lab sanitize profile sweep memory"
+ALL_STEPS="tests compare report block-report lab sanitize profile host sweep memory"
 SHARING_STEPS="tests compare sanitize memory"
 
 default_limit() {
   case $1 in
     tests) echo 480 ;; compare) echo 300 ;; report) echo 420 ;; block-report) echo 240 ;; lab) echo 560 ;;
-    sanitize) echo 560 ;; profile) echo 150 ;; sweep) echo 200 ;; memory) echo 120 ;;
+    sanitize) echo 560 ;; profile) echo 150 ;; host) echo 150 ;; sweep) echo 200 ;; memory) echo 120 ;;
   esac
 }
 
@@ -111,6 +112,13 @@ step_lab() {
   run_cmd "lab_errors.json lab_invariance.json lab_latency.json lab.log" "python3 -m adaln_lab.lab --out @/. > @/lab.log 2>&1"
   local rc=$?
   grep "wrote" "$out/lab.log"
+  return $rc
+}
+
+step_host() {
+  run_cmd host_breakdown.txt "python3 bench/scripts/host_breakdown.py > @/host_breakdown.txt 2>&1"
+  local rc=$?
+  grep "host fwd+bwd" "$out/host_breakdown.txt"
   return $rc
 }
 
