@@ -52,6 +52,11 @@ def current_stream(device_index: int) -> int:
     return torch.cuda.current_stream(device_index).cuda_stream
 
 
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype: t itself when it has it (a no-op `.to` still costs microseconds of host time per call)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def aligned(t: torch.Tensor) -> torch.Tensor:
     """t contiguous and starting on a 16-byte boundary (the kernels load 8 bf16 at a time); a copy only if not."""
     t = t.contiguous()
@@ -202,7 +207,7 @@ def modulation_table_bwd(d_table: torch.Tensor, temb: torch.Tensor, weight: torc
     T, D = temb.shape
     N = weight.shape[0]
     plan, k, stream = _table_setup(temb, N)
-    d_table, temb, weight = d_table.float().contiguous(), temb.contiguous(), aligned(weight)
+    d_table, temb, weight = as_dtype(d_table, torch.float32).contiguous(), temb.contiguous(), aligned(weight)
     d_temb = torch.empty_like(temb)
     d_weight = torch.empty_like(weight)
     d_bias = torch.empty(N, dtype=weight.dtype, device=temb.device)
@@ -293,7 +298,7 @@ def modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_
 
 def _gate_pointer(gate: torch.Tensor) -> tuple[torch.Tensor, int]:
     """gate as fp32 rows of H contiguous floats, 16-byte aligned rows: (tensor, row stride in floats)."""
-    gate = gate.float()
+    gate = as_dtype(gate, torch.float32)
     if gate.stride(-1) != 1 or gate.stride(0) % 4 or gate.data_ptr() % 16:
         gate = gate.contiguous()
     return gate, gate.stride(0)

@@ -53,7 +53,7 @@ def backward(dout, gate, y, row_index, table_dtype, row_order, kernels: bool):
     """(d_gate (R, H) in gate's dtype, d_y): the kernels (in row_order) where `kernels`, else the reference."""
     if kernels:
         d_gate, d_y = tensors.gated_residual_bwd(dout, gate, y, row_index, order=row_order)
-        return d_gate.to(gate.dtype), d_y
+        return tensors.as_dtype(d_gate, gate.dtype), d_y
     return gated_residual_backward(dout, gate, y, row_index, table_dtype)
 
 
@@ -129,7 +129,7 @@ class GatedResidual(torch.autograd.Function):
         gate, y, row_index, row_order = ctx.saved_tensors
         dout = dout.contiguous()
         d_gate, d_y = backward(dout, gate, y, row_index, ctx.table_dtype, row_order, ctx.kernels)
-        return dout.to(ctx.x_dtype), d_gate, d_y, None, None, None, None
+        return tensors.as_dtype(dout, ctx.x_dtype), d_gate, d_y, None, None, None, None
 
 
 def gated_residual_op(x, gate, y, row_index, table_dtype, row_order, kernels: bool) -> torch.Tensor:

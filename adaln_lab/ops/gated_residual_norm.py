@@ -70,7 +70,8 @@ def backward(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scal
     if kernels:
         dx, d_gate, d_y, d_norm_weight, d_shift, d_scale = tensors.gated_residual_norm_bwd(
             d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, order=row_order)
-        return dx, d_gate.to(gate.dtype), d_y, d_norm_weight, d_shift.to(shift.dtype), d_scale.to(scale.dtype)
+        return (dx, tensors.as_dtype(d_gate, gate.dtype), d_y, d_norm_weight, tensors.as_dtype(d_shift, shift.dtype),
+                tensors.as_dtype(d_scale, scale.dtype))
     d_residual = d_x_out.to(x_out.dtype)
     norm_kernels = (rstd.dtype == torch.float32 and support.on_device(x_out, rstd=rstd) is None
                     and mrn.kernels_take(x_out, norm_weight, shift, scale, row_index, torch.bfloat16, dy=d_out,

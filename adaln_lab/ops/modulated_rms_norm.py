@@ -73,7 +73,7 @@ def backward(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual, row_
         dx, d_norm_weight, d_shift, d_scale = tensors.modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale,
                                                                             row_index, rstd, d_residual,
                                                                             order=row_order)
-        return dx, d_norm_weight, d_shift.to(shift.dtype), d_scale.to(scale.dtype)
+        return dx, d_norm_weight, tensors.as_dtype(d_shift, shift.dtype), tensors.as_dtype(d_scale, scale.dtype)
     return modulated_rms_norm_backward(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual)
 
 
@@ -184,7 +184,7 @@ class ModulatedRMSNormAndResidual(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, d_x):
         x, norm_weight, shift, scale, row_index, rstd, row_order = ctx.saved_tensors
-        d_residual = d_x.to(x.dtype).contiguous()
+        d_residual = tensors.as_dtype(d_x, x.dtype).contiguous()
         if torch.compiler.is_compiling():
             grads = modulated_rms_norm_bwd(d_out.contiguous(), x, norm_weight, shift, scale, row_index, rstd,
                                            d_residual, row_order)

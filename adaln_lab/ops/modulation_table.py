@@ -56,7 +56,7 @@ def backward(d_table, temb, weight, bias, kernels: bool):
     """(d_temb, d_weight, d_bias): table_bwd.cu where `kernels`, else the float64 derivative."""
     if kernels:
         d_temb, d_weight, d_bias = tensors.modulation_table_bwd(d_table, support.kernel_temb(temb, weight), weight)
-        return d_temb.to(temb.dtype), d_weight, d_bias.to(bias.dtype)
+        return tensors.as_dtype(d_temb, temb.dtype), d_weight, tensors.as_dtype(d_bias, bias.dtype)
     return modulation_table_backward(d_table, temb, weight, bias.dtype)
 
 
