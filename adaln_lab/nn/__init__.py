@@ -5,6 +5,8 @@ The only layer that imports diffusers (through `upstream`, on demand, never at `
 
 from .adaln_out import AdaLNOut, AdaLNOutFallbackWarning
 from .block import AdaLNTransformerBlock
+from .fallback import AdaLNFallbackWarning
 from .patch import patch, unpatch
 
-__all__ = ["AdaLNOut", "AdaLNOutFallbackWarning", "AdaLNTransformerBlock", "patch", "unpatch"]
+__all__ = ["AdaLNFallbackWarning", "AdaLNOut", "AdaLNOutFallbackWarning", "AdaLNTransformerBlock", "patch",
+           "unpatch"]

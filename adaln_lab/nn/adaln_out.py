@@ -33,13 +33,17 @@ from ..ops import support
 from ..ops.checks import BACKENDS, TABLE_BACKENDS, check_option
 from ..ops.final_adaln_out import final_adaln_out
 from ..reference.final_adaln_out import replay
+from .fallback import AdaLNFallbackWarning, foreign, warn_once
 from .upstream import diffusers_class
 
 _EXACT_TEMB_DTYPES = (torch.float32, torch.float64)
 
 
-class AdaLNOutFallbackWarning(UserWarning):
+class AdaLNOutFallbackWarning(AdaLNFallbackWarning):
     """`AdaLNOut` ran the diffusers replay instead of the requested CUDA kernels (the message says why)."""
+
+
+_READS = {"norm": nn.RMSNorm, "linear": nn.Linear}  # the submodules whose parameters forward reads
 
 
 def check_options(backend: str, table_backend: str) -> None:
@@ -77,8 +81,8 @@ class AdaLNOut(nn.Module):
         """An `AdaLNOut` that shares `module`'s `norm` and `linear` submodules (so its parameters: same
         tensors, device, dtype and eps; nothing is copied or allocated). `module` is a
         `MiniMaxH3AdaLayerNormOut` (or anything with the same `norm` / `linear` layout).
-        Raises TypeError when the submodules are not a plain `nn.RMSNorm` with a weight and an
-        `nn.Linear` with a bias (e.g. wrapped by PEFT), whose forward the op would silently skip."""
+        Raises TypeError unless `norm` is an `nn.RMSNorm` with a weight and `linear` a module (`submodules`);
+        hooks on them or an adapter layer as `linear` make a call run diffusers' forward (`fallback`)."""
         check_options(backend, table_backend)
         norm, linear = submodules(module)
         self = cls.__new__(cls)
@@ -112,6 +116,10 @@ class AdaLNOut(nn.Module):
         return "torch" if error is not None else "cupy"
 
     def forward(self, hidden_states: torch.Tensor, temb: torch.Tensor, timestep_indices: torch.Tensor) -> torch.Tensor:
+        reason = foreign(self, _READS)
+        if reason is not None:  # hooks or a wrapper on a submodule: diffusers' forward, so that they act
+            warn_once(self, reason)
+            return diffusers_class("MiniMaxH3AdaLayerNormOut").forward(self, hidden_states, temb, timestep_indices)
         weight, bias, norm_weight = self.linear.weight, self.linear.bias, self.norm.weight
         eps = self.norm.eps
         if eps is None:  # what F.rms_norm does with eps=None: the epsilon of its compute dtype
@@ -137,16 +145,16 @@ class AdaLNOut(nn.Module):
         return f"backend={self.backend!r}, table_backend={self.table_backend!r}"
 
 
-def submodules(module: nn.Module) -> tuple[nn.RMSNorm, nn.Linear]:
+def submodules(module: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """module's `norm` (an nn.RMSNorm with a weight) and `linear` (a plain nn.Linear with a bias and 2H outputs, or
+    any other module, e.g. a PEFT adapter layer: then every call runs diffusers' forward, see `fallback`)."""
     name = type(module).__name__
     norm, linear = getattr(module, "norm", None), getattr(module, "linear", None)
     if type(norm) is not nn.RMSNorm or norm.weight is None:
         raise TypeError(f"{name}.norm must be an nn.RMSNorm with a weight, got {type(norm).__name__}")
-    if type(linear) is not nn.Linear or linear.bias is None:
-        raise TypeError(f"{name}.linear must be a plain nn.Linear with a bias (AdaLNOut reads its weight and "
-                        f"bias directly, so a wrapper such as a PEFT/LoRA layer would be skipped), "
-                        f"got {type(linear).__name__}")
-    if linear.out_features != 2 * norm.weight.shape[0]:
-        raise TypeError(f"{name}.linear has {linear.out_features} outputs, expected 2 * hidden_size = "
-                        f"{2 * norm.weight.shape[0]}")
+    if not isinstance(linear, nn.Module):
+        raise TypeError(f"{name}.linear must be a module, got {type(linear).__name__}")
+    if type(linear) is nn.Linear and (linear.bias is None or linear.out_features != 2 * norm.weight.shape[0]):
+        raise TypeError(f"{name}.linear must have a bias and 2 * hidden_size = {2 * norm.weight.shape[0]} outputs, "
+                        f"got bias={linear.bias is not None}, {linear.out_features} outputs")
     return norm, linear

@@ -30,6 +30,7 @@ import torch.nn as nn
 from ..ops.block_adaln import block_adaln_path
 from ..ops.checks import BLOCK_BACKENDS, TABLE_BACKENDS, check_option
 from ..reference.block import MODALITIES
+from .fallback import foreign, warn_once
 from .upstream import diffusers_class
 
 
@@ -44,10 +45,14 @@ def _eps(norm: nn.RMSNorm, x: torch.Tensor) -> float:
     return norm.eps if norm.eps is not None else torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
 
 
-_SKIPPED = ("norm1", "norm2", "adaln_proj", "adaln_proj.linear")  # submodules whose forward the block does not call
+_READS = {"norm1": nn.RMSNorm, "norm2": nn.RMSNorm, "adaln_proj": None, "adaln_proj.linear": nn.Linear}
+# the submodules whose parameters the block reads instead of calling them (None: any class)
 
 
 def check_submodules(block: nn.Module) -> None:
+    """Raise TypeError unless block has diffusers' layout: norm1, norm2 nn.RMSNorms with (H,) weights, attn and ff
+    modules, adaln_proj.linear a plain nn.Linear with a bias and 18H outputs, or any other module (an adapter
+    layer: every call then runs diffusers' forward, see `fallback`)."""
     name = type(block).__name__
     for norm_name in ("norm1", "norm2"):
         norm = getattr(block, norm_name, None)
@@ -55,22 +60,16 @@ def check_submodules(block: nn.Module) -> None:
             raise TypeError(f"{name}.{norm_name} must be an nn.RMSNorm with a weight, got {type(norm).__name__}")
     H = block.norm1.weight.shape[0]
     linear = getattr(getattr(block, "adaln_proj", None), "linear", None)
-    if type(linear) is not nn.Linear or linear.bias is None:
-        raise TypeError(f"{name}.adaln_proj.linear must be a plain nn.Linear with a bias (the block reads its weight "
-                        f"and bias directly, so a wrapper such as a PEFT/LoRA layer would be skipped), got "
-                        f"{type(linear).__name__}")
-    if block.norm2.weight.shape != (H,) or linear.out_features != 6 * MODALITIES * H:
+    if not isinstance(linear, nn.Module):
+        raise TypeError(f"{name}.adaln_proj.linear must be a module, got {type(linear).__name__}")
+    plain = type(linear) is nn.Linear
+    if block.norm2.weight.shape != (H,) or (plain and (linear.bias is None or linear.out_features != 6 * MODALITIES * H)):
         raise TypeError(f"{name}: norm2 has {tuple(block.norm2.weight.shape)} channels and adaln_proj.linear "
-                        f"{linear.out_features} outputs; expected ({H},) and 18 * H = {18 * H}")
+                        f"{getattr(linear, 'out_features', '?')} outputs (bias {getattr(linear, 'bias', None) is not None}); "
+                        f"expected ({H},) and 18 * H = {18 * H} with a bias")
     for sub_name in ("attn", "ff"):
         if not isinstance(getattr(block, sub_name, None), nn.Module):
             raise TypeError(f"{name}.{sub_name} must be a module")
-    for sub_name in _SKIPPED:
-        sub = block.get_submodule(sub_name)
-        for attr in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
-            if getattr(sub, attr, None):
-                raise ValueError(f"{name}.{sub_name} has {attr[1:]} registered; the AdaLN block reads its "
-                                 "parameters without calling its forward, so they would never run")
 
 
 class AdaLNTransformerBlock(nn.Module):
@@ -104,9 +103,9 @@ class AdaLNTransformerBlock(nn.Module):
     def from_diffusers(cls, block: nn.Module, *, backend: str = "auto",
                        table_backend: str = "cuda") -> "AdaLNTransformerBlock":
         """An `AdaLNTransformerBlock` sharing `block`'s submodules (nothing copied or allocated). `block` is a
-        `MiniMaxH3TransformerBlock` (or anything with its layout). Raises TypeError when norm1 / norm2 are not
-        plain `nn.RMSNorm`s with weights or `adaln_proj.linear` is not a plain `nn.Linear` (18H outputs, a
-        bias), and ValueError when one of those carries hooks: the block reads them without calling them."""
+        `MiniMaxH3TransformerBlock` (or anything with its layout; `check_submodules` says what, TypeError
+        otherwise). Hooks or an adapter layer on the submodules it reads make a call run diffusers' forward
+        (`fallback`)."""
         check_options(backend, table_backend)
         check_submodules(block)
         self = cls.__new__(cls)
@@ -126,6 +125,11 @@ class AdaLNTransformerBlock(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, temb: torch.Tensor, adaln_indices: torch.Tensor,
                 rotary_emb: tuple[torch.Tensor, torch.Tensor], attention_mask: torch.Tensor | None = None):
+        reason = foreign(self, _READS)
+        if reason is not None:  # hooks or a wrapper on a submodule it reads: diffusers' forward, so that they act
+            warn_once(self, reason)
+            return diffusers_class("MiniMaxH3TransformerBlock").forward(self, hidden_states, temb, adaln_indices,
+                                                                        rotary_emb, attention_mask)
         linear = self.adaln_proj.linear
 
         def attn(h):

@@ -6,10 +6,12 @@ feed-forward unchanged). Both work in place on any `nn.Module` tree, share the s
 submodules (so parameters, state-dict keys, devices and dtypes are untouched) and return the qualified
 names they swapped. diffusers is imported inside these functions only, never at `import adaln_lab`.
 
-Hooks: a module carrying forward/backward hooks, a diffusers hook registry (`_diffusers_hook`: context
-parallelism, layerwise casting, group offloading) or an accelerate hook (`_hf_hook`) is refused with
-an error instead of being swapped, since the swap would silently drop the hook. Patch first, then
-enable such features: the replacement keeps the name (`norm_out`) and forward signature they key on.
+Hooks: a module to swap that itself carries forward/backward hooks, a diffusers hook registry
+(`_diffusers_hook`: context parallelism, layerwise casting, group offloading) or an accelerate hook
+(`_hf_hook`) is refused with an error instead of being swapped, since the swap would drop the hook (patch
+first, then enable such features: the replacement keeps the name and forward signature they key on). Hooks
+and adapter layers (PEFT) on its submodules stay: the swapped module shares those submodules and runs
+diffusers' own forward while they are there, with a one-time warning (`adaln_lab.nn.fallback`).
 """
 
 from __future__ import annotations
@@ -32,17 +34,18 @@ def _parts(parts) -> tuple[str, ...]:
 
 
 def _refuse_hooks(name: str, module: nn.Module) -> None:
-    for sub_name, sub in module.named_modules():
-        where = f"{name}.{sub_name}" if sub_name else (name or "<root>")
-        for attr in ("_diffusers_hook", "_hf_hook"):
-            if getattr(sub, attr, None) is not None:
-                raise ValueError(f"{where} carries a {attr} (diffusers/accelerate hooks: offloading, layerwise "
-                                 "casting, context parallelism...); swapping the module would drop it. Patch "
-                                 "before enabling those features.")
+    """Hooks on the module to swap itself would be dropped with it: refused. Hooks on its submodules stay (the
+    swapped module shares them, and runs diffusers' forward while they are there: `fallback`)."""
+    where = name or "<root>"
+    for attr in ("_diffusers_hook", "_hf_hook"):
+        if getattr(module, attr, None) is not None:
+            raise ValueError(f"{where} carries a {attr} (diffusers/accelerate hooks: offloading, layerwise casting, "
+                             "context parallelism...); swapping the module would drop it. Patch before enabling "
+                             "those features.")
     for attr in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
         if getattr(module, attr, None):
-            raise ValueError(f"{name or '<root>'} has {attr[1:]} registered; swapping the module would drop "
-                             "them. Patch before registering hooks.")
+            raise ValueError(f"{where} has {attr[1:]} registered; swapping the module would drop them. Patch "
+                             "before registering hooks.")
 
 
 def _targets(model: nn.Module, match) -> list[tuple[str, nn.Module]]:

@@ -80,7 +80,8 @@ def validate(x, norm_weight, temb, weight, bias, timestep_indices, eps, *, check
     float64 or the parameters' dtype). eps: a positive finite real number.
 
     `check_indices=False` skips the value range check of `timestep_indices` (on CUDA that check
-    costs one host synchronisation); shapes, dtypes and devices are always checked.
+    costs one host synchronisation); under torch.compile it is skipped too (a value check cannot be traced);
+    shapes, dtypes and devices are always checked.
     """
     # types and layouts: one fast test for the common case, the named error from the slow path
     if not (isinstance(x, _Tensor) and isinstance(norm_weight, _Tensor) and isinstance(temb, _Tensor)
@@ -144,7 +145,7 @@ def validate(x, norm_weight, temb, weight, bias, timestep_indices, eps, *, check
                          f"{tuple(timestep_indices.shape)}")
 
     # values
-    if check_indices and S > 0 and not timestep_indices.is_meta:
+    if check_indices and S > 0 and not timestep_indices.is_meta and not torch.compiler.is_compiling():
         if timestep_indices.is_cuda:  # one device-to-host copy, one synchronisation
             lo, hi = torch.stack(timestep_indices.aminmax()).tolist()
         else:

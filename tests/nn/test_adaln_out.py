@@ -124,11 +124,31 @@ def test_to_diffusers_round_trip_shares_parameters():
     assert list(back.state_dict()) == list(ours.state_dict())
 
 
-def test_from_diffusers_refuses_wrapped_submodules():
+def test_a_wrapped_or_hooked_submodule_runs_diffusers_forward_with_a_warning_once():
+    """A wrapper (what PEFT puts in place of the Linear) or a hook on a submodule the module reads would be
+    skipped by the op: every call runs diffusers' own forward instead, the same bits and gradients, and warns
+    once per reason."""
+    from adaln_lab.nn import AdaLNFallbackWarning
+
     module = _diffusers_module(8, torch.float32)
-    module.linear = nn.Sequential(module.linear)  # stands for a PEFT wrapper: its forward would be skipped
-    with pytest.raises(TypeError, match="linear"):
-        AdaLNOut.from_diffusers(module)
+    module.linear = nn.Sequential(module.linear)
+    ours = AdaLNOut.from_diffusers(module)
+    x, temb, idx, _ = _inputs(9, torch.float32, torch.float32)
+    want = module(x, temb, idx)
+    with pytest.warns(AdaLNFallbackWarning, match="linear is a Sequential"):
+        got = ours(x, temb, idx)
+    assert torch.equal(got, want)
+    got.sum().backward()
+    assert module.linear[0].weight.grad is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per reason: the second call is quiet
+        ours(x, temb, idx)
+    calls = []
+    plain = AdaLNOut.from_diffusers(_diffusers_module(8, torch.float32))
+    plain.norm.register_forward_hook(lambda *args: calls.append(1))
+    with pytest.warns(AdaLNFallbackWarning, match="norm has forward_hooks"):
+        plain(x, temb, idx)
+    assert calls == [1]
     module = _diffusers_module(8, torch.float32)
     module.norm = nn.LayerNorm(H)
     with pytest.raises(TypeError, match="norm"):

@@ -175,10 +175,10 @@ def test_patch_refuses_what_it_cannot_swap_and_leaves_the_model_alone():
     with pytest.raises(ValueError, match="norm_out has forward_hooks"):
         adaln_lab.patch(model, parts="norm_out")
     handle.remove()
-    model.norm_out.linear._diffusers_hook = object()  # e.g. layerwise casting or group offloading
-    with pytest.raises(ValueError, match="norm_out.linear carries a _diffusers_hook"):
+    model.norm_out._diffusers_hook = object()  # e.g. group offloading at the module itself: a swap drops it
+    with pytest.raises(ValueError, match="norm_out carries a _diffusers_hook"):
         adaln_lab.patch(model, parts="norm_out")
-    del model.norm_out.linear._diffusers_hook
+    del model.norm_out._diffusers_hook
     assert type(model.norm_out) is MiniMaxH3AdaLayerNormOut
     with pytest.raises(ValueError, match="itself"):
         adaln_lab.patch(model.norm_out, parts="norm_out")
@@ -276,21 +276,37 @@ def test_state_dicts_load_both_ways_with_blocks_patched():
 
 def test_patch_refuses_hooked_blocks_and_swaps_nothing():
     model = make_model(31, "fp32")
-    handle = model.transformer_blocks[1].norm2.register_forward_hook(lambda *args: None)
-    with pytest.raises(ValueError, match="norm2 has forward_hooks"):
-        adaln_lab.patch(model, parts=ALL_PARTS)
-    handle.remove()
     model.transformer_blocks[0]._diffusers_hook = object()  # e.g. context parallelism's split of adaln_indices
     with pytest.raises(ValueError, match="transformer_blocks.0 carries a _diffusers_hook"):
         adaln_lab.patch(model, parts=ALL_PARTS)
     del model.transformer_blocks[0]._diffusers_hook
-    linear = model.norm_out.linear
-    model.norm_out.linear = nn.Sequential(linear)  # e.g. a PEFT wrapper: norm_out would skip its forward
-    with pytest.raises(TypeError, match="norm_out.linear|MiniMaxH3AdaLayerNormOut.linear"):
-        adaln_lab.patch(model, parts=ALL_PARTS)
-    model.norm_out.linear = linear
     assert type(model.norm_out) is MiniMaxH3AdaLayerNormOut  # all or nothing
     assert all(type(b) is MiniMaxH3TransformerBlock for b in model.transformer_blocks)
+
+
+def test_hooks_and_wrappers_on_submodules_survive_the_patch_and_act():
+    """A hook on a block's norm2 and a wrapper in place of norm_out.linear (what PEFT's adapters are) stay on
+    the shared submodules: the patched model runs diffusers' forward for those modules, so the hook runs, the
+    wrapper's parameters get gradients and the output is the unpatched model's bit for bit, with a warning."""
+    from adaln_lab.nn import AdaLNFallbackWarning
+
+    model = make_model(32, "fp32")
+    inputs = make_inputs(33)
+    dys = upstreams(34, model, inputs)
+    calls = []
+    model.transformer_blocks[1].norm2.register_forward_hook(lambda *args: calls.append(1))
+    model.norm_out.linear = nn.Sequential(model.norm_out.linear)
+    want_v, want_a, want_grads = forward_backward(model, inputs, dys)
+    assert adaln_lab.patch(model, parts=ALL_PARTS) == ["norm_out", *BLOCKS]
+    calls.clear()
+    with pytest.warns(AdaLNFallbackWarning) as record:
+        got_v, got_a, got_grads = forward_backward(model, inputs, dys)
+    reasons = " ".join(str(w.message) for w in record)
+    assert "norm2 has forward_hooks" in reasons and "linear is a Sequential" in reasons
+    assert calls == [1]
+    assert torch.equal(got_v, want_v) and torch.equal(got_a, want_a)
+    assert got_grads["norm_out.linear.0.weight"] is not None
+    assert torch.equal(got_grads["norm_out.linear.0.weight"], want_grads["norm_out.linear.0.weight"])
 
 
 # ---------------------------------------------------------------- GPU (H200) ----------------------------------

@@ -285,3 +285,12 @@ def test_custom_ops_pass_opcheck_on_cuda():
     inputs = make(1, 65, "cuda", H=264, D=64, T=3)
     args = (*[t.detach().clone().requires_grad_(True) for t in inputs.leaves], inputs.timestep_indices, 1e-5, "cuda")
     torch.library.opcheck(final_adaln_out_fwd, args)
+
+
+def test_compile_fullgraph_on_cpu_tensors_traces_without_the_index_check():
+    """The CPU default checks the indices' values (`.item()`), which cannot be traced: under torch.compile the
+    value check is skipped, so fullgraph compiles, and the compiled call equals eager."""
+    inputs = make(3, 9, "cpu", H=64, D=32, T=3)
+    args = (*inputs.leaves, inputs.timestep_indices)
+    compiled = torch.compile(lambda *a: final_adaln_out(*a), fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(*args), final_adaln_out(*args))
