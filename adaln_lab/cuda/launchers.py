@@ -2,7 +2,7 @@
 
 Two layers:
 - `launch_table`, `launch_norm_modulate` and `launch_backward` take device pointers (ints), the plan,
-  its `Rows` and a raw stream handle. Whoever allocates (torch in `cuda_op`, CuPy in `dlpack`) passes pointers in.
+  its `Rows` and a raw stream handle. Whoever allocates (torch in `cuda.tensors`, CuPy in `adaln_lab.dlpack`) passes pointers in.
 - `Kernel`: one kernel's launch through the driver (`cuLaunchKernel`) from a preallocated
   argument block, so a launch costs the driver call and a few field writes.
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 # Constants of the kernels: the one place they live. Changing one changes the compiled unit
-# (its text carries the values), and `clear_caches()` forgets every derived plan.
+# (its text carries the values), and `launchers.forget_compiled()` forgets every derived plan and kernel.
 TUNING = {
     "TABLE_THREADS": 512,       # table.cu: block size
     "TABLE_ROWS_PER_WARP": 4,   # table.cu: output rows j per warp task, their weight rows loaded side by side
@@ -51,7 +51,7 @@ TUNING = {
 SMEM_BLOCK_MAX = 227 * 1024       # dynamic + static shared memory one block may opt in to (sm_90, sm_100)
 BWD_STAGE_BUDGET = 200 * 1024     # dynamic shared memory of the backward's stages (static scratch beside it)
 H_MAX = 50176                      # the largest H whose backward stage (an x and a dy row, padded to the
-                                   # row block) fits BWD_STAGE_BUDGET: tests/test_kernels_compile.py checks it
+                                   # row block) fits BWD_STAGE_BUDGET: tests/cuda/test_kernels_compile.py checks it
 TD_MAX = 24576                     # table.cu keeps T * D bf16 activations in 48 KiB of static shared memory
 T_MAX = 32                         # table.cu / table_bwd.cu keep per-timestep arrays in registers, unrolled over T
 ROWS_MAX = 2 ** 31 - 2 ** 15      # rows and S travel as int32; a range's end (p0 + rows per range) must fit too,
@@ -275,7 +275,7 @@ def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = Fal
 
     table_n: the table's columns N when not norm_out's 2H (an H3 block's adaln_proj: 18H), with
     `table_f32_rounded` the table_f32 output holds the bf16 values. A plan used only for its table
-    kernels passes H = 8; one used only for its row kernels passes D = 8 (adaln_lab/block_cuda.py).
+    kernels passes H = 8; one used only for its row kernels passes D = 8 (adaln_lab/cuda/tensors.py).
     """
     check_shapes(H, D, T)
     if table_n and (table_n % 8 or table_n < 8):
@@ -315,6 +315,7 @@ def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = Fal
 
 
 def clear_caches() -> None:
-    """Forget every plan, e.g. after changing TUNING (bench/scripts/sweep.py)."""
+    """Forget every plan, e.g. after changing TUNING (bench/scripts/sweep.py); `launchers.forget_compiled()`
+    forgets them with the compiled modules and the caches built on both (`cuda.tensors.context`)."""
     plan.cache_clear()
     _rows.cache_clear()

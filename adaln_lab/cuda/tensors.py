@@ -34,6 +34,7 @@ Plans: the table's is `plan(8, D, T, table_n=N, table_f32_rounded=True)` (its ro
 
 from __future__ import annotations
 
+import functools
 from functools import lru_cache
 
 import torch
@@ -122,9 +123,8 @@ def forward_tensors(x, norm_weight, temb, weight, bias, timestep_indices, eps: f
     return out, (plan, rows, keep, table_f32, rstd)
 
 
-def backward_tensors(dy, x, norm_weight, temb, weight, timestep_indices, saved, fused_workspace: bool = True):
-    """dx, d_norm_weight, d_temb, d_weight, d_bias (see the module docstring) for one forward's `saved`; with
-    `fused_workspace` d_norm_weight and d_bias are views of one allocation (the eager path)."""
+def backward_tensors(dy, x, norm_weight, temb, weight, timestep_indices, saved):
+    """dx, d_norm_weight, d_temb, d_weight, d_bias (see the module docstring) for one forward's `saved`."""
     plan, rows, _, table_f32, rstd = saved
     x, norm_weight, weight = aligned(x), aligned(norm_weight), aligned(weight)
     device = x.device
@@ -133,12 +133,7 @@ def backward_tensors(dy, x, norm_weight, temb, weight, timestep_indices, saved, 
     stream = current_stream(device.index)
     dy = aligned(dy)
     dx = torch.empty_like(x)
-    H = plan.H
-    if fused_workspace:  # the eager path: d_norm_weight | d_bias in one allocation (a custom op's outputs
-        small = torch.empty(3 * H, dtype=weight.dtype, device=device)  # may not alias each other)
-        d_norm_weight, d_bias = small[:H], small[H:]
-    else:
-        d_norm_weight, d_bias = torch.empty_like(norm_weight), torch.empty(2 * H, dtype=weight.dtype, device=device)
+    d_norm_weight, d_bias = torch.empty_like(norm_weight), torch.empty(2 * plan.H, dtype=weight.dtype, device=device)
     d_temb = torch.empty_like(temb)
     d_weight = torch.empty_like(weight)
     workspace = torch.empty(rows.bwd_bytes, dtype=torch.uint8, device=device)
@@ -178,6 +173,20 @@ def norm_modulate(x, norm_weight, table_bf16, timestep_indices, eps: float, D: i
     return out, rstd
 
 
+def keeps_device(fn):
+    """fn's launches bind the device of its first tensor argument; the caller's current device is back after (a
+    block on cuda:1 run while cuda:0 is current leaves cuda:0 current)."""
+
+    @functools.wraps(fn)
+    def on_its_device(first, *args, **kwargs):
+        if first.device.index == torch.cuda.current_device():
+            return fn(first, *args, **kwargs)
+        with torch.cuda.device(first.device):
+            return fn(first, *args, **kwargs)
+
+    return on_its_device
+
+
 def _setup(device: torch.device, plan):
     launchers.bind(device.index)
     return launchers.kernels(device.index, plan), current_stream(device.index)
@@ -191,6 +200,7 @@ def _table_setup(temb: torch.Tensor, N: int):
     return plan, k, current_stream(index)
 
 
+@keeps_device
 def modulation_table_fwd(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     T, D = temb.shape
     N = weight.shape[0]
@@ -203,6 +213,7 @@ def modulation_table_fwd(temb: torch.Tensor, weight: torch.Tensor, bias: torch.T
     return table
 
 
+@keeps_device
 def modulation_table_bwd(d_table: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor):
     T, D = temb.shape
     N = weight.shape[0]
@@ -244,6 +255,7 @@ def _shift_scale_bf16(shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return table.as_strided((R, 2 * H), (stride, 1)).to(torch.bfloat16).contiguous()
 
 
+@keeps_device
 def modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, eps: float):
     plan, rows, k, stream = _row_setup(x, shift.shape[0])
     x, norm_weight = aligned(x), aligned(norm_weight)
@@ -256,6 +268,7 @@ def modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, eps: float):
     return out, rstd
 
 
+@keeps_device
 def row_order(row_index: torch.Tensor, plan) -> torch.Tensor:
     """(T + 1 + S,) int32: row_order.cu's row_offsets | order of row_index (S,) int64, the positions sorted by
     table row (T = plan.T, a row plan's), stably; the backward row passes walk the rows in that order."""
@@ -266,6 +279,7 @@ def row_order(row_index: torch.Tensor, plan) -> torch.Tensor:
     return order
 
 
+@keeps_device
 def modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None, order=None):
     """order: `row_order(row_index, plan)` if the caller has it (one sort for several backward passes)."""
     R, H = shift.shape
@@ -304,6 +318,7 @@ def _gate_pointer(gate: torch.Tensor) -> tuple[torch.Tensor, int]:
     return gate, gate.stride(0)
 
 
+@keeps_device
 def gated_residual_fwd(x, gate, y, row_index):
     plan, rows, k, stream = _row_setup(x, gate.shape[0])
     x, y, row_index = aligned(x), aligned(y), row_index.contiguous()
@@ -314,6 +329,7 @@ def gated_residual_fwd(x, gate, y, row_index):
     return out
 
 
+@keeps_device
 def gated_residual_bwd(dout, gate, y, row_index, order=None):
     """order: `row_order(row_index, plan)` if the caller has it."""
     R, H = gate.shape
@@ -330,6 +346,7 @@ def gated_residual_bwd(dout, gate, y, row_index, order=None):
     return d_gate, d_y
 
 
+@keeps_device
 def gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, eps: float):
     """(x_out, out, rstd): gated_residual_fwd then modulated_rms_norm_fwd of its output, in one kernel."""
     plan, rows, k, stream = _row_setup(x, shift.shape[0])
@@ -345,6 +362,7 @@ def gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, ep
     return x_out, out, rstd
 
 
+@keeps_device
 def gated_residual_norm_bwd(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, order=None):
     """(dx, d_gate, d_y, d_norm_weight, d_shift, d_scale): the norm's backward with the residual gradient
     d_x_out added in its row pass (norm_modulate_bwd_residual_sorted_bf16), then the gated residual's

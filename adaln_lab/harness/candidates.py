@@ -121,7 +121,7 @@ def adaln_lab_numba_candidate(table_backend: str = "cuda", device: str | torch.d
                                backend="numba", table_backend=table_backend, check_indices=False)
 
     source = (f"adaln_lab final_adaln_out (backend numba: the Numba-CUDA twin of the kernels_cu kernels, "
-              f"adaln_lab.numba.forward / numba_backward, through numba-cuda on torch's stream, "
+              f"adaln_lab.numba.forward / adaln_lab.numba.backward, through numba-cuda on torch's stream, "
               f"table_backend={table_backend}, check_indices=False)")
     if simulated:
         return Named("adaln_lab_numba", source.replace("through numba-cuda on torch's stream",

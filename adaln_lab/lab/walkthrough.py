@@ -10,7 +10,7 @@ timestep_indices (S,)) -> (S, H)`, differentiable by autograd (`harness.candidat
 - `rows_that_differ`: per row, how far a candidate's output and dx for the row alone are from
   the same row inside a batch (bitwise counts and ulps).
 - `candidate_names` / `user_report`: which candidates exist here, and the report of the
-  harness run on any list of named callables (yours too), renderable by `harness.table.markdown`.
+  harness run on any list of named callables (yours too), renderable by `harness.render.markdown`.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def user_report(named, device="cpu", quick: bool = True, protocol: Protocol | No
 
     The same steps as `harness.report.run_report` (invariance, accuracy and eager / host timings,
     autograd floor, CUDA-graph timings last) without looking names up, so a callable of yours runs
-    through all of it: `Named("mine", "what it runs", my_fn)`. Render with `harness.table.markdown`.
+    through all of it: `Named("mine", "what it runs", my_fn)`. Render with `harness.render.markdown`.
     """
     from ..harness import report as rep
     from ..harness.latency import autograd_floor, copy_bandwidth, memory_floor

@@ -15,7 +15,7 @@ takes it as is. When temb is not float32/float64 (e.g. a model cast wholesale to
   (exact) for the kernels. This changes no rounding point: torch computes a bf16/fp16 SiLU in float32
   and rounds once to temb's dtype, the following `.to(weight.dtype)` is then a no-op, and the kernels
   also compute SiLU in float32 and round once to weight's dtype (on the CPU, torch's bf16 and fp16 SiLU
-  equal the float32 SiLU rounded once for every finite input, `tests/test_module.py`). Only temb's
+  equal the float32 SiLU rounded once for every finite input, `tests/nn/test_adaln_out.py`). Only temb's
   gradient differs in where it is rounded: the kernels' fp32 d_temb is rounded once to temb's dtype.
 - backend "cupy" with temb in a third dtype (say fp16 temb, bf16 weight): diffusers rounds twice (SiLU
   to temb's dtype, then to weight's), which the kernels do not model, so the module falls back to the

@@ -21,7 +21,7 @@ What is the kernels' and what is not:
 - Not the kernels': the cp.async pipeline of the row pass (it changes when x and dy arrive, not what
   is summed), the vector loads and stores, the warp shuffles (the simulator has none: every butterfly
   is written as shared-memory steps of `warp_sum_lane0`'s association, lane l adding lane l + offset).
-- On a GPU the twin is meant to equal the kernels bit for bit (tests/test_numba_backward.py checks it
+- On a GPU the twin is meant to equal the kernels bit for bit (tests/numba/test_backward.py checks it
   there, `gpu` mark). Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, a CPU) it runs on tiny
   shapes, with these differences from a GPU: `cuda.fma` rounds twice (a * b + c), the exponentials
   are the C library's (SiLU's expf, table_bwd_reduce's exp), not libdevice's (the simulator's
@@ -53,7 +53,7 @@ nc = None  # numba.cuda once _nc() ran; kernels name it as a module global so th
 
 
 def _nc():
-    """`numba.cuda` (after numba_backend's numpy shim), bound to this module's global `nc`."""
+    """`numba.cuda` (after numba.forward's numpy shim), bound to this module's global `nc`."""
     global nc
     if nc is None:
         nc = cuda()

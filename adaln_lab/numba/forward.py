@@ -2,7 +2,7 @@
 
 Same launch geometry (from `adaln_lab.cuda.plan`: the plan of the shape), same reduction
 order, same rounding points, written in Python. On a GPU its table, output and rstd are meant to equal the
-CUDA C++ kernels' bit for bit (tests/test_numba_backend.py checks it there). Under numba's CUDA
+CUDA C++ kernels' bit for bit (tests/numba/test_forward.py checks it there). Under numba's CUDA
 simulator (NUMBA_ENABLE_CUDASIM=1, a CPU) it runs too, on tiny shapes: warp shuffles do not exist
 there, so the twin writes every warp butterfly as shared-memory steps with the very association
 of `warp_sum_lane0` (lane l adds lane l + offset for offset 16, 8, 4, 2, 1; lane 0's sum is kept).
@@ -206,7 +206,7 @@ def plain(t: torch.Tensor):
 
 
 def table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, stream=0):
-    """(T, 2H) bf16 table and (T, 2H) fp32 twin, as `cuda_op.table` computes them.
+    """(T, 2H) bf16 table and (T, 2H) fp32 twin, as `cuda.tensors.table` computes them.
 
     stream: the numba stream to launch on (0: numba's default; `adaln_lab.numba.op` passes torch's current one)."""
     T, D = temb.shape

@@ -8,13 +8,13 @@ launch_backward's order. Same contract as the cupy backend (`adaln_lab.ops.final
 - Inputs: x (..., S, H) bf16, norm_weight (H,) bf16, temb (T, D) fp32, weight (2H, D) bf16, bias (2H,)
   bf16, timestep_indices (S,) int64; row s of every leading index of x is modulated by
   table[timestep_indices[s]]. Anything the kernels cannot take is refused by `unsupported` with an error
-  naming the argument (the cupy rule, plus one limit of the twin's table kernel: see `twin_td_max`).
+  naming the argument (the cupy rule, plus one limit of the twin's table kernel: see `support.twin_td_max`).
 - Output (..., S, H) bf16; gradients dx (..., S, H) bf16, d_norm_weight (H,) bf16, d_temb (T, D) fp32,
   d_weight (2H, D) bf16, d_bias (2H,) bf16, every reduction in the kernels' fixed order.
 - Saved for the backward: x, norm_weight, temb, weight, timestep_indices and the forward's table_f32
   (T, 2H) fp32 (the table before its bf16 rounding) and rstd (rows,) fp32, as the cupy backend saves them.
 - Rounding: the twin's, which is meant to be the CUDA kernels' bit for bit on a GPU
-  (tests/test_numba_op.py checks every output and gradient against backend="cupy" there).
+  (tests/numba/test_op.py checks every output and gradient against backend="cupy" there).
 - table_backend "cuda": the twin's fixed-order GEMV; "torch": F.linear, as the cupy backend.
 
 Where it runs:
@@ -40,7 +40,7 @@ from ..ops import support
 
 
 def _numba_cuda():
-    """`numba.cuda`, imported (after numba_backend's numpy shim) on first use."""
+    """`numba.cuda`, imported (after numba.forward's numpy shim) on first use."""
     from . import forward
 
     return forward.cuda()

@@ -9,7 +9,7 @@ real number), ValueError for a wrong shape, device or eps value, IndexError for 
 outside [0, T).
 
 dtype rule (what diffusers' `MiniMaxH3AdaLayerNormOut` meets inside `MiniMaxH3Transformer3DModel`,
-read off a small model run through each way of setting its dtype; `tests/test_validate.py` pins it):
+read off a small model run through each way of setting its dtype; `tests/ops/test_checks.py` pins it):
 
 - norm_weight, weight and bias are the parameters of one module (`norm_out.norm.weight`,
   `norm_out.linear.weight`, `.bias`) and always share one dtype P: `from_pretrained(torch_dtype=...)`,

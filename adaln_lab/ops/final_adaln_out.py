@@ -99,7 +99,7 @@ def final_adaln_out_bwd(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Te
     saved = (plan, plan.rows(x.numel() // H), None, table_f32.data_ptr(), rstd.data_ptr())
     with torch.cuda.device(x.device):
         return tensors.backward_tensors(dy, x, norm_weight, temb.contiguous(), weight, timestep_indices.contiguous(),
-                                        saved, fused_workspace=False)
+                                        saved)
 
 
 @final_adaln_out_bwd.register_fake
@@ -172,7 +172,7 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
             output, then `1 + scale`, the product and `+ shift` each to x's dtype). One known
             difference of backend "cupy": CuPy compiles the kernels with -ftz=true, so fp32 subnormals
             flush to zero; a row of bf16-subnormal x (|x| < 2^-126) loses its normalised value (its
-            output is the shift alone) where torch keeps it (tests/test_fuzz.py pins this).
+            output is the shift alone) where torch keeps it (tests/ops/test_final_adaln_out_fuzz.py pins this).
         table_backend: cupy and numba backends only: "cuda" computes the table with the
             fixed-order GEMV of kernels_cu (numba: its twin; T-invariant rows), "torch" with F.linear
             (bitwise diffusers' table on the same GPU, but cuBLAS's reduction order).

@@ -72,8 +72,7 @@ def _(x, gate, y, row_index, table_dtype, row_order=None):
 
 @gated_residual_fwd.register_kernel("cuda")
 def _(x, gate, y, row_index, table_dtype, row_order=None):
-    with torch.cuda.device(x.device):
-        return forward(x, gate, y, row_index, table_dtype, kernels_take(x, gate, y, row_index, table_dtype))
+    return forward(x, gate, y, row_index, table_dtype, kernels_take(x, gate, y, row_index, table_dtype))
 
 
 @torch.library.custom_op("adaln_lab::gated_residual_bwd", mutates_args=())
@@ -94,8 +93,7 @@ def _(dout, gate, y, row_index, table_dtype, row_order=None):
 def _(dout, gate, y, row_index, table_dtype, row_order=None):
     # dout is bf16 exactly when the forward's output was (bf16 x, y and table dtype)
     kernels = kernels_take(y, gate, y, row_index, table_dtype, dout=dout)
-    with torch.cuda.device(y.device):
-        return backward(dout, gate, y, row_index, table_dtype, row_order, kernels)
+    return backward(dout, gate, y, row_index, table_dtype, row_order, kernels)
 
 
 def _setup_context(ctx, inputs, output):

@@ -14,7 +14,7 @@ Why one op: the unfused path reads x_out again for the norm (one pass over the r
 adds x_out's two gradients in a kernel of its own (two passes more). Here the forward is one kernel
 (gated_residual_norm.cu) and the backward sums the residual gradient inside the norm's row pass
 (norm_modulate_bwd_residual_sorted_bf16) before the gated residual's backward reads it. Every output and
-gradient has the bits of the two ops run one after the other (tests/test_gated_residual_norm.py): the sum is
+gradient has the bits of the two ops run one after the other (tests/ops/test_gated_residual_norm.py): the sum is
 rounded as autograd's bf16 add rounds it, bf16(bf16(norm dx) + d_x_out).
 
 Layers (as `adaln_lab.ops.final_adaln_out`):
@@ -119,8 +119,7 @@ def _(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, row_or
 @gated_residual_norm_fwd.register_kernel("cuda")
 def _(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, row_order=None):
     kernels = kernels_take(x, gate, y, row_index, norm_weight, shift, scale, table_dtype)
-    with torch.cuda.device(x.device):
-        return forward(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, kernels)
+    return forward(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, kernels)
 
 
 @torch.library.custom_op("adaln_lab::gated_residual_norm_bwd", mutates_args=())
@@ -150,9 +149,8 @@ def _(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd
     _check_gradients(x_out, d_x_out=d_x_out, d_out=d_out)
     kernels = _bwd_kernels(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype,
                            x_dtype)
-    with torch.cuda.device(x_out.device):
-        return backward(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype,
-                        x_dtype, row_order, kernels)
+    return backward(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype,
+                    x_dtype, row_order, kernels)
 
 
 def _setup_context(ctx, inputs, output):

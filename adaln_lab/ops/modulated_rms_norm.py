@@ -95,8 +95,7 @@ def _(x, norm_weight, shift, scale, row_index, eps, table_dtype):
 @modulated_rms_norm_fwd.register_kernel("cuda")
 def _(x, norm_weight, shift, scale, row_index, eps, table_dtype):
     kernels = kernels_take(x, norm_weight, shift, scale, row_index, table_dtype)
-    with torch.cuda.device(x.device):
-        return forward(x, norm_weight, shift, scale, row_index, eps, table_dtype, kernels)
+    return forward(x, norm_weight, shift, scale, row_index, eps, table_dtype, kernels)
 
 
 @torch.library.custom_op("adaln_lab::modulated_rms_norm_bwd", mutates_args=())
@@ -124,8 +123,7 @@ def _(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None, row_or
     more = {} if d_residual is None else {"d_residual": d_residual}
     kernels = (rstd.dtype == torch.float32 and support.on_device(x, rstd=rstd) is None
                and kernels_take(x, norm_weight, shift, scale, row_index, torch.bfloat16, dy=dy, **more))
-    with torch.cuda.device(x.device):
-        return backward(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual, row_order, kernels)
+    return backward(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual, row_order, kernels)
 
 
 def _setup_context(ctx, inputs, output):

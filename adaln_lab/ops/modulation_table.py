@@ -74,8 +74,7 @@ def _(temb, weight, bias, table_backend):
 
 @modulation_table_fwd.register_kernel("cuda")
 def _(temb, weight, bias, table_backend):
-    with torch.cuda.device(temb.device):
-        return forward(temb, weight, bias, table_backend, kernels_take(temb, weight, bias))
+    return forward(temb, weight, bias, table_backend, kernels_take(temb, weight, bias))
 
 
 @torch.library.custom_op("adaln_lab::modulation_table_bwd", mutates_args=())
@@ -92,8 +91,7 @@ def _(d_table, temb, weight, bias):
 
 @modulation_table_bwd.register_kernel("cuda")
 def _(d_table, temb, weight, bias):
-    with torch.cuda.device(temb.device):
-        return backward(d_table, temb, weight, bias, kernels_take(temb, weight, bias))
+    return backward(d_table, temb, weight, bias, kernels_take(temb, weight, bias))
 
 
 def _setup_context(ctx, inputs, output):

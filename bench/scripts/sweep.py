@@ -1,7 +1,7 @@
 """A/B of kernel variants (adaln_lab.cuda.plan.TUNING) in one process, on the same inputs.
 
 Nothing is timed before it is validated: every config's forward and gradients are first held to
-the float64 golden with the GPU tests' bounds (tests/test_cuda_op.py) and compared bitwise with
+the float64 golden with the GPU tests' bounds (tests/ops/test_final_adaln_out.py) and compared bitwise with
 the first config; a config that fails is reported and not timed. Then each kernel is timed back to
 back (profile_kernels.gpu_us) and the whole forward / forward+backward as CUDA-graph replays.
 `default` alone is the evidence of the shipped kernels (sweep.json: each kernel timed alone, what

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from adaln_lab import final_adaln_out
-from adaln_lab.cuda import launchers, loader
+from adaln_lab.cuda import launchers
 from adaln_lab.harness.inputs import LEAVES, make, upstream
 
 pytestmark = pytest.mark.gpu
@@ -86,8 +86,7 @@ def test_two_streams_at_once_match_serial_runs():
 def test_two_threads_at_once_match_serial_runs(own_stream):
     made = [_inputs(1), _inputs(2)]
     serial = _serial(made)
-    loader.clear_caches()
-    launchers.kernels.cache_clear()
+    launchers.forget_compiled()  # plans, modules, launchers and the caches on them: a cold start for both threads
     barrier = threading.Barrier(2)
     results, errors = [[], []], []
 
