@@ -26,16 +26,11 @@ from adaln_lab.cuda.plan import plan
 
 from ..paths import ROOT
 
+from .loader_state import fresh_loader  # noqa: F401,E402  (autouse: a loader that compiled nothing)
+
 PLAN = plan(264, 64, 3)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_loader(monkeypatch):
-    monkeypatch.setattr(loader, "IMPORT_PROBLEM", None)
-    monkeypatch.delenv("CUPY_CACHE_IN_MEMORY", raising=False)
-    loader.clear_caches()
-    yield
-    loader.clear_caches()
 
 
 def _driver_error(status: int):
