@@ -7,7 +7,7 @@
 
 diffusers' first residual and norm2 run as one op (`gated_residual_norm`); norm1 hands x on so that x's two
 gradients are summed inside its backward. The inputs are checked once for the whole block and the kernel
-rule (`support.block`) asked once; the CUDA backward's row order is sorted once (`row_order`) for the three
+rule (`support.table`, `support.rows`) asked once; the CUDA backward's row order is sorted once (`row_order`) for the three
 row ops. Eager calls go to the ops' autograd nodes straight onto the kernels; under torch.compile to their
 custom ops. Numerics: the ops' (CPU: diffusers bit for bit; CUDA kernels: parameter gradients in a fixed
 order); backend "torch" runs diffusers' own ops and autograd (`reference.block.replay_block_adaln`).
@@ -71,16 +71,16 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
     table_dtype = weight.dtype
     compiling = torch.compiler.is_compiling()  # the custom ops then decide inside, per op
     if compiling and backend != "cupy":
-        error, rows_ok = None, False
-    else:
-        error = support.block(x, temb, weight, bias, norm1_weight, norm2_weight) or support.on_device(
-            x, row_index=row_index, temb=temb)
-        if backend == "cupy" and error is not None:
-            raise error
-        rows_ok = error is None or (table_dtype == torch.bfloat16 and x.is_cuda and support.on_device(
-            x, row_index=row_index, temb=temb) is None and support.rows(
-            x, table_rows, norm1_weight=norm1_weight, norm2_weight=norm2_weight) is None)
-    table = mt.table_op(temb, weight, bias, table_backend, not compiling and mt.kernels_take(temb, weight, bias))
+        table_kernels, rows_ok = False, False
+    else:  # the kernel rule asked once for the table and once for the rows
+        table_error = support.table(support.kernel_temb(temb, weight), weight, bias)
+        rows_error = support.on_device(x, row_index=row_index, temb=temb) or support.rows(
+            x, table_rows, norm1_weight=norm1_weight, norm2_weight=norm2_weight)
+        if backend == "cupy" and (table_error or rows_error) is not None:
+            raise table_error or rows_error
+        table_kernels = not compiling and table_error is None
+        rows_ok = table_dtype == torch.bfloat16 and rows_error is None
+    table = mt.table_op(temb, weight, bias, table_backend, table_kernels)
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table_chunks(table, H)
     # the CUDA backward passes walk the rows in table-row order: sorted once here for the block's three ops
     # (whenever grad mode is on: attn's or ff's parameters alone may want a backward through them)
