@@ -7,8 +7,8 @@
 
 diffusers' first residual and norm2 run as one op (`gated_residual_norm`); norm1 hands x on so that x's two
 gradients are summed inside its backward. The inputs are checked once for the whole block and the kernel
-rule (`support.table`, `support.rows`) asked once; the CUDA backward's row order is sorted once (`row_order`) for the three
-row ops. Eager calls go to the ops' autograd nodes straight onto the kernels; under torch.compile to their
+rule (`support.table`, `support.rows`) asked once; the CUDA backward's row order is sorted once (`row_order`)
+for the three row ops. Eager calls go to the ops' autograd nodes straight onto the kernels; under torch.compile to their
 custom ops. Numerics: the ops' (CPU: diffusers bit for bit; CUDA kernels: parameter gradients in a fixed
 order); backend "torch" runs diffusers' own ops and autograd (`reference.block.replay_block_adaln`).
 """
