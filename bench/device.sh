@@ -16,6 +16,7 @@
 #                 (plain run first, then one tool at a time)              sanitize_plain.txt, sanitize_summary.txt
 #   profile       bench/scripts/block_profile.py: the block's kernels     block_profile.txt
 #   host          bench/scripts/host_breakdown.py: host time and cProfile  host_breakdown.txt
+#   trace         bench/scripts/host_trace.py: what grows with the rows   host_trace.txt
 #   sweep         bench/scripts/sweep.py default: each kernel alone       sweep.json, sweep.log
 #   memory        bench/scripts/memory_figures.py: peak and growth        memory_figures.json, memory_figures.log
 # STEP+STEP runs steps side by side; only those that time nothing may share the GPU (tests, compare, sanitize,
@@ -36,13 +37,13 @@ set -u
 
 self=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")
 root=$(cd "$(dirname "$self")/.." && pwd)
-ALL_STEPS="tests compare report block-report lab sanitize profile host sweep memory"
+ALL_STEPS="tests compare report block-report lab sanitize profile host trace sweep memory"
 SHARING_STEPS="tests compare sanitize memory"
 
 default_limit() {
   case $1 in
     tests) echo 480 ;; compare) echo 300 ;; report) echo 420 ;; block-report) echo 240 ;; lab) echo 560 ;;
-    sanitize) echo 560 ;; profile) echo 150 ;; host) echo 150 ;; sweep) echo 200 ;; memory) echo 120 ;;
+    sanitize) echo 560 ;; profile) echo 150 ;; host) echo 150 ;; trace) echo 150 ;; sweep) echo 200 ;; memory) echo 120 ;;
   esac
 }
 
@@ -126,6 +127,13 @@ step_host() {
   run_cmd host_breakdown.txt "python3 bench/scripts/host_breakdown.py > @/host_breakdown.txt 2>&1"
   local rc=$?
   grep "host fwd+bwd" "$out/host_breakdown.txt"
+  return $rc
+}
+
+step_trace() {
+  run_cmd host_trace.txt "python3 bench/scripts/host_trace.py > @/host_trace.txt 2>&1"
+  local rc=$?
+  head -n 8 "$out/host_trace.txt"
   return $rc
 }
 
