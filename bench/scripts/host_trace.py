@@ -74,6 +74,28 @@ def phases(fn, leaves, idx, ones, samples=100, warmup=20) -> dict:
             "bwd idle": statistics.median(bwd_idle)}
 
 
+def backward_profile(fn, leaves, idx, ones, calls=200) -> str:
+    """cProfile of `.backward()` alone, each started on an idle GPU: the functions by own time per call."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(calls):
+        for leaf in leaves:
+            leaf.grad = None
+        out = fn(*leaves, idx)
+        sync()
+        prof.enable()
+        out.backward(ones)
+        prof.disable()
+        del out
+    sync()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
+    return text.getvalue()
+
+
 def trace(fn, leaves, idx, ones, calls=20) -> str:
     from torch.profiler import ProfilerActivity, profile
 
@@ -108,6 +130,11 @@ def main():
         for name, fn in candidates.items():
             p = phases(fn, leaves, idx, ones)
             print(f"{n:>6} {name:<18} {p['fwd']:8.0f} {p['bwd after fwd']:14.0f} {p['bwd idle']:9.0f}", flush=True)
+    for n in args.rows:
+        inputs = make(3, n, DEVICE)
+        leaves = [t.detach().clone().requires_grad_(True) for t in inputs.leaves]
+        print(f"\n== cProfile of adaln_lab's backward alone, {n} rows, 200 calls ==")
+        print(backward_profile(final_adaln_out, leaves, inputs.timestep_indices, torch.ones_like(inputs.x)))
     n = max(args.rows)
     inputs = make(3, n, DEVICE)
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs.leaves]
