@@ -32,7 +32,10 @@ import torch.nn as nn
 from ..ops import support
 from ..ops.checks import BACKENDS, TABLE_BACKENDS, check_option
 from ..ops.final_adaln_out import final_adaln_out
+from ..ops.modulated_rms_norm import modulated_rms_norm
+from ..ops.modulation_table import modulation_table
 from ..reference.final_adaln_out import replay
+from . import adapters
 from .fallback import AdaLNFallbackWarning, foreign, warn_once
 from .upstream import diffusers_class
 
@@ -43,7 +46,7 @@ class AdaLNOutFallbackWarning(AdaLNFallbackWarning):
     """`AdaLNOut` ran the diffusers replay instead of the requested CUDA kernels (the message says why)."""
 
 
-_READS = {"norm": nn.RMSNorm, "linear": nn.Linear}  # the submodules whose parameters forward reads
+_READS = {"norm": nn.RMSNorm, "linear": None}  # the submodules whose parameters forward reads (linear: `adapters`)
 
 
 def check_options(backend: str, table_backend: str) -> None:
@@ -82,7 +85,8 @@ class AdaLNOut(nn.Module):
         tensors, device, dtype and eps; nothing is copied or allocated). `module` is a
         `MiniMaxH3AdaLayerNormOut` (or anything with the same `norm` / `linear` layout).
         Raises TypeError unless `norm` is an `nn.RMSNorm` with a weight and `linear` a module (`submodules`);
-        hooks on them or an adapter layer as `linear` make a call run diffusers' forward (`fallback`)."""
+        a PEFT LoRA layer as `linear` runs on the ops (`adapters`); hooks on them or another wrapper make a call
+        run diffusers' forward (`fallback`)."""
         check_options(backend, table_backend)
         norm, linear = submodules(module)
         self = cls.__new__(cls)
@@ -104,28 +108,34 @@ class AdaLNOut(nn.Module):
         module.train(self.training)
         return module
 
-    def _resolved_backend(self, hidden_states: torch.Tensor) -> str:
+    def _resolved_backend(self, hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> str:
         """The backend this call runs: "auto" asks the op's own rule (the kernels where they run), with
         temb as it will reach them (float32)."""
         if self.backend != "auto":
             return self.backend
         if not hidden_states.is_cuda:
             return "torch"
-        temb_f32 = hidden_states.new_empty((1, self.linear.weight.shape[1]), dtype=torch.float32, device="meta")
-        error = support.final_adaln_out(hidden_states, self.norm.weight, temb_f32, self.linear.weight, self.linear.bias)
+        temb_f32 = hidden_states.new_empty((1, weight.shape[1]), dtype=torch.float32, device="meta")
+        error = support.final_adaln_out(hidden_states, self.norm.weight, temb_f32, weight, bias)
         return "torch" if error is not None else "cupy"
 
     def forward(self, hidden_states: torch.Tensor, temb: torch.Tensor, timestep_indices: torch.Tensor) -> torch.Tensor:
-        reason = foreign(self, _READS)
-        if reason is not None:  # hooks or a wrapper on a submodule: diffusers' forward, so that they act
-            warn_once(self, reason)
-            return diffusers_class("MiniMaxH3AdaLayerNormOut").forward(self, hidden_states, temb, timestep_indices)
-        weight, bias, norm_weight = self.linear.weight, self.linear.bias, self.norm.weight
+        found = foreign(self, _READS)
+        if found is None:
+            found = adapters.layout(self.linear)
+            found = f"linear {found}" if isinstance(found, str) else found
+        if isinstance(found, str):  # hooks or a wrapper on a submodule: diffusers' forward, so that they act
+            warn_once(self, found)
+            return self._diffusers_forward(hidden_states, temb, timestep_indices)
+        base, names = found
+        weight, bias, norm_weight = base.weight, base.bias, self.norm.weight
         eps = self.norm.eps
         if eps is None:  # what F.rms_norm does with eps=None: the epsilon of its compute dtype
             eps = torch.finfo(torch.promote_types(hidden_states.dtype, torch.float32)).eps
+        if names:
+            return self._adapted_forward(hidden_states, temb, timestep_indices, base, names, eps)
         if temb.dtype not in _EXACT_TEMB_DTYPES:
-            if self._resolved_backend(hidden_states) == "torch":
+            if self._resolved_backend(hidden_states, weight, bias) == "torch":
                 # diffusers' ops on temb as given (SiLU at temb's precision), bitwise the diffusers module
                 return replay(hidden_states, norm_weight, temb, weight, bias, timestep_indices, eps)
             if temb.dtype != weight.dtype:
@@ -141,13 +151,33 @@ class AdaLNOut(nn.Module):
         return final_adaln_out(hidden_states, norm_weight, temb, weight, bias, timestep_indices, eps=eps,
                                backend=self.backend, table_backend=self.table_backend)
 
+    def _diffusers_forward(self, hidden_states, temb, timestep_indices):
+        return diffusers_class("MiniMaxH3AdaLayerNormOut").forward(self, hidden_states, temb, timestep_indices)
+
+    def _adapted_forward(self, hidden_states, temb, timestep_indices, base, names, eps):
+        """LoRA adapters on `linear` (`adapters`): the table by `modulation_table` plus the adapters' terms, then
+        `modulated_rms_norm` with shift | scale read from it (norm_out's formula; the block ops' rounding of the
+        table: float32 holding the projection dtype's values). Where the backend resolves to "torch" (backend
+        "torch", or "auto" where the kernels do not run): diffusers' (and PEFT's) own forward, as without adapters."""
+        if self._resolved_backend(hidden_states, base.weight, base.bias) == "torch":
+            return self._diffusers_forward(hidden_states, temb, timestep_indices)
+        weight, bias, norm_weight = base.weight, base.bias, self.norm.weight
+        if self.backend == "cupy":
+            support.refuse(support.table(support.kernel_temb(temb, weight), weight, bias)
+                           or support.rows(hidden_states, temb.shape[0], norm_weight=norm_weight))
+        table = modulation_table(temb, weight, bias, table_backend=self.table_backend)
+        shift, scale = adapters.adapted_table(table, temb, self.linear, names).chunk(2, dim=-1)
+        return modulated_rms_norm(hidden_states, norm_weight, shift, scale, timestep_indices, eps,
+                                  table_dtype=weight.dtype)
+
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}, table_backend={self.table_backend!r}"
 
 
 def submodules(module: nn.Module) -> tuple[nn.Module, nn.Module]:
     """module's `norm` (an nn.RMSNorm with a weight) and `linear` (a plain nn.Linear with a bias and 2H outputs, or
-    any other module, e.g. a PEFT adapter layer: then every call runs diffusers' forward, see `fallback`)."""
+    any other module: a PEFT LoRA layer runs on the ops (`adapters`), anything else makes every call run
+    diffusers' forward, see `fallback`)."""
     name = type(module).__name__
     norm, linear = getattr(module, "norm", None), getattr(module, "linear", None)
     if type(norm) is not nn.RMSNorm or norm.weight is None:

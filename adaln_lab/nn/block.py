@@ -30,6 +30,7 @@ import torch.nn as nn
 from ..ops.block_adaln import block_adaln_path
 from ..ops.checks import BLOCK_BACKENDS, TABLE_BACKENDS, check_option
 from ..reference.block import MODALITIES
+from . import adapters
 from .fallback import foreign, warn_once
 from .upstream import diffusers_class
 
@@ -45,14 +46,15 @@ def _eps(norm: nn.RMSNorm, x: torch.Tensor) -> float:
     return norm.eps if norm.eps is not None else torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
 
 
-_READS = {"norm1": nn.RMSNorm, "norm2": nn.RMSNorm, "adaln_proj": None, "adaln_proj.linear": nn.Linear}
-# the submodules whose parameters the block reads instead of calling them (None: any class)
+_READS = {"norm1": nn.RMSNorm, "norm2": nn.RMSNorm, "adaln_proj": None, "adaln_proj.linear": None}
+# the submodules whose parameters the block reads instead of calling them (None: any class; the projection may be
+# a PEFT LoRA layer, `adapters`)
 
 
 def check_submodules(block: nn.Module) -> None:
     """Raise TypeError unless block has diffusers' layout: norm1, norm2 nn.RMSNorms with (H,) weights, attn and ff
-    modules, adaln_proj.linear a plain nn.Linear with a bias and 18H outputs, or any other module (an adapter
-    layer: every call then runs diffusers' forward, see `fallback`)."""
+    modules, adaln_proj.linear a plain nn.Linear with a bias and 18H outputs, or any other module (a PEFT LoRA
+    layer runs on the ops, `adapters`; anything else makes every call run diffusers' forward, see `fallback`)."""
     name = type(block).__name__
     for norm_name in ("norm1", "norm2"):
         norm = getattr(block, norm_name, None)
@@ -104,8 +106,8 @@ class AdaLNTransformerBlock(nn.Module):
                        table_backend: str = "cuda") -> "AdaLNTransformerBlock":
         """An `AdaLNTransformerBlock` sharing `block`'s submodules (nothing copied or allocated). `block` is a
         `MiniMaxH3TransformerBlock` (or anything with its layout; `check_submodules` says what, TypeError
-        otherwise). Hooks or an adapter layer on the submodules it reads make a call run diffusers' forward
-        (`fallback`)."""
+        otherwise). A PEFT LoRA layer as adaln_proj.linear runs on the ops (`adapters`); hooks or another wrapper on
+        the submodules it reads make a call run diffusers' forward (`fallback`)."""
         check_options(backend, table_backend)
         check_submodules(block)
         self = cls.__new__(cls)
@@ -125,20 +127,28 @@ class AdaLNTransformerBlock(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, temb: torch.Tensor, adaln_indices: torch.Tensor,
                 rotary_emb: tuple[torch.Tensor, torch.Tensor], attention_mask: torch.Tensor | None = None):
-        reason = foreign(self, _READS)
-        if reason is not None:  # hooks or a wrapper on a submodule it reads: diffusers' forward, so that they act
-            warn_once(self, reason)
+        found = foreign(self, _READS)
+        if found is None:
+            found = adapters.layout(self.adaln_proj.linear)
+            found = f"adaln_proj.linear {found}" if isinstance(found, str) else found
+        if isinstance(found, str) or (self.backend == "torch" and found[1]):
+            if isinstance(found, str):  # hooks or a wrapper on a submodule it reads: diffusers' forward, so they act
+                warn_once(self, found)
             return diffusers_class("MiniMaxH3TransformerBlock").forward(self, hidden_states, temb, adaln_indices,
                                                                         rotary_emb, attention_mask)
+        base, names = found
         linear = self.adaln_proj.linear
 
         def attn(h):
             return self.attn(h, rotary_emb, attention_mask)
 
-        return block_adaln_path(hidden_states, temb, linear.weight, linear.bias, self.norm1.weight, self.norm2.weight,
+        def adapt_table(table):
+            return adapters.adapted_table(table, temb, linear, names)
+
+        return block_adaln_path(hidden_states, temb, base.weight, base.bias, self.norm1.weight, self.norm2.weight,
                                 adaln_indices, attn, self.ff, _eps(self.norm1, hidden_states),
                                 _eps(self.norm2, hidden_states), backend=self.backend,
-                                table_backend=self.table_backend)
+                                table_backend=self.table_backend, adapt_table=adapt_table if names else None)
 
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}, table_backend={self.table_backend!r}"

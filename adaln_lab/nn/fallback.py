@@ -3,8 +3,8 @@
 adaln_lab's modules read their submodules' parameters (`linear.weight`, `norm.weight`, ...) and hand them to the
 ops; they never call those submodules. Whatever lives on a submodule acts only when the submodule is called:
 torch forward / backward hooks, diffusers' hook registry (layerwise casting, group offloading), accelerate's
-hook (cpu / disk offload, device_map), an instance-level forward, a wrapper such as a PEFT LoRA layer. Where any
-of those sits on a submodule the module reads, a call runs diffusers' own forward on the same submodules (so
+hook (cpu / disk offload, device_map), an instance-level forward, a wrapper other than the PEFT LoRA layers that
+`adapters` models. Where any of those sits on a submodule the module reads, a call runs diffusers' own forward on the same submodules (so
 all of it acts, bit for bit as unpatched), and a one-time `AdaLNFallbackWarning` per module and reason names
 what it found. Nothing is run around silently.
 """

@@ -10,8 +10,9 @@ Hooks: a module to swap that itself carries forward/backward hooks, a diffusers 
 (`_diffusers_hook`: context parallelism, layerwise casting, group offloading) or an accelerate hook
 (`_hf_hook`) is refused with an error instead of being swapped, since the swap would drop the hook (patch
 first, then enable such features: the replacement keeps the name and forward signature they key on). Hooks
-and adapter layers (PEFT) on its submodules stay: the swapped module shares those submodules and runs
-diffusers' own forward while they are there, with a one-time warning (`adaln_lab.nn.fallback`).
+and adapter layers on its submodules stay: the swapped module shares those submodules; PEFT LoRA layers on the
+projections run on its ops (`adaln_lab.nn.adapters`), anything else makes it run diffusers' own forward while
+it is there, with a one-time warning (`adaln_lab.nn.fallback`).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def _check_branch(name: str, y: torch.Tensor, x: torch.Tensor) -> None:
 def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                      norm1_weight: torch.Tensor, norm2_weight: torch.Tensor, row_index: torch.Tensor, attn, ff,
                      eps1: float = 1e-5, eps2: float = 1e-5, *, backend: str = "auto",
-                     table_backend: str = "cuda") -> torch.Tensor:
+                     table_backend: str = "cuda", adapt_table=None) -> torch.Tensor:
     """One H3 block with `attn` and `ff` as given (module docstring; `adaln_lab.reference.block`).
 
     Args:
@@ -53,6 +53,8 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
         attn, ff: maps of (..., S, H) tensors (row-wise ones keep the path batch-invariant).
         backend: "auto" (the CUDA kernels where they run, torch code elsewhere), "cupy" (refuse inputs the
             kernels cannot take, with the reason) or "torch" (diffusers' ops); table_backend: "cuda" or "torch".
+        adapt_table: None, or a map of the (T, 18H) float32 table to the table the rows read (same shape and
+            dtype): where the nn layer adds LoRA adapters' terms (`adaln_lab.nn.adapters`). Not with "torch".
 
     Returns:
         (..., S, H), diffusers' block output for these attn and ff.
@@ -63,6 +65,9 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
     if weight.dim() != 2 or weight.shape[0] != 6 * MODALITIES * H:
         raise ValueError(f"block_adaln_path needs weight of shape (18H, D) = ({18 * H}, D), got {tuple(weight.shape)}")
     if backend == "torch":
+        if adapt_table is not None:
+            raise ValueError("block_adaln_path: adapt_table needs backend 'auto' or 'cupy' (backend 'torch' runs "
+                             "diffusers' ops on weight and bias as given)")
         return replay_block_adaln(x, temb, weight, bias, norm1_weight, norm2_weight, row_index, attn, ff, eps1, eps2)
     check_table_inputs(temb, weight, bias)
     check_rows("block_adaln_path", x, row_index, norm_weight=norm1_weight)
@@ -81,6 +86,8 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
         table_kernels = not compiling and table_error is None
         rows_ok = table_dtype == torch.bfloat16 and rows_error is None
     table = mt.table_op(temb, weight, bias, table_backend, table_kernels)
+    if adapt_table is not None:
+        table = adapt_table(table)
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table_chunks(table, H)
     # the CUDA backward passes walk the rows in table-row order: sorted once here for the block's three ops
     # (whenever grad mode is on: attn's or ff's parameters alone may want a backward through them)

@@ -107,6 +107,19 @@ def test_refusals_name_what_cannot_be_taken():
         block_adaln_path(*leaves, row_index, rowwise_attn, rowwise_ff, backend="cupy")  # what the kernels cannot take
     with pytest.raises(ValueError, match="18H"):
         block_adaln_path(leaves[0], leaves[1], leaves[2][:-1], *leaves[3:], row_index, rowwise_attn, rowwise_ff)
+    with pytest.raises(ValueError, match="adapt_table needs backend 'auto' or 'cupy'"):
+        block_adaln_path(*leaves, row_index, rowwise_attn, rowwise_ff, backend="torch", adapt_table=lambda t: t)
+
+
+def test_adapt_table_is_what_the_rows_read():
+    """A map of the table reaches every row op: a table mapped to zeros gives the block of a zero projection."""
+    leaves, row_index, _ = _path_case(1, 8)
+    x, temb, weight, bias, n1, n2 = leaves
+    want = block_adaln_path(x, temb, torch.zeros_like(weight), torch.zeros_like(bias), n1, n2, row_index,
+                            rowwise_attn, rowwise_ff)
+    got = block_adaln_path(*leaves, row_index, rowwise_attn, rowwise_ff, adapt_table=torch.zeros_like)
+    assert torch.equal(got, want) and not torch.equal(got, block_adaln_path(*leaves, row_index, rowwise_attn,
+                                                                            rowwise_ff))
 
 
 # ---------------------------------------------------------------- GPU (H200) ----------------------------------
