@@ -17,6 +17,10 @@
 #   profile       bench/scripts/block_profile.py: the block's kernels     block_profile.txt
 #   host          bench/scripts/host_breakdown.py: host time and cProfile  host_breakdown.txt
 #   trace         bench/scripts/host_trace.py: what grows with the rows   host_trace.txt
+#   upstream      diffusers' own MiniMax-H3 model tests from a diffusers   diffusers_h3_tests_unpatched.txt,
+#                 checkout's tests/ at .dtests/tests (its COMMIT file),    diffusers_h3_tests_patched.txt
+#                 unpatched, then every model patched (the plugin
+#                 bench/scripts/diffusers_patch_plugin.py)
 #   sweep         bench/scripts/sweep.py default: each kernel alone       sweep.json, sweep.log
 #   memory        bench/scripts/memory_figures.py: peak and growth        memory_figures.json, memory_figures.log
 # STEP+STEP runs steps side by side; only those that time nothing may share the GPU (tests, compare, sanitize,
@@ -37,13 +41,13 @@ set -u
 
 self=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")
 root=$(cd "$(dirname "$self")/.." && pwd)
-ALL_STEPS="tests compare report block-report lab sanitize profile host trace sweep memory"
-SHARING_STEPS="tests compare sanitize memory"
+ALL_STEPS="tests compare report block-report lab sanitize profile host trace upstream sweep memory"
+SHARING_STEPS="tests compare sanitize memory upstream"
 
 default_limit() {
   case $1 in
     tests) echo 480 ;; compare) echo 300 ;; report) echo 420 ;; block-report) echo 240 ;; lab) echo 560 ;;
-    sanitize) echo 560 ;; profile) echo 150 ;; host) echo 150 ;; trace) echo 150 ;; sweep) echo 200 ;; memory) echo 120 ;;
+    sanitize) echo 560 ;; profile) echo 150 ;; host) echo 150 ;; trace) echo 150 ;; upstream) echo 400 ;; sweep) echo 200 ;; memory) echo 120 ;;
   esac
 }
 
@@ -134,6 +138,22 @@ step_trace() {
   run_cmd host_trace.txt "python3 bench/scripts/host_trace.py > @/host_trace.txt 2>&1"
   local rc=$?
   head -n 8 "$out/host_trace.txt"
+  return $rc
+}
+
+step_upstream() {
+  if [ ! -f .dtests/tests/models/transformers/test_models_transformer_minimax_h3.py ]; then
+    echo "upstream: no diffusers tests at .dtests/tests (a diffusers checkout's tests/ must travel with the checkout)"
+    return 2
+  fi
+  local test=tests/models/transformers/test_models_transformer_minimax_h3.py rc=0 f
+  for f in unpatched patched; do
+    local plugin="" path=".."
+    [ "$f" = patched ] && plugin=" -p diffusers_patch_plugin" && path="..:../bench/scripts"
+    run_cmd "diffusers_h3_tests_$f.txt" "cd .dtests && PYTHONPATH=$path:\$PYTHONPATH timeout $(within 190) python3 -m pytest \
+-q -rfEX -p no:cacheprovider -n 4$plugin $test > @/diffusers_h3_tests_$f.txt 2>&1" || rc=1
+    tail -n 1 "$out/diffusers_h3_tests_$f.txt"
+  done
   return $rc
 }
 
