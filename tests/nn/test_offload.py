@@ -1,0 +1,76 @@
+"""The patched model under diffusers' memory features: group offloading (block and leaf level), accelerate's cpu
+offload and fp8 layerwise casting. The hooks these put on the submodules the patched modules read make those
+modules run diffusers' own forward (`adaln_lab.nn.fallback`, with a warning): the outputs are the unpatched
+model's bit for bit, and the peak GPU memory is no higher than the unpatched model's under the same feature."""
+
+import copy
+import gc
+
+import pytest
+import torch
+
+import adaln_lab
+from adaln_lab.nn import AdaLNFallbackWarning
+
+from .test_patch import ALL_PARTS, SMALL, SMALL_ROWS, TINY, TINY_ROWS, make_inputs, make_model
+
+FEATURES = ["group_block", "group_leaf", "cpu_offload", "fp8_casting"]
+
+
+def with_feature(model, feature, device):
+    if feature == "group_block":
+        model.enable_group_offload(torch.device(device), offload_type="block_level", num_blocks_per_group=1)
+    elif feature == "group_leaf":
+        model.enable_group_offload(torch.device(device), offload_type="leaf_level")
+    elif feature == "cpu_offload":
+        from accelerate import cpu_offload
+
+        cpu_offload(model, execution_device=torch.device(device))
+    else:
+        model.to(device).enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    return model
+
+
+def peak_and_output(model, inputs, device):
+    """(peak bytes allocated on the device during one forward, the forward's outputs)."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        out = model(**inputs)
+    peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
+    return peak, (out.sample.cpu(), out.audio_sample.cpu())
+
+
+def run_feature(feature, device, config, rows):
+    base = make_model(60, "mixed", config)
+    inputs = make_inputs(61, rows, config, device=device)
+    results = {}
+    for name in ("unpatched", "patched"):
+        model = copy.deepcopy(base)
+        if name == "patched":
+            assert adaln_lab.patch(model, parts=ALL_PARTS)
+        with_feature(model, feature, device)
+        if name == "patched":
+            with pytest.warns(AdaLNFallbackWarning):
+                results[name] = peak_and_output(model, inputs, device)
+        else:
+            results[name] = peak_and_output(model, inputs, device)
+        del model
+    return results
+
+
+def test_fp8_layerwise_casting_on_the_cpu_equals_unpatched():
+    results = run_feature("fp8_casting", "cpu", TINY, TINY_ROWS)
+    assert all(torch.equal(a, b) for a, b in zip(results["unpatched"][1], results["patched"][1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("feature", FEATURES)
+def test_cuda_patched_model_under_memory_features_equals_unpatched_and_peaks_no_higher(feature):
+    results = run_feature(feature, "cuda", SMALL, SMALL_ROWS)
+    (peak_a, out_a), (peak_b, out_b) = results["unpatched"], results["patched"]
+    assert all(torch.equal(a, b) for a, b in zip(out_a, out_b))
+    assert peak_b <= peak_a, (peak_b, peak_a)
