@@ -1,7 +1,11 @@
 """The patched model under diffusers' memory features: group offloading (block and leaf level), accelerate's cpu
-offload and fp8 layerwise casting. The hooks these put on the submodules the patched modules read make those
-modules run diffusers' own forward (`adaln_lab.nn.fallback`, with a warning): the outputs are the unpatched
-model's bit for bit, and the peak GPU memory is no higher than the unpatched model's under the same feature."""
+offload and fp8 layerwise casting. Where a feature puts hooks on the submodules a patched module reads, that
+module runs diffusers' own forward (`adaln_lab.nn.fallback`, with a warning); where it hooks the patched module
+as a whole (block-level offloading onloads a block's parameters before its forward) or skips a module (layerwise
+casting skips every module named like "norm", norm_out included), the kernels run. So on CUDA the outputs equal
+the unpatched model's within bf16 rounding: at most twice the unpatched model's own distance from the float32
+model under the same feature (the bound of tests/nn/test_patch.py's GPU parity test), and the peak GPU memory
+is no higher than the unpatched model's. On the CPU every module runs diffusers' ops: bit for bit."""
 
 import copy
 import gc
@@ -17,7 +21,7 @@ from .test_patch import ALL_PARTS, SMALL, SMALL_ROWS, TINY, TINY_ROWS, make_inpu
 FEATURES = ["group_block", "group_leaf", "cpu_offload", "fp8_casting"]
 
 
-def with_feature(model, feature, device):
+def with_feature(model, feature, device, compute_dtype=torch.bfloat16):
     if feature == "group_block":
         model.enable_group_offload(torch.device(device), offload_type="block_level", num_blocks_per_group=1)
     elif feature == "group_leaf":
@@ -27,7 +31,7 @@ def with_feature(model, feature, device):
 
         cpu_offload(model, execution_device=torch.device(device))
     else:
-        model.to(device).enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+        model.to(device).enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute_dtype)
     return model
 
 
@@ -45,19 +49,21 @@ def peak_and_output(model, inputs, device):
 
 
 def run_feature(feature, device, config, rows):
+    """{"unpatched" | "patched" | "float32": (peak bytes, outputs)}: the mixed-precision model unpatched and patched
+    under the feature, and the same weights in a float32 model under it (fp8 casting: computing in float32)."""
     base = make_model(60, "mixed", config)
     inputs = make_inputs(61, rows, config, device=device)
     results = {}
-    for name in ("unpatched", "patched"):
-        model = copy.deepcopy(base)
+    for name in ("unpatched", "patched", "float32"):
+        if name == "float32":
+            model = make_model(60, "fp32", config)
+            model.load_state_dict(base.state_dict())
+        else:
+            model = copy.deepcopy(base)
         if name == "patched":
             assert adaln_lab.patch(model, parts=ALL_PARTS)
-        with_feature(model, feature, device)
-        if name == "patched":
-            with pytest.warns(AdaLNFallbackWarning):
-                results[name] = peak_and_output(model, inputs, device)
-        else:
-            results[name] = peak_and_output(model, inputs, device)
+        with_feature(model, feature, device, torch.float32 if name == "float32" else torch.bfloat16)
+        results[name] = peak_and_output(model, inputs, device)
         del model
     return results
 
@@ -71,6 +77,8 @@ def test_fp8_layerwise_casting_on_the_cpu_equals_unpatched():
 @pytest.mark.parametrize("feature", FEATURES)
 def test_cuda_patched_model_under_memory_features_equals_unpatched_and_peaks_no_higher(feature):
     results = run_feature(feature, "cuda", SMALL, SMALL_ROWS)
-    (peak_a, out_a), (peak_b, out_b) = results["unpatched"], results["patched"]
-    assert all(torch.equal(a, b) for a, b in zip(out_a, out_b))
+    (peak_a, out_a), (peak_b, out_b), (_, exact) = results["unpatched"], results["patched"], results["float32"]
+    for got, want, wide in zip(out_b, out_a, exact):
+        noise = (want.float() - wide.float()).abs().max().item()
+        assert (got.float() - want.float()).abs().max().item() <= 2 * noise
     assert peak_b <= peak_a, (peak_b, peak_a)
