@@ -109,6 +109,7 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
         x, gate_msa, y, row_index, norm2_weight, shift_mlp, scale_mlp, table_dtype))
     x, h = grn.gated_residual_norm_op(x, gate_msa, y, row_index, norm2_weight, shift_mlp, scale_mlp, eps2,
                                       table_dtype, order, kernels)
+    del y  # attn's output is not held while ff runs (diffusers' forward frees it there too)
     y = ff(h)
     _check_branch("ff", y, x)
     kernels = (rows_ok and _bf16_beside(y, x) and x.dtype == torch.bfloat16) or (

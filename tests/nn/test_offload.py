@@ -2,8 +2,8 @@
 offload and fp8 layerwise casting. Where a feature puts hooks on the submodules a patched module reads, that
 module runs diffusers' own forward (`adaln_lab.nn.fallback`, with a warning); where it hooks the patched module
 as a whole (block-level offloading onloads a block's parameters before its forward) or skips a module (layerwise
-casting skips every module named like "norm", norm_out included), the kernels run. So on CUDA the outputs equal
-the unpatched model's within bf16 rounding: at most twice the unpatched model's own distance from the float32
+casting skips every module named like "norm", norm_out included), the kernels run. So on CUDA the outputs and the
+gradients of the two main inputs (a backward through every block) equal the unpatched model's within bf16 rounding: at most twice the unpatched model's own distance from the float32
 model under the same feature (the bound of tests/nn/test_patch.py's GPU parity test), and the peak GPU memory
 is no higher than the unpatched model's. On the CPU every module runs diffusers' ops: bit for bit."""
 
@@ -14,9 +14,8 @@ import pytest
 import torch
 
 import adaln_lab
-from adaln_lab.nn import AdaLNFallbackWarning
 
-from .test_patch import ALL_PARTS, SMALL, SMALL_ROWS, TINY, TINY_ROWS, make_inputs, make_model
+from .test_patch import ALL_PARTS, SMALL, SMALL_ROWS, TINY, TINY_ROWS, make_inputs, make_model, upstreams
 
 FEATURES = ["group_block", "group_leaf", "cpu_offload", "fp8_casting"]
 
@@ -35,8 +34,9 @@ def with_feature(model, feature, device, compute_dtype=torch.bfloat16):
     return model
 
 
-def peak_and_output(model, inputs, device):
-    """(peak bytes allocated on the device during one forward, the forward's outputs)."""
+def peak_and_output(model, inputs, dys, device):
+    """(peak bytes allocated on the device during one forward under no_grad, that forward's outputs, the gradients
+    of <outputs, dys> with respect to the model's two main inputs from a second forward with grad)."""
     gc.collect()
     if device == "cuda":
         torch.cuda.synchronize()
@@ -45,14 +45,19 @@ def peak_and_output(model, inputs, device):
     with torch.no_grad():
         out = model(**inputs)
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
-    return peak, (out.sample.cpu(), out.audio_sample.cpu())
+    leaves = {k: inputs[k].detach().clone().requires_grad_(True) for k in ("hidden_states", "audio_hidden_states")}
+    grad_out = model(**{**inputs, **leaves})
+    torch.autograd.backward([grad_out.sample, grad_out.audio_sample], list(dys))
+    return peak, (out.sample.cpu(), out.audio_sample.cpu(), *(leaf.grad.cpu() for leaf in leaves.values()))
 
 
 def run_feature(feature, device, config, rows):
-    """{"unpatched" | "patched" | "float32": (peak bytes, outputs)}: the mixed-precision model unpatched and patched
-    under the feature, and the same weights in a float32 model under it (fp8 casting: computing in float32)."""
+    """{"unpatched" | "patched" | "float32": (peak bytes, (outputs, input gradients))}: the mixed-precision model
+    unpatched and patched under the feature, and the same weights in a float32 model under it (fp8 casting:
+    computing in float32)."""
     base = make_model(60, "mixed", config)
     inputs = make_inputs(61, rows, config, device=device)
+    dys = upstreams(62, base, inputs)
     results = {}
     for name in ("unpatched", "patched", "float32"):
         if name == "float32":
@@ -63,7 +68,7 @@ def run_feature(feature, device, config, rows):
         if name == "patched":
             assert adaln_lab.patch(model, parts=ALL_PARTS)
         with_feature(model, feature, device, torch.float32 if name == "float32" else torch.bfloat16)
-        results[name] = peak_and_output(model, inputs, device)
+        results[name] = peak_and_output(model, inputs, dys, device)
         del model
     return results
 
