@@ -17,6 +17,8 @@
 #   profile       bench/scripts/block_profile.py: the block's kernels     block_profile.txt
 #   host          bench/scripts/host_breakdown.py: host time and cProfile  host_breakdown.txt
 #   trace         bench/scripts/host_trace.py: what grows with the rows   host_trace.txt
+#   train         bench/scripts/train_step.py: a full-width 2-block       train_step.json, train_step.log
+#                 train step, bf16 and fp32 master weights + autocast
 #   upstream      diffusers' own MiniMax-H3 model tests from a diffusers   diffusers_h3_tests_unpatched.txt,
 #                 checkout's tests/ at .dtests/tests (its COMMIT file),    diffusers_h3_tests_patched.txt
 #                 unpatched, then every model patched (the plugin
@@ -41,13 +43,13 @@ set -u
 
 self=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")
 root=$(cd "$(dirname "$self")/.." && pwd)
-ALL_STEPS="tests compare report block-report lab sanitize profile host trace upstream sweep memory"
+ALL_STEPS="tests compare report block-report lab sanitize profile host trace train upstream sweep memory"
 SHARING_STEPS="tests compare sanitize memory upstream"
 
 default_limit() {
   case $1 in
     tests) echo 480 ;; compare) echo 300 ;; report) echo 420 ;; block-report) echo 240 ;; lab) echo 560 ;;
-    sanitize) echo 560 ;; profile) echo 150 ;; host) echo 150 ;; trace) echo 150 ;; upstream) echo 400 ;; sweep) echo 200 ;; memory) echo 120 ;;
+    sanitize) echo 560 ;; profile) echo 150 ;; host) echo 150 ;; trace) echo 150 ;; train) echo 300 ;; upstream) echo 400 ;; sweep) echo 200 ;; memory) echo 120 ;;
   esac
 }
 
@@ -131,6 +133,13 @@ step_host() {
   run_cmd host_breakdown.txt "python3 bench/scripts/host_breakdown.py > @/host_breakdown.txt 2>&1"
   local rc=$?
   grep "host fwd+bwd" "$out/host_breakdown.txt"
+  return $rc
+}
+
+step_train() {
+  run_cmd "train_step.json train_step.log" "python3 bench/scripts/train_step.py > @/train_step.json 2> @/train_step.log"
+  local rc=$?
+  cat "$out/train_step.log"
   return $rc
 }
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from ..ops import support
+from ..ops.autocast import autocast_params
 from ..ops.checks import BACKENDS, TABLE_BACKENDS, check_option
 from ..ops.final_adaln_out import final_adaln_out
 from ..ops.modulated_rms_norm import modulated_rms_norm
@@ -116,7 +117,10 @@ class AdaLNOut(nn.Module):
         if not hidden_states.is_cuda:
             return "torch"
         temb_f32 = hidden_states.new_empty((1, weight.shape[1]), dtype=torch.float32, device="meta")
-        error = support.final_adaln_out(hidden_states, self.norm.weight, temb_f32, weight, bias)
+        norm_weight, weight, bias = autocast_params(hidden_states, self.norm.weight, weight, bias)
+        error = support.final_adaln_out(hidden_states, norm_weight, temb_f32, weight, bias)
+        if error is not None:
+            support.warn_fallback(type(self).__name__, hidden_states, error)
         return "torch" if error is not None else "cupy"
 
     def forward(self, hidden_states: torch.Tensor, temb: torch.Tensor, timestep_indices: torch.Tensor) -> torch.Tensor:
@@ -161,12 +165,12 @@ class AdaLNOut(nn.Module):
         "torch", or "auto" where the kernels do not run): diffusers' (and PEFT's) own forward, as without adapters."""
         if self._resolved_backend(hidden_states, base.weight, base.bias) == "torch":
             return self._diffusers_forward(hidden_states, temb, timestep_indices)
-        weight, bias, norm_weight = base.weight, base.bias, self.norm.weight
+        norm_weight, weight, bias = autocast_params(hidden_states, self.norm.weight, base.weight, base.bias)
         if self.backend == "cupy":
             support.refuse(support.table(support.kernel_temb(temb, weight), weight, bias)
                            or support.rows(hidden_states, temb.shape[0], norm_weight=norm_weight))
         table = modulation_table(temb, weight, bias, table_backend=self.table_backend)
-        shift, scale = adapters.adapted_table(table, temb, self.linear, names).chunk(2, dim=-1)
+        shift, scale = adapters.adapted_table(table, temb, self.linear, names, weight.dtype).chunk(2, dim=-1)
         return modulated_rms_norm(hidden_states, norm_weight, shift, scale, timestep_indices, eps,
                                   table_dtype=weight.dtype)
 

@@ -65,12 +65,15 @@ def _round(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return value + (value.to(dtype).to(value.dtype) - value).detach()
 
 
-def adapted_table(table: torch.Tensor, temb: torch.Tensor, linear: nn.Module, names: tuple[str, ...]) -> torch.Tensor:
+def adapted_table(table: torch.Tensor, temb: torch.Tensor, linear: nn.Module, names: tuple[str, ...],
+                  weight_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The table (T, N) (float32 holding the weight dtype's values, as `modulation_table` returns it) with the
-    adapters' terms added as PEFT adds them (module docstring); `table` itself when `names` is empty."""
+    adapters' terms added as PEFT adds them (module docstring); `table` itself when `names` is empty.
+    weight_dtype: the dtype the base projection computes in (default its weight's; under autocast with an fp32
+    base, bf16: what autocast makes of PEFT's base_layer call, `adaln_lab.ops.autocast`)."""
     if not names:
         return table
-    weight_dtype = linear.base_layer.weight.dtype
+    weight_dtype = weight_dtype or linear.base_layer.weight.dtype
     act = F.silu(temb).to(weight_dtype)  # the projection's input, as diffusers computes it
     dtype = weight_dtype  # PEFT's result dtype so far
     for a in names:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..ops.autocast import autocast_params
 from ..ops.block_adaln import block_adaln_path
 from ..ops.checks import BLOCK_BACKENDS, TABLE_BACKENDS, check_option
 from ..reference.block import MODALITIES
@@ -142,8 +143,9 @@ class AdaLNTransformerBlock(nn.Module):
         def attn(h):
             return self.attn(h, rotary_emb, attention_mask)
 
-        def adapt_table(table):
-            return adapters.adapted_table(table, temb, linear, names)
+        def adapt_table(table):  # the base projection's dtype as the ops run it (bf16 under autocast)
+            return adapters.adapted_table(table, temb, linear, names,
+                                          autocast_params(hidden_states, base.weight)[0].dtype)
 
         return block_adaln_path(hidden_states, temb, base.weight, base.bias, self.norm1.weight, self.norm2.weight,
                                 adaln_indices, attn, self.ff, _eps(self.norm1, hidden_states),

@@ -26,6 +26,7 @@ from . import gated_residual_norm as grn
 from . import modulated_rms_norm as mrn
 from . import modulation_table as mt
 from . import support
+from .autocast import autocast_params
 from .checks import BLOCK_BACKENDS, TABLE_BACKENDS, check_option, check_rows, check_table_inputs
 from .row_order import row_order
 
@@ -53,6 +54,8 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
         attn, ff: maps of (..., S, H) tensors (row-wise ones keep the path batch-invariant).
         backend: "auto" (the CUDA kernels where they run, torch code elsewhere), "cupy" (refuse inputs the
             kernels cannot take, with the reason) or "torch" (diffusers' ops); table_backend: "cuda" or "torch".
+        Under torch.autocast("cuda", torch.bfloat16) with bf16 CUDA x, fp32 weight, bias and norm weights are
+        cast to bf16 for the kernels as autocast casts a linear's (`adaln_lab.ops.autocast`).
         adapt_table: None, or a map of the (T, 18H) float32 table to the table the rows read (same shape and
             dtype): where the nn layer adds LoRA adapters' terms (`adaln_lab.nn.adapters`). Not with "torch".
 
@@ -73,18 +76,26 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
     check_rows("block_adaln_path", x, row_index, norm_weight=norm1_weight)
     check_rows("block_adaln_path", x, row_index, norm_weight=norm2_weight)
     table_rows = MODALITIES * temb.shape[0]
-    table_dtype = weight.dtype
     compiling = torch.compiler.is_compiling()  # the custom ops then decide inside, per op
+    cast = autocast_params(x, weight, bias, norm1_weight, norm2_weight)  # fp32 parameters under autocast
     if compiling and backend != "cupy":
+        weight, bias, norm1_weight, norm2_weight = cast
         table_kernels, rows_ok = False, False
     else:  # the kernel rule asked once for the table and once for the rows
-        table_error = support.table(support.kernel_temb(temb, weight), weight, bias)
+        table_error = support.table(support.kernel_temb(temb, cast[0]), cast[0], cast[1])
         rows_error = support.on_device(x, row_index=row_index, temb=temb) or support.rows(
-            x, table_rows, norm1_weight=norm1_weight, norm2_weight=norm2_weight)
-        if backend == "cupy" and (table_error or rows_error) is not None:
-            raise table_error or rows_error
+            x, table_rows, norm1_weight=cast[2], norm2_weight=cast[3])
+        if (table_error or rows_error) is not None:
+            if backend == "cupy":
+                raise table_error or rows_error
+            support.warn_fallback("block_adaln_path", x, table_error or rows_error)
+            if cast[0] is not weight:  # the casts bought no kernel run: the parameters as given, to the torch code
+                table_error = support.table(support.kernel_temb(temb, weight), weight, bias)
+        else:
+            weight, bias, norm1_weight, norm2_weight = cast
         table_kernels = not compiling and table_error is None
-        rows_ok = table_dtype == torch.bfloat16 and rows_error is None
+        rows_ok = weight.dtype == torch.bfloat16 and rows_error is None
+    table_dtype = weight.dtype
     table = mt.table_op(temb, weight, bias, table_backend, table_kernels)
     if adapt_table is not None:
         table = adapt_table(table)

@@ -28,6 +28,7 @@ from ..cuda.plan import plan as make_plan
 from ..reference.backward import final_adaln_out_backward
 from ..reference.final_adaln_out import replay
 from . import support
+from .autocast import autocast_params
 from .checks import BACKENDS, NUMERICS, TABLE_BACKENDS, check_option, validate
 
 
@@ -168,6 +169,8 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
             simulator, NUMBA_ENABLE_CUDASIM=1, at tiny shapes; numba is imported on the first call),
             or "auto": "cupy" where it can run (CUDA tensors of those dtypes and shapes), "torch"
             otherwise ("auto" never picks "numba").
+        Under torch.autocast("cuda", torch.bfloat16) with bf16 CUDA x, fp32 parameters are cast to bf16 for the
+        kernels as autocast casts a linear's (`adaln_lab.ops.autocast`: the rounding contract then).
         numerics: "diffusers" rounds where diffusers rounds (SiLU cast, bf16 table, rms_norm
             output, then `1 + scale`, the product and `+ shift` each to x's dtype). One known
             difference of backend "cupy": CuPy compiles the kernels with -ftz=true, so fp32 subnormals
@@ -203,9 +206,12 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
 
         return numba_op.final_adaln_out(x, norm_weight, temb, weight, bias, timestep_indices, eps,
                                         table_backend=table_backend)
-    error = support.final_adaln_out(x, norm_weight, temb, weight, bias)
+    cast = autocast_params(x, norm_weight, weight, bias)  # fp32 parameters under autocast (`ops.autocast`)
+    error = support.final_adaln_out(x, *cast[:1], temb, *cast[1:])
     if error is not None:
         if backend == "cupy":
             raise error
+        support.warn_fallback("final_adaln_out", x, error)
         return replay(x, norm_weight, temb, weight, bias, timestep_indices, eps)
+    norm_weight, weight, bias = cast
     return _cuda(x, norm_weight, temb, weight, bias, timestep_indices, eps, table_backend)

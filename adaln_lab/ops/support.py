@@ -14,6 +14,8 @@ code otherwise), backend "cupy" (raises the error), the custom ops, `adaln_lab.c
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..cuda.plan import ROWS_MAX, T_MAX, check_shapes, plan as make_plan
@@ -134,6 +136,20 @@ def numba_final_adaln_out(x, norm_weight, temb, weight, bias=None) -> Exception 
     if x.numel() // H > ROWS_MAX:
         return ValueError(f"the Numba twin takes at most {ROWS_MAX} rows, got {x.numel() // H}")
     return None
+
+
+class KernelFallbackWarning(UserWarning):
+    """An op on CUDA tensors ran its torch code because the kernels cannot take the inputs (the message says
+    why): diffusers' numerics, parameter gradients summed by atomics (not repeatable run to run)."""
+
+
+def warn_fallback(op: str, x: torch.Tensor, error: Exception) -> None:
+    """Warn (once per op and reason: Python's default filter) that `op` on CUDA x runs its torch code because
+    of `error`. Silent on other devices, where the torch code is what backend "auto" means."""
+    if x.is_cuda:
+        warnings.warn(f"{op}: the CUDA kernels cannot take these inputs ({error}); this call runs the torch code "
+                      "(diffusers' numerics; parameter gradients summed by atomics, not repeatable run to run). "
+                      "backend='cupy' raises instead", KernelFallbackWarning, stacklevel=3)
 
 
 def refuse(error: Exception | None) -> None:

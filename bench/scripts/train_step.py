@@ -1,0 +1,190 @@
+"""One training step of a full-width MiniMax-H3 transformer, patched against diffusers, on a GPU.
+
+The model: diffusers' MiniMaxH3Transformer3DModel at full width (H 5376, 56 x 128 heads, FFN 14336, D 2688) with
+2 blocks and 1 refiner block, 4097 packed rows (512 text, 3072 video, 513 audio; batch 1; three timesteps).
+Two precisions, one model each (the variants share its weights: patched by `adaln_lab.patch`, put back by
+`adaln_lab.unpatch`):
+- `bf16`: the checkpoint's layout (bf16, `_keep_in_fp32_modules` in float32);
+- `autocast`: fp32 master weights, every step under `torch.autocast("cuda", torch.bfloat16)` (what accelerate's
+  `mixed_precision="bf16"` does).
+Variants: `diffusers`, `diffusers_deterministic` (`torch.use_deterministic_algorithms(True)`, CUBLAS_WORKSPACE_CONFIG
+set), `adaln_lab` (patched). A step is forward, backward of a fixed random upstream, `zero_grad(set_to_none=True)`
+after it. Per variant: the median step time of 10 timed steps after 3 warm-ups (CUDA events, the default SDPA
+backend), every AdaLNFallbackWarning / KernelFallbackWarning the variant raised, and whether its AdaLN
+gradients (norm_out's and each block's norm1, norm2, adaln_proj) repeat bit for bit over two steps, under the
+default SDPA backend and under SDPA's math backend (the flash backward accumulates dq with atomics, so every
+gradient upstream of an attention varies there whatever the AdaLN does); the patched forward is checked
+against diffusers' first (max |diff| over the two outputs, beside diffusers' own distance from the float32
+model for scale).
+
+    python3 bench/scripts/train_step.py [--steps 10] > train_step.json   (a table on stderr)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import warnings
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: deterministic cuBLAS
+
+import torch  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+import adaln_lab  # noqa: E402
+from adaln_lab.nn import AdaLNFallbackWarning  # noqa: E402
+from adaln_lab.ops.support import KernelFallbackWarning  # noqa: E402
+
+CONFIG = dict(num_layers=2, num_refiner_layers=1)
+ROWS = dict(text=512, video=3072, audio=513)
+
+
+def build(precision: str):
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = MiniMaxH3Transformer3DModel(**CONFIG)
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+        for name, module in model.named_modules():
+            if name and any(key in name for key in model._keep_in_fp32_modules):
+                module.float()
+    return model.train()
+
+
+def make_inputs(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    nt, nv, na = ROWS["text"], ROWS["video"], ROWS["audio"]
+    S = nt + nv + na
+    perm = torch.randperm(S, generator=g)
+    text, video, audio = perm[:nt].sort().values, perm[nt:nt + nv].sort().values, perm[nt + nv:].sort().values
+    tags = torch.empty(S, dtype=torch.long)
+    tags[video], tags[text], tags[audio] = 0, 1, 2
+    cfg = model.config
+    patch = cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2] * cfg.in_channels
+    inputs = dict(hidden_states=torch.randn(1, nv, patch, generator=g),
+                  audio_hidden_states=torch.randn(1, na, cfg.audio_in_channels, generator=g),
+                  encoder_hidden_states=torch.randn(1, nt, cfg.text_dim, generator=g),
+                  timestep=torch.tensor([0.9, 0.4, 0.0]), timestep_indices=torch.randint(0, 3, (S,), generator=g),
+                  token_tags=tags, position_ids=torch.randint(0, 64, (S, 3), generator=g),
+                  video_indices=video, audio_indices=audio, text_indices=text)
+    dv = torch.randn(1, nv, model.proj_out.out_features, generator=g)
+    da = torch.randn(1, na, model.audio_proj_out.out_features, generator=g)
+    return {k: v.cuda() for k, v in inputs.items()}, (dv.cuda(), da.cuda())
+
+
+def adaln_keys(model):
+    return [name for name, _ in model.named_parameters()
+            if name.startswith("norm_out.") or (name.startswith("transformer_blocks.")
+                                                and any(k in name for k in (".norm1.", ".norm2.", ".adaln_proj.")))]
+
+
+def step(model, inputs, dys, autocast: bool):
+    with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+        out = model(**inputs)
+    torch.autograd.backward([out.sample, out.audio_sample], [d.to(out.sample.dtype) for d in dys])
+    return out
+
+
+def adaln_grads(model, inputs, dys, autocast):
+    model.zero_grad(set_to_none=True)
+    step(model, inputs, dys, autocast)
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if k in set(adaln_keys(model))}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def repeats(model, inputs, dys, autocast, backend=None):
+    """The AdaLN parameters whose gradients differ between two identical steps."""
+    if backend is None:
+        first, second = adaln_grads(model, inputs, dys, autocast), adaln_grads(model, inputs, dys, autocast)
+    else:
+        with sdpa_kernel(backend):
+            first, second = adaln_grads(model, inputs, dys, autocast), adaln_grads(model, inputs, dys, autocast)
+    return sorted(k for k in first if not torch.equal(first[k], second[k]))
+
+
+def time_steps(model, inputs, dys, autocast, steps, warmup=3):
+    times = []
+    for i in range(warmup + steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(model, inputs, dys, autocast)
+        model.zero_grad(set_to_none=True)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def run_variant(model, inputs, dys, autocast, variant, steps):
+    deterministic = variant == "diffusers_deterministic"
+    if variant == "adaln_lab":
+        adaln_lab.patch(model)
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+                out = model(**inputs)
+            ms = time_steps(model, inputs, dys, autocast, steps)
+            differ_default = repeats(model, inputs, dys, autocast)
+            differ_math = repeats(model, inputs, dys, autocast, SDPBackend.MATH)
+        fallbacks = sorted({str(w.message)[:160] for w in seen
+                            if issubclass(w.category, (AdaLNFallbackWarning, KernelFallbackWarning))})
+    finally:
+        torch.use_deterministic_algorithms(False)
+        adaln_lab.unpatch(model)
+    return dict(step_ms=round(ms, 3), fallback_warnings=fallbacks,
+                adaln_grads_differ_default_sdpa=differ_default, adaln_grads_differ_math_sdpa=differ_math,
+                adaln_params=len(adaln_keys(model))), (out.sample.float(), out.audio_sample.float())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": CONFIG, "rows": ROWS,
+               "precisions": {}}
+    wide = None
+    for precision in ("autocast", "bf16"):
+        model = build(precision)
+        inputs, dys = make_inputs(model)
+        if precision == "autocast":  # the fp32 model without autocast: the scale of bf16 noise
+            with torch.no_grad():
+                out = model(**inputs)
+            wide = (out.sample.float(), out.audio_sample.float())
+        entry = {}
+        outs = {}
+        for variant in ("diffusers", "diffusers_deterministic", "adaln_lab"):
+            entry[variant], outs[variant] = run_variant(model, inputs, dys, precision == "autocast", variant,
+                                                        args.steps)
+            print(f"{precision:8s} {variant:24s} {entry[variant]['step_ms']:8.2f} ms  fallbacks "
+                  f"{len(entry[variant]['fallback_warnings'])}  AdaLN grads differing (default / math SDPA): "
+                  f"{len(entry[variant]['adaln_grads_differ_default_sdpa'])} / "
+                  f"{len(entry[variant]['adaln_grads_differ_math_sdpa'])} of {entry[variant]['adaln_params']}",
+                  file=sys.stderr, flush=True)
+        entry["patched_vs_diffusers_max_abs"] = max((a - b).abs().max().item()
+                                                    for a, b in zip(outs["adaln_lab"], outs["diffusers"]))
+        entry["diffusers_vs_fp32_model_max_abs"] = max((a - b).abs().max().item()
+                                                       for a, b in zip(outs["diffusers"], wide))
+        entry["speedup_vs_diffusers"] = round(entry["diffusers"]["step_ms"] / entry["adaln_lab"]["step_ms"], 3)
+        entry["speedup_vs_deterministic"] = round(
+            entry["diffusers_deterministic"]["step_ms"] / entry["adaln_lab"]["step_ms"], 3)
+        results["precisions"][precision] = entry
+        print(f"{precision}: adaln_lab {entry['speedup_vs_diffusers']}x diffusers, "
+              f"{entry['speedup_vs_deterministic']}x deterministic diffusers; forward max |patched - diffusers| "
+              f"{entry['patched_vs_diffusers_max_abs']:.3g} (diffusers vs the fp32 model: "
+              f"{entry['diffusers_vs_fp32_model_max_abs']:.3g})", file=sys.stderr, flush=True)
+        del model, inputs, dys, outs
+        torch.cuda.empty_cache()
+    json.dump(results, sys.stdout, indent=1)
+
+
+if __name__ == "__main__":
+    main()
