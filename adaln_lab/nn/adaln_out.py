@@ -142,7 +142,7 @@ class AdaLNOut(nn.Module):
             if self._resolved_backend(hidden_states, weight, bias) == "torch":
                 # diffusers' ops on temb as given (SiLU at temb's precision), bitwise the diffusers module
                 return replay(hidden_states, norm_weight, temb, weight, bias, timestep_indices, eps)
-            if temb.dtype != weight.dtype:
+            if temb.dtype != autocast_params(hidden_states, weight)[0].dtype:  # (bf16 under autocast)
                 warnings.warn(
                     f"AdaLNOut: temb is {temb.dtype} but the projection is {weight.dtype}; diffusers rounds "
                     f"SiLU(temb) to {temb.dtype} and then to {weight.dtype}, which the CUDA kernels do not "

@@ -49,6 +49,7 @@ class FinalAdaLNOut(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         x, norm_weight, temb, weight, timestep_indices = ctx.saved_tensors
+        support.check_saved("final_adaln_out", x, norm_weight=norm_weight, weight=weight)
         grads = tensors.backward_tensors(dy, x, norm_weight, temb, weight, timestep_indices, ctx.adaln_saved)
         needs = ctx.needs_input_grad
         return (*(g if need else None for g, need in zip(grads, needs)), None, None, None)

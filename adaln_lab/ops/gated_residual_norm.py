@@ -68,6 +68,7 @@ def backward(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scal
     """(dx in x_dtype, d_gate, d_y, d_norm_weight, d_shift, d_scale): the fused backward where `kernels`, else
     the two ops' backwards one after the other (the norm's summing d_x_out in), each on its own kernels."""
     if kernels:
+        support.check_saved("gated_residual_norm", x_out, norm_weight=norm_weight)
         dx, d_gate, d_y, d_norm_weight, d_shift, d_scale = tensors.gated_residual_norm_bwd(
             d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, order=row_order)
         return (dx, tensors.as_dtype(d_gate, gate.dtype), d_y, d_norm_weight, tensors.as_dtype(d_shift, shift.dtype),

@@ -70,6 +70,7 @@ def backward(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual, row_
     """(dx, d_norm_weight, d_shift, d_scale): the row kernels where `kernels` (in row_order, sorted here when
     None), else `reference.backward.modulated_rms_norm_backward`."""
     if kernels:
+        support.check_saved("modulated_rms_norm", x, norm_weight=norm_weight)
         dx, d_norm_weight, d_shift, d_scale = tensors.modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale,
                                                                             row_index, rstd, d_residual,
                                                                             order=row_order)

@@ -55,6 +55,7 @@ def forward(temb, weight, bias, table_backend: str, kernels: bool) -> torch.Tens
 def backward(d_table, temb, weight, bias, kernels: bool):
     """(d_temb, d_weight, d_bias): table_bwd.cu where `kernels`, else the float64 derivative."""
     if kernels:
+        support.check_saved("modulation_table", temb, weight=weight)
         d_temb, d_weight, d_bias = tensors.modulation_table_bwd(d_table, support.kernel_temb(temb, weight), weight)
         return tensors.as_dtype(d_temb, temb.dtype), d_weight, tensors.as_dtype(d_bias, bias.dtype)
     return modulation_table_backward(d_table, temb, weight, bias.dtype)

@@ -8,7 +8,8 @@ Two precisions, one model each (the variants share its weights: patched by `adal
 - `autocast`: fp32 master weights, every step under `torch.autocast("cuda", torch.bfloat16)` (what accelerate's
   `mixed_precision="bf16"` does).
 Variants: `diffusers`, `diffusers_deterministic` (`torch.use_deterministic_algorithms(True)`, CUBLAS_WORKSPACE_CONFIG
-set), `adaln_lab` (patched). A step is forward, backward of a fixed random upstream, `zero_grad(set_to_none=True)`
+set), `adaln_lab` (patched) and `adaln_lab_deterministic` (patched, and deterministic algorithms for the rest of
+the model: attention's backward among them). A step is forward, backward of a fixed random upstream, `zero_grad(set_to_none=True)`
 after it. Per variant: the median step time of 10 timed steps after 3 warm-ups (CUDA events, the default SDPA
 backend), every AdaLNFallbackWarning / KernelFallbackWarning the variant raised, and whether its AdaLN
 gradients (norm_out's and each block's norm1, norm2, adaln_proj) repeat bit for bit over two steps, under the
@@ -40,6 +41,7 @@ from adaln_lab.ops.support import KernelFallbackWarning  # noqa: E402
 
 CONFIG = dict(num_layers=2, num_refiner_layers=1)
 ROWS = dict(text=512, video=3072, audio=513)
+VARIANTS = ("diffusers", "diffusers_deterministic", "adaln_lab", "adaln_lab_deterministic")
 
 
 def build(precision: str):
@@ -123,8 +125,8 @@ def time_steps(model, inputs, dys, autocast, steps, warmup=3):
 
 
 def run_variant(model, inputs, dys, autocast, variant, steps):
-    deterministic = variant == "diffusers_deterministic"
-    if variant == "adaln_lab":
+    deterministic = variant.endswith("_deterministic")
+    if variant.startswith("adaln_lab"):
         adaln_lab.patch(model)
     torch.use_deterministic_algorithms(deterministic)
     try:
@@ -161,7 +163,7 @@ def main():
             wide = (out.sample.float(), out.audio_sample.float())
         entry = {}
         outs = {}
-        for variant in ("diffusers", "diffusers_deterministic", "adaln_lab"):
+        for variant in VARIANTS:
             entry[variant], outs[variant] = run_variant(model, inputs, dys, precision == "autocast", variant,
                                                         args.steps)
             print(f"{precision:8s} {variant:24s} {entry[variant]['step_ms']:8.2f} ms  fallbacks "
@@ -176,9 +178,12 @@ def main():
         entry["speedup_vs_diffusers"] = round(entry["diffusers"]["step_ms"] / entry["adaln_lab"]["step_ms"], 3)
         entry["speedup_vs_deterministic"] = round(
             entry["diffusers_deterministic"]["step_ms"] / entry["adaln_lab"]["step_ms"], 3)
+        entry["deterministic_speedup"] = round(
+            entry["diffusers_deterministic"]["step_ms"] / entry["adaln_lab_deterministic"]["step_ms"], 3)
         results["precisions"][precision] = entry
         print(f"{precision}: adaln_lab {entry['speedup_vs_diffusers']}x diffusers, "
-              f"{entry['speedup_vs_deterministic']}x deterministic diffusers; forward max |patched - diffusers| "
+              f"{entry['speedup_vs_deterministic']}x deterministic diffusers, deterministic {entry['deterministic_speedup']}x "
+              f"deterministic diffusers; forward max |patched - diffusers| "
               f"{entry['patched_vs_diffusers_max_abs']:.3g} (diffusers vs the fp32 model: "
               f"{entry['diffusers_vs_fp32_model_max_abs']:.3g})", file=sys.stderr, flush=True)
         del model, inputs, dys, outs

@@ -104,3 +104,13 @@ def test_cuda_patched_model_under_memory_features_equals_unpatched_and_peaks_no_
             noise = (want.float() - wide.float()).abs().max().item()
             assert (got.float() - want.float()).abs().max().item() <= 2 * noise
     assert peak_b <= peak_a, (peak_b, peak_a)
+
+
+def test_a_parameter_moved_or_cast_after_the_forward_is_refused_before_the_kernels_read_it():
+    from adaln_lab.ops.support import check_saved
+
+    x, w = torch.zeros(2, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)
+    check_saved("op", x, norm_weight=w)
+    w.data = w.data.to(torch.float8_e4m3fn)  # what layerwise casting does to a parameter after its forward
+    with pytest.raises(RuntimeError, match="norm_weight is now torch.float8_e4m3fn on cpu"):
+        check_saved("op", x, norm_weight=w)
