@@ -40,6 +40,8 @@ def peak_and_output(model, inputs, dys, device):
     forward with grad, or the exception's type where that backward raises). The peak is taken above the baseline
     so that what outlives a call (the model's resident weights, the workspaces a first backward allocates for its
     own thread) does not count against the model measured after it."""
+    with torch.no_grad():  # a warm-up: what a first call allocates for good (caches, workspaces) is not its peak
+        model(**inputs)
     gc.collect()
     if device == "cuda":
         torch.cuda.synchronize()
