@@ -37,7 +37,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import adaln_lab  # noqa: E402
 from adaln_lab.nn import AdaLNFallbackWarning  # noqa: E402
-from adaln_lab.ops.support import KernelFallbackWarning  # noqa: E402
+from adaln_lab.ops import KernelFallbackWarning  # noqa: E402
 
 CONFIG = dict(num_layers=2, num_refiner_layers=1)
 ROWS = dict(text=512, video=3072, audio=513)

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 import adaln_lab
 from adaln_lab.nn import AdaLNFallbackWarning
-from adaln_lab.ops.support import KernelFallbackWarning
+from adaln_lab.ops import KernelFallbackWarning
 
 from .test_patch import ALL_PARTS, SMALL, SMALL_ROWS, TINY, TINY_ROWS, adaln_keys, make_inputs, make_model, upstreams
 

@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import adaln_lab
 from adaln_lab.nn import AdaLNFallbackWarning
-from adaln_lab.ops.support import KernelFallbackWarning
+from adaln_lab.ops import KernelFallbackWarning
 
 from .test_patch import ALL_PARTS, SMALL, SMALL_ROWS, TINY, TINY_ROWS, adaln_keys, make_inputs, make_model, upstreams
 

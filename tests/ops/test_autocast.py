@@ -13,7 +13,7 @@ import torch
 from adaln_lab import block_adaln_path, final_adaln_out
 from adaln_lab.harness.block_protocol import rowwise_attn, rowwise_ff
 from adaln_lab.ops.autocast import autocast_params
-from adaln_lab.ops.support import KernelFallbackWarning
+from adaln_lab.ops import KernelFallbackWarning
 
 from .test_block_adaln import _path_case
 
