@@ -35,7 +35,8 @@
 # than 20 s left and each is cut at what is left. PACK_DIR: also copy all.tgz, MANIFEST.csv and the log
 # there after each step. LIMIT_<STEP> (LIMIT_BLOCK_REPORT, ...): a step's limit in seconds. SANITIZE_TOOLS
 # (default "memcheck racecheck initcheck synccheck"), SANITIZE_TIMEOUT (seconds per tool, default 120),
-# COMPUTE_SANITIZER (the binary). UPSTREAM_RUNS: which of "unpatched patched" the upstream step runs (default both). COMPARE_ARGS: more arguments of compare_trees.py ("--device cpu --quick"
+# COMPUTE_SANITIZER (the binary). UPSTREAM_RUNS: which of "unpatched patched" the upstream step runs (default
+# both). COMPARE_ARGS: more arguments of compare_trees.py ("--device cpu --quick"
 # tries the compare step on a CPU). ADALN_LAB_COMMIT: the commit measured (default: the one below).
 # The commit: the tree's COMMIT file, else `git rev-parse --short HEAD` ("-dirty" when tracked files differ).
 # Wheels in .whl/ (diffusers is not on the machine) go to /tmp/site first, unless PYTHONPATH has it already.
