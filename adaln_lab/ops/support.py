@@ -145,8 +145,9 @@ class KernelFallbackWarning(UserWarning):
 
 def warn_fallback(op: str, x: torch.Tensor, error: Exception) -> None:
     """Warn (once per op and reason: Python's default filter) that `op` on CUDA x runs its torch code because
-    of `error`. Silent on other devices, where the torch code is what backend "auto" means."""
-    if x.is_cuda:
+    of `error`. Silent on other devices, where the torch code is what backend "auto" means, and while
+    torch.compile traces (a warning there is a graph break; the eager call warns)."""
+    if x.is_cuda and not torch.compiler.is_compiling():
         warnings.warn(f"{op}: the CUDA kernels cannot take these inputs ({error}); this call runs the torch code "
                       "(diffusers' numerics; parameter gradients summed by atomics, not repeatable run to run). "
                       "backend='cupy' raises instead", KernelFallbackWarning, stacklevel=3)

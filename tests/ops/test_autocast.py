@@ -104,3 +104,16 @@ def test_cuda_fp32_parameters_without_autocast_warn_and_run_the_torch_code():
     with pytest.warns(KernelFallbackWarning, match="in bfloat16"):
         _norm_out(case, index, torch.ones(case[0].shape, dtype=torch.float32, device="cuda"), torch.float32,
                   autocast=False)
+
+
+@pytest.mark.gpu
+def test_cuda_fp32_parameters_compile_fullgraph_without_a_graph_break():
+    """The fallback warning is an eager-only act: under torch.compile(fullgraph=True) the same call traces (a
+    warning there is a graph break; diffusers' own test_torch_compile_recompilation_and_graph_break caught it)."""
+    case, index = _norm_out_case(45)
+    x, nw, temb, w, b = (t.cuda() for t in case)
+    # dynamo alone (backend "eager"): fullgraph refuses any graph break, and the traced ops run as eager ones do
+    fn = torch.compile(lambda *a: final_adaln_out(*a, 1e-5), fullgraph=True, backend="eager")
+    with pytest.warns(KernelFallbackWarning):
+        eager = final_adaln_out(x, nw, temb, w, b, index.cuda(), 1e-5)
+    assert torch.equal(fn(x, nw, temb, w, b, index.cuda()), eager)
