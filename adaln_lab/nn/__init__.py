@@ -6,7 +6,8 @@ The only layer that imports diffusers (through `upstream`, on demand, never at `
 from .adaln_out import AdaLNOut, AdaLNOutFallbackWarning
 from .block import AdaLNTransformerBlock
 from .fallback import AdaLNFallbackWarning
+from .fsdp import fsdp2_shard
 from .patch import patch, unpatch
 
-__all__ = ["AdaLNFallbackWarning", "AdaLNOut", "AdaLNOutFallbackWarning", "AdaLNTransformerBlock", "patch",
-           "unpatch"]
+__all__ = ["AdaLNFallbackWarning", "AdaLNOut", "AdaLNOutFallbackWarning", "AdaLNTransformerBlock", "fsdp2_shard",
+           "patch", "unpatch"]

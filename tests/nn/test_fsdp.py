@@ -1,10 +1,8 @@
 """The patched model under FSDP2 (`fully_shard`) with fp32 master weights and
 `MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`.
 
-The recipe (`shard`): patch first; then `fully_shard` each transformer block, each of the model's
-`_keep_in_fp32_modules` children in its own group with an fp32 policy (one FSDP group holds one dtype, and these
-compute in fp32 as the checkpoint's layout has them), then the root with the bf16 policy and
-`cast_forward_inputs=False` (the root's inputs reach the fp32 input projections as given).
+The recipe is `adaln_lab.nn.fsdp2_shard` (patch first; each block, each fp32 module and the root in groups of
+their own).
 
 What holds, per rank r of W, each on its own micro-batch (batch row r) of one batch of W:
 - forward: the sharded model's outputs equal, bit for bit, those of the unsharded model in the checkpoint's layout
@@ -26,28 +24,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import adaln_lab
-from adaln_lab.nn import AdaLNFallbackWarning
+from adaln_lab.nn import AdaLNFallbackWarning, fsdp2_shard
 from adaln_lab.ops import KernelFallbackWarning
 
 from .test_patch import ALL_PARTS, SMALL, SMALL_ROWS, TINY, TINY_ROWS, adaln_keys, make_inputs, make_model, upstreams
 
 BATCHED = ("hidden_states", "audio_hidden_states", "encoder_hidden_states")
-
-
-def shard(model, mesh):
-    """FSDP2 over `model` (patched or not), the recipe of the module docstring."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    for name, child in model.named_children():
-        if name in model._keep_in_fp32_modules and any(True for _ in child.parameters()):
-            fully_shard(child, mesh=mesh, mp_policy=fp32)
-    for blocks in (model.transformer_blocks, *([model.refiner_blocks] if hasattr(model, "refiner_blocks") else [])):
-        for block in blocks:
-            fully_shard(block, mesh=mesh, mp_policy=bf16)
-    fully_shard(model, mesh=mesh, mp_policy=bf16)
-    return model
 
 
 def checkpoint_layout(model):
@@ -102,7 +84,7 @@ def _compare(rank, world, device, config, rows):
     assert adaln_lab.patch(ref_model, parts=ALL_PARTS)
     micro = [_micro(inputs, dys, r) for r in range(world)]
     refs = [_step(ref_model, *m) for m in micro]
-    model = shard(adaln_lab_patched(make_model(81, "fp32", config).to(device)), mesh)
+    model = fsdp2_shard(adaln_lab_patched(make_model(81, "fp32", config).to(device)), mesh)
     with warnings.catch_warnings():
         if device == "cuda":
             warnings.simplefilter("error", AdaLNFallbackWarning)
