@@ -7,8 +7,8 @@ parallelism an AdaLN op sees one contiguous slice of the rows with their indices
 through the op gives each of its rows the output and row gradient (dx) bits that row gets unsharded, for the block's
 AdaLN path (row-wise stand-ins for attention and the feed-forward, so that only the AdaLN ops decide) and for
 norm_out, on the CPU (the ops' torch code) and on the GPU (the kernels, no fallback). Each rank's parameter
-gradients are its rows' part; their sum over the ranks is the data-parallel all-reduce's, measured by
-the 2-GPU run's to measure.
+gradients are its rows' part (checked to repeat bitwise); their sum over the ranks is the data-parallel all-reduce's,
+for a run of several GPUs to measure.
 """
 
 import warnings
@@ -43,7 +43,13 @@ def _norm_out(leaves, index):
     return final_adaln_out(leaves["x"], leaves["norm1_weight"], leaves["temb"], leaves["weight"], leaves["bias"], index)
 
 
-OPS = {"block_adaln_path": (_block, 18, 3), "final_adaln_out": (_norm_out, 2, 1)}
+def _leaky(leaves, index):
+    """A planted counter-example: each row also reads the mean of all the rows it is sharded with."""
+    return _block(leaves, index) + leaves["x"].mean(dim=1, keepdim=True)
+
+
+# op, table rows per H, table rows per timestep
+OPS = {"block_adaln_path": (_block, 18, 3), "final_adaln_out": (_norm_out, 2, 1), "leaky": (_leaky, 18, 3)}
 
 
 def _run(op, leaves, index, dy):
@@ -52,14 +58,6 @@ def _run(op, leaves, index, dy):
     out = op(leaves, index)
     out.backward(dy)
     return out.detach(), leaves["x"].grad, {k: v.grad for k, v in leaves.items() if k != "x" and v.grad is not None}
-
-
-def _leaky(leaves, index):
-    """A planted counter-example: each row also reads the mean of all the rows it is sharded with."""
-    return _block(leaves, index) + leaves["x"].mean(dim=1, keepdim=True)
-
-
-OPS["leaky"] = (_leaky, 18, 3)
 
 
 def _emulate(name, device, S, H, D=32, T=3):
