@@ -19,6 +19,9 @@
 #   trace         bench/scripts/host_trace.py: what grows with the rows   host_trace.txt
 #   train         bench/scripts/train_step.py: a full-width 2-block       train_step.json, train_step.log
 #                 train step, bf16 and fp32 master weights + autocast
+#   multi         bench/scripts/multi_gpu.py over every visible GPU:      multi_gpu.json, multi_gpu.log
+#                 FSDP2 and context parallelism (ulysses, ring; from 2
+#                 GPUs) against one device, a planted counter-example
 #   upstream      diffusers' own MiniMax-H3 model tests from a diffusers   diffusers_h3_tests_unpatched.txt,
 #                 checkout's tests/ at .dtests/tests (its COMMIT file),    diffusers_h3_tests_patched.txt
 #                 unpatched, then every model patched (the plugin
@@ -44,13 +47,13 @@ set -u
 
 self=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")
 root=$(cd "$(dirname "$self")/.." && pwd)
-ALL_STEPS="tests compare report block-report lab sanitize profile host trace train upstream sweep memory"
+ALL_STEPS="tests compare report block-report lab sanitize profile host trace train multi upstream sweep memory"
 SHARING_STEPS="tests compare sanitize memory upstream"
 
 default_limit() {
   case $1 in
     tests) echo 480 ;; compare) echo 300 ;; report) echo 420 ;; block-report) echo 240 ;; lab) echo 560 ;;
-    sanitize) echo 560 ;; profile) echo 150 ;; host) echo 150 ;; trace) echo 150 ;; train) echo 300 ;; upstream) echo 400 ;; sweep) echo 200 ;; memory) echo 120 ;;
+    sanitize) echo 560 ;; profile) echo 150 ;; host) echo 150 ;; trace) echo 150 ;; train) echo 300 ;; multi) echo 300 ;; upstream) echo 400 ;; sweep) echo 200 ;; memory) echo 120 ;;
   esac
 }
 
@@ -141,6 +144,16 @@ step_train() {
   run_cmd "train_step.json train_step.log" "python3 bench/scripts/train_step.py > @/train_step.json 2> @/train_step.log"
   local rc=$?
   cat "$out/train_step.log"
+  return $rc
+}
+
+step_multi() {
+  local world
+  world=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  run_cmd "multi_gpu.json multi_gpu.log" \
+    "python3 bench/scripts/multi_gpu.py --device cuda --world $world --out @/multi_gpu.json 2> @/multi_gpu.log"
+  local rc=$?
+  grep -v "^\[rank" "$out/multi_gpu.log" | tail -n 8
   return $rc
 }
 

@@ -1,0 +1,40 @@
+"""bench/scripts/multi_gpu.py, the run prepared for a machine of several GPUs, emulated on the CPU: 2 gloo ranks
+run FSDP2 and diffusers' ulysses context parallelism on the patched tiny model, each against the model unsharded,
+and the planted leaky norm_out is caught; ring is skipped there with its reason (no CPU attention backend returns
+the log-sum-exp)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ..paths import ROOT
+
+pytest.importorskip("diffusers", reason="the test extra brings diffusers 0.42")
+
+SCRIPT = ROOT / "bench" / "scripts" / "multi_gpu.py"
+
+
+def test_the_multi_gpu_script_on_two_cpu_ranks(tmp_path):
+    out = tmp_path / "multi_gpu.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--world", "2", "--steps", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["checks_failed"] == [] and result["world"] == 2
+    runs = result["runs"]
+    for run, names in {"fsdp": {"forward_bitwise_unsharded", "adaln_grads_reduce_scatter_mean", "adaln_grads_repeat"},
+                       "ulysses": {"norm_out_rows_bitwise_unsharded", "norm_out_rank_rows_alone_bitwise",
+                                   "adaln_grads_summed_repeat", "out_bitwise_where_diffusers_is"},
+                       "planted": {"planted_leaky_norm_out_caught"}}.items():
+        assert [set(rank["checks"]) for rank in runs[run]] == [names, names], run
+        assert all(all(rank["checks"].values()) for rank in runs[run]), run
+    assert all("log-sum-exp" in rank["skipped"] for rank in runs["ring"])
+    assert runs["fsdp"][0]["figures"]["adaln_grad_max_abs_vs_mean"] == 0.0
+
+
+def test_the_multi_gpu_script_refuses_an_unknown_run(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--runs", "fsdp,tensor",
+                           "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--runs: unknown ['tensor']" in done.stderr
