@@ -1,4 +1,8 @@
-"""Invariance assertions for your own kernel, ready for pytest.
+"""Invariance assertions for your own kernel, ready for pytest; and inputs to try things on.
+
+`make_inputs(S, H=..., D=..., T=...)` builds one call's arguments and an upstream gradient;
+`tiny_h3_model()` a small random MiniMax-H3 transformer (diffusers' class) with its forward's inputs, for
+`adaln_lab.patch`.
 
 Start with `quick=True` (392 calls at H=256: seconds); the default is the seed's full protocol
 (11483 calls at H=5376, batches up to 131072 rows: minutes on a GPU, far longer on a CPU).
@@ -24,8 +28,61 @@ import sys
 
 import torch
 
+from .harness import inputs as protocol_inputs
 from .harness.protocol import FULL, QUICK, invariance_calls
 from .harness.report import batch_invariance
+
+# A MiniMax-H3 transformer at the smallest width that runs: 2 heads of 16 channels (12 of them rotated),
+# H and D divisible by 8 as the kernels want; video rows are 4 channels x (1, 2, 2) patches.
+TINY_H3 = dict(num_attention_heads=2, attention_head_dim=16, hidden_size=32, num_layers=2, num_refiner_layers=1,
+               ffn_dim=64, in_channels=4, audio_in_channels=8, patch_size=(1, 2, 2), text_dim=16, freq_dim=16,
+               time_embed_hidden_dim=32, time_embed_dim=16, rope_freq_dim=2)
+
+
+def make_inputs(S: int, *, H: int = 64, D: int = 32, T: int = 3, seed: int = 0, device="cpu") -> dict:
+    """One call's arguments of `adaln_lab.final_adaln_out`, as keywords, plus `dy`, the upstream gradient.
+
+    x (S, H) bf16 (pass `x[None]` for a batch dimension), norm_weight (H,) bf16, temb (T, D) fp32,
+    weight (2H, D) bf16, bias (2H,) bf16, timestep_indices (S,) int64 in [0, T), dy (S, H) bf16. The
+    leaves do not require grad: set `requires_grad_()` on those you want gradients of. The values are the
+    seed protocol's (`adaln_lab.harness.inputs.make`): the same seed gives the same bits.
+    """
+    for name, value in (("S", S), ("H", H), ("D", D), ("T", T)):
+        if not isinstance(value, int) or value < (0 if name == "S" else 1):
+            raise ValueError(f"make_inputs: {name} must be an int >= {0 if name == 'S' else 1}, got {value!r}")
+    made = protocol_inputs.make(seed, S, device, H=H, D=D, T=T)
+    args = dict(x=made.x, norm_weight=made.norm_weight, temb=made.temb, weight=made.weight, bias=made.bias,
+                timestep_indices=made.timestep_indices)
+    return dict(args, dy=protocol_inputs.upstream(seed, made.x))
+
+
+def tiny_h3_model(seed: int = 0, *, rows: tuple[int, int, int] = (5, 8, 4), batch: int = 1):
+    """(model, inputs): diffusers' MiniMaxH3Transformer3DModel at `TINY_H3` (fp32, random weights, norm weights
+    drawn in [0.5, 1.5) so that they matter) and keyword inputs of its forward: `rows` = (text, video, audio)
+    packed rows in a shuffled order, three timesteps, `batch` samples. `model(**inputs).sample` is
+    (batch, video rows, 16). Needs diffusers 0.42 (the test extra)."""
+    from .nn.upstream import diffusers_class
+
+    torch.manual_seed(seed)
+    model = diffusers_class("MiniMaxH3Transformer3DModel")(**TINY_H3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight") and p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    g = torch.Generator().manual_seed(seed + 1)
+    nt, nv, na = rows
+    perm = torch.randperm(nt + nv + na, generator=g)
+    text, video, audio = perm[:nt].sort().values, perm[nt:nt + nv].sort().values, perm[nt + nv:].sort().values
+    tags = torch.empty(nt + nv + na, dtype=torch.long)
+    tags[video], tags[text], tags[audio] = 0, 1, 2
+    inputs = dict(hidden_states=torch.randn(batch, nv, 16, generator=g),
+                  audio_hidden_states=torch.randn(batch, na, TINY_H3["audio_in_channels"], generator=g),
+                  encoder_hidden_states=torch.randn(batch, nt, TINY_H3["text_dim"], generator=g),
+                  timestep=torch.tensor([0.9, 0.4, 0.0]),
+                  timestep_indices=torch.randint(0, 3, (nt + nv + na,), generator=g), token_tags=tags,
+                  position_ids=torch.randint(0, 8, (nt + nv + na, 3), generator=g),
+                  video_indices=video, audio_indices=audio, text_indices=text)
+    return model, inputs
 
 
 def estimate(protocol, quick: bool, device) -> str:
