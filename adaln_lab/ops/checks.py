@@ -6,7 +6,7 @@ x / row_index / table chunks), `check_order` (a given row order), `check_table_i
 
 Every failure names the argument: TypeError for a wrong type or dtype (and for an eps that is not a
 real number), ValueError for a wrong shape, device or eps value, IndexError for a timestep index
-outside [0, T).
+outside [0, T) (in eager calls; under torch.compile see `validate`).
 
 dtype rule (what diffusers' `MiniMaxH3AdaLayerNormOut` meets inside `MiniMaxH3Transformer3DModel`,
 read off a small model run through each way of setting its dtype; `tests/ops/test_checks.py` pins it):
@@ -80,8 +80,9 @@ def validate(x, norm_weight, temb, weight, bias, timestep_indices, eps, *, check
     float64 or the parameters' dtype). eps: a positive finite real number.
 
     `check_indices=False` skips the value range check of `timestep_indices` (on CUDA that check
-    costs one host synchronisation); under torch.compile it is skipped too (a value check cannot be traced);
-    shapes, dtypes and devices are always checked.
+    costs one host synchronisation). Under torch.compile no value is read on the host (no `.item()`, so
+    fullgraph traces): on CPU tensors the check becomes an assert inside the graph (RuntimeError instead
+    of IndexError), on CUDA it is skipped. Shapes, dtypes and devices are always checked.
     """
     # types and layouts: one fast test for the common case, the named error from the slow path
     if not (isinstance(x, _Tensor) and isinstance(norm_weight, _Tensor) and isinstance(temb, _Tensor)
@@ -136,8 +137,12 @@ def validate(x, norm_weight, temb, weight, bias, timestep_indices, eps, *, check
     if len(temb_shape) != 2 or temb_shape[0] == 0 or temb_shape[1] == 0:
         raise ValueError(f"temb must have shape (T, D) with T, D >= 1, got {tuple(temb_shape)}")
     T, D = temb_shape
-    if weight.shape != (2 * H, D):
-        raise ValueError(f"weight must have shape (2H, D) = ({2 * H}, {D}), got {tuple(weight.shape)}")
+    weight_shape = weight.shape
+    if weight_shape != (2 * H, D):
+        if len(weight_shape) == 2 and weight_shape[0] == 2 * H:  # the rows fit x: the two D disagree
+            raise ValueError(f"temb has D = {D} (shape {tuple(temb_shape)}) but weight has D = {weight_shape[1]} "
+                             f"(shape {tuple(weight_shape)}): temb (T, D) and weight (2H, D) must share D")
+        raise ValueError(f"weight must have shape (2H, D) = ({2 * H}, {D}), got {tuple(weight_shape)}")
     if bias.shape != (2 * H,):
         raise ValueError(f"bias must have shape (2H,) = ({2 * H},), got {tuple(bias.shape)}")
     if timestep_indices.shape != (S,):
@@ -145,7 +150,12 @@ def validate(x, norm_weight, temb, weight, bias, timestep_indices, eps, *, check
                          f"{tuple(timestep_indices.shape)}")
 
     # values
-    if check_indices and S > 0 and not timestep_indices.is_meta and not torch.compiler.is_compiling():
+    if check_indices and S > 0 and not timestep_indices.is_meta:
+        if torch.compiler.is_compiling():  # no host value under tracing: an assert in the graph (CPU only)
+            if timestep_indices.device.type == "cpu":
+                torch._assert_async(((timestep_indices >= 0) & (timestep_indices < T)).all(),
+                                    "timestep_indices holds a value outside [0, T), T = temb.shape[0]")
+            return S, H, T, D
         if timestep_indices.is_cuda:  # one device-to-host copy, one synchronisation
             lo, hi = torch.stack(timestep_indices.aminmax()).tolist()
         else:

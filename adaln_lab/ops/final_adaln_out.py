@@ -183,9 +183,13 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
         check_indices: check that every timestep index lies in [0, T) and raise IndexError if not.
             Default (None): check on the CPU, where it is free, but not on CUDA, where it would
             wait for the GPU (one host synchronisation per call, and no CUDA-graph capture).
-            Unchecked on CUDA, an index outside [0, T) never reads outside the table: with
-            backends "cupy" and "numba" that row's output and dx are NaN and so are the parameter
-            gradients (the error shows instead of hiding); backend "torch" hits torch's device-side assert.
+            Under torch.compile nothing is read back to the host: on CPU tensors the check is an
+            assert in the graph (RuntimeError), on CUDA it is skipped. An unchecked index outside
+            [0, T), by backend: "cupy" and "numba" never read outside the table: that row's output
+            and dx are NaN and so are the parameter gradients (the error shows instead of hiding);
+            "torch" on CPU tensors raises torch's IndexError ("index out of range", from the replay's
+            index_select), and on CUDA hits torch's device-side assert; compiled code does what the
+            compiler emits (inductor on CPU raises RuntimeError for an index >= T and wraps a negative one).
 
     Returns:
         (..., S, H) tensor of dtype torch.promote_types(x.dtype, norm_weight.dtype), as diffusers

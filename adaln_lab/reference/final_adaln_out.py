@@ -26,7 +26,10 @@ def table_reference(temb, weight, bias):
 
 
 def replay(x, norm_weight, temb, weight, bias, timestep_indices, eps: float = 1e-5):
-    """diffusers' `MiniMaxH3AdaLayerNormOut.forward`, op for op (see module docstring)."""
+    """diffusers' `MiniMaxH3AdaLayerNormOut.forward`, op for op (see module docstring).
+
+    A timestep index outside [0, T) (negative ones included) raises torch's IndexError ("index out of range
+    in self") from `index_select` on CPU tensors, and a device-side assert on CUDA ones."""
     shift, scale = table_reference(temb, weight, bias).chunk(2, dim=-1)
     hidden_states = F.rms_norm(x, (x.shape[-1],), norm_weight, eps)
     return hidden_states * (1.0 + scale.index_select(0, timestep_indices)) + shift.index_select(0, timestep_indices)

@@ -287,10 +287,44 @@ def test_custom_ops_pass_opcheck_on_cuda():
     torch.library.opcheck(final_adaln_out_fwd, args)
 
 
-def test_compile_fullgraph_on_cpu_tensors_traces_without_the_index_check():
-    """The CPU default checks the indices' values (`.item()`), which cannot be traced: under torch.compile the
-    value check is skipped, so fullgraph compiles, and the compiled call equals eager."""
-    inputs = make(3, 9, "cpu", H=64, D=32, T=3)
-    args = (*inputs.leaves, inputs.timestep_indices)
+def _cpu_call(fn, inputs, dy):
+    leaves = _leaves(inputs)
+    out = fn(*leaves, inputs.timestep_indices)
+    out.backward(dy)
+    return out, [leaf.grad for leaf in leaves]
+
+
+def test_compile_fullgraph_on_cpu_tensors_forward_and_backward_equal_eager():
+    """The default call on CPU tensors (the replay, indices checked) under torch.compile(fullgraph=True): no
+    `.item()` while tracing (it would be a data-dependent guard, an error under fullgraph), and the traced
+    forward and backward (aot_eager: the traced ops run as eager ones) equal eager bit for bit."""
+    torch._dynamo.reset()
+    inputs = make(3, 9, "cpu", **SHAPE)
+    dy = upstream(3, inputs.x)
+    out_eager, grads_eager = _cpu_call(final_adaln_out, inputs, dy)
     compiled = torch.compile(lambda *a: final_adaln_out(*a), fullgraph=True, backend="aot_eager")
-    assert torch.equal(compiled(*args), final_adaln_out(*args))
+    out, grads = _cpu_call(compiled, inputs, dy)
+    assert torch.equal(out, out_eager)
+    for a, b in zip(grads, grads_eager):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bad", [-1, 3])
+def test_bad_index_on_cpu_tensors_eager_unchecked_and_compiled(bad):
+    """What a timestep index outside [0, T) = [0, 3) does on CPU tensors (the docstring's list): the default
+    check raises IndexError naming the value; unchecked, the replay's index_select raises torch's IndexError;
+    under torch.compile(fullgraph=True) the check is an assert inside the graph (RuntimeError), nothing read
+    back while tracing."""
+    torch._dynamo.reset()
+    inputs = make(3, 9, "cpu", **SHAPE)
+    indices = inputs.timestep_indices.clone()
+    indices[4] = bad
+    args = (*inputs.leaves, indices)
+    with pytest.raises(IndexError, match=rf"timestep_indices holds {bad}, outside \[0, T\) = \[0, 3\)"):
+        final_adaln_out(*args)
+    with pytest.raises(IndexError, match="index out of range"):
+        final_adaln_out(*args, check_indices=False)
+    compiled = torch.compile(lambda *a: final_adaln_out(*a), fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(*inputs.leaves, inputs.timestep_indices), final_adaln_out(*inputs.args))
+    with pytest.raises(RuntimeError, match=r"timestep_indices holds a value outside \[0, T\)"):
+        compiled(*args)

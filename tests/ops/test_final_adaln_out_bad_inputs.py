@@ -47,7 +47,7 @@ def _bad_index(value):
 
 
 # (id, mutate(args, other_device) -> (args, kwargs), error class, regex the message must match; the
-# regex is formatted with the call's S, H, D, T, H2 = 2H, T1 = T - 1 ... see check_bad)
+# regex is formatted with the call's S, H, D, T, H1 = H - 1, H2 = 2H, D1 = D + 1: see check_bad)
 BAD_INPUTS = [
     # not a tensor / not dense
     ("x-list", _set(0, lambda t, o, d: t.tolist()), TypeError, "x must be a torch.Tensor, got list"),
@@ -118,8 +118,12 @@ BAD_INPUTS = [
     ("weight-transposed", _shape(3, lambda d: (d["D"], 2 * d["H"])), ValueError,
      r"weight must have shape \(2H, D\) = \({H2}, {D}\), got \({D}, {H2}\)"),
     ("weight-H-rows", _shape(3, lambda d: (d["H"], d["D"])), ValueError, r"weight must have shape \(2H, D\)"),
+    # temb and weight share D: a mismatch names both, whichever of the two is off
     ("weight-D-mismatch", _shape(3, lambda d: (2 * d["H"], d["D"] + 1)), ValueError,
-     r"weight must have shape \(2H, D\)"),
+     r"temb has D = {D} \(shape \({T}, {D}\)\) but weight has D = {D1} \(shape \({H2}, {D1}\)\)"),
+    ("temb-D-mismatch", _shape(2, lambda d: (d["T"], d["D"] + 1)), ValueError,
+     r"temb has D = {D1} \(shape \({T}, {D1}\)\) but weight has D = {D} \(shape \({H2}, {D}\)\): temb \(T, D\) "
+     r"and weight \(2H, D\) must share D"),
     ("bias-H", _shape(4, lambda d: (d["H"],)), ValueError, r"bias must have shape \(2H,\) = \({H2},\)"),
     ("bias-2d", _shape(4, lambda d: (2 * d["H"], 1)), ValueError, r"bias must have shape \(2H,\)"),
     ("timestep_indices-short", _shape(5, lambda d: (d["S"] - 1,)), ValueError,
@@ -143,7 +147,7 @@ BAD_INPUTS = [
 def check_bad(mutate, error, match, backend, device, other_device, shape, **options):
     args = inputs(6, (), device, **shape)
     d = _dims(args)
-    match = match.format(**d, H1=d["H"] - 1, H2=2 * d["H"])
+    match = match.format(**d, H1=d["H"] - 1, H2=2 * d["H"], D1=d["D"] + 1)
     args, kw = mutate(args, other_device)
     with pytest.raises(error, match=match):
         final_adaln_out(*args, **{"backend": backend, **options, **kw})
