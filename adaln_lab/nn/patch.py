@@ -17,6 +17,8 @@ it is there, with a one-time warning (`adaln_lab.nn.fallback`).
 
 from __future__ import annotations
 
+import warnings
+
 import torch.nn as nn
 
 from .adaln_out import AdaLNOut, check_options, submodules
@@ -25,6 +27,12 @@ from .block import check_options as check_block_options
 from .upstream import diffusers_class
 
 PARTS = ("norm_out", "blocks")
+LOOKED_FOR = {"norm_out": ("MiniMaxH3AdaLayerNormOut", AdaLNOut),
+              "blocks": ("MiniMaxH3TransformerBlock", AdaLNTransformerBlock)}  # part: (diffusers class, ours)
+
+
+class NothingToPatchWarning(UserWarning):
+    """`patch` found none of the diffusers modules it swaps (and none already swapped) in the model."""
 
 
 def _parts(parts) -> tuple[str, ...]:
@@ -90,6 +98,8 @@ def patch(model: nn.Module, *, parts=("norm_out", "blocks"), backend: str = "aut
     Returns the qualified names swapped, norm_out's first, then the blocks' (e.g. `["norm_out",
     "transformer_blocks.0", ...]` for a `MiniMaxH3Transformer3DModel`); modules already swapped are left
     as they are (patching twice returns `[]`). Nothing is swapped when an option or a module is refused.
+    A model holding none of the modules looked for (nor their swapped versions: say an `nn.Linear`, or a
+    model of another architecture) returns `[]` with a `NothingToPatchWarning` naming the classes.
     To change the backend of a patched model, set `backend` / `table_backend` on its swapped modules or
     `unpatch` and patch again.
     """
@@ -110,7 +120,13 @@ def patch(model: nn.Module, *, parts=("norm_out", "blocks"), backend: str = "aut
         for name, module in _targets(model, match):
             _refuse_hooks(name, module)
             check(module)
-    return [name for match, _, build in swaps for name in _swap(model, match, build)]
+    swapped = [name for match, _, build in swaps for name in _swap(model, match, build)]
+    if not swapped and not any(isinstance(m, LOOKED_FOR[p][1]) for p in parts for m in model.modules()):
+        looked_for = " or ".join(LOOKED_FOR[p][0] for p in parts)
+        warnings.warn(f"patch swapped nothing: {type(model).__name__} holds no {looked_for} (diffusers' "
+                      f"MiniMax-H3 modules, parts={parts}), nor any already swapped", NothingToPatchWarning,
+                      stacklevel=2)
+    return swapped
 
 
 def unpatch(model: nn.Module, *, parts=PARTS) -> list[str]:

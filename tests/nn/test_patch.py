@@ -2,6 +2,7 @@
 
 import math
 import sys
+import warnings
 
 import pytest
 import torch
@@ -430,3 +431,22 @@ def test_patched_blocks_model_cuda_adaln_gradients_repeat_bitwise(precision):
     for key in adaln_keys(model):
         assert first[key] is not None and torch.isfinite(first[key]).all(), key
         assert torch.equal(first[key], second[key]), key
+
+
+def test_patch_of_a_model_with_nothing_to_swap_warns_naming_what_it_looked_for():
+    """A model without any of the modules patch swaps (a bare Linear, another architecture) returns [] with a
+    NothingToPatchWarning naming the diffusers classes of the parts asked for; patching an already patched
+    model returns [] silently."""
+    from adaln_lab.nn.patch import NothingToPatchWarning
+
+    assert issubclass(NothingToPatchWarning, UserWarning)
+    with pytest.warns(NothingToPatchWarning, match="Linear holds no MiniMaxH3AdaLayerNormOut or "
+                                                   "MiniMaxH3TransformerBlock"):
+        assert adaln_lab.patch(nn.Linear(4, 4)) == []
+    with pytest.warns(NothingToPatchWarning, match=r"Sequential holds no MiniMaxH3TransformerBlock \("):
+        assert adaln_lab.patch(nn.Sequential(nn.Linear(4, 4)), parts="blocks") == []
+    model = make_model(30, "fp32")
+    assert adaln_lab.patch(model, parts="norm_out", backend="torch") == ["norm_out"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert adaln_lab.patch(model, parts="norm_out") == []
