@@ -197,12 +197,17 @@ def ulp_bins() -> list[str]:
 def ulp_analysis(a: torch.Tensor, b: torch.Tensor, inputs: Inputs, top: int = 10, sample: int = 2000) -> dict:
     """Bf16 ulp distances between outputs a and b ((S, H), one 16-bit dtype) and where they sit.
 
-    `histogram`: counts per `ulp_bins()` bin. Cancellation of an element is
-    max(|p|, |shift|) / |b| with shift the row's shift (diffusers' bf16 table) and p = b - shift:
-    how much larger the final add's operands are than its result. `by_cancellation`: per
-    cancellation bin, the elements, those that differ and their largest distance. `largest`: the
-    `top` largest distances with row, column, values and cancellation. `sample`: up to `sample`
-    (cancellation, ulps) pairs of differing elements for a scatter plot.
+    `histogram`: counts per `ulp_bins()` bin. The cancellation of an element is
+    max(|p|, |shift|) / |out| with out = b, shift the row's shift (diffusers' bf16 table) and
+    p = out - shift: how many times larger the final add's operands are than its result (a 1-ulp
+    change of an operand is about that many ulps of the result). Where out == 0 the operands
+    cancel completely and the ratio has no value: those elements are counted apart in
+    `zero_output` (elements, differ, max_ulp), not in `by_cancellation`, and their cancellation
+    is None in `largest`. `by_cancellation`: per cancellation bin (out != 0), the elements, those
+    that differ and their largest distance. `largest`: the `top` largest distances with row,
+    column, values and cancellation. `sample`: up to `sample` differing elements drawn at random
+    plus the `top` largest, as `cancellation` / `ulps` (out != 0) and `zero_output_ulps` (out == 0),
+    for a scatter plot that always shows the largest distances.
     """
     ulps = ulp_distance(a, b).flatten()
     counts = torch.bucketize(ulps, torch.tensor(ULP_EDGES[1:], device=ulps.device), right=True).bincount(
@@ -212,29 +217,66 @@ def ulp_analysis(a: torch.Tensor, b: torch.Tensor, inputs: Inputs, top: int = 10
         shift = shift.index_select(0, inputs.timestep_indices).to(F64).flatten()
     ref = b.to(F64).flatten()
     product = ref - shift
-    cancellation = torch.maximum(product.abs(), shift.abs()) / ref.abs().clamp_min(torch.finfo(F64).tiny)
+    zero = ref == 0
+    cancellation = torch.maximum(product.abs(), shift.abs()) / torch.where(zero, torch.ones_like(ref), ref.abs())
+    cancellation = cancellation.masked_fill(zero, math.inf)  # out == 0: no ratio; never written out as a number
     differ = ulps > 0
+
+    def count(inside):
+        both = inside & differ
+        return {"elements": int(inside.sum()), "differ": int(both.sum()),
+                "max_ulp": int(ulps[both].max()) if bool(both.any()) else 0}
+
     by_cancellation = []
     for lo, hi in zip(CANCELLATION_EDGES, CANCELLATION_EDGES[1:]):
-        inside = (cancellation >= lo) & (cancellation < hi) if lo > 1 else cancellation < hi
-        both = inside & differ
-        by_cancellation.append({"from": lo, "to": None if math.isinf(hi) else hi, "elements": int(inside.sum()),
-                                "differ": int(both.sum()), "max_ulp": int(ulps[both].max()) if bool(both.any()) else 0})
+        inside = ~zero & ((cancellation >= lo) & (cancellation < hi) if lo > 1 else cancellation < hi)
+        by_cancellation.append({"from": lo, "to": None if math.isinf(hi) else hi, **count(inside)})
     k = min(top, ulps.numel())
     values, where = ulps.topk(k) if k else (ulps[:0], ulps[:0])
     H = a.shape[-1]
+
+    def ratio(i):
+        return None if bool(zero[i]) else float(cancellation[i])
+
     largest = [{"row": int(i) // H, "col": int(i) % H, "ulps": int(u), "a": float(a.flatten()[i]),
                 "b": float(ref[i]), "shift": float(shift[i]), "product": float(product[i]),
-                "cancellation": float(cancellation[i])} for u, i in zip(values.tolist(), where.tolist()) if u > 0]
+                "cancellation": ratio(i)} for u, i in zip(values.tolist(), where.tolist()) if u > 0]
     index = torch.nonzero(differ).flatten()
     if index.numel() > sample:
         pick = torch.randperm(index.numel(), generator=torch.Generator().manual_seed(0))[:sample]
         index = index[pick.to(index.device)]
+    index = torch.cat([index, where[values > 0]]).unique()
+    finite = index[~zero[index]]
     return {"rows": a.shape[0], "elements": ulps.numel(), "bins": ulp_bins(), "histogram": counts.tolist(),
             "bitwise_equal_fraction": float((~differ).double().mean()),
             "max_ulp": int(ulps.max()) if ulps.numel() else 0,
-            "by_cancellation": by_cancellation, "largest": largest,
-            "sample": {"cancellation": cancellation[index].tolist(), "ulps": ulps[index].tolist()}}
+            "by_cancellation": by_cancellation, "zero_output": count(zero), "largest": largest,
+            "sample": {"cancellation": cancellation[finite].tolist(), "ulps": ulps[finite].tolist(),
+                       "zero_output_ulps": ulps[index[zero[index]]].tolist()}}
+
+
+LEGACY_ZERO_OUTPUT = 1e300  # lab files written before `zero_output`: out == 0 gave max(|p|, |shift|) / 2.2e-308
+
+
+def is_zero_output(cancellation) -> bool:
+    """Whether a cancellation of a lab file stands for out == 0: None, or (files written before
+    `zero_output` existed, where the ratio divided by float64's tiny) a value above 1e300; any
+    nonzero bf16 output gives a ratio below 1e42."""
+    return cancellation is None or cancellation > LEGACY_ZERO_OUTPUT
+
+
+def cancellation_points(u: dict) -> dict:
+    """The points of one `ulp_analysis` for the distance-against-cancellation scatter.
+
+    {"cancellation": [...], "ulps": [...]} for out != 0 and {"zero_output_ulps": [...]} for
+    out == 0, from `sample` and `largest` together (so the largest distances are drawn even from
+    files whose sample missed them), reading files of either layout (see `is_zero_output`).
+    """
+    s = u["sample"]
+    pairs = list(zip(s["cancellation"], s["ulps"])) + [(d["cancellation"], d["ulps"]) for d in u["largest"]]
+    zero = list(s.get("zero_output_ulps", [])) + [n for c, n in pairs if is_zero_output(c)]
+    finite = [(c, n) for c, n in pairs if not is_zero_output(c)]
+    return {"cancellation": [c for c, _ in finite], "ulps": [n for _, n in finite], "zero_output_ulps": zero}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -341,5 +383,54 @@ def growth(data: dict, keys=("temb", "w", "b")) -> dict:
             for name in data["candidates"]}
 
 
+SPREAD_NAMES = {"nw": "norm_weight", "temb": "temb", "w": "weight", "b": "bias"}
+AGREE = 1e-12  # in units of max|golden|: float64 summation order (chunked or not) moves an error by ~1e-15
+
+
+def against_report(data: dict, report: dict) -> dict:
+    """Every figure a lab file (`measure`) and a report (`python -m adaln_lab report`) both hold, and why
+    two of them differ.
+
+    Both measure `harness.inputs.make(1, S)` and `upstream(1, x)` at the report's sizes with the same
+    metric (max|err| / max|golden|, `errors_at` equals `harness.accuracy`), so a figure is the same in
+    both (within AGREE) unless (checked in this order) the two files come from different commits
+    ("commits differ": the kernels may have changed between them) or the candidate's gradient changes
+    from run to run (`spread` of the lab file, or the report's params_repeatable: "run to run", atomic
+    adds on a GPU). Anything else is "unexplained". Returns {"lab_commit", "report_commit",
+    "rows": [{rows, candidate, quantity, lab, report, verdict}]}, verdict "equal" or one of the above.
+    """
+    lab_commit = str((data.get("meta") or {}).get("adaln_lab_commit") or "unknown")
+    report_commit = str(report.get("adaln_lab_commit") or "unknown")
+    same_commit = "unknown" not in (lab_commit, report_commit) and (
+        lab_commit.startswith(report_commit) or report_commit.startswith(lab_commit))
+    spread_ = (data.get("spread") or {}).get("candidates", {})
+    rows = []
+    for S, by_name in data["errors"].items():
+        for name, ours in by_name.items():
+            theirs = report["results"]["plain"].get(name, {}).get("accuracy_latency", {}).get(S)
+            if theirs is None:
+                continue
+            repeatable = report["results"]["plain"][name].get("batch_invariance", {}).get(
+                "params_repeatable_each", {})
+            pairs = [("fwd", ours["fwd_rel_err"], theirs["fwd_rel_err"])]
+            pairs += [(f"d{k}", ours["grad_rel_err"][k], theirs["grad_rel_err"][k]) for k in GRAD_KEYS.values()]
+            for quantity, a, b in pairs:
+                key = quantity[1:]
+                varies = (spread_.get(name, {}).get(SPREAD_NAMES.get(key), {}).get("distinct", 1) > 1
+                          or repeatable.get(SPREAD_NAMES.get(key), True) is False)
+                if abs(a - b) <= AGREE:
+                    verdict = "equal"
+                elif not same_commit:
+                    verdict = "commits differ"
+                elif varies:
+                    verdict = "run to run"
+                else:
+                    verdict = "unexplained"
+                rows.append({"rows": S, "candidate": name, "quantity": quantity, "lab": a, "report": b,
+                             "verdict": verdict})
+    return {"lab_commit": lab_commit, "report_commit": report_commit, "rows": rows}
+
+
 __all__ = ["ROUNDING_POINTS", "DECLARED", "LEAVES", "rounded_golden", "golden_by_chunks", "errors_at",
-           "attribution", "ulp_analysis", "ulp_bins", "spread", "plan", "measure", "growth"]
+           "attribution", "ulp_analysis", "ulp_bins", "is_zero_output", "cancellation_points", "spread", "plan",
+           "measure", "growth", "against_report"]

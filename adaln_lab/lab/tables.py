@@ -143,3 +143,50 @@ def report_parity(report: dict) -> str:
              p["max_operand_ulp"]] for backend, sizes in parity.items() for S, p in sizes.items()]
     return table(["adaln_lab", "rows", "bitwise equal", "within 1 ulp", "max ulps (output)",
                   "max ulps (largest operand of + shift)"], rows)
+
+
+ZERO_OUTPUT = "out = 0 (no ratio)"
+
+
+def cancellation(value) -> str:
+    """A cancellation ratio of `errors.ulp_analysis` ('133'), or 'out = 0 (no ratio)' where the output is 0."""
+    from .errors import is_zero_output
+
+    return ZERO_OUTPUT if is_zero_output(value) else fmt(value)
+
+
+def cancellation_bins(u: dict) -> str:
+    """Per cancellation bin of one `errors.ulp_analysis`: elements, those that differ, the largest distance;
+    the elements whose output is 0 in a row of their own (files written before that count fold them into
+    the last bin, and the table says so)."""
+    rows = [[f"[{b['from']}, {'inf' if b['to'] is None else b['to']})", b["elements"], b["differ"], b["max_ulp"]]
+            for b in u["by_cancellation"]]
+    zero = u.get("zero_output")
+    if zero is not None:
+        rows.append([ZERO_OUTPUT, zero["elements"], zero["differ"], zero["max_ulp"]])
+    else:
+        rows[-1][0] += " incl. out = 0 (file written before they were counted apart)"
+    return table(["cancellation", "elements", "differ", "largest ulps"], rows)
+
+
+def ulp_largest(u: dict) -> str:
+    """The largest distances of one `errors.ulp_analysis`: where, the two values, shift, p and cancellation."""
+    return table(["row", "col", "ulps", "this", "diffusers", "shift", "p", "cancellation"],
+                 [[d["row"], d["col"], d["ulps"], d["a"], d["b"], d["shift"], d["product"],
+                   cancellation(d["cancellation"])] for d in u["largest"]])
+
+
+def against_report(comparison: dict) -> str:
+    """`errors.against_report`: one line of counts per verdict, then the figures that are not equal."""
+    rows = comparison["rows"]
+    counts = {}
+    for r in rows:
+        counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
+    head = (f"lab file at commit {comparison['lab_commit'][:7]}, report at {comparison['report_commit'][:7]}: "
+            f"{len(rows)} figures in both; " + ", ".join(f"{n} {v}" for v, n in counts.items()))
+    differ = [[r["rows"], r["candidate"], r["quantity"], r["lab"], r["report"], r["verdict"]]
+              for r in rows if r["verdict"] != "equal"]
+    if not differ:
+        return head
+    return head + "\n\n" + table(["rows", "candidate", "error of", "lab file", "report.json", "why they differ"],
+                                 differ)

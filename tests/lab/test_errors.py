@@ -1,7 +1,9 @@
 """`adaln_lab.lab.errors` on the CPU at tiny sizes: goldens with any rounding points, chunked errors, the rounding
-attribution, ulp analysis, run-to-run spread, and `measure`."""
+attribution, ulp analysis (outputs of 0 counted apart), run-to-run spread, `measure`, and the comparison of a lab
+file with a report."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ import torch
 from adaln_lab.harness.accuracy import accuracy, golden_result
 from adaln_lab.harness.candidates import Named
 from adaln_lab.harness.inputs import make, upstream
-from adaln_lab.lab import errors, walkthrough
+from adaln_lab.lab import errors, tables, walkthrough
 from adaln_lab.reference import golden, replay
 
 from .common import CPU, REPLAY, SHAPE, bump as _bump
@@ -66,6 +68,71 @@ def test_ulp_analysis_counts_planted_distances_and_finds_the_largest():
     assert (u["largest"][0]["row"], u["largest"][0]["col"]) == divmod(400, SHAPE["H"])
     assert sum(c["differ"] for c in u["by_cancellation"]) == 4
     assert sorted(u["sample"]["ulps"]) == [1, 1, 1, 6]
+
+
+def test_ulp_analysis_counts_outputs_of_zero_apart_and_keeps_every_ratio_finite():
+    i = make(1, 9, **SHAPE)
+    flat = replay(*i.args).flatten().clone()
+    flat[[5, 77]] = 0  # diffusers' output 0 there: max(|p|, |shift|) / |out| has no value
+    b = flat.view(9, SHAPE["H"])
+    a = _bump(b, torch.tensor([5, 77, 300]), 3)
+    u = errors.ulp_analysis(a, b, i, top=4)
+    zeros = int((b == 0).sum())
+    assert u["zero_output"] == {"elements": zeros, "differ": 2, "max_ulp": 3}
+    assert sum(c["elements"] for c in u["by_cancellation"]) + zeros == b.numel()
+    assert sum(c["differ"] for c in u["by_cancellation"]) == 1
+    assert all(math.isfinite(c) and c < 1e6 for c in u["sample"]["cancellation"])
+    assert u["sample"]["ulps"] == [3] and u["sample"]["zero_output_ulps"] == [3, 3]
+    at_zero = [d for d in u["largest"] if d["b"] == 0]
+    assert len(at_zero) == 2 and all(d["cancellation"] is None for d in at_zero)
+    assert all(math.isfinite(d["cancellation"]) for d in u["largest"] if d["b"] != 0)
+    json.dumps(u, allow_nan=False)  # no inf or nan reaches lab_errors.json
+    assert tables.ZERO_OUTPUT in tables.cancellation_bins(u) and tables.ZERO_OUTPUT in tables.ulp_largest(u)
+
+
+def test_ulp_sample_always_holds_the_largest_distances():
+    i = make(1, 9, **SHAPE)
+    b = replay(*i.args)
+    a = _bump(_bump(b, torch.arange(0, 400), 1), torch.tensor([450]), 40)
+    u = errors.ulp_analysis(a, b, i, top=3, sample=5)  # 5 of 401 drawn at random: the 40 would be missed
+    assert u["max_ulp"] == 40 and 40 in u["sample"]["ulps"]
+    assert errors.cancellation_points(u)["ulps"].count(40) >= 1
+
+
+def test_files_written_before_the_zero_count_read_as_out_equal_zero():
+    legacy = {"sample": {"cancellation": [1.5, 8.391575375626826e+307], "ulps": [1, 15488]},
+              "largest": [{"ulps": 15488, "cancellation": 8.391575375626826e+307, "b": 0.0}],
+              "by_cancellation": [{"from": 1, "to": None, "elements": 10, "differ": 2, "max_ulp": 15488}]}
+    points = errors.cancellation_points(legacy)
+    assert points["cancellation"] == [1.5] and points["zero_output_ulps"] == [15488, 15488]
+    assert tables.cancellation(8.391575375626826e+307) == tables.ZERO_OUTPUT and tables.cancellation(133.0) == "133"
+    assert "incl. out = 0" in tables.cancellation_bins(legacy)
+
+
+def _lab_and_report(commit_lab, commit_report, lab_temb, report_temb, distinct=1):
+    entry = {"fwd_rel_err": 0.0068, "grad_rel_err": {"x": 0.0039, "nw": 0.0022, "temb": lab_temb, "w": 0.0021,
+                                                     "b": 0.0026}}
+    theirs = {"fwd_rel_err": 0.0068, "grad_rel_err": {**entry["grad_rel_err"], "temb": report_temb}}
+    data = {"errors": {"4097": {"adaln_lab": entry}}, "meta": {"adaln_lab_commit": commit_lab},
+            "spread": {"candidates": {"adaln_lab": {"temb": {"distinct": distinct}}}}}
+    report = {"adaln_lab_commit": commit_report,
+              "results": {"plain": {"adaln_lab": {"accuracy_latency": {"4097": theirs}}}}}
+    return data, report
+
+
+def test_against_report_says_why_a_figure_differs():
+    # the pair of 6b65938: lab file of 5613c04, report of bc33a1f, same inputs and metric
+    comparison = errors.against_report(*_lab_and_report("5613c04", "bc33a1f", 8.42e-08, 1.16e-07))
+    verdicts = {r["quantity"]: r["verdict"] for r in comparison["rows"]}
+    assert verdicts == {"fwd": "equal", "dx": "equal", "dnw": "equal", "dtemb": "commits differ", "dw": "equal",
+                        "db": "equal"}
+    assert "commits differ" in tables.against_report(comparison) and "5613c04" in tables.against_report(comparison)
+    same = errors.against_report(*_lab_and_report("ad16fd5aaaa", "ad16fd5", 1.16e-07, 1.16e-07 + 1e-15))
+    assert {r["verdict"] for r in same["rows"]} == {"equal"}
+    varies = errors.against_report(*_lab_and_report("ad16fd5", "ad16fd5", 0.031, 0.029, distinct=5))
+    assert {r["quantity"]: r["verdict"] for r in varies["rows"]}["dtemb"] == "run to run"
+    odd = errors.against_report(*_lab_and_report("ad16fd5", "ad16fd5", 0.031, 0.029))
+    assert {r["quantity"]: r["verdict"] for r in odd["rows"]}["dtemb"] == "unexplained"
 
 
 def test_spread_sees_non_repeatable_gradients_and_not_repeatable_ones():

@@ -139,6 +139,22 @@ def test_committed_lab_evidence_agrees_with_the_report():
             ours, theirs = data["errors"][S][name], report["results"]["plain"][name]["accuracy_latency"][S]
             assert ours["fwd_rel_err"] == pytest.approx(theirs["fwd_rel_err"], rel=0.05), (S, name)
         assert data["errors"][S]["adaln_lab"]["grad_correctly_rounded"]["b"] > 0.999
+    comparison = errors.against_report(data, report)  # every figure in both: equal, or a named reason
+    assert len(comparison["rows"]) == 2 * 6 * len(report["results"]["plain"]), comparison["rows"]
+    assert not [r for r in comparison["rows"] if r["verdict"] == "unexplained"]
+    if comparison["lab_commit"][:7] == comparison["report_commit"][:7]:  # one commit: adaln_lab's figures are equal
+        assert {r["verdict"] for r in comparison["rows"] if r["candidate"] == "adaln_lab"} == {"equal"}
+
+
+@one_worker
+@needs_evidence("report.json", "lab_errors.json")
+def test_the_error_notebook_says_why_lab_and_report_figures_differ_and_counts_outputs_of_zero(executed):
+    text = _text(executed["error_analysis"][0])
+    data = evidence.load_json(evidence.lab_path("errors", EVIDENCE))
+    assert tables.against_report(errors.against_report(data, evidence.load_report(EVIDENCE))) in text
+    assert "8.39e+307" not in text and "overflow encountered" not in text
+    for u in data["ulp"].values():
+        assert tables.cancellation_bins(u) in text and tables.ulp_largest(u) in text
 
 
 # --- the same notebooks on complete (synthetic) lab files --------------------------------------------
