@@ -149,6 +149,14 @@ def _cuda(x, norm_weight, temb, weight, bias, timestep_indices, eps, table_backe
         return FinalAdaLNOut.apply(*args)
 
 
+def dense(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The arguments as dense tensors (a no-op for contiguous ones): torch's CPU kernels may take another code
+    path, with other roundings, for a broadcast (stride-0) or strided operand (a scalar silu instead of the
+    vectorised one, seen for an expanded temb), so the replay runs on dense copies and every layout of the
+    same values gives the same bits, as the kernels' launch (which takes contiguous inputs) does."""
+    return tuple(t.contiguous() for t in tensors)
+
+
 def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor, timestep_indices: torch.Tensor, eps: float = 1e-5, *,
                     backend: str = "auto", numerics: str = "diffusers", table_backend: str = "cuda",
@@ -205,7 +213,7 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
     if table_backend not in TABLE_BACKENDS:
         check_option("table_backend", table_backend, TABLE_BACKENDS)
     if backend == "torch" or (backend == "auto" and not x.is_cuda):
-        return replay(x, norm_weight, temb, weight, bias, timestep_indices, eps)
+        return replay(*dense(x, norm_weight, temb, weight, bias, timestep_indices), eps)
     if backend == "numba":
         from ..numba import op as numba_op
 
@@ -217,6 +225,6 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
         if backend == "cupy":
             raise error
         support.warn_fallback("final_adaln_out", x, error)
-        return replay(x, norm_weight, temb, weight, bias, timestep_indices, eps)
+        return replay(*dense(x, norm_weight, temb, weight, bias, timestep_indices), eps)
     norm_weight, weight, bias = cast
     return _cuda(x, norm_weight, temb, weight, bias, timestep_indices, eps, table_backend)
