@@ -7,7 +7,7 @@ from .adaln_out import AdaLNOut, AdaLNOutFallbackWarning
 from .block import AdaLNTransformerBlock
 from .fallback import AdaLNFallbackWarning
 from .fsdp import fsdp2_shard
-from .patch import patch, unpatch
+from .patch import NothingToPatchWarning, patch, unpatch
 
 __all__ = ["AdaLNFallbackWarning", "AdaLNOut", "AdaLNOutFallbackWarning", "AdaLNTransformerBlock", "fsdp2_shard",
-           "patch", "unpatch"]
+           "NothingToPatchWarning", "patch", "unpatch"]
