@@ -1,9 +1,12 @@
 """Command line of adaln_lab.
 
     python -m adaln_lab report --out FILE.json [--quick] [--device cpu|cuda] [--candidates NAMES]
-    python -m adaln_lab table FILE.json          (markdown summary of a report; exit 2 if unreadable)
+                               [--candidate pkg.mod:fn ...]   (your callable beside the built-ins; repeatable)
+    python -m adaln_lab table FILE.json          (markdown summary of a report or block report; exit 2 if unreadable)
     python -m adaln_lab block-report --out FILE.json [--quick] [--candidates NAMES]
                                                  (one H3 block's AdaLN parts: time vs floor, accuracy, repeat)
+
+report and block-report print their table (the one `table` prints) on stdout at the end.
 """
 
 from __future__ import annotations
@@ -24,14 +27,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="default: cuda when available, else cpu")
     report.add_argument("--candidates", default=None,
                         help="comma-separated names among diffusers, torch_compile, adaln_lab, adaln_lab_numba (CUDA only) "
-                             f"(default: {DEFAULT_CANDIDATES['cuda']} on cuda, {DEFAULT_CANDIDATES['cpu']} on cpu)")
+                             f"(default: {DEFAULT_CANDIDATES['cuda']} on cuda, {DEFAULT_CANDIDATES['cpu']} on cpu; "
+                             "'' for none, e.g. with --candidate)")
+    report.add_argument("--candidate", action="append", default=[], metavar="MODULE:FUNCTION",
+                        help="a callable fn(x, norm_weight, temb, weight, bias, timestep_indices) -> out to report "
+                             "beside the built-ins, e.g. my_pkg.kernels:my_adaln (imported; repeatable); its rows "
+                             "are named MODULE:FUNCTION")
     block = commands.add_parser("block-report", help="one MiniMax-H3 block's AdaLN parts against their floor")
     block.add_argument("--out", required=True, help="path of the JSON report to write")
     block.add_argument("--quick", action="store_true", help="small shapes (a CPU finishes in a minute)")
     block.add_argument("--device", choices=("cpu", "cuda"), default=None)
     block.add_argument("--candidates", default="diffusers,torch_compile,adaln_lab",
                        help="comma-separated names among diffusers, torch_compile, adaln_lab")
-    table = commands.add_parser("table", help="print a report JSON as a markdown table")
+    table = commands.add_parser("table", help="print a report or block report JSON as markdown tables")
     table.add_argument("report_json")
     args = parser.parse_args(argv)
 
@@ -47,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from .harness.render import markdown
     from .harness.report import provenance, run_report, write
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -59,14 +68,21 @@ def main(argv: list[str] | None = None) -> int:
             result = run_block_report([n for n in args.candidates.split(",") if n], device, args.quick)
         except ValueError as error:
             parser.error(str(error))
-        write({**provenance(), **result}, args.out)
+        result = {**provenance(), **result}
+        write(result, args.out)
+        print(markdown(result))
         return 0
-    names = [n for n in (args.candidates or DEFAULT_CANDIDATES[device]).split(",") if n]
+    from .harness.calls import CandidateOutputError
+    from .harness.candidates import load_candidate
+
+    names = [n for n in (DEFAULT_CANDIDATES[device] if args.candidates is None else args.candidates).split(",") if n]
     try:
-        result = run_report(names, device, args.quick)
-    except ValueError as error:
+        mine = [load_candidate(spec) for spec in args.candidate]
+        result = run_report(names + mine, device, args.quick)
+    except (ValueError, CandidateOutputError) as error:
         parser.error(str(error))
     write(result, args.out)
+    print(markdown(result))
     return 0
 
 

@@ -15,20 +15,23 @@ Start with `quick=True` (392 calls at H=256: seconds); the default is the seed's
 
 `my_kernel(x, norm_weight, temb, weight, bias, timestep_indices) -> out` must be differentiable by
 torch autograd (shapes as in `adaln_lab.final_adaln_out`). The assertion runs the three row checks
-and the parameter-gradient repeatability check of `adaln_lab.harness.invariance` and fails with
-every nonzero count and the first failing comparisons. It prints an estimate of the work up
-front and tqdm progress bars while it runs, on stderr (`pytest -s` shows them).
+and the parameter-gradient repeatability check of `adaln_lab.harness.invariance` and fails in a few
+lines: per failed check how many rows differ, the largest |diff| and the first differing row. It
+prints an estimate of the work up front (the full protocol times a few calls first) and progress
+while it runs, on stderr (`pytest -s` shows them; bars on a terminal, plain lines in a log).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 
 import torch
 
+from .harness import estimate as harness_estimate
 from .harness import inputs as protocol_inputs
+from .harness.candidates import callable_name
+from .harness.invariance import failure_summary
 from .harness.protocol import FULL, QUICK, invariance_calls
 from .harness.report import batch_invariance
 
@@ -85,14 +88,22 @@ def tiny_h3_model(seed: int = 0, *, rows: tuple[int, int, int] = (5, 8, 4), batc
     return model, inputs
 
 
-def estimate(protocol, quick: bool, device) -> str:
-    """The up-front line: how much work this call is, and how to make it small."""
+def estimate(protocol, quick: bool, device, fn=None) -> str:
+    """The up-front line: how much work this call is, and how to make it small. For the full protocol with
+    `fn` given, a few calls of `fn` are timed first (`harness.estimate.call_cost`) and the whole run is
+    extrapolated from them: "about N min on this device"."""
     calls = invariance_calls(protocol)
     shape = f"H={protocol.H}, D={protocol.D}, T={protocol.T}, batches up to {protocol.full_batch} rows"
     if quick:
         return f"assert_batch_invariant: quick protocol on {device}: ~{calls} calls ({shape}), seconds"
-    return (f"assert_batch_invariant: full protocol on {device}: ~{calls} calls ({shape}); minutes on a GPU, "
-            f"far longer on a CPU; quick=True runs {invariance_calls(QUICK)} small calls in seconds")
+    timed = ""
+    if fn is not None:
+        total = harness_estimate.seconds(harness_estimate.call_cost(fn, protocol, device),
+                                         harness_estimate.invariance_batches(protocol))
+        timed = (f"; {harness_estimate.minutes(total)} on this device (extrapolated from calls of 1 and "
+                 f"{min(harness_estimate.PROBE_ROWS, protocol.full_batch)} rows)")
+    return (f"assert_batch_invariant: full protocol on {device}: ~{calls} calls ({shape}){timed}; minutes on a "
+            f"GPU, far longer on a CPU; quick=True runs {invariance_calls(QUICK)} small calls in seconds")
 
 
 def assert_batch_invariant(fn, *, device="cpu", quick: bool = False, H: int | None = None,
@@ -101,19 +112,26 @@ def assert_batch_invariant(fn, *, device="cpu", quick: bool = False, H: int | No
 
     quick=True: small sizes (H=256, D=128, batches up to 512 rows, 392 calls), seconds; try this
     first. quick=False (default): the seed's full protocol, 11483 calls at H=5376 with batches up
-    to 131072 rows, minutes on a GPU and far longer on a CPU. An estimate line and progress bars
+    to 131072 rows, minutes on a GPU and far longer on a CPU: a few calls are timed first and the
+    estimate ("about N min on this device") printed before it starts. The estimate line and progress
     go to stderr. H, D, T override the protocol's shapes.
+
+    `fn(x (S, H), norm_weight (H,), temb (T, D), weight (2H, D), bias (2H,), timestep_indices (S,)) -> (S, H)`,
+    differentiable by torch autograd; an output that is not a tensor of x's shape requiring grad (a tuple,
+    a detached tensor) raises TypeError naming `fn` and what it returned.
+
+    The AssertionError is a few lines (at most 6): per failed check how many rows differ in the output
+    and in dx (the gradient of x), the largest |diff| and the first differing row; then the checks
+    that passed.
     """
     protocol = QUICK if quick else FULL
     protocol = dataclasses.replace(protocol, **{k: v for k, v in (("H", H), ("D", D), ("T", T)) if v is not None})
-    print(estimate(protocol, quick, device), file=sys.stderr, flush=True)
+    print(estimate(protocol, quick, device, None if quick else fn), file=sys.stderr, flush=True)
     report = batch_invariance(fn, protocol, torch.device(device))
     if not report["batch_invariant"]:
-        summary = {
-            "all_rows": {n: r for n, r in report["all_rows"].items() if r["fwd_differ"] or r["rowgrad_differ"]},
-            "params_repeatable_each": report["params_repeatable_each"],
-            "full_vs_sub_batches": {k: report["full_vs_sub_batches"][k] for k in ("fwd_differ", "rowgrad_differ")},
-            "batch_size_sweep": {k: report["batch_size_sweep"][k] for k in ("differ", "first_failures")},
-        }
-        raise AssertionError("candidate is not batch-invariant:\n" + json.dumps(summary, indent=1))
+        where = f"{'quick' if quick else 'full'} protocol on {device}, H={protocol.H}, D={protocol.D}, T={protocol.T}"
+        lines = failure_summary(report)
+        failed = len([line for line in lines if not line.startswith("passed:")])
+        raise AssertionError("\n".join([f"{callable_name(fn)} is not batch-invariant: {failed} of 4 checks "
+                                         f"failed ({where})"] + [f"  {line}" for line in lines]))
     return report

@@ -24,18 +24,17 @@ bias (18H,) bf16, adaln_indices (S,) int64 = timestep * 3 + modality tag, in [0,
 from __future__ import annotations
 
 import functools
-import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn as nn
-from tqdm import tqdm
 
 from ..reference.block import MODALITIES
 from .accuracy import rel_err
 from .inputs import H_REAL, D_REAL, T_REAL, PARAMETER_SEED, SALT_X, CallArgs, generator
 from .latency import copy_bandwidth, graph_latency, host_latency
+from .progress import progress, write as progress_write
 
 EPS = 1e-6
 LEAVES = ("x", "norm1_weight", "norm2_weight", "temb", "weight", "bias")
@@ -174,6 +173,22 @@ def accuracy(fn, inputs: BlockInputs, dy: torch.Tensor, reference) -> dict:
             "grads_repeat_bitwise": torch.equal(out, out2) and all(torch.equal(grads[n], grads2[n]) for n in LEAVES)}
 
 
+def measured(result: dict, floor: dict) -> str:
+    """The on-screen line of one candidate and size: CUDA-graph times against the floor when there are
+    any, and always the host times it measured (on a CPU the graphs are n/a, elsewhere a failed capture
+    gives its reason)."""
+    def us(key):
+        value = result.get(key)
+        return "n/a" if value is None else f"{value:.0f}"
+
+    host = f"host fwd {us('host_fwd_us')} us, fwd+bwd {us('host_fwd_bwd_us')} us"
+    if result.get("fwd_bwd_us_graph") is not None or result.get("fwd_us_graph") is not None:
+        return (f"graph fwd {us('fwd_us_graph')} us, fwd+bwd {us('fwd_bwd_us_graph')} us (floor "
+                f"{floor['fwd_us']:.0f} / {floor['fwd_bwd_us']:.0f}); {host}")
+    reason = result.get("fwd_bwd_us_graph_error")
+    return f"{host} (CUDA graphs: {'n/a on CPU' if reason == 'no CUDA' else reason})"
+
+
 def run_block_report(names: list[str], device: str | torch.device, quick: bool, warmup: int = 10,
                      iters: int = 30) -> dict:
     device = torch.device(device)
@@ -184,13 +199,13 @@ def run_block_report(names: list[str], device: str | torch.device, quick: bool, 
         raise ValueError(f"unknown block candidate(s) {unknown}; known: {', '.join(CANDIDATES)}")
     copy = copy_bandwidth(device, (64 << 20) if quick else (1 << 30))
     report = {"kind": "adaln_lab_block_report", "op": "MiniMaxH3TransformerBlock AdaLN parts", "quick": quick,
-              "shape": shape, "eps": EPS, "copy_TBps": copy, "sizes": {}, "notes": {
+              "device": str(device), "shape": shape, "eps": EPS, "copy_TBps": copy, "sizes": {}, "notes": {
                   "floor": block_floor_bytes.__doc__.strip(),
                   "fwd_us_graph": "CUDA-graph replay of the forward (harness.latency.graph_latency)",
                   "fwd_bwd_us_graph": "CUDA-graph replay of forward + backward with an all-ones gradient",
                   "grad_rel_err": "max|err| / max|ref| against diffusers' block in float64 (random dy)"}}
     built = {name: CANDIDATES[name][1](shape["H"], shape["D"]) for name in names}
-    for S in tqdm(sizes, desc="block report sizes", leave=True, dynamic_ncols=True):
+    for S in progress(None, "block report sizes", unit="size", leave=True, iterable=sizes):
         inputs = make_block(1, S, device, **shape)
         dy = torch.randn(inputs.x.shape, generator=generator(device, 1, SALTS["dy"]), device=device,
                          dtype=torch.float32).to(torch.bfloat16)
@@ -209,9 +224,7 @@ def run_block_report(names: list[str], device: str | torch.device, quick: bool, 
                 value = result[f"{key}_us_graph"]
                 result[f"{key}_graph_x_floor"] = None if value is None else value / floor[f"{key}_us"]
             entry["candidates"][name] = result
-            tqdm.write(f"[block report] S={S} {name}: fwd {result['fwd_us_graph']} us, fwd+bwd "
-                       f"{result['fwd_bwd_us_graph']} us (floor {floor['fwd_us']:.0f} / {floor['fwd_bwd_us']:.0f})",
-                       file=sys.stderr)
+            progress_write(f"[block report] S={S} {name}: {measured(result, floor)}")
         base = entry["candidates"].get("adaln_lab", {}).get("fwd_bwd_us_graph")
         for name, result in entry["candidates"].items():
             other = result.get("fwd_bwd_us_graph")

@@ -17,6 +17,7 @@ simulator, thousands of threads a second, far too slow for any report).
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -139,13 +140,72 @@ BUILTIN = {
 CUDA_ONLY = ("torch_compile", "adaln_lab_numba")
 
 
-def resolve(names: list[str], device: torch.device) -> list[Named]:
-    """Build the named candidates; a GPU-only one (CUDA_ONLY) asked for off CUDA is an error naming it."""
+def callable_name(fn) -> str:
+    """`module:qualname` of a callable (a functools.partial names its function), else its repr."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if qualname is None and not isinstance(fn, type):  # an instance with __call__: name its class
+        module, qualname = type(fn).__module__, type(fn).__qualname__
+    return f"{module}:{qualname}" if module and qualname else repr(fn)
+
+
+def from_callable(fn, name: str | None = None) -> Named:
+    """A user's callable `fn(x, norm_weight, temb, weight, bias, timestep_indices) -> out` as a candidate,
+    named `name` or `module:qualname`. Raises TypeError when `fn` is not callable."""
+    if not callable(fn):
+        raise TypeError(f"a candidate must be callable or the name of a built-in ({', '.join(BUILTIN)}); "
+                        f"got {type(fn).__name__} {fn!r:.80}")
+    label = name or callable_name(fn)
+    return Named(label, f"user callable {callable_name(fn)}", fn)
+
+
+def load_candidate(spec: str) -> Named:
+    """The candidate `pkg.mod:fn` (or `pkg.mod:Class.attr`): import the module, take the attribute.
+
+    Raises ValueError naming `spec` when it is not `module:attribute`, the module cannot be imported,
+    the attribute is missing or it is not callable.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--candidate {spec!r}: expected module:attribute, e.g. my_pkg.kernels:my_adaln")
+    try:
+        target = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"--candidate {spec!r}: cannot import module {module_name!r}: "
+                         f"{type(error).__name__}: {error}") from error
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ValueError(f"--candidate {spec!r}: {getattr(target, '__name__', module_name)!r} has no "
+                             f"attribute {part!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ValueError(f"--candidate {spec!r}: {attr!r} is a {type(target).__name__}, not callable")
+    return Named(spec, f"user callable {spec}", target)
+
+
+def resolve(candidates: list, device: torch.device) -> list[Named]:
+    """Build the candidates: a built-in name (a GPU-only one, CUDA_ONLY, asked for off CUDA is an
+    error naming it), a `Named`, or any callable (`from_callable`: named module:qualname). Rows
+    with the same name get `#2`, `#3` appended."""
     out = []
-    for name in names:
-        if name not in BUILTIN:
-            raise ValueError(f"unknown candidate {name!r}; known: {', '.join(BUILTIN)}")
-        if name in CUDA_ONLY and device.type != "cuda":
-            raise ValueError(f"candidate {name!r} runs on CUDA only (use --device cuda)")
-        out.append(BUILTIN[name](device=device))
+    for candidate in candidates:
+        if isinstance(candidate, Named):
+            built = candidate
+        elif isinstance(candidate, str):
+            if candidate not in BUILTIN:
+                raise ValueError(f"unknown candidate {candidate!r}; known: {', '.join(BUILTIN)} "
+                                 "(or pass a callable, or module:function)")
+            if candidate in CUDA_ONLY and device.type != "cuda":
+                raise ValueError(f"candidate {candidate!r} runs on CUDA only (use --device cuda)")
+            built = BUILTIN[candidate](device=device)
+        else:
+            built = from_callable(candidate)
+        taken = {c.name for c in out}
+        if built.name in taken:
+            k = 2
+            while f"{built.name}#{k}" in taken:
+                k += 1
+            built = Named(f"{built.name}#{k}", built.source, built.fn, built.warning)
+        out.append(built)
     return out

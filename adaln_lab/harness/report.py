@@ -1,4 +1,5 @@
-"""The report: every check of the harness on named candidates, written in the seed report's schema.
+"""The report: every check of the harness on candidates (built-in names or any callable), in the seed
+report's schema.
 
 Same keys as ../shared/reference/seed_prior_art_b200.json (so the files read side by side), with
 `adaln_lab_commit` where the seed has `rl_kernel_commit`, plus: the measured copy bandwidth
@@ -25,14 +26,14 @@ import sys
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
-from . import invariance
+from . import estimate, invariance
 from .accuracy import accuracy, parity
 from .candidates import Named, adaln_lab_candidate, diffusers_candidate, resolve
 from .inputs import make, upstream
 from .latency import (autograd_floor, copy_bandwidth, graph_latency, host_latency, inference_latency,
                       latency, memory_floor)
+from .progress import progress, write as progress_write
 from .protocol import FULL, QUICK, Protocol
 
 LIBRARIES = ("torch", "triton", "diffusers", "cupy-cuda13x", "numba-cuda", "numpy", "ml_dtypes",
@@ -69,6 +70,12 @@ SCHEMA_NOTES = {
     "autograd_floor_host_us": "the same identity call timed like host_fwd_bwd_us: what torch autograd alone costs "
                               "the host per forward+backward.",
     "memory_floor": "per size: bytes read once and written once (fwd_bytes, fwd_bwd_bytes) over copy_TBps.",
+    "rows_invariant": "the three row checks alone (all_rows, full_vs_sub_batches, batch_size_sweep): no row whose "
+                      "output or dx differs; `batch_invariant` (the seed's verdict) also needs params_repeatable.",
+    "rowgrad_differ": "rows whose dx (the gradient of x) is not bitwise equal to the reference row's; fwd_differ "
+                      "the same for the output.",
+    "fwd_max_abs_diff": "the largest |diff| among the elements that differ (rowgrad_max_abs_diff: of dx); 0 when "
+                        "none; first_differ: where the first differing row was (null when none).",
 }
 
 
@@ -121,8 +128,10 @@ def environment(device: torch.device) -> dict:
 
 
 def batch_invariance(fn, protocol: Protocol, device: torch.device) -> dict:
+    """The four checks of `invariance` on `fn`; `rows_invariant` is the three row checks alone,
+    `batch_invariant` the seed's verdict (those and `params_repeatable`)."""
     p = protocol
-    checks = tqdm(total=4, desc="batch invariance", unit="check", leave=True, dynamic_ncols=True)
+    checks = progress(4, "batch invariance", unit="check", leave=True)
     checks.set_postfix_str("all_rows")
     report = {"all_rows": invariance.all_rows(fn, p.all_rows_sizes, p.seeds, device, p.shape)}
     checks.update()
@@ -141,6 +150,7 @@ def batch_invariance(fn, protocol: Protocol, device: torch.device) -> dict:
         fn, p.sweep_sizes, p.probe_rows, p.pool_size, p.seeds, device, p.shape)
     checks.update()
     checks.close()
+    report["rows_invariant"] = invariance.rows_invariant(report)
     report["batch_invariant"] = invariance.batch_invariant(report)
     return report
 
@@ -179,15 +189,15 @@ def graph_timings(candidates: list[Named], protocol: Protocol, device: torch.dev
     goes last, so that a capture failure, which can leave CUDA unwell, touches the others least."""
     inputs = {str(S): make(protocol.accuracy_seed, S, device, **protocol.shape) for S in protocol.accuracy_sizes}
     order = sorted(candidates, key=lambda c: c.name == "torch_compile")
-    for candidate in tqdm(order, desc="cuda graphs", leave=True, dynamic_ncols=True,
-                          disable=device.type != "cuda"):
+    for candidate in (progress(None, "cuda graphs", unit="candidate", leave=True, iterable=order)
+                      if device.type == "cuda" else order):
         for S, batch in inputs.items():
             figures = graph_latency(candidate.fn, batch, protocol.warmup, protocol.iters)
             results[candidate.name][S].update(figures)
             for key in ("fwd_us_graph", "fwd_bwd_us_graph"):
                 if figures[key] is None and figures[key + "_error"] != "no CUDA":
-                    tqdm.write(f"[adaln_lab report] {candidate.name} @{S}: {key} capture failed: "
-                               f"{figures[key + '_error']}", file=sys.stderr)
+                    progress_write(f"[adaln_lab report] {candidate.name} @{S}: {key} capture failed: "
+                                   f"{figures[key + '_error']}")
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -198,12 +208,32 @@ def announce(candidate: Named, device: torch.device) -> str:
     return line + (f"  !! WARNING: {candidate.warning}" if candidate.warning else "")
 
 
-def run_report(names: list[str], device: str | torch.device, quick: bool) -> dict:
+def announce_estimate(candidates: list[Named], protocol: Protocol, device: torch.device) -> float:
+    """Time a few calls of each candidate, print the whole run's extrapolated time; return its seconds."""
+    batches = estimate.report_batches(protocol)
+    total = sum(estimate.seconds(estimate.call_cost(c.fn, protocol, device), batches) for c in candidates)
+    probe = min(estimate.PROBE_ROWS, protocol.full_batch)
+    progress_write(f"[adaln_lab report] full protocol, {len(candidates)} candidate(s), ~{len(batches)} calls each: "
+                   f"{estimate.minutes(total)} on this device ({device}; extrapolated from calls of 1 and {probe} "
+                   "rows; --quick for minutes)")
+    return total
+
+
+def run_report(candidates: list, device: str | torch.device, quick: bool, protocol: Protocol | None = None) -> dict:
+    """The report of `candidates`: built-in names ("diffusers", "adaln_lab", ...), `Named`, or any callable
+    `fn(x (S, H), norm_weight (H,), temb (T, D), weight (2H, D), bias (2H,), timestep_indices (S,)) -> (S, H)`
+    (its row is named module:qualname). `protocol` defaults to QUICK or FULL by `quick`; the full
+    protocol first prints an estimate of its time. A candidate that is not batch-invariant gets its
+    failed checks printed in a few lines (`invariance.failure_summary`)."""
     device = torch.device(device)
-    protocol = QUICK if quick else FULL
-    candidates = resolve(names, device)
+    protocol = protocol or (QUICK if quick else FULL)
+    candidates = resolve(list(candidates), device)
+    if not candidates:
+        raise ValueError("no candidates: name built-ins (--candidates) or pass callables (--candidate mod:fn)")
     for candidate in candidates:
-        tqdm.write(announce(candidate, device), file=sys.stderr)
+        progress_write(announce(candidate, device))
+    if not quick:
+        announce_estimate(candidates, protocol, device)
     copy = copy_bandwidth(device, protocol.copy_bytes)
     floors = {str(S): memory_floor(S, protocol.H, protocol.D, protocol.T, copy) for S in protocol.accuracy_sizes}
     report = {
@@ -221,10 +251,13 @@ def run_report(names: list[str], device: str | torch.device, quick: bool) -> dic
         "schema_notes": SCHEMA_NOTES,
         "results": {"plain": {}},
     }
-    for candidate in tqdm(candidates, desc="candidates", leave=True, dynamic_ncols=True):
+    for candidate in progress(None, "candidates", unit="candidate", leave=True, iterable=candidates):
         entry = {"source": candidate.source, "has_backward": True,
                  "batch_invariance": batch_invariance(candidate.fn, protocol, device),
                  "accuracy_latency": accuracy_latency(candidate, protocol, device, floors)}
+        if not entry["batch_invariance"]["batch_invariant"]:
+            progress_write("\n".join([f"[adaln_lab report] {candidate.name} is not batch-invariant:"]
+                                     + [f"  {line}" for line in invariance.failure_summary(entry["batch_invariance"])]))
         if candidate.name == "adaln_lab" and device.type == "cuda":
             entry["forward_parity_vs_diffusers"] = forward_parity(protocol, device)
         report["results"]["plain"][candidate.name] = entry

@@ -1,6 +1,7 @@
 """The block report (adaln_lab/harness/block_report.py): inputs, floor, golden, accuracy, CLI."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -46,9 +47,19 @@ def test_golden_is_the_diffusers_block_in_float64_and_catches_a_wrong_candidate(
     assert bad["grad_rel_err"]["norm2_weight"] > 0.5
 
 
-def test_cli_writes_a_block_report(tmp_path):
+def test_cli_writes_a_block_report_prints_its_figures_and_table_renders_it(tmp_path, capsys):
     out = tmp_path / "block.json"
     assert main(["block-report", "--out", str(out), "--quick", "--device", "cpu", "--candidates", "diffusers"]) == 0
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.startswith("[block report] S=")]
+    assert len(lines) == 2 and all("None" not in line for line in lines)
+    assert re.fullmatch(r"\[block report\] S=257 diffusers: host fwd \d+ us, fwd\+bwd \d+ us "
+                        r"\(CUDA graphs: n/a on CPU\)", lines[0]), lines[0]
+    assert "| 257 | diffusers | n/a on CPU | n/a on CPU |" in captured.out  # the table, on screen at the end
+    assert main(["table", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.strip() == captured.out.strip()
+    assert "| 1024 | diffusers | n/a on CPU |" in text and "- CPU run:" in text and "copy bandwidth n/a on CPU" in text
     report = json.loads(out.read_text())
     assert report["kind"] == "adaln_lab_block_report" and report["quick"]
     entry = report["sizes"]["257"]
@@ -56,6 +67,15 @@ def test_cli_writes_a_block_report(tmp_path):
     result = entry["candidates"]["diffusers"]
     assert result["fwd_us_graph"] is None and result["fwd_us_graph_error"] == "no CUDA"
     assert result["host_fwd_bwd_us"] > 0 and result["grads_repeat_bitwise"]
+
+
+def test_the_block_line_shows_graph_and_host_figures_or_why_graphs_are_missing():
+    floor = {"fwd_us": 100.0, "fwd_bwd_us": 300.0}
+    gpu = {"fwd_us_graph": 120.4, "fwd_bwd_us_graph": 350.6, "host_fwd_us": 40.0, "host_fwd_bwd_us": 90.0}
+    assert br.measured(gpu, floor) == ("graph fwd 120 us, fwd+bwd 351 us (floor 100 / 300); "
+                                       "host fwd 40 us, fwd+bwd 90 us")
+    failed = dict(gpu, fwd_us_graph=None, fwd_bwd_us_graph=None, fwd_bwd_us_graph_error="RuntimeError: capture")
+    assert br.measured(failed, floor) == "host fwd 40 us, fwd+bwd 90 us (CUDA graphs: RuntimeError: capture)"
 
 
 def test_cli_refuses_an_unknown_candidate(tmp_path):

@@ -135,6 +135,51 @@ def test_table_renders_a_new_report(quick_run):
     text = run.stdout
     assert "| graph fwd us (x floor) |" in text and "| inference fwd us |" in text
     assert text.count("| adaln_lab |") == text.count("| diffusers |") == 2
-    assert "(floor " in text and "us host." in text and "graph columns: n/a (no CUDA" in text
+    assert "(floor " in text and "us host." in text
     assert "| rows | memory floor fwd us | memory floor fwd+bwd us |" in text
     assert "- adaln_lab ran: " in text
+
+
+@one_worker
+def test_report_prints_its_table_on_screen(quick_run):
+    assert table(quick_run[0]).stdout.strip() in quick_run[1].stdout  # the very table `table` prints
+    assert "| candidate | rows | batch invariant |" in quick_run[1].stdout
+
+
+@one_worker
+def test_cpu_table_says_na_on_cpu_for_gpu_figures_and_what_the_rows_measure(quick_run):
+    text = table(quick_run[0]).stdout
+    rows = [line.strip("| ").split(" | ") for line in text.splitlines() if line.startswith(("| diffusers |",
+                                                                                           "| adaln_lab |"))]
+    assert len(rows) == 4
+    for cells in rows:
+        assert cells[4] == cells[5] == "n/a on CPU"  # CUDA-graph times
+        assert cells[6].endswith(" (n/a on CPU)") and cells[7].endswith(" (n/a on CPU)")  # no x-floor ratio
+        assert "x)" not in " ".join(cells)
+    assert "| 65 | n/a on CPU | n/a on CPU |" in text  # the memory floor
+    assert "CUDA events n/a on CPU" in text and "us CUDA events" not in text
+    assert "copy bandwidth n/a on CPU" in text and "TB/s" not in text
+    cpu = [line for line in text.splitlines() if line.startswith("- CPU run:")]
+    assert len(cpu) == 1 and "wall clock" in cpu[0]
+    assert "- diffusers and adaln_lab give the same errors: on a CPU they run the same torch ops" in text
+
+
+@one_worker
+def test_batch_invariant_column_counts_the_row_checks_only(quick_report):
+    from adaln_lab.harness.render import markdown
+
+    report = json.loads(json.dumps(quick_report))
+    inv = report["results"]["plain"]["diffusers"]["batch_invariance"]
+    inv.update(params_repeatable=False, batch_invariant=False)
+    assert "| diffusers | 65 | yes | no |" in markdown(report)  # the "no" is the params repeat column's alone
+    del inv["rows_invariant"]  # an older report: the column is computed from the row counts
+    assert "| diffusers | 65 | yes | no |" in markdown(report)
+    inv["full_vs_sub_batches"]["rowgrad_differ"] = 1
+    assert "| diffusers | 65 | no | no |" in markdown(report)
+
+
+@one_worker
+def test_progress_in_a_log_is_plain_lines_without_escape_codes(quick_run):
+    err = quick_run[1].stderr
+    assert "\x1b[" not in err and "\r" not in err  # no tqdm redraws, no cursor-up of nested bars
+    assert "batch invariance: 4/4 checks in " in err and "all_rows n=8: 16/16 calls in " in err
