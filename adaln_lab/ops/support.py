@@ -1,7 +1,7 @@
 """The one rule for what the CUDA kernels of `kernels_cu/` (and their Numba twin) take, one message per reason.
 
-Every function returns the error to raise (TypeError for a dtype, ValueError for a device or a shape), naming
-the argument, or None when the kernels take the inputs. Inputs are already validated (shapes agree): these
+Every function returns the error to raise (TypeError for a dtype, ValueError for a device or a shape, ImportError
+on CUDA tensors without CuPy, the cuda extra), naming the argument, or None when the kernels take the inputs. Inputs are already validated (shapes agree): these
 rules only say what the kernels cannot do. Who asks: the ops' "auto" dispatch (kernels where they run, torch
 code otherwise), backend "cupy" (raises the error), the custom ops, `adaln_lab.cuda.dlpack`, the modules.
 
@@ -14,6 +14,8 @@ code otherwise), backend "cupy" (raises the error), the custom ops, `adaln_lab.c
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import warnings
 
 import torch
@@ -26,9 +28,17 @@ _NAMES = {_BF16: "bfloat16", _F32: "float32"}
 STATIC_SHARED_MAX = 48 * 1024  # bytes of static shared memory one CUDA block may declare (the twin's limit)
 
 
+@functools.cache
+def _cupy_missing() -> bool:
+    return importlib.util.find_spec("cupy") is None
+
+
 def _not_cuda(name: str, t: torch.Tensor) -> Exception | None:
     if t.device.type != "cuda":
         return ValueError(f"the CUDA kernels need CUDA tensors, but {name} is on {t.device}")
+    if _cupy_missing():
+        return ImportError("the CUDA kernels need CuPy (and numba-cuda for the twin), which the cuda extra "
+                           "brings: pip install 'adaln_lab[cuda]'")
     return None
 
 

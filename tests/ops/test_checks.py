@@ -190,3 +190,18 @@ def test_leading_dims_accepted(args):
     x = torch.stack([args[0], args[0]])
     out = final_adaln_out(x, *args[1:])
     assert out.shape == x.shape and torch.equal(out[0], out[1])
+
+
+def test_cuda_tensors_without_cupy_name_the_cuda_extra(monkeypatch):
+    """Without CuPy (the cuda extra not installed) the kernel rule's reason for CUDA tensors, the reason "auto"
+    falls back with and backend "cupy" raises, says what to install."""
+    import types
+
+    from adaln_lab.ops import support
+
+    x = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16, shape=(4, 64))
+    monkeypatch.setattr(support, "_cupy_missing", lambda: True)
+    error = support.rows(x, 3)
+    assert isinstance(error, ImportError) and "pip install 'adaln_lab[cuda]'" in str(error)
+    monkeypatch.setattr(support, "_cupy_missing", lambda: False)
+    assert support.rows(x, 3) is None
