@@ -131,3 +131,17 @@ def test_tiny_h3_model_runs_and_patches_to_the_same_output():
     assert want.shape == (1, 8, 16)
     assert adaln_lab.patch(model, parts=("norm_out", "blocks"))
     assert torch.equal(model(**inputs).sample, want)
+
+
+def test_the_readmes_leaky_kernel_fails_in_at_most_15_lines_naming_check_count_and_largest_diff():
+    def leaky_kernel(x, norm_weight, temb, weight, bias, timestep_indices):  # the README's: the whole batch's RMS
+        out = replay(x, norm_weight, temb, weight, bias, timestep_indices)
+        return out * (x.float().pow(2).mean() + 1).rsqrt().to(out.dtype)
+
+    with pytest.raises(AssertionError) as error:
+        assert_batch_invariant(leaky_kernel, quick=True, H=32, D=16)
+    lines = str(error.value).splitlines()
+    assert len(lines) <= 15 and "3 of 4 checks failed" in lines[0]
+    for check in ("all_rows", "full_vs_sub_batches", "batch_size_sweep"):
+        line = next(line for line in lines if line.strip().startswith(check))
+        assert re.search(r"\d+ of \d+ rows differ in (the output|dx)", line) and "largest |diff| " in line, line
