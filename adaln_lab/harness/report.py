@@ -1,7 +1,7 @@
 """The report: every check of the harness on candidates (built-in names or any callable), in the seed
 report's schema.
 
-Same keys as ../shared/reference/seed_prior_art_b200.json (so the files read side by side), with
+Same keys as tests/data/seed_prior_art_b200.json (so the files read side by side), with
 `adaln_lab_commit` where the seed has `rl_kernel_commit`, plus: the measured copy bandwidth
 (`copy_TBps`), the memory floor per size (`memory_floor`), the autograd floor of the run
 (`autograd_floor_us`, `autograd_floor_host_us`), per size and candidate the pure
@@ -43,7 +43,7 @@ GRAPH_KEYS = ("fwd_us_graph", "fwd_bwd_us_graph", "fwd_us_graph_error", "fwd_bwd
 
 SCHEMA_NOTES = {
     "seed": "'seed' in names ('seed report', 'seed protocol', 'seed_prior_art') means the prior-art report "
-            "../shared/reference/seed_prior_art_b200.json (RL-Kernel, NVIDIA B200): this report copies its schema "
+            "tests/data/seed_prior_art_b200.json (RL-Kernel, NVIDIA B200): this report copies its schema "
             "key for key so the two read side by side, and runs its protocol. The protocol's `seeds`, "
             "`sub_batch_seeds` and `accuracy_seed` are RNG seeds of `inputs.make`, unrelated.",
     "rfc": "kept from the seed report's schema (there it names the RL-Kernel RFC the report belonged to); "
