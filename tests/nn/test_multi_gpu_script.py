@@ -27,14 +27,18 @@ def test_the_multi_gpu_script_on_two_cpu_ranks(tmp_path):
     for run, names in {"fsdp": {"forward_bitwise_unsharded", "adaln_grads_reduce_scatter_mean", "adaln_grads_repeat"},
                        "ulysses": {"norm_out_rows_bitwise_unsharded", "norm_out_rank_rows_alone_bitwise",
                                    "adaln_grads_summed_repeat", "out_bitwise_where_diffusers_is"},
-                       "planted": {"planted_leaky_norm_out_caught"}}.items():
+                       "planted": {"planted_leaky_norm_out_caught", "planted_rank_rows_alone_bitwise",
+                                   "planted_adaln_grads_summed_repeat"}}.items():
         assert [set(rank["checks"]) for rank in runs[run]] == [names, names], run
         assert all(all(rank["checks"].values()) for rank in runs[run]), run
     assert all("log-sum-exp" in rank["skipped"] for rank in runs["ring"])
     assert runs["fsdp"][0]["figures"]["adaln_grad_max_abs_vs_mean"] == 0.0
+    assert (tmp_path / "multi_gpu.json.ranks" / "rank1.json").is_file()  # what each rank finished, kept
 
 
-def test_the_multi_gpu_script_refuses_an_unknown_run(tmp_path):
-    done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--runs", "fsdp,tensor",
-                           "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "--runs: unknown ['tensor']" in done.stderr
+def test_the_multi_gpu_script_refuses_an_unknown_run_and_no_ranks(tmp_path):
+    for args, says in ((["--runs", "fsdp,tensor"], "--runs: unknown ['tensor']"),
+                       (["--world", "0"], "--world must be >= 1, got 0")):
+        done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", *args, "--out", str(tmp_path / "x.json")],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and says in done.stderr, done.stderr[-500:]
