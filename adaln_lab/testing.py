@@ -96,14 +96,14 @@ def estimate(protocol, quick: bool, device, fn=None) -> str:
     shape = f"H={protocol.H}, D={protocol.D}, T={protocol.T}, batches up to {protocol.full_batch} rows"
     if quick:
         return f"assert_batch_invariant: quick protocol on {device}: ~{calls} calls ({shape}), seconds"
-    timed = ""
+    timed = "; minutes on a GPU, far longer on a CPU"
     if fn is not None:
         total = harness_estimate.seconds(harness_estimate.call_cost(fn, protocol, device),
                                          harness_estimate.invariance_batches(protocol))
         timed = (f"; {harness_estimate.minutes(total)} on this device (extrapolated from calls of 1 and "
                  f"{min(harness_estimate.PROBE_ROWS, protocol.full_batch)} rows)")
-    return (f"assert_batch_invariant: full protocol on {device}: ~{calls} calls ({shape}){timed}; minutes on a "
-            f"GPU, far longer on a CPU; quick=True runs {invariance_calls(QUICK)} small calls in seconds")
+    return (f"assert_batch_invariant: full protocol on {device}: ~{calls} calls ({shape}){timed}; "
+            f"quick=True runs {invariance_calls(QUICK)} small calls in seconds")
 
 
 def assert_batch_invariant(fn, *, device="cpu", quick: bool = False, H: int | None = None,

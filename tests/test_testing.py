@@ -41,7 +41,7 @@ def test_planted_counter_example_fails_in_a_few_lines_with_check_count_largest_d
         assert_batch_invariant(every_row_sees_the_batch_mean, quick=True, H=32, D=16)
     text = str(error.value)
     lines = text.splitlines()
-    assert len(lines) <= 15, text
+    assert len(lines) <= 6, text
     assert lines[0].startswith("tests.test_testing:every_row_sees_the_batch_mean is not batch-invariant: 3 of 4 checks")
     rows = next(line for line in lines if line.strip().startswith("all_rows"))
     assert "50 of 50 rows differ in the output" in rows and "50 of 50 rows differ in dx, the gradient of x" in rows
@@ -93,7 +93,7 @@ def test_the_full_protocol_prints_its_measured_time_before_it_starts(monkeypatch
     from adaln_lab.harness import estimate
 
     def stop(*args):
-        assert "min on this device" in capsys.readouterr().err  # printed before the first check
+        assert re.search(r"about [0-9.]+ (s|min|h)\b.* on this device", capsys.readouterr().err)  # before the checks
         raise KeyboardInterrupt
 
     monkeypatch.setattr(testing, "batch_invariance", stop)
@@ -103,6 +103,7 @@ def test_the_full_protocol_prints_its_measured_time_before_it_starts(monkeypatch
     line = testing.estimate(testing.FULL, False, "cpu", replay)
     assert "about 2 min on this device" in line  # 11483 calls at 0.01 s
     assert estimate.minutes(3 * 3600) == "about 3.0 h (180 min)"
+    assert estimate.minutes(3) == "about 3 s" and estimate.minutes(150) == "about 2 min"
     assert sum(estimate.invariance_batches(testing.QUICK)) > len(estimate.invariance_batches(testing.QUICK)) == 392
 
 

@@ -76,7 +76,9 @@ def seconds(cost: tuple[float, float], batches: list[int]) -> float:
 
 
 def minutes(total_seconds: float) -> str:
-    """'about N min' (N >= 1), or 'about N h' from 120 minutes on."""
+    """'about N s' under a minute, 'about N min', or 'about N h' from 120 minutes on."""
+    if total_seconds < 60:
+        return f"about {max(1, round(total_seconds))} s"
     m = total_seconds / 60
     if m >= 120:
         return f"about {m / 60:.1f} h ({m:.0f} min)"

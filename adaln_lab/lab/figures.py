@@ -1,4 +1,4 @@
-"""Figures of the notebooks that need more than a few lines of matplotlib (the test extra brings it).
+"""Figures of the notebooks that need more than a few lines of matplotlib (the test and notebooks extras bring it).
 
 - `ulp_figure(pairs)`: per pair of outputs (`errors.ulp_analysis`), the histogram of ulp distances and the
   distance of each drawn element against its cancellation, on log axes that cover every point: the largest
