@@ -2,7 +2,7 @@
 
 `make_inputs(S, H=..., D=..., T=...)` builds one call's arguments and an upstream gradient;
 `tiny_h3_model()` a small random MiniMax-H3 transformer (diffusers' class) with its forward's inputs, for
-`adaln_lab.patch`.
+`adaln_lab.patch`; `h3_model(config)` and `h3_inputs(model, rows, seed)` the same at any width.
 
 Start with `quick=True` (392 calls at H=256: seconds); the default is the seed's full protocol
 (11483 calls at H=5376, batches up to 131072 rows: minutes on a GPU, far longer on a CPU).
@@ -59,33 +59,52 @@ def make_inputs(S: int, *, H: int = 64, D: int = 32, T: int = 3, seed: int = 0, 
     return dict(args, dy=protocol_inputs.upstream(seed, made.x))
 
 
-def tiny_h3_model(seed: int = 0, *, rows: tuple[int, int, int] = (5, 8, 4), batch: int = 1):
-    """(model, inputs): diffusers' MiniMaxH3Transformer3DModel at `TINY_H3` (fp32, random weights, norm weights
-    drawn in [0.5, 1.5) so that they matter) and keyword inputs of its forward: `rows` = (text, video, audio)
-    packed rows in a shuffled order, three timesteps, `batch` samples. `model(**inputs).sample` is
-    (batch, video rows, 16). Needs diffusers 0.42 (the test extra)."""
+def h3_model(config: dict | None = None, seed: int = 0):
+    """diffusers' MiniMaxH3Transformer3DModel(**config) (default `TINY_H3`; `{}` is the full width), fp32, seeded
+    random weights, its 1-D norm weights drawn in [0.5, 1.5) so that they matter. Needs diffusers 0.42."""
     from .nn.upstream import diffusers_class
 
     torch.manual_seed(seed)
-    model = diffusers_class("MiniMaxH3Transformer3DModel")(**TINY_H3)
+    model = diffusers_class("MiniMaxH3Transformer3DModel")(**(TINY_H3 if config is None else config))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name and name.endswith("weight") and p.dim() == 1:
                 p.uniform_(0.5, 1.5)
-    g = torch.Generator().manual_seed(seed + 1)
+    return model
+
+
+def h3_inputs(model, rows: tuple[int, int, int], seed: int, *, batch: int = 1, positions: int = 64,
+              upstream: bool = False):
+    """Keyword inputs of `model`'s forward (read off its config): `rows` = (text, video, audio) packed rows in a
+    shuffled order, three timesteps (0.9, 0.4, 0.0) with a random one per row, `batch` samples, position ids in
+    [0, positions) on CPU. With `upstream`: (inputs, (d_sample, d_audio_sample)), randn gradients of the two
+    outputs, (batch, video rows, proj_out features) and (batch, audio rows, audio_proj_out features)."""
+    g = torch.Generator().manual_seed(seed)
     nt, nv, na = rows
-    perm = torch.randperm(nt + nv + na, generator=g)
+    S = nt + nv + na
+    perm = torch.randperm(S, generator=g)
     text, video, audio = perm[:nt].sort().values, perm[nt:nt + nv].sort().values, perm[nt + nv:].sort().values
-    tags = torch.empty(nt + nv + na, dtype=torch.long)
+    tags = torch.empty(S, dtype=torch.long)
     tags[video], tags[text], tags[audio] = 0, 1, 2
-    inputs = dict(hidden_states=torch.randn(batch, nv, 16, generator=g),
-                  audio_hidden_states=torch.randn(batch, na, TINY_H3["audio_in_channels"], generator=g),
-                  encoder_hidden_states=torch.randn(batch, nt, TINY_H3["text_dim"], generator=g),
-                  timestep=torch.tensor([0.9, 0.4, 0.0]),
-                  timestep_indices=torch.randint(0, 3, (nt + nv + na,), generator=g), token_tags=tags,
-                  position_ids=torch.randint(0, 8, (nt + nv + na, 3), generator=g),
+    cfg = model.config
+    patch = cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2] * cfg.in_channels
+    inputs = dict(hidden_states=torch.randn(batch, nv, patch, generator=g),
+                  audio_hidden_states=torch.randn(batch, na, cfg.audio_in_channels, generator=g),
+                  encoder_hidden_states=torch.randn(batch, nt, cfg.text_dim, generator=g),
+                  timestep=torch.tensor([0.9, 0.4, 0.0]), timestep_indices=torch.randint(0, 3, (S,), generator=g),
+                  token_tags=tags, position_ids=torch.randint(0, positions, (S, 3), generator=g),
                   video_indices=video, audio_indices=audio, text_indices=text)
-    return model, inputs
+    if not upstream:
+        return inputs
+    return inputs, (torch.randn(batch, nv, model.proj_out.out_features, generator=g),
+                    torch.randn(batch, na, model.audio_proj_out.out_features, generator=g))
+
+
+def tiny_h3_model(seed: int = 0, *, rows: tuple[int, int, int] = (5, 8, 4), batch: int = 1):
+    """(model, inputs): `h3_model()` at `TINY_H3` and `h3_inputs` of its forward (seed + 1, positions in
+    [0, 8)). `model(**inputs).sample` is (batch, video rows, 16). Needs diffusers 0.42 (the test extra)."""
+    model = h3_model(TINY_H3, seed)
+    return model, h3_inputs(model, rows, seed + 1, batch=batch, positions=8)
 
 
 def estimate(protocol, quick: bool, device, fn=None) -> str:

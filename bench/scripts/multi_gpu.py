@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
 import socket
 import statistics
@@ -58,7 +57,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import adaln_lab  # noqa: E402
 from adaln_lab.nn import AdaLNFallbackWarning, fsdp2_shard  # noqa: E402
 from adaln_lab.ops import KernelFallbackWarning  # noqa: E402
-from adaln_lab.testing import TINY_H3 as TINY  # noqa: E402
+from adaln_lab.testing import TINY_H3 as TINY, h3_inputs, h3_model  # noqa: E402
 
 FULL = dict(num_layers=2, num_refiner_layers=1)  # full width: diffusers' default config, 2 blocks
 ROWS = {"tiny": dict(fsdp=dict(text=5, video=8, audio=4), cp=dict(text=8, video=16, audio=8)),
@@ -69,15 +68,9 @@ NORM_OUT_PARAMS = ("norm_out.linear.weight", "norm_out.linear.bias", "norm_out.n
 
 
 def build(config: dict, device: str, layout: str):
-    """The seeded model: layout "fp32" (master weights) or "checkpoint" (bf16 but `_keep_in_fp32_modules`)."""
-    from diffusers import MiniMaxH3Transformer3DModel
-
-    torch.manual_seed(0)
-    model = MiniMaxH3Transformer3DModel(**config)
-    with torch.no_grad():  # norms start at ones: make their weights matter
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight") and p.dim() == 1:
-                p.uniform_(0.5, 1.5)
+    """The seeded model (`adaln_lab.testing.h3_model`): layout "fp32" (master weights) or "checkpoint" (bf16 but
+    `_keep_in_fp32_modules`)."""
+    model = h3_model(config, 0)
     if layout == "checkpoint":
         for name, module in model.named_modules():
             if not (name and any(key in name for key in model._keep_in_fp32_modules)):
@@ -87,24 +80,8 @@ def build(config: dict, device: str, layout: str):
 
 
 def make_inputs(model, rows: dict, seed: int, device: str):
-    """One packed layout of text, video and audio rows in a shuffled order, three timesteps; the upstreams."""
-    g = torch.Generator().manual_seed(seed)
-    nt, nv, na = rows["text"], rows["video"], rows["audio"]
-    S = nt + nv + na
-    perm = torch.randperm(S, generator=g)
-    text, video, audio = perm[:nt].sort().values, perm[nt:nt + nv].sort().values, perm[nt + nv:].sort().values
-    tags = torch.empty(S, dtype=torch.long)
-    tags[video], tags[text], tags[audio] = 0, 1, 2
-    cfg = model.config
-    patch = math.prod(cfg.patch_size) * cfg.in_channels
-    inputs = dict(hidden_states=torch.randn(1, nv, patch, generator=g),
-                  audio_hidden_states=torch.randn(1, na, cfg.audio_in_channels, generator=g),
-                  encoder_hidden_states=torch.randn(1, nt, cfg.text_dim, generator=g),
-                  timestep=torch.tensor([0.9, 0.4, 0.0]), timestep_indices=torch.randint(0, 3, (S,), generator=g),
-                  token_tags=tags, position_ids=torch.randint(0, 64, (S, 3), generator=g),
-                  video_indices=video, audio_indices=audio, text_indices=text)
-    dys = (torch.randn(1, nv, model.proj_out.out_features, generator=g),
-           torch.randn(1, na, model.audio_proj_out.out_features, generator=g))
+    """One packed layout of text, video and audio rows (`adaln_lab.testing.h3_inputs`) and the upstreams."""
+    inputs, dys = h3_inputs(model, (rows["text"], rows["video"], rows["audio"]), seed, upstream=True)
     return {k: v.to(device) for k, v in inputs.items()}, tuple(d.to(device) for d in dys)
 
 

@@ -38,6 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 import adaln_lab  # noqa: E402
 from adaln_lab.nn import AdaLNFallbackWarning  # noqa: E402
 from adaln_lab.ops import KernelFallbackWarning  # noqa: E402
+from adaln_lab.testing import h3_inputs  # noqa: E402
 
 CONFIG = dict(num_layers=2, num_refiner_layers=1)
 ROWS = dict(text=512, video=3072, audio=513)
@@ -59,24 +60,8 @@ def build(precision: str):
 
 
 def make_inputs(model, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    nt, nv, na = ROWS["text"], ROWS["video"], ROWS["audio"]
-    S = nt + nv + na
-    perm = torch.randperm(S, generator=g)
-    text, video, audio = perm[:nt].sort().values, perm[nt:nt + nv].sort().values, perm[nt + nv:].sort().values
-    tags = torch.empty(S, dtype=torch.long)
-    tags[video], tags[text], tags[audio] = 0, 1, 2
-    cfg = model.config
-    patch = cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2] * cfg.in_channels
-    inputs = dict(hidden_states=torch.randn(1, nv, patch, generator=g),
-                  audio_hidden_states=torch.randn(1, na, cfg.audio_in_channels, generator=g),
-                  encoder_hidden_states=torch.randn(1, nt, cfg.text_dim, generator=g),
-                  timestep=torch.tensor([0.9, 0.4, 0.0]), timestep_indices=torch.randint(0, 3, (S,), generator=g),
-                  token_tags=tags, position_ids=torch.randint(0, 64, (S, 3), generator=g),
-                  video_indices=video, audio_indices=audio, text_indices=text)
-    dv = torch.randn(1, nv, model.proj_out.out_features, generator=g)
-    da = torch.randn(1, na, model.audio_proj_out.out_features, generator=g)
-    return {k: v.cuda() for k, v in inputs.items()}, (dv.cuda(), da.cuda())
+    inputs, dys = h3_inputs(model, (ROWS["text"], ROWS["video"], ROWS["audio"]), seed, upstream=True)
+    return {k: v.cuda() for k, v in inputs.items()}, tuple(d.cuda() for d in dys)
 
 
 def adaln_keys(model):
