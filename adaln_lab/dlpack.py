@@ -113,7 +113,7 @@ def forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: float = 1
                                table_f32_t.data_ptr())
         launchers.launch_norm_modulate(k, plan, rows, s, x.data_ptr(), norm_weight.data_ptr(), table_t.data_ptr(),
                                        timestep_indices.data_ptr(), out_t.data_ptr(), rstd_t.data_ptr(), x.shape[-2],
-                                       float(eps))
+                                       float(eps), after_table=True)
     return out, table_f32, rstd
 
 

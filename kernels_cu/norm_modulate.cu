@@ -7,19 +7,24 @@
 // reads nothing outside the table and gets NaN.
 //
 // Thread i of a row's block holds the 8-wide vectors i, i + ADALN_FWD_THREADS, ... (ADALN_FWD_VPT
-// of them); ADALN_FWD_THREADS and ADALN_FWD_VPT come from H alone (adaln_lab/plan.py). Reduction
+// of them); ADALN_FWD_THREADS and ADALN_FWD_VPT come from H alone (adaln_lab/cuda/plan.py). Reduction
 // order: per thread in vector then element order, then block_sum (adaln_common.cuh): the same tree
-// for every row, whatever the number of rows, their order, or which block owns them. Both kernels
-// below share that mapping and the per-row functions, so they give the same bits for every row.
+// for every row, whatever the number of rows, their order, or which block owns them. The three kernels
+// below share that tree and the per-vector functions, so they give the same bits for every row; the plan
+// picks one from the shapes (cuda/launchers.py: launch_norm_modulate):
 //
-// norm_modulate_bf16 (the default): each block owns a range of rows_per_range consecutive rows
+// norm_modulate_warp_bf16 (where a row fits a warp's registers: plan.fwd_warp, H <= 6144): one row per
+// warp, each lane playing the row block's threads l, l + 32, ... (bench/NOTES.md v12: 3.7 TB/s at 32768 rows
+// on the H200, against 3.2 for the staged kernel). Launched right after the table kernel with programmatic
+// dependent launch (plan.fwd_pdl), so its x loads and sums of squares overlap the table's tail.
+// norm_modulate_bf16 (staged): each block owns a range of rows_per_range consecutive rows
 // (plan: Rows.fwd_rows_per_range; grid = ranges) and keeps in dynamic shared memory the shift and
 // bf16(1 + scale) of EVERY timestep, staged once per block (the row-per-block kernel read them from
 // L2 for every row: three times the DRAM bytes), with ADALN_FWD_STAGES rows of x arriving through
 // cp.async ahead of the row being normalised. Each thread reads back only the slots it wrote.
 // norm_modulate_rowwise_bf16: one row per block, every load issued before the reduction; used when
-// the staged kernel's shared memory (T timesteps of modulation) does not fit (plan.fwd_stages == 0).
-// Run: adaln_lab.cuda_op.norm_modulate(x, norm_weight, table, timestep_indices, eps, D).
+// neither fits (a wide row with more timesteps than the staged kernel's shared memory holds).
+// Run: adaln_lab.cuda.tensors.norm_modulate(x, norm_weight, table, timestep_indices, eps, D).
 
 #define FWD_SLOTS (ADALN_FWD_VPT * ADALN_FWD_THREADS)  // uint4 slots of one row in shared memory
 
@@ -189,4 +194,90 @@ norm_modulate_rowwise_bf16(const bf16_t* __restrict__ x, const bf16_t* __restric
         if (v < ADALN_NVEC_H) x_raw[i] = load_raw8(x + row * ADALN_H + v * ADALN_VEC);
     }
     norm_modulate_row(x_raw, row, norm_weight, table, timestep_indices[row % (unsigned)S], out, rstd, eps, scratch);
+}
+
+// norm_modulate_warp_bf16: one row per warp, the whole row in the warp's registers (plan.fwd_warp: where a
+// lane's share, ADALN_FWD_THREADS / 32 * ADALN_FWD_VPT vectors, fits ADALN_FWD_WARP_VECTORS_MAX). Lane l
+// plays the threads l, l + 32, l + 64, ... of the row block above (one per warp w of that block): it
+// loads their vectors, sums each thread's squares in that thread's order, runs each warp's butterfly
+// (warp_sum_lane0) on those 32 sums, then block_sum's last step on the warp sums placed in lanes
+// 0 .. WARPS - 1: the same tree, so the same bits as the kernels above. No shared memory and no barrier;
+// x is read once with an L1 no-allocate load, norm_weight and the table through L1 (they are reused by
+// every row). Block = ADALN_FWD_WARP_THREADS, grid = ceil(rows / warps per block): warp k of block b
+// owns row b * warps + k. Launched right after the table kernel with programmatic dependent launch
+// (plan.fwd_pdl), it loads x and reduces before `griddepcontrol.wait`, then reads the table.
+#define FWD_WARPS (ADALN_FWD_THREADS / 32)
+
+__device__ __forceinline__ uint4 load_stream8(const bf16_t* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ uint4 load_cached8(const bf16_t* p) {
+    uint4 r;
+    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+extern "C" __global__ void __launch_bounds__(ADALN_FWD_WARP_THREADS)
+norm_modulate_warp_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ norm_weight,
+                        const bf16_t* __restrict__ table, const index_t* __restrict__ timestep_indices,
+                        bf16_t* __restrict__ out, float* __restrict__ rstd, int S, float eps, int rows,
+                        int rows_per_range) {
+#if ADALN_FWD_WARP  // compiled only where the plan uses it (a wide row would not fit a warp's registers)
+    const int lane = threadIdx.x & 31;
+    const long long row = (long long)blockIdx.x * (ADALN_FWD_WARP_THREADS / 32) + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const bf16_t* xr = x + (size_t)row * ADALN_H;
+    uint4 x_raw[FWD_WARPS][ADALN_FWD_VPT];
+#pragma unroll
+    for (int i = 0; i < ADALN_FWD_VPT; ++i)
+#pragma unroll
+        for (int w = 0; w < FWD_WARPS; ++w) {
+            const int v = 32 * w + lane + i * ADALN_FWD_THREADS;
+            if (v < ADALN_NVEC_H) x_raw[w][i] = load_stream8(xr + v * ADALN_VEC);
+        }
+    const index_t t = timestep_indices[(unsigned long long)row % (unsigned)S];
+    // the row block's per-thread sums, then its per-warp butterflies: warp w's sum sits in every lane
+    float warp_sums[FWD_WARPS];
+#pragma unroll
+    for (int w = 0; w < FWD_WARPS; ++w) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int i = 0; i < ADALN_FWD_VPT; ++i) {
+            if (32 * w + lane + i * ADALN_FWD_THREADS < ADALN_NVEC_H) {
+                float xv[ADALN_VEC];
+                unpack8(x_raw[w][i], xv);
+#pragma unroll
+                for (int e = 0; e < ADALN_VEC; ++e) ss = fmaf(xv[e], xv[e], ss);
+            }
+        }
+        warp_sums[w] = warp_sum_lane0(ss);
+    }
+    // block_sum's last step: warp 0's lane k holds warp k's sum (0 past the last warp)
+    float placed = 0.0f;
+#pragma unroll
+    for (int w = 0; w < FWD_WARPS; ++w) placed = lane == w ? warp_sums[w] : placed;
+    const float r = rsqrtf(warp_sum_lane0(placed) / (float)ADALN_H + eps);
+    if (lane == 0) rstd[row] = r;
+
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // the table kernel's writes (a no-op without PDL)
+#endif
+    const bool valid = t >= 0 && t < ADALN_T;
+    const bf16_t* shift = table + (valid ? t : 0) * 2 * ADALN_H;
+    bf16_t* orow = out + (size_t)row * ADALN_H;
+#pragma unroll
+    for (int i = 0; i < ADALN_FWD_VPT; ++i)
+#pragma unroll
+        for (int w = 0; w < FWD_WARPS; ++w) {
+            const int v = 32 * w + lane + i * ADALN_FWD_THREADS;
+            if (v < ADALN_NVEC_H)
+                modulate_store(orow + v * ADALN_VEC, x_raw[w][i], load_cached8(norm_weight + v * ADALN_VEC),
+                               load_cached8(shift + v * ADALN_VEC), one_plus(load_cached8(shift + ADALN_H + v * ADALN_VEC)),
+                               r, valid);
+        }
+#endif
 }

@@ -146,5 +146,8 @@ __device__ __forceinline__ void table_schedule(const float* __restrict__ temb, c
 extern "C" __global__ void __launch_bounds__(ADALN_TABLE_THREADS, ADALN_TABLE_MIN_BLOCKS)
 table_bf16(const float* __restrict__ temb, const bf16_t* __restrict__ weight, const bf16_t* __restrict__ bias,
            bf16_t* __restrict__ table, float* __restrict__ table_f32) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");  // a kernel launched after it with PDL may start
+#endif
     table_schedule<ADALN_TABLE_PERSISTENT != 0>(temb, weight, bias, table, table_f32);
 }

@@ -14,17 +14,19 @@ row r uses timestep_indices[r % S]. Workspace pieces are laid out by `plan.Rows`
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
 from functools import lru_cache
 
 from . import loader
 from .plan import ROW_ORDER_THREADS, Plan, Rows
 
-_C_TYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int32, "f": ctypes.c_float}
+_PACK = {"p": "Q", "i": "i4x", "f": "f4x"}  # argument kinds as 8-byte slots: pointer, int32, float32
 SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
     "table_bf16": "ppppp",
     "norm_modulate_bf16": "ppppppifii",
     "norm_modulate_rowwise_bf16": "ppppppifii",
+    "norm_modulate_warp_bf16": "ppppppifii",
     "norm_modulate_bwd_bf16": "ppppppppiiii",
     "norm_modulate_bwd_sorted_bf16": "pppppppppiiii",
     "norm_modulate_bwd_residual_sorted_bf16": "ppppppppppiiii",
@@ -42,12 +44,34 @@ SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
 }
 
 
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding to 8 bytes, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+@lru_cache(maxsize=None)
+def _launch_kernel_ex():
+    """The driver's cuLaunchKernelEx (ctypes): the launch with attributes that CuPy's launch lacks."""
+    function = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    function.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    function.restype = ctypes.c_int
+    return function
+
+
 class Kernel:
     """A compiled kernel launched by `cuLaunchKernel` from an argument block built once.
 
     `__call__(grid, block, shared_mem, stream, *args)`: grid and block are 3-tuples, stream a raw
-    `cudaStream_t` handle (int), args in the order and kinds of `SIGNATURES[name]`. Thread-safe:
-    a lock covers the few field writes and the launch (the driver copies the arguments).
+    `cudaStream_t` handle (int), args in the order and kinds of `SIGNATURES[name]` (struct.error for a
+    wrong count or kind). Thread-safe: a lock covers the one write of the arguments and the launch (the
+    driver copies them).
     """
 
     def __init__(self, name: str, raw_kernel):
@@ -56,19 +80,35 @@ class Kernel:
         self.name = name
         self.function = raw_kernel.kernel  # keeps the module alive
         self._launch = driver.launchKernel
-        self._slots = [_C_TYPES[kind]() for kind in SIGNATURES[name]]
-        self._params = (ctypes.c_void_p * len(self._slots))(*[ctypes.addressof(s) for s in self._slots])
+        kinds = SIGNATURES[name]
+        # one 8-byte slot per argument in one buffer, written by a single struct.pack_into per launch
+        self._pack = struct.Struct("<" + "".join(_PACK[kind] for kind in kinds)).pack_into
+        self._buffer = ctypes.create_string_buffer(8 * len(kinds))
+        base = ctypes.addressof(self._buffer)
+        self._params = (ctypes.c_void_p * len(kinds))(*[base + 8 * i for i in range(len(kinds))])
         self._params_address = ctypes.addressof(self._params)
         self._lock = threading.Lock()
 
     def __call__(self, grid, block, shared_mem: int, stream: int, *args) -> None:
-        if len(args) != len(self._slots):
-            raise TypeError(f"{self.name} takes {len(self._slots)} arguments, got {len(args)}")
         with self._lock:
-            for slot, value in zip(self._slots, args):
-                slot.value = value
+            self._pack(self._buffer, 0, *args)  # struct.error for a wrong count or kind
             self._launch(self.function.ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                          shared_mem, stream, self._params_address, 0)
+
+    def after_previous(self, grid, block, shared_mem: int, stream: int, *args) -> None:
+        """The launch with programmatic stream serialization (PDL, sm_90+): the kernel may start while the
+        previous kernel of the stream still runs (from that kernel's `griddepcontrol.launch_dependents` on);
+        it must execute `griddepcontrol.wait` before it reads what that kernel writes."""
+        attribute = _LaunchAttribute(PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
+        config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem, stream,
+                               ctypes.pointer(attribute), 1)
+        with self._lock:
+            self._pack(self._buffer, 0, *args)
+            status = _launch_kernel_ex()(ctypes.byref(config), self.function.ptr, self._params_address, None)
+        if status:
+            from cupy_backends.cuda.api.driver import CUDADriverError
+
+            raise CUDADriverError(status)
 
 
 _FORGET = []  # caches built on top of these launchers (cuda.tensors.context), cleared with them
@@ -98,9 +138,14 @@ def bind(device_index: int) -> None:
     cuLaunchKernel then fails with CUDA_ERROR_INVALID_CONTEXT. cudaSetDevice binds it; it is cheap
     when the device is already current.
     """
+    _set_device()(device_index)
+
+
+@lru_cache(maxsize=None)
+def _set_device():
     from cupy.cuda import runtime
 
-    runtime.setDevice(device_index)
+    return runtime.setDevice
 
 
 @lru_cache(maxsize=None)
@@ -121,11 +166,19 @@ def launch_table(k: dict, plan: Plan, stream: int, temb: int, weight: int, bias:
 
 
 def launch_norm_modulate(k: dict, plan: Plan, rows: Rows, stream: int, x: int, norm_weight: int, table: int,
-                         timestep_indices: int, out: int, rstd: int, S: int, eps: float) -> None:
-    """out (rows, H) bf16 and rstd (rows,) fp32 from x and the bf16 table; nothing when rows == 0."""
+                         timestep_indices: int, out: int, rstd: int, S: int, eps: float,
+                         after_table: bool = False) -> None:
+    """out (rows, H) bf16 and rstd (rows,) fp32 from x and the bf16 table; nothing when rows == 0. after_table:
+    launch_table wrote the table just before on this stream (the row-per-warp kernel may then start early:
+    plan.fwd_pdl)."""
     if not rows.rows:
         return
-    if plan.fwd_staged:
+    if plan.fwd_warp:
+        kernel = k["norm_modulate_warp_bf16"]
+        launch = kernel.after_previous if after_table and plan.fwd_pdl else kernel.__call__
+        launch((-(-rows.rows // plan.fwd_warp_rows), 1, 1), (32 * plan.fwd_warp_rows, 1, 1), 0, stream, x,
+               norm_weight, table, timestep_indices, out, rstd, S, eps, rows.rows, 1)
+    elif plan.fwd_staged:
         k["norm_modulate_bf16"]((rows.fwd_ranges, 1, 1), (plan.fwd_threads, 1, 1), plan.fwd_smem, stream,
                                 x, norm_weight, table, timestep_indices, out, rstd, S, eps, rows.rows,
                                 rows.fwd_rows_per_range)

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 # Constants of the kernels: the one place they live. Changing one changes the compiled unit
 # (its text carries the values), and `launchers.forget_compiled()` forgets every derived plan and kernel.
 TUNING = {
     "TABLE_THREADS": 512,       # table.cu: block size
-    "TABLE_ROWS_PER_WARP": 4,   # table.cu: output rows j per warp task, their weight rows loaded side by side
+    "TABLE_ROWS_PER_WARP": 4,   # table.cu: output rows j per warp task of the persistent schedule, their weight rows
+                                # loaded side by side
+    "TABLE_SMALL_ROWS_PER_WARP": 2,  # table.cu: the same for the one-task-per-warp schedule (a small table: norm_out's)
     "TABLE_AHEAD": 2,           # table.cu: weight steps (a task's rows x 16 B per lane) in flight per lane
     "TABLE_MIN_BLOCKS": 1,      # table.cu: __launch_bounds__ blocks per SM (a register cap for the compiler)
     "TABLE_BLOCKS": 132,        # table.cu: blocks of its persistent schedule (a constant, not the SM count: each
@@ -34,7 +36,12 @@ TUNING = {
     "FWD_MIN_ROWS": 8,          # norm_modulate.cu: fewest rows of one range (the table staging is per range)
     "FWD_STAGES": 3,            # norm_modulate.cu: rows of x in flight per block (cp.async)
     "FWD_STAGED_MIN_BLOCKS": 2,  # norm_modulate.cu: stage the table only where this many blocks fit an SM
-    "FWD_ROW_LIST_MAX": 1024,   # norm_modulate.cu: most rows of one range (their timesteps sit in shared memory)
+    "FWD_ROW_LIST_MAX": 1024,
+    "FWD_WARP_VECTORS_MAX": 24,  # norm_modulate.cu: a row per warp where a lane's share of a row (fwd_threads / 32
+                                # x fwd_vpt vectors) is at most this many (0: never)
+    "FWD_WARP_THREADS": 256,    # norm_modulate.cu: block size of the row-per-warp kernel
+    "FWD_PDL": 1,               # norm_modulate.cu: the row-per-warp kernel launched right after the table kernel with
+                                # programmatic dependent launch (its x loads overlap the table's tail)   # norm_modulate.cu: most rows of one range (their timesteps sit in shared memory)
     "BWD_THREADS_MAX": 1024,    # norm_modulate_bwd.cu: row block size cap (H = 5376: 672 threads x 1 vector)
     "BWD_RANGES": 132,          # norm_modulate_bwd.cu: row ranges (a constant, not the SM count)
     "BWD_STAGES": 4,            # norm_modulate_bwd.cu: rows of x and dy in flight (cp.async)
@@ -151,6 +158,7 @@ class Plan:
     table_grid: int
     table_threads: int
     table_persistent: bool   # table.cu's schedule: TABLE_BLOCKS blocks looping over tasks, or a task per warp
+    table_rows_per_warp: int  # table.cu: rows of one warp task (TABLE_ROWS_PER_WARP or TABLE_SMALL_ROWS_PER_WARP)
     tb_threads: int
     sum_groups: int
     gr_threads: int
@@ -166,32 +174,47 @@ class Plan:
             object.__setattr__(self, "_hash", h)
         return h
 
-    @property
+    @cached_property
     def fwd_staged(self) -> bool:
         return self.fwd_stages > 0
 
-    @property
+    @cached_property
+    def fwd_warp(self) -> bool:
+        """norm_modulate_warp_bf16 runs the forward rows (a row per warp, the same tree as the row block's)."""
+        return self.fwd_threads // 32 * self.fwd_vpt <= dict(self.tuning)["FWD_WARP_VECTORS_MAX"]
+
+    @cached_property
+    def fwd_pdl(self) -> bool:
+        """The row-per-warp kernel starts while the table kernel ends (programmatic dependent launch)."""
+        return bool(dict(self.tuning)["FWD_PDL"])
+
+    @cached_property
+    def fwd_warp_rows(self) -> int:
+        """Rows of one norm_modulate_warp_bf16 block (a warp each)."""
+        return dict(self.tuning)["FWD_WARP_THREADS"] // 32
+
+    @cached_property
     def fwd_smem(self) -> int:
         """Dynamic shared memory of the staged forward: the modulation of every timestep, then the x stages."""
         return (2 * self.T + self.fwd_stages) * self.fwd_threads * self.fwd_vpt * 16
 
-    @property
+    @cached_property
     def bwd_smem(self) -> int:
         """Dynamic shared memory of norm_modulate_bwd: its stages, one row of x and one of dy each."""
         return self.bwd_stages * 2 * self.bwd_threads * self.bwd_vpt * 16
 
-    @property
+    @cached_property
     def bwd_res_smem(self) -> int:
         """Dynamic shared memory of norm_modulate_bwd_residual_sorted_bf16: its stages, a row of x, dy and d_residual
         each."""
         return self.bwd_res_stages * 3 * self.bwd_threads * self.bwd_vpt * 16
 
-    @property
+    @cached_property
     def rp_t(self) -> int:
         """reduce_partials.cu: timesteps summed in one pass (every one, up to RP_T_MAX)."""
         return min(self.T, dict(self.tuning)["RP_T_MAX"])
 
-    @property
+    @cached_property
     def rp_smem(self) -> int:
         """Dynamic shared memory of reduce_partials_bf16: a double per group, (t, half) and lane, then their sums."""
         return (self.sum_groups + 1) * 2 * self.rp_t * 32 * 8
@@ -201,7 +224,7 @@ class Plan:
         staged keys (one byte per position, padded to 16) where S <= ROW_ORDER_KEYS_MAX."""
         return self.T * ROW_ORDER_THREADS * 4 + (-(-S // 16) * 16 if S <= ROW_ORDER_KEYS_MAX else 0)
 
-    @property
+    @cached_property
     def tb_split(self) -> bool:
         """table_bwd.cu: d_weight and dact in two kernels (on the same row blocks the same sums, the same bits;
         they take TB_SPLIT_ROWS rows per block, the one kernel TB_ROWS) from TB_SPLIT_MIN_T on. The
@@ -209,23 +232,23 @@ class Plan:
         T = 9, one block per SM); 5 comes from that count; at T = 9 the split measured 34 us faster (NOTES v4)."""
         return self.T >= dict(self.tuning)["TB_SPLIT_MIN_T"]
 
-    @property
+    @cached_property
     def tb_rows(self) -> int:
         """table_bwd.cu: weight rows j per block: TB_ROWS for the one kernel, TB_SPLIT_ROWS for its halves
         (bench/NOTES.md v6)."""
         t = dict(self.tuning)
         return t["TB_SPLIT_ROWS"] if self.tb_split else t["TB_ROWS"]
 
-    @property
+    @cached_property
     def tb_grid(self) -> tuple[int, int]:
         """table_bwd.cu's grid: (D tiles of TB_COLUMNS columns, row blocks of tb_rows weight rows)."""
         return math.ceil(self.D / TB_COLUMNS), math.ceil(self.columns / self.tb_rows)
 
-    @property
+    @cached_property
     def blocks_j(self) -> int:
         return self.tb_grid[1]
 
-    @property
+    @cached_property
     def d_tiles(self) -> int:
         return self.tb_grid[0]
 
@@ -236,10 +259,11 @@ class Plan:
         """Every macro of the compiled unit, by name without the ADALN_ prefix."""
         t = dict(self.tuning)
         return dict(H=self.H, D=self.D, T=self.T, FWD_THREADS=self.fwd_threads, FWD_VPT=self.fwd_vpt,
-                    FWD_STAGES=max(self.fwd_stages, 1), BWD_THREADS=self.bwd_threads, BWD_VPT=self.bwd_vpt,
+                    FWD_STAGES=max(self.fwd_stages, 1), FWD_WARP=int(self.fwd_warp),
+                    FWD_WARP_THREADS=t["FWD_WARP_THREADS"], BWD_THREADS=self.bwd_threads, BWD_VPT=self.bwd_vpt,
                     BWD_STAGES=self.bwd_stages, BWD_RES_STAGES=max(self.bwd_res_stages, 1),
                     TABLE_THREADS=t["TABLE_THREADS"],
-                    TABLE_ROWS_PER_WARP=t["TABLE_ROWS_PER_WARP"], TABLE_AHEAD=t["TABLE_AHEAD"],
+                    TABLE_ROWS_PER_WARP=self.table_rows_per_warp, TABLE_AHEAD=t["TABLE_AHEAD"],
                     TABLE_MIN_BLOCKS=t["TABLE_MIN_BLOCKS"], TABLE_PERSISTENT=int(self.table_persistent),
                     FWD_ROW_LIST_MAX=t["FWD_ROW_LIST_MAX"], ROW_LIST_MAX=t["ROW_LIST_MAX"],
                     TB_THREADS=t["TB_THREADS"], TB_ROWS=self.tb_rows, TB_EARLY=t["TB_EARLY"], TB_COLUMNS=TB_COLUMNS,
@@ -247,7 +271,7 @@ class Plan:
                     GR_THREADS=self.gr_threads, SUM_GROUPS=t["SUM_GROUPS"], RP_T=self.rp_t, TABLE_N=self.columns,
                     TABLE_F32_ROUNDED=int(self.table_f32_rounded))
 
-    @property
+    @cached_property
     def columns(self) -> int:
         """N, the table's columns: 2H (norm_out) unless the plan was made with table_n."""
         return self.table_n or 2 * self.H
@@ -302,12 +326,14 @@ def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = Fal
     if bwd_stages < 1:
         raise ValueError(f"the CUDA kernels need H (x.shape[-1]) <= {H_MAX}, got {H}; use backend='torch'")
     rows_per_block = t["TABLE_THREADS"] // 32 * t["TABLE_ROWS_PER_WARP"]
-    table_blocks = math.ceil(N / rows_per_block)  # one task per warp
-    table_persistent = 0 < t["TABLE_BLOCKS"] and t["TABLE_BLOCKS"] * t["TABLE_PERSISTENT_MIN_ROUNDS"] <= table_blocks
+    table_persistent = (0 < t["TABLE_BLOCKS"]
+                        and t["TABLE_BLOCKS"] * t["TABLE_PERSISTENT_MIN_ROUNDS"] <= math.ceil(N / rows_per_block))
+    table_rows_per_warp = t["TABLE_ROWS_PER_WARP"] if table_persistent else t["TABLE_SMALL_ROWS_PER_WARP"]
+    table_blocks = math.ceil(N / (t["TABLE_THREADS"] // 32 * table_rows_per_warp))  # one task per warp
     return Plan(H=H, D=D, T=T, fwd_threads=fwd_threads, fwd_vpt=fwd_vpt, fwd_stages=fwd_stages,
                 bwd_threads=bwd_threads, bwd_vpt=bwd_vpt, bwd_stages=bwd_stages, bwd_res_stages=bwd_res_stages,
                 table_grid=t["TABLE_BLOCKS"] if table_persistent else table_blocks, table_threads=t["TABLE_THREADS"],
-                table_persistent=table_persistent,
+                table_persistent=table_persistent, table_rows_per_warp=table_rows_per_warp,
                 tb_threads=t["TB_THREADS"],
                 sum_groups=t["SUM_GROUPS"], gr_threads=gr_geometry(H, t["GR_THREADS_MAX"]),
                 tuning=tuple(sorted(t.items())), table_n=table_n,

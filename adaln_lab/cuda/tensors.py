@@ -119,7 +119,8 @@ def forward_tensors(x, norm_weight, temb, weight, bias, timestep_indices, eps: f
     else:
         launchers.launch_table(k, plan, stream, temb.data_ptr(), weight.data_ptr(), bias.data_ptr(), table, table_f32)
     launchers.launch_norm_modulate(k, plan, rows, stream, x.data_ptr(), norm_weight.data_ptr(), table,
-                                   timestep_indices.data_ptr(), out.data_ptr(), rstd, x.shape[-2], eps)
+                                   timestep_indices.data_ptr(), out.data_ptr(), rstd, x.shape[-2], eps,
+                                   after_table=table_backend != "torch")
     return out, (plan, rows, keep, table_f32, rstd)
 
 

@@ -97,7 +97,8 @@ def kernel_bytes(S: int, H: int, D: int, T: int) -> dict:
     """Bytes each adaln_lab kernel must read plus write at S rows of bf16 x (the kernels' arguments).
 
     table_bf16: temb, weight, bias in; bf16 and fp32 table out. norm_modulate_bf16: x, norm_weight,
-    bf16 table, indices in; out and rstd out. norm_modulate_bwd_bf16: dy, x, rstd, norm_weight,
+    bf16 table, indices in; out and rstd out (its two other kernels, norm_modulate_warp_bf16 and
+    norm_modulate_rowwise_bf16, the same bytes). norm_modulate_bwd_bf16: dy, x, rstd, norm_weight,
     fp32 table, indices in; dx and the row partials (ranges, T, 2, H) fp32 out.
     reduce_partials_bf16: the partials, norm_weight, fp32 table in; d_table fp32, d_norm_weight,
     d_bias out. table_bwd_bf16: d_table, temb, weight in; d_weight and the activation partials
@@ -111,7 +112,7 @@ def kernel_bytes(S: int, H: int, D: int, T: int) -> dict:
         "table_bf16": temb + weight + 2 * H * 2 + table16 + table32,
         "norm_modulate_bf16": 2 * rows + H * 2 + table16 + S * 8 + S * 4,
     }
-    forward["norm_modulate_rowwise_bf16"] = forward["norm_modulate_bf16"]
+    forward["norm_modulate_rowwise_bf16"] = forward["norm_modulate_warp_bf16"] = forward["norm_modulate_bf16"]
     backward = {
         "norm_modulate_bwd_bf16": 3 * rows + S * 4 + H * 2 + table32 + S * 8 + partials,
         "reduce_partials_bf16": partials + H * 2 + table32 + table32 + H * 2 + 2 * H * 2,
@@ -175,7 +176,7 @@ def roofline(kernels: list[dict], S: int, shape: dict, copy_TBps: float) -> list
 # The kernels HEAD ships, as bench/scripts/sweep.py names them in its "default" (HEAD's plan) entries; its
 # "table_bwd+reduce" is table_bwd and its reduce together, which the profile inside the calls
 # (lab_latency.json) shows apart.
-SHIPPED = {"table_bf16": ("default", "table"), "norm_modulate_bf16": ("default", "norm_modulate"),
+SHIPPED = {"table_bf16": ("default", "table"), "norm_modulate_warp_bf16": ("default", "norm_modulate"),
            "norm_modulate_bwd_bf16": ("default", "norm_modulate_bwd"),
            "reduce_partials_bf16": ("default", "reduce_partials")}
 

@@ -92,7 +92,7 @@ def device_functions():
 @lru_cache(maxsize=None)
 def table_kernel(H: int, D: int, T: int):
     """Twin of table_bf16 (kernels_cu/table.cu): plan.table_grid blocks of table_threads / 32 warps, tasks of
-    TABLE_ROWS_PER_WARP rows, lane-strided k. The kernel's two schedules: a task per warp (task b * warps + w) or,
+    plan.table_rows_per_warp rows, lane-strided k. The kernel's two schedules: a task per warp (task b * warps + w) or,
     with plan.table_persistent, tasks w * grid + b + round * grid * warps; every warp runs the same number of
     rounds (its block syncs in warp_sum_lane0), a task past the last does nothing. The kernel's weight loads in
     flight change when loads are issued, not the sums."""
@@ -101,7 +101,7 @@ def table_kernel(H: int, D: int, T: int):
 
     bf16_to_float, float_to_bf16, round_bf16, warp_sum_lane0, silu = device_functions()
     plan = make_plan(H, D, T)
-    threads, rows_per_warp = plan.table_threads, dict(plan.tuning)["TABLE_ROWS_PER_WARP"]
+    threads, rows_per_warp = plan.table_threads, plan.table_rows_per_warp
     nvec_d, act_size, warps_per_block = D // 8, T * D, threads // 32  # shared sizes: constants
     tasks = -(-2 * H // rows_per_warp)  # a task: rows_per_warp consecutive rows j, one warp's
     persistent, stride = plan.table_persistent, plan.table_grid * warps_per_block

@@ -6,7 +6,11 @@ device synchronised before each sample, median of 200 after 30 warm-ups) of adal
 calls of adaln_lab's, the functions by their own time per call. cProfile adds its own cost per Python call:
 read its shares, not its absolute figures.
 
-    python3 bench/scripts/host_breakdown.py [--rows 4097] > host_breakdown.txt
+    python3 bench/scripts/host_breakdown.py [--rows 4097] [--primitives] > host_breakdown.txt
+
+--primitives first prints the host cost of each piece an eager call is made of (an allocation, a launch, the
+argument checks, an autograd.Function's forward and backward with and without saved tensors), each the median
+over 2000 back-to-back calls, so that the sums above can be read against them.
 """
 
 from __future__ import annotations
@@ -73,11 +77,98 @@ def profile(step, leaves, calls=500) -> str:
     return f"profiled own time per call: {total / calls * 1e6:.1f} us\n" + out.getvalue()
 
 
+def loop_us(fn, calls=2000, repeats=5) -> float:
+    """Host us per call of fn, the median of `repeats` loops of `calls` back-to-back calls (no synchronisation)."""
+    fn()
+    per = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(per)
+
+
+class Saving(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *leaves):
+        ctx.save_for_backward(*leaves)
+        return leaves[0].view_as(leaves[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved = ctx.saved_tensors
+        return (dy,) + (None,) * (len(saved) - 1)
+
+
+def reset(leaves) -> None:
+    for leaf in leaves:
+        leaf.grad = None
+
+
+def primitives(n: int) -> None:
+    from adaln_lab.cuda import launchers, tensors
+    from adaln_lab.cuda.plan import plan as make_plan
+    from adaln_lab.ops import support
+    from adaln_lab.ops.autocast import autocast_params
+    from adaln_lab.ops.checks import validate
+
+    inputs = make(3, n, "cuda")
+    x, nw, temb, w, b, idx = inputs.args
+    p = make_plan(x.shape[-1], temb.shape[1], temb.shape[0])
+    one = p.rows(1)
+    k = launchers.kernels(0, p)
+    stream = tensors.current_stream(0)
+    out = torch.empty_like(x)
+    ws = torch.empty(p.rows(n).fwd_bytes, dtype=torch.uint8, device="cuda")
+    o = one.fwd_offsets
+    device = x.device
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs.leaves]
+    ones = torch.ones_like(x)
+    items = {
+        "torch.empty(bytes, uint8, cuda)": lambda: torch.empty(1 << 20, dtype=torch.uint8, device=device),
+        "torch.empty_like(x)": lambda: torch.empty_like(x),
+        "x.contiguous()": lambda: x.contiguous(),
+        "x.data_ptr()": lambda: x.data_ptr(),
+        "launchers.bind(0)": lambda: launchers.bind(0),
+        "tensors.current_stream(0)": lambda: tensors.current_stream(0),
+        "tensors.context(...)": lambda: tensors.context(0, x.shape[-1], temb.shape[1], temb.shape[0], n),
+        "one launch (norm_modulate, 1 row)": lambda: launchers.launch_norm_modulate(
+            k, p, one, stream, x.data_ptr(), nw.data_ptr(), ws.data_ptr() + o["table"], idx.data_ptr(),
+            out.data_ptr(), ws.data_ptr() + o["rstd"], x.shape[-2], 1e-5),
+        "checks.validate(...)": lambda: validate(x, nw, temb, w, b, idx, 1e-5, check_indices=False),
+        "support.final_adaln_out(...)": lambda: support.final_adaln_out(x, nw, temb, w, b),
+        "autocast_params(...)": lambda: autocast_params(x, nw, w, b),
+        "torch.compiler.is_compiling()": torch.compiler.is_compiling,
+        "identity Function forward (5 leaves)": lambda: Identity.apply(*leaves),
+        "identity Function forward+backward (grads reset)": lambda: (reset(leaves), Identity.apply(*leaves).backward(ones)),
+        "saving Function forward+backward (saves 5, grads reset)": lambda: (reset(leaves),
+                                                                             Saving.apply(*leaves).backward(ones)),
+        "grads reset alone": lambda: reset(leaves),
+        "final_adaln_out forward (grad)": lambda: final_adaln_out(*leaves, idx),
+    }
+    with torch.no_grad():
+        items_no_grad = {"final_adaln_out forward (no_grad)": lambda: final_adaln_out(*inputs.args)}
+    for name, fn in items.items():
+        for leaf in leaves:
+            leaf.grad = None
+        print(f"primitive {name}: {loop_us(fn, calls=500 if 'final' in name or 'Function' in name else 2000):.2f} us")
+    with torch.no_grad():
+        for name, fn in items_no_grad.items():
+            print(f"primitive {name}: {loop_us(fn, calls=500):.2f} us")
+    del inputs, leaves, out, ws
+    torch.cuda.synchronize()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=4097)
+    parser.add_argument("--primitives", action="store_true")
     args = parser.parse_args()
     n = args.rows
+    if args.primitives:
+        primitives(n)
 
     inputs = make(3, n, "cuda")
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs.leaves]

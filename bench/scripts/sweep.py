@@ -34,6 +34,21 @@ CONFIGS = {  # TUNING overrides, each against the first
     "table256": dict(TABLE_THREADS=256),
     "tb512x256": dict(TB_THREADS=512, TB_ROWS=256),
     "bwd_s3": dict(BWD_STAGES=3),
+    "warp": dict(FWD_WARP_VECTORS_MAX=24),
+    "warp128": dict(FWD_WARP_VECTORS_MAX=24, FWD_WARP_THREADS=128),
+    "warp_pdl": dict(FWD_WARP_VECTORS_MAX=24, FWD_PDL=1),
+    "table_p_r1_a8": dict(TABLE_PERSISTENT_MIN_ROUNDS=0, TABLE_ROWS_PER_WARP=1, TABLE_AHEAD=8),
+    "table_p_r2_a4": dict(TABLE_PERSISTENT_MIN_ROUNDS=0, TABLE_ROWS_PER_WARP=2, TABLE_AHEAD=4),
+    "table_p_r1_a8_256": dict(TABLE_PERSISTENT_MIN_ROUNDS=0, TABLE_ROWS_PER_WARP=1, TABLE_AHEAD=8, TABLE_THREADS=256,
+                              TABLE_BLOCKS=264),
+    "table_r2": dict(TABLE_ROWS_PER_WARP=2),
+    "table_r1": dict(TABLE_ROWS_PER_WARP=1),
+    "warp_t128": dict(FWD_WARP_VECTORS_MAX=24, TABLE_THREADS=128),
+    "warp_t256_r2": dict(FWD_WARP_VECTORS_MAX=24, TABLE_THREADS=256, TABLE_ROWS_PER_WARP=2),
+    "warp_t128_r2": dict(FWD_WARP_VECTORS_MAX=24, TABLE_THREADS=128, TABLE_ROWS_PER_WARP=2),
+    "warp_r2": dict(FWD_WARP_VECTORS_MAX=24, TABLE_ROWS_PER_WARP=2),
+    "warp_r2_pdl": dict(FWD_WARP_VECTORS_MAX=24, TABLE_ROWS_PER_WARP=2, FWD_PDL=1),
+    "warp_t128_pdl": dict(FWD_WARP_VECTORS_MAX=24, TABLE_THREADS=128, FWD_PDL=1),
 }
 
 
@@ -51,7 +66,6 @@ class Op:
         self.p = plan_module.plan(H, D, T)
         self.r = self.p.rows(i.x.shape[0])
         self.k = launchers.kernels(0, self.p)
-        self.s = current_stream(0)
         dev = i.x.device
         self.out, self.dx = torch.empty_like(i.x), torch.empty_like(i.x)
         self.fwd_ws = torch.empty(self.r.fwd_bytes, dtype=torch.uint8, device=dev)
@@ -61,16 +75,21 @@ class Op:
         o, b = self.r.fwd_offsets, self.fwd_ws.data_ptr()
         self.table, self.table_f32, self.rstd = b + o["table"], b + o["table_f32"], b + o["rstd"]
 
+    @property
+    def s(self) -> int:
+        """torch's current stream, read at each launch (a graph capture's stream while capturing)."""
+        return current_stream(0)
+
     def table_step(self):
         i = self.i
         launchers.launch_table(self.k, self.p, self.s, i.temb.data_ptr(), i.weight.data_ptr(), i.bias.data_ptr(),
                                self.table, self.table_f32)
 
-    def rows_step(self):
+    def rows_step(self, after_table=False):
         i = self.i
         launchers.launch_norm_modulate(self.k, self.p, self.r, self.s, i.x.data_ptr(), i.norm_weight.data_ptr(),
                                        self.table, i.timestep_indices.data_ptr(), self.out.data_ptr(), self.rstd,
-                                       i.x.shape[0], 1e-5)
+                                       i.x.shape[0], 1e-5, after_table=after_table)
 
     def backward(self):
         i = self.i
@@ -83,7 +102,7 @@ class Op:
 
     def forward(self):
         self.table_step()
-        self.rows_step()
+        self.rows_step(after_table=True)
 
     def fwd_bwd(self):
         self.forward()

@@ -18,10 +18,19 @@ class Recorder:
         assert len(args) == len(launchers.SIGNATURES[self.name]), self.name
         self.calls.append((self.name, grid, block, shared_mem, args))
 
+    def after_previous(self, grid, block, shared_mem, stream, *args):
+        """The programmatic dependent launch: recorded as the launch it is, and named in PROGRAMMATIC."""
+        PROGRAMMATIC.append(len(self.calls))
+        self(grid, block, shared_mem, stream, *args)
+
+
+PROGRAMMATIC = []  # indices into the recorded calls of the launches made with after_previous
+
 
 @pytest.fixture
 def calls(monkeypatch):
     recorded = []
+    PROGRAMMATIC.clear()
     monkeypatch.setattr(launchers, "kernels", lambda device, plan: {n: Recorder(n, recorded) for n in launchers.SIGNATURES})
     monkeypatch.setattr(launchers, "bind", lambda device: None)
     monkeypatch.setattr(tensors, "current_stream", lambda device: 0)
@@ -46,10 +55,12 @@ def test_forward_and_backward_launch_each_kernel_once_on_live_buffers(calls, row
     dy = upstream(1, i.x)
     grads = tensors.backward_tensors(dy, i.x, i.norm_weight, i.temb, i.weight, i.timestep_indices, saved)
     names = [c[0] for c in calls]
-    assert names == ["table_bf16", "norm_modulate_bf16", "norm_modulate_bwd_bf16", "reduce_partials_bf16",
+    assert names == ["table_bf16", "norm_modulate_warp_bf16", "norm_modulate_bwd_bf16", "reduce_partials_bf16",
                      "table_bwd_bf16", "table_bwd_reduce"]
+    assert PROGRAMMATIC == [1]  # the row kernel starts while the table kernel ends (and reads the table after)
     plan, r = saved[0], saved[1]
-    assert calls[1][1] == (r.fwd_ranges, 1, 1) and calls[2][1] == (r.bwd_ranges, 1, 1)
+    assert calls[1][1] == (-(-rows // plan.fwd_warp_rows), 1, 1) and calls[1][2] == (32 * plan.fwd_warp_rows, 1, 1)
+    assert calls[2][1] == (r.bwd_ranges, 1, 1)
     assert calls[3][1] == (-(-plan.H // 32), 1, 1) and calls[4][1] == plan.tb_grid + (1,)
     assert calls[5][1] == (-(-plan.D // 32), plan.T, 1) and calls[5][4][3] == plan.blocks_j
     # every pointer argument points into something alive: inputs, outputs, the forward's workspace
@@ -71,7 +82,8 @@ def test_forward_and_backward_launch_each_kernel_once_on_live_buffers(calls, row
     p = {name: t.data_ptr() for name, t in zip(("x", "norm_weight", "temb", "weight", "bias", "idx"), i.args)}
     expected = {
         "table_bf16": [p["temb"], p["weight"], p["bias"], fws + o["table"], fws + o["table_f32"]],
-        "norm_modulate_bf16": [p["x"], p["norm_weight"], fws + o["table"], p["idx"], out.data_ptr(), fws + o["rstd"]],
+        "norm_modulate_warp_bf16": [p["x"], p["norm_weight"], fws + o["table"], p["idx"], out.data_ptr(),
+                                    fws + o["rstd"]],
         "norm_modulate_bwd_bf16": [dy.data_ptr(), p["x"], fws + o["rstd"], p["norm_weight"], fws + o["table_f32"],
                                    p["idx"], grads[0].data_ptr(), base + b["row_partials"]],
         "reduce_partials_bf16": [base + b["row_partials"], p["norm_weight"], fws + o["table_f32"], base + b["d_table"],
@@ -123,3 +135,11 @@ def test_empty_batch_launches_no_row_kernel_and_zeroes_the_partials(calls):
     memset = calls[1]
     assert memset[2] == 2 * 2 * 264 * 4  # one range of (T, 2, H) fp32 zeros
     assert calls[2][4][7] == 1  # reduce_partials sums that one range (its nblocks argument)
+
+
+def test_the_row_kernel_waits_on_the_table_kernel_only_when_it_follows_it(calls):
+    """With table_backend="torch" the table comes from F.linear, not the table kernel: the row kernel is
+    launched plainly (a programmatic launch after some other kernel would gain nothing)."""
+    i = make(1, 9, "cpu", H=64, D=32, T=2)
+    tensors.forward_tensors(*i.args, 1e-5, "torch")
+    assert [c[0] for c in calls] == ["norm_modulate_warp_bf16"] and PROGRAMMATIC == []
