@@ -74,8 +74,10 @@ class Kernel:
     driver copies them).
     """
 
-    def __init__(self, name: str, raw_kernel):
+    def __init__(self, name: str, raw_kernel, programmatic: bool = True):
         from cupy.cuda import driver
+
+        self.programmatic = programmatic  # the device takes programmatic dependent launches (sm_90 and later)
 
         self.name = name
         self.function = raw_kernel.kernel  # keeps the module alive
@@ -98,7 +100,10 @@ class Kernel:
     def after_previous(self, grid, block, shared_mem: int, stream: int, *args) -> None:
         """The launch with programmatic stream serialization (PDL, sm_90+): the kernel may start while the
         previous kernel of the stream still runs (from that kernel's `griddepcontrol.launch_dependents` on);
-        it must execute `griddepcontrol.wait` before it reads what that kernel writes."""
+        it must execute `griddepcontrol.wait` before it reads what that kernel writes. On a device before sm_90
+        a plain launch (the kernels compile no griddepcontrol there)."""
+        if not self.programmatic:
+            return self(grid, block, shared_mem, stream, *args)
         attribute = _LaunchAttribute(PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
         config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem, stream,
                                ctypes.pointer(attribute), 1)
@@ -154,8 +159,9 @@ def kernels(device_index: int, plan: Plan) -> dict:
     device is current)."""
     import cupy
 
-    with cupy.cuda.Device(device_index):
-        return {name: Kernel(name, raw) for name, raw in loader.module(device_index, plan).items()}
+    with cupy.cuda.Device(device_index) as device:
+        programmatic = int(device.compute_capability) >= 90
+        return {name: Kernel(name, raw, programmatic) for name, raw in loader.module(device_index, plan).items()}
 
 
 def launch_table(k: dict, plan: Plan, stream: int, temb: int, weight: int, bias: int, table: int,

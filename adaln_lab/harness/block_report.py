@@ -41,6 +41,8 @@ LEAVES = ("x", "norm1_weight", "norm2_weight", "temb", "weight", "bias")
 SALTS = {"norm1_weight": 31, "norm2_weight": 32, "temb": 33, "weight": 34, "bias": 35, "dy": 36}
 SIZES, QUICK_SIZES = (4097, 32768), (257, 1024)
 QUICK_SHAPE = {"H": 256, "D": 128, "T": 3}
+HOST_SAMPLES = 200  # host-time samples per candidate and size: the host's own jitter (tens of us) needs the median
+                    # of many; a sample costs a millisecond or two
 
 
 @dataclass
@@ -218,7 +220,7 @@ def run_block_report(names: list[str], device: str | torch.device, quick: bool, 
             if name == "adaln_lab" and device.type != "cuda":
                 source += f" (on {device.type}: the ops' torch code, not the CUDA kernels)"
             result = {"source": source, **accuracy(fn, inputs, dy, reference)}
-            result.update(host_latency(fn, inputs, warmup, iters))
+            result.update(host_latency(fn, inputs, warmup, max(iters, HOST_SAMPLES)))
             result.update(graph_latency(fn, inputs, warmup, iters))
             for key in ("fwd", "fwd_bwd"):
                 value = result[f"{key}_us_graph"]

@@ -25,30 +25,15 @@ from profile_kernels import gpu_us, graph_us  # noqa: E402
 
 H, D, T = 5376, 2688, 3
 BASE = dict(plan_module.TUNING)
-CONFIGS = {  # TUNING overrides, each against the first
+CONFIGS = {  # TUNING overrides, each against the first (bench/NOTES.md v12 has the last run of each)
     "default": {},
-    "fwd672": dict(FWD_THREADS_MAX=1024),
-    "fwd_r132": dict(FWD_RANGES=132),
-    "fwd_s4": dict(FWD_STAGES=4),
-    "table1024": dict(TABLE_THREADS=1024),
+    "staged": dict(FWD_WARP_VECTORS_MAX=0),          # the staged row-block forward (v8 to v11)
+    "no_pdl": dict(FWD_PDL=0),                       # the row-per-warp forward launched plainly after the table
+    "table_r4": dict(TABLE_SMALL_ROWS_PER_WARP=4),   # norm_out's table at 4 rows per warp task (v8 to v11)
+    "table_r1": dict(TABLE_SMALL_ROWS_PER_WARP=1),
     "table256": dict(TABLE_THREADS=256),
     "tb512x256": dict(TB_THREADS=512, TB_ROWS=256),
     "bwd_s3": dict(BWD_STAGES=3),
-    "warp": dict(FWD_WARP_VECTORS_MAX=24),
-    "warp128": dict(FWD_WARP_VECTORS_MAX=24, FWD_WARP_THREADS=128),
-    "warp_pdl": dict(FWD_WARP_VECTORS_MAX=24, FWD_PDL=1),
-    "table_p_r1_a8": dict(TABLE_PERSISTENT_MIN_ROUNDS=0, TABLE_ROWS_PER_WARP=1, TABLE_AHEAD=8),
-    "table_p_r2_a4": dict(TABLE_PERSISTENT_MIN_ROUNDS=0, TABLE_ROWS_PER_WARP=2, TABLE_AHEAD=4),
-    "table_p_r1_a8_256": dict(TABLE_PERSISTENT_MIN_ROUNDS=0, TABLE_ROWS_PER_WARP=1, TABLE_AHEAD=8, TABLE_THREADS=256,
-                              TABLE_BLOCKS=264),
-    "table_r2": dict(TABLE_ROWS_PER_WARP=2),
-    "table_r1": dict(TABLE_ROWS_PER_WARP=1),
-    "warp_t128": dict(FWD_WARP_VECTORS_MAX=24, TABLE_THREADS=128),
-    "warp_t256_r2": dict(FWD_WARP_VECTORS_MAX=24, TABLE_THREADS=256, TABLE_ROWS_PER_WARP=2),
-    "warp_t128_r2": dict(FWD_WARP_VECTORS_MAX=24, TABLE_THREADS=128, TABLE_ROWS_PER_WARP=2),
-    "warp_r2": dict(FWD_WARP_VECTORS_MAX=24, TABLE_ROWS_PER_WARP=2),
-    "warp_r2_pdl": dict(FWD_WARP_VECTORS_MAX=24, TABLE_ROWS_PER_WARP=2, FWD_PDL=1),
-    "warp_t128_pdl": dict(FWD_WARP_VECTORS_MAX=24, TABLE_THREADS=128, FWD_PDL=1),
 }
 
 
