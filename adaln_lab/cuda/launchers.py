@@ -78,7 +78,6 @@ class Kernel:
         from cupy.cuda import driver
 
         self.programmatic = programmatic  # the device takes programmatic dependent launches (sm_90 and later)
-
         self.name = name
         self.function = raw_kernel.kernel  # keeps the module alive
         self._launch = driver.launchKernel
