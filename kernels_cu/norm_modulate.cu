@@ -15,8 +15,8 @@
 //
 // norm_modulate_warp_bf16 (where a row fits a warp's registers: plan.fwd_warp, H <= 6144): one row per
 // warp, each lane playing the row block's threads l, l + 32, ... (bench/NOTES.md v12: 3.7 TB/s at 32768 rows
-// on the H200, against 3.2 for the staged kernel). Launched right after the table kernel with programmatic
-// dependent launch (plan.fwd_pdl), so its x loads and sums of squares overlap the table's tail.
+// on the H200, against 3.2 for the staged kernel). With plan.fwd_pdl (off by default) it is launched right after
+// the table kernel with programmatic dependent launch, so its x loads and sums of squares overlap the table's tail.
 // norm_modulate_bf16 (staged): each block owns a range of rows_per_range consecutive rows
 // (plan: Rows.fwd_rows_per_range; grid = ranges) and keeps in dynamic shared memory the shift and
 // bf16(1 + scale) of EVERY timestep, staged once per block (the row-per-block kernel read them from
@@ -205,13 +205,23 @@ norm_modulate_rowwise_bf16(const bf16_t* __restrict__ x, const bf16_t* __restric
 // x is read once with an L1 no-allocate load, norm_weight and the table through L1 (they are reused by
 // every row). Block = ADALN_FWD_WARP_THREADS, grid = ceil(rows / warps per block): warp k of block b
 // owns row b * warps + k. Launched right after the table kernel with programmatic dependent launch
-// (plan.fwd_pdl), it loads x and reduces before `griddepcontrol.wait`, then reads the table.
+// (plan.fwd_pdl), it loads x and reduces before `griddepcontrol.wait`, then reads the table with volatile loads
+// that cannot be hoisted above the wait.
 #define FWD_WARPS (ADALN_FWD_THREADS / 32)
 
 __device__ __forceinline__ uint4 load_stream8(const bf16_t* p) {
     uint4 r;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+// a load of what the previous kernel wrote: volatile and ordered after griddepcontrol.wait (a non-volatile asm
+// load could be hoisted above it), through the coherent path
+__device__ __forceinline__ uint4 load_after_wait8(const bf16_t* p) {
+    uint4 r;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p) : "memory");
     return r;
 }
 
@@ -276,7 +286,8 @@ norm_modulate_warp_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__
             const int v = 32 * w + lane + i * ADALN_FWD_THREADS;
             if (v < ADALN_NVEC_H)
                 modulate_store(orow + v * ADALN_VEC, x_raw[w][i], load_cached8(norm_weight + v * ADALN_VEC),
-                               load_cached8(shift + v * ADALN_VEC), one_plus(load_cached8(shift + ADALN_H + v * ADALN_VEC)),
+                               load_after_wait8(shift + v * ADALN_VEC),
+                               one_plus(load_after_wait8(shift + ADALN_H + v * ADALN_VEC)),
                                r, valid);
         }
 #endif

@@ -36,12 +36,13 @@ TUNING = {
     "FWD_MIN_ROWS": 8,          # norm_modulate.cu: fewest rows of one range (the table staging is per range)
     "FWD_STAGES": 3,            # norm_modulate.cu: rows of x in flight per block (cp.async)
     "FWD_STAGED_MIN_BLOCKS": 2,  # norm_modulate.cu: stage the table only where this many blocks fit an SM
-    "FWD_ROW_LIST_MAX": 1024,
+    "FWD_ROW_LIST_MAX": 1024,   # norm_modulate.cu: most rows of one range (their timesteps sit in shared memory)
     "FWD_WARP_VECTORS_MAX": 24,  # norm_modulate.cu: a row per warp where a lane's share of a row (fwd_threads / 32
                                 # x fwd_vpt vectors) is at most this many (0: never)
     "FWD_WARP_THREADS": 256,    # norm_modulate.cu: block size of the row-per-warp kernel
-    "FWD_PDL": 1,               # norm_modulate.cu: the row-per-warp kernel launched right after the table kernel with
-                                # programmatic dependent launch (its x loads overlap the table's tail)   # norm_modulate.cu: most rows of one range (their timesteps sit in shared memory)
+    "FWD_PDL": 0,               # norm_modulate.cu: the row-per-warp kernel launched right after the table kernel with
+                                # programmatic dependent launch (its x loads overlap the table's tail); off: its
+                                # first GPU tests found the table read before the wait (bench/NOTES.md v12)
     "BWD_THREADS_MAX": 1024,    # norm_modulate_bwd.cu: row block size cap (H = 5376: 672 threads x 1 vector)
     "BWD_RANGES": 132,          # norm_modulate_bwd.cu: row ranges (a constant, not the SM count)
     "BWD_STAGES": 4,            # norm_modulate_bwd.cu: rows of x and dy in flight (cp.async)
