@@ -14,7 +14,6 @@ code otherwise), backend "cupy" (raises the error), the custom ops, `adaln_lab.c
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import warnings
 
@@ -28,9 +27,18 @@ _NAMES = {_BF16: "bfloat16", _F32: "float32"}
 STATIC_SHARED_MAX = 48 * 1024  # bytes of static shared memory one CUDA block may declare (the twin's limit)
 
 
-@functools.cache
+_CUPY_MISSING: dict = {}  # the one lookup's answer, kept where torch.compile reads it as a constant
+
+
 def _cupy_missing() -> bool:
-    return importlib.util.find_spec("cupy") is None
+    """Whether CuPy is not installed (looked up once). Under torch.compile, before any eager call looked, False:
+    dynamo cannot trace importlib's lookup (a graph break, so fullgraph fails); the launch then reports a missing
+    CuPy itself."""
+    if "missing" not in _CUPY_MISSING:
+        if torch.compiler.is_compiling():
+            return False
+        _CUPY_MISSING["missing"] = importlib.util.find_spec("cupy") is None
+    return _CUPY_MISSING["missing"]
 
 
 def _not_cuda(name: str, t: torch.Tensor) -> Exception | None:

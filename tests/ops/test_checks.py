@@ -205,3 +205,17 @@ def test_cuda_tensors_without_cupy_name_the_cuda_extra(monkeypatch):
     assert isinstance(error, ImportError) and "pip install 'adaln_lab[cuda]'" in str(error)
     monkeypatch.setattr(support, "_cupy_missing", lambda: False)
     assert support.rows(x, 3) is None
+
+
+def test_the_cupy_lookup_traces_under_torch_compile_fullgraph(monkeypatch):
+    """The kernel rule's CuPy lookup inside a fullgraph compile, before and after an eager call made it: no graph
+    break (importlib's find_spec cannot be traced; the GPU test of the compiled op failed on it)."""
+    from adaln_lab.ops import support
+
+    monkeypatch.setattr(support, "_CUPY_MISSING", {})
+    compiled = torch.compile(lambda t: t + int(support._cupy_missing()), fullgraph=True, backend="eager")
+    assert compiled(torch.zeros(1)).item() == 0.0
+    eager = support._cupy_missing()
+    assert support._CUPY_MISSING == {"missing": eager}
+    torch._dynamo.reset()
+    assert compiled(torch.zeros(1)).item() == float(eager)
