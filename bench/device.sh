@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The evidence of bench/results/h200/, made on the GPU machine from a clean tree, step by step:
+# The evidence of bench/results/<machine>/ (bench/README.md), made on the GPU machine from a clean tree, step by step:
 #
 #   bash bench/device.sh OUT_DIR STEP[+STEP...] [STEP ...]
 #

@@ -5,10 +5,12 @@ from pathlib import Path
 
 import pytest
 
+from adaln_lab.lab.evidence import RELATIVE
+
 ROOT = Path(__file__).resolve().parent.parent  # the checkout: pyproject.toml, adaln_lab/, kernels_cu/, bench/
 DATA = ROOT / "tests" / "data"
-# the committed H200 evidence (refilled from a GPU run), or ADALN_LAB_EVIDENCE_DIR as adaln_lab.lab.evidence reads it
-EVIDENCE = Path(os.environ.get("ADALN_LAB_EVIDENCE_DIR") or ROOT / "bench" / "results" / "h200")
+# the committed GPU evidence (refilled from a GPU run), or ADALN_LAB_EVIDENCE_DIR as adaln_lab.lab.evidence reads it
+EVIDENCE = Path(os.environ.get("ADALN_LAB_EVIDENCE_DIR") or ROOT / RELATIVE)
 NOTEBOOKS = ROOT / "notebooks"
 
 
@@ -19,7 +21,7 @@ def _missing(path: Path) -> str:
 
 def needs_evidence(*names: str):
     """Mark: skip the test while any of these committed evidence files (in EVIDENCE) is missing
-    (bench/results/h200 is emptied and refilled from a GPU run); what it checks is checked whenever they
+    (the evidence folder is emptied and refilled from a GPU run); what it checks is checked whenever they
     are there."""
     missing = [EVIDENCE / name for name in names if not (EVIDENCE / name).is_file()]
     return pytest.mark.skipif(bool(missing), reason="; ".join(_missing(p) for p in missing))

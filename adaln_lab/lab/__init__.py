@@ -7,6 +7,6 @@
 Modules: `errors` (goldens, rounding attribution, ulps, gradient error against rows, run-to-run
 spread), `latency` (rows sweep of graph / eager / host time against the floors, per-kernel
 roofline), `walkthrough` (the invariance checks step by step, planted counter-examples), and
-`evidence` (MODE of a notebook: measure now, or read the committed H200 evidence), `tables`
+`evidence` (MODE of a notebook: measure now, or read the committed GPU evidence), `tables`
 (the notebooks' markdown tables) and `notebooks` (their runner).
 """

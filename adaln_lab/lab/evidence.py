@@ -1,17 +1,17 @@
-"""Where the lab's numbers come from: measured now, or read from the committed H200 evidence.
+"""Where the lab's numbers come from: measured now, or read from the committed GPU evidence.
 
 A notebook sets `MODE = "auto" | "evidence" | "measure"` at its top and calls `resolve_mode(MODE)`:
 - "measure": measure afresh on this machine (the GPU when there is one; on a CPU the small sizes);
-- "evidence": read the committed H200 files in `bench/results/h200/` (`report.json`, written by
+- "evidence": read the committed GPU files in `bench/results/<EVIDENCE_MACHINE>/` (`report.json`, written by
   `python -m adaln_lab report`; `lab_errors.json`, `lab_latency.json`, `lab_invariance.json`,
-  written by `python -m adaln_lab.lab --out bench/results/h200`); a lab file that is absent is
+  written by `python -m adaln_lab.lab --out bench/results/<EVIDENCE_MACHINE>`); a lab file that is absent is
   computed live on this CPU at small sizes instead, and the banner says so;
 - "auto": "measure" where torch sees CUDA, "evidence" elsewhere.
 
 `obtain(kind, mode, measure)` does the above for one lab file and returns `(data, banner)`: the
 banner is the line a notebook prints, so a reader always sees what the figures are. With
 $ADALN_LAB_SAVE_DIR set, measure mode on a GPU also writes what it measured there as `lab_<kind>.json`
-(the quick figures of a CPU never): the H200 run that renders the notebooks thereby writes the evidence
+(the quick figures of a CPU never): the GPU run that renders the notebooks thereby writes the evidence
 they read on a CPU.
 """
 
@@ -27,11 +27,14 @@ import torch
 
 MODES = ("auto", "evidence", "measure")
 KINDS = ("errors", "latency", "invariance")
-RELATIVE = Path("bench") / "results" / "h200"
+# the lent machine HEAD's evidence was made on: the one folder of bench/results/ that holds HEAD's kernels' figures
+# (each file names its commit, command and device in the folder's MANIFEST.csv and its own header)
+EVIDENCE_MACHINE = "h100"
+RELATIVE = Path("bench") / "results" / EVIDENCE_MACHINE
 
 
 def repo_root() -> Path:
-    """The checkout holding `bench/results/h200/report.json`: the package's own (editable install),
+    """The checkout holding `bench/results/<EVIDENCE_MACHINE>/report.json`: the package's own (editable install),
     else the current directory or one of its parents (a notebook runs in notebooks/)."""
     here = Path(__file__).resolve().parents[2]
     for root in (here, Path.cwd(), *Path.cwd().parents):
@@ -41,7 +44,7 @@ def repo_root() -> Path:
 
 
 def evidence_dir() -> Path:
-    """bench/results/h200 of the checkout, or $ADALN_LAB_EVIDENCE_DIR when set (tests point it at
+    """bench/results/<EVIDENCE_MACHINE> of the checkout, or $ADALN_LAB_EVIDENCE_DIR when set (tests point it at
     a synthetic copy)."""
     override = os.environ.get("ADALN_LAB_EVIDENCE_DIR")
     return Path(override) if override else repo_root() / RELATIVE
@@ -76,7 +79,7 @@ def load_json(path: str | Path) -> dict | None:
 
 
 def load_report(directory: str | Path | None = None) -> dict:
-    """The committed report of `python -m adaln_lab report` (bench/results/h200/report.json)."""
+    """The committed report of `python -m adaln_lab report` (bench/results/<EVIDENCE_MACHINE>/report.json)."""
     path = Path(directory or evidence_dir()) / "report.json"
     report = load_json(path)
     if report is None:
@@ -114,7 +117,7 @@ def obtain(kind: str, mode: str, measure: Callable[[torch.device, bool], dict],
 
     measure mode: `measure(device, quick=device is the CPU)`. evidence mode: the committed
     `lab_<kind>.json`, or, when it is absent, `measure(cpu, quick=True)` with a banner saying that
-    these are small CPU figures and not the H200's.
+    these are small CPU figures and not the GPU's.
     """
     mode = resolve_mode(mode)
     path = lab_path(kind, directory)
@@ -129,8 +132,8 @@ def obtain(kind: str, mode: str, measure: Callable[[torch.device, bool], dict],
         return data, f"MODE evidence: committed evidence {_shown(path)} ({describe(data)})."
     data = _measured(measure, torch.device("cpu"), True)
     return data, (f"MODE evidence, but {path.name} is not committed yet: computed live on this CPU at small sizes "
-                  f"({describe(data)}). These are NOT H200 figures; the lead's H200 run of "
-                  f"`python -m adaln_lab.lab --out bench/results/h200` replaces them.")
+                  f"({describe(data)}). These are NOT GPU figures; a GPU run of "
+                  f"`python -m adaln_lab.lab --out bench/results/<machine>` replaces them.")
 
 
 def _measured(measure, device: torch.device, quick: bool) -> dict:

@@ -14,7 +14,7 @@ Shapes: x (S, H) bf16 for S in `rows`; parameters as in `harness.inputs.make`.
 - `kernel_profile`: device time per kernel of forward+backward calls (torch.profiler, CUDA only:
   CUPTI sees every kernel of the process, the ones adaln_lab launches through the driver too).
 - `roofline`: the two together: achieved TB/s and multiple of each kernel's own floor.
-- `sweep_kernels`: the committed per-kernel times of bench/results/h200/sweep.json (each kernel
+- `sweep_kernels`: the committed per-kernel times of bench/results/<machine>/sweep.json (each kernel
   alone, back to back) for the kernels HEAD ships, as evidence where no GPU is at hand.
 """
 

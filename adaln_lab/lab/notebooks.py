@@ -1,8 +1,8 @@
 """Execute the lab's notebooks top to bottom, in place: python -m adaln_lab.lab.notebooks [PATH ...]
 
 Each notebook keeps `MODE = "auto"`: on a machine with CUDA it measures afresh, on a CPU it reads
-the committed H200 evidence (bench/results/h200). With `--write` the executed notebook, outputs
-included, replaces the file (what gets committed after an H200 run); without it nothing is
+the committed GPU evidence (bench/results/<machine>, `lab.evidence.EVIDENCE_MACHINE`). With `--write` the executed notebook, outputs
+included, replaces the file (what gets committed after a GPU run); without it nothing is
 written. Needs the test extra (nbclient, nbformat, ipykernel). Prints each notebook's seconds and
 exits 1 if any cell raised.
 """

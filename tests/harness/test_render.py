@@ -1,4 +1,4 @@
-"""`adaln_lab.harness.render` (`python -m adaln_lab table`): a committed H200 report without the newer keys renders
+"""`adaln_lab.harness.render` (`python -m adaln_lab table`): a committed GPU report without the newer keys renders
 with n/a, a failed CUDA-graph capture is named, a missing or broken file is a one-line error. (A new report's
 table: tests/harness/test_report.py.)"""
 
@@ -9,7 +9,7 @@ from adaln_lab.harness.render import markdown
 from ..paths import EVIDENCE, needs_evidence
 from .test_report import NEW_FIGURES, table
 
-OLD_REPORT = EVIDENCE / "report.json"  # skipped while bench/results/h200 waits for its GPU run
+OLD_REPORT = EVIDENCE / "report.json"  # skipped while the evidence folder waits for its GPU run
 
 
 @needs_evidence("report.json")

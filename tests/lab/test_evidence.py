@@ -20,7 +20,7 @@ def test_modes_and_the_evidence_fallback(tmp_path, monkeypatch):
         return {"x": 1}
 
     data, banner = evidence.obtain("errors", "evidence", measure, directory=tmp_path)
-    assert calls == [("cpu", True)] and "NOT H200" in banner and data["meta"]["quick"] is True
+    assert calls == [("cpu", True)] and "NOT GPU" in banner and data["meta"]["quick"] is True
     evidence.save({"x": 2, "meta": {"environment": {"gpu": "NVIDIA H200"}, "adaln_lab_commit": "abcdef0123",
                                     "quick": False}}, evidence.lab_path("errors", tmp_path))
     data, banner = evidence.obtain("errors", "evidence", measure, directory=tmp_path)

@@ -1,5 +1,5 @@
 """`adaln_lab.lab.latency_sweep`: kernel bytes against bench/NOTES.md, the kernel table and roofline, the committed
-sweep (bench/results/h200/sweep.json, skipped until it is refilled), the rows sweep on the CPU."""
+sweep (bench/results/<machine>/sweep.json, skipped until it is refilled), the rows sweep on the CPU."""
 
 import json
 

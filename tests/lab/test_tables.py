@@ -1,4 +1,4 @@
-"""`adaln_lab.lab.tables` prints the committed report's own figures (bench/results/h200/report.json; skipped until
+"""`adaln_lab.lab.tables` prints the committed report's own figures (bench/results/<machine>/report.json; skipped until
 it is refilled from a GPU run)."""
 
 from adaln_lab.lab import evidence, tables
