@@ -10,7 +10,9 @@ read its shares, not its absolute figures.
 
 --primitives first prints the host cost of each piece an eager call is made of (an allocation, a launch, the
 argument checks, an autograd.Function's forward and backward with and without saved tensors), each the median
-over 2000 back-to-back calls, so that the sums above can be read against them.
+over 2000 back-to-back calls, so that the sums above can be read against them. Those loops do not synchronise:
+an item that launches GPU work (the launch, the forwards at --rows) shows the larger of its host time and its GPU
+time per call, so read those as upper bounds of the host's part.
 """
 
 from __future__ import annotations
