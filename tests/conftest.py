@@ -10,7 +10,8 @@
 - pytest-xdist: each worker takes its share of the cores (torch threads, and OMP_NUM_THREADS for the processes
   tests start, unless OMP_NUM_THREADS is set): N workers of all-core OpenMP pools on the same cores spin in
   each other's barriers. And `-n N` alone distributes with `--dist loadgroup` (like `load`, but the tests of
-  one `xdist_group` share a worker, so a module-scoped fixture is built once); an explicit --dist is kept.
+  one `xdist_group` share a worker, so a module-scoped fixture is built once); an explicit --dist is kept. Every
+  worker puts the longest tests (LONG_FIRST) at the front of its collection, so none of them starts last.
 """
 
 import os
@@ -70,6 +71,28 @@ def pytest_collection_modifyitems(config, items):
         for keyword, skip in skips:
             if keyword in item.keywords:
                 item.add_marker(skip)
+    if getattr(config, "workerinput", None) is not None:  # a pytest-xdist worker: the long tests go out first
+        first = {name: rank for rank, name in enumerate(LONG_FIRST)}
+        items.sort(key=lambda item: first.get(item.nodeid.split("[")[0].split("@")[0], len(first)))
+
+
+# pytest-xdist sends a worker the next test when it is nearly done (the groups of `xdist_group` first, the biggest
+# first; then the tests in collection order): a long test sent last keeps one worker busy while the other idles.
+# So these, the longest on a 2-core CPU (seconds there) and not in a group, lead the collection of every worker
+# (the same order everywhere, as xdist requires); the other tests keep theirs. A run without xdist keeps file order.
+LONG_FIRST = (
+    "tests/lab/test_notebooks.py::test_notebooks_read_complete_lab_files",  # 23
+    "tests/cuda/test_kernels_compile.py::test_the_largest_T_accepted_compiles_in_seconds",  # 22
+    "tests/nn/test_multi_gpu_script.py::test_the_multi_gpu_script_on_two_cpu_ranks",  # 13
+    "tests/test_readme.py::test_readme_python_blocks_run_in_order_on_a_cpu",  # 10
+    "tests/nn/test_fsdp.py::test_fsdp2_two_cpu_ranks_forward_bitwise_and_gradients_the_reduce_scatters_mean",  # 5
+    "tests/harness/test_block_report.py::test_cli_writes_a_block_report_prints_its_figures_and_table_renders_it",  # 4
+    "tests/cuda/test_kernels_compile.py::test_every_kernel_compiles",  # 8 x 2-5
+    "tests/numba/test_forward.py::test_twin_table_rows_are_T_invariant",  # 4
+    "tests/numba/test_op.py::test_numba_is_imported_only_by_the_numba_backend_and_cpu_tensors_need_the_simulator",
+    "tests/nn/test_multi_gpu_script.py::test_the_multi_gpu_script_refuses_an_unknown_run_and_no_ranks",  # 3
+    "tests/cuda/test_loader.py::test_cupys_import_fails_on_a_cache_path_it_cannot_make_unless_launchers_comes_first",
+)
 
 
 _SM90_LOOP = """
@@ -90,21 +113,23 @@ for name, (kernel, sig, needle) in sigs.items():
 """
 
 
-@pytest.fixture
-def compile_for_sm90():
-    """compile(source) -> stdout: runs `source` (which defines sigs = {name: (numba kernel, signature,
-    text the PTX must hold)}) and compiles each kernel for numba's real CUDA target (NVVM, sm_90) in a
-    fresh process without the simulator; skips when libNVVM is missing."""
+def compile_sm90(source: str) -> str:
+    """Runs `source` (which defines sigs = {name: (numba kernel, signature, text the PTX must hold)}) and compiles
+    each kernel for numba's real CUDA target (NVVM, sm_90) in a fresh process without the simulator; returns its
+    stdout (a line "<name> ok <PTX length>" per kernel); skips when libNVVM is missing."""
     import subprocess
     import sys
 
-    def compile_(source: str) -> str:
-        env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-        run = subprocess.run([sys.executable, "-c", source + _SM90_LOOP], capture_output=True, text=True, env=env,
-                             timeout=600)
-        if "NO_NVVM" in run.stdout:
-            pytest.skip("libNVVM not installed (the test extra brings cuda-toolkit[nvvm])")
-        assert run.returncode == 0, run.stderr[-4000:]
-        return run.stdout
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    run = subprocess.run([sys.executable, "-c", source + _SM90_LOOP], capture_output=True, text=True, env=env,
+                         timeout=600)
+    if "NO_NVVM" in run.stdout:
+        pytest.skip("libNVVM not installed (the test extra brings cuda-toolkit[nvvm])")
+    assert run.returncode == 0, run.stderr[-4000:]
+    return run.stdout
 
-    return compile_
+
+@pytest.fixture
+def compile_for_sm90():
+    """compile(source) -> stdout: `compile_sm90` (tests/numba/conftest.py runs the twin's kernels through it)."""
+    return compile_sm90

@@ -75,6 +75,7 @@ import os, sys, time
 from cupy.cuda._compiler_cache import DiskKernelCacheBackend
 backend = DiskKernelCacheBackend(sys.argv[1])
 payload = bytes(range(256)) * 4096  # 1 MiB: a torn write would show
+open(os.path.join(sys.argv[2], str(os.getpid())), "w").close()  # ready: at the gate
 while not os.path.exists(os.path.join(sys.argv[1], "go")):
     time.sleep(0.001)
 bad = 0
@@ -86,11 +87,14 @@ print(bad)
 """
 
 
-def test_cupys_disk_cache_survives_two_processes_writing_one_file(tmp_path):
+def test_cupys_disk_cache_survives_two_processes_writing_one_file(tmp_path, tmp_path_factory):
     _disk_backend(tmp_path)
-    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
-             for _ in range(2)]
-    time.sleep(2)
+    ready = tmp_path_factory.mktemp("ready")  # outside the cache directory, whose files are checked below
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), str(ready)], stdout=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    deadline = time.monotonic() + 300
+    while len(os.listdir(ready)) < 2 and time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        time.sleep(0.01)  # both writers at the gate
     (tmp_path / "go").write_text("")
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0] and [o.strip() for o in outs] == ["0", "0"]
@@ -121,9 +125,9 @@ def compile_unit(source, options):
 """
 
 
-@pytest.fixture
-def nvrtc(monkeypatch, tmp_path):
-    """(compile_unit(in_memory) -> the sm_90 binary of PLAN's unit, cache directory) in this process."""
+def _nvrtc(monkeypatch, cache):
+    """compile_unit(in_memory) -> the sm_90 binary of PLAN's unit, in this process, CuPy's disk cache in `cache`
+    (what `monkeypatch` changes is undone with it)."""
     from cupy.cuda import compiler
     from cupy.cuda._compiler_cache import DiskKernelCacheBackend
 
@@ -131,7 +135,6 @@ def nvrtc(monkeypatch, tmp_path):
         monkeypatch.setattr(compiler, name, getattr(compiler, name))
     namespace = {}
     exec(_NVRTC_SETUP, namespace)
-    cache = tmp_path / "cache"
     monkeypatch.setattr(compiler, "_kernel_cache_backend", DiskKernelCacheBackend(str(cache)))
 
     def compile_unit(in_memory: bool) -> bytes:
@@ -146,23 +149,49 @@ def nvrtc(monkeypatch, tmp_path):
                 pytest.skip(f"NVRTC not loadable here: {error}")
             raise
 
-    return compile_unit, cache
+    return compile_unit
 
 
-def test_the_in_memory_compile_is_the_cached_compiles_binary(nvrtc):
+@pytest.fixture
+def nvrtc(monkeypatch, tmp_path):
+    """(compile_unit(in_memory) -> the sm_90 binary of PLAN's unit, cache directory) in this process."""
+    cache = tmp_path / "cache"
+    return _nvrtc(monkeypatch, cache), cache
+
+
+# the tests of the module fixture `compiled`: on one pytest-xdist worker, so PLAN's unit is compiled once for them
+nvrtc_worker = pytest.mark.xdist_group("cupy_nvrtc")
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """PLAN's unit compiled once through CuPy's disk-cache path into an empty cache directory: (the sm_90 binary,
+    that directory). Each test copies the directory before touching it; the compile takes seconds."""
+    cache = tmp_path_factory.mktemp("nvrtc") / "cache"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        binary = _nvrtc(monkeypatch, cache)(in_memory=False)
+    return binary, cache
+
+
+@nvrtc_worker
+def test_the_in_memory_compile_is_the_cached_compiles_binary(compiled, nvrtc):
     """Bitwise the same cubin from CuPy's disk-cache path, its in-memory path and the cache file."""
-    compile_unit, cache = nvrtc
-    cached = compile_unit(in_memory=False)
-    (file,) = _cache_files(cache)
+    cached, clean = compiled
+    (file,) = _cache_files(clean)  # the disk-cache path wrote one file into the empty cache: the binary, hashed
     assert len(cached) > 10_000 and _hash_valid(file) and file.read_bytes()[40:] == cached
+    compile_unit, cache = nvrtc
+    shutil.copytree(clean, cache, dirs_exist_ok=True)  # (the backend made the directory)
+    (file,) = _cache_files(cache)
     assert compile_unit(in_memory=True) == cached
     assert _cache_files(cache) == [file]  # nothing written in memory
     assert compile_unit(in_memory=False) == cached  # loaded from the file
 
 
-def test_a_garbage_cache_file_is_recompiled_and_rewritten(nvrtc):
+@nvrtc_worker
+def test_a_garbage_cache_file_is_recompiled_and_rewritten(compiled, nvrtc):
+    cached, clean = compiled
     compile_unit, cache = nvrtc
-    cached = compile_unit(in_memory=False)
+    shutil.copytree(clean, cache, dirs_exist_ok=True)  # the file the disk-cache path wrote for this unit
     (file,) = _cache_files(cache)
     file.write_bytes(os.urandom(file.stat().st_size))
     assert compile_unit(in_memory=False) == cached
@@ -181,10 +210,12 @@ print(hashlib.sha256(compile_unit(loader.source(plan(264, 64, 3)), loader.COMPIL
 """
 
 
-def test_two_processes_compile_at_once_into_one_empty_cache_with_nvrtc(nvrtc, tmp_path):
-    """CuPy's real compile-and-save in two processes released at once into one empty cache directory."""
-    compile_unit, _ = nvrtc
-    expected = hashlib.sha256(compile_unit(in_memory=True)).hexdigest()
+@nvrtc_worker
+def test_two_processes_compile_at_once_into_one_empty_cache_with_nvrtc(compiled, tmp_path):
+    """CuPy's real compile-and-save in two processes released at once into one empty cache directory: both get
+    this process's binary (the disk-cache path's; test_the_in_memory_compile_is_the_cached_compiles_binary: the
+    in-memory path's is the same)."""
+    expected = hashlib.sha256(compiled[0]).hexdigest()
     cache, gate = tmp_path / "shared", tmp_path / "gate"
     gate.mkdir()
     environ = {k: v for k, v in os.environ.items() if k != "CUPY_CACHE_IN_MEMORY"}

@@ -44,11 +44,17 @@ def test_table_names_a_failed_capture():
     assert "| 123 (" in text
 
 
-def test_table_of_a_missing_or_broken_file_is_a_one_line_error(tmp_path):
+def test_table_of_a_missing_or_broken_file_is_a_one_line_error(tmp_path, capsys):
+    from adaln_lab.__main__ import main
+
     broken = tmp_path / "broken.json"
     broken.write_text("{")
-    for path, message in ((tmp_path / "missing.json", "no such report file"), (broken, "is not JSON"),
-                          (tmp_path, "cannot read")):
-        run = table(path)
-        assert run.returncode == 2 and message in run.stderr, run.stderr
-        assert "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    run = table(tmp_path / "missing.json")  # the command itself, in a process of its own (import included)
+    assert run.returncode == 2 and "no such report file" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    for path, message in ((broken, "is not JSON"), (tmp_path, "cannot read")):  # its main() (what `python -m
+        # adaln_lab` exits with) on the other unreadable files, in this process: each a process's import less
+        assert main(["table", str(path)]) == 2  # an exception other than the one-line error would raise here
+        err = capsys.readouterr().err
+        assert message in err, err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -51,6 +51,12 @@ def table(path):
                           timeout=120)
 
 
+@pytest.fixture(scope="module")
+def quick_table(quick_run):
+    """`python -m adaln_lab table` of the quick report, run once for the tests that read its output."""
+    return table(quick_run[0])
+
+
 @one_worker
 def test_quick_report_has_every_key_of_the_seed_report(quick_report):
     seed = json.loads(SEED.read_text())
@@ -73,13 +79,18 @@ def test_quick_report_measures_and_says_what_it_ran(quick_report):
             assert figures["fwd_us"] > 0 and figures["fwd_bwd_us_pure"] > 0
 
 
-def test_cli_rejects_unknown_candidates_and_gpu_only_ones_on_cpu(tmp_path):
-    for names, message in (("nope", "unknown candidate"), ("torch_compile", "runs on CUDA only")):
-        run = subprocess.run([sys.executable, "-m", "adaln_lab", "report", "--quick", "--device", "cpu",
-                              "--candidates", names, "--out", str(tmp_path / "x.json")],
-                             capture_output=True, text=True, timeout=120)
-        assert run.returncode == 2 and message in run.stderr
-        assert not (tmp_path / "x.json").exists()
+def test_cli_rejects_unknown_candidates_and_gpu_only_ones_on_cpu(tmp_path, capsys):
+    from adaln_lab.__main__ import main
+
+    args = ["report", "--quick", "--device", "cpu", "--out", str(tmp_path / "x.json"), "--candidates"]
+    run = subprocess.run([sys.executable, "-m", "adaln_lab", *args, "nope"], capture_output=True, text=True,
+                         timeout=120)  # the command itself, in a process of its own
+    assert run.returncode == 2 and "unknown candidate" in run.stderr
+    assert not (tmp_path / "x.json").exists()
+    with pytest.raises(SystemExit) as exit_:  # its main() (what `python -m adaln_lab` runs), in this process
+        main([*args, "torch_compile"])
+    assert exit_.value.code == 2 and "runs on CUDA only" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
 
 
 def test_provenance_prefers_the_named_commit_over_a_stale_git(monkeypatch):
@@ -129,8 +140,8 @@ def test_report_says_on_screen_what_each_row_ran(quick_run, quick_report):
 
 
 @one_worker
-def test_table_renders_a_new_report(quick_run):
-    run = table(quick_run[0])
+def test_table_renders_a_new_report(quick_table):
+    run = quick_table
     assert run.returncode == 0, run.stderr
     text = run.stdout
     assert "| graph fwd us (x floor) |" in text and "| inference fwd us |" in text
@@ -141,14 +152,14 @@ def test_table_renders_a_new_report(quick_run):
 
 
 @one_worker
-def test_report_prints_its_table_on_screen(quick_run):
-    assert table(quick_run[0]).stdout.strip() in quick_run[1].stdout  # the very table `table` prints
+def test_report_prints_its_table_on_screen(quick_run, quick_table):
+    assert quick_table.stdout.strip() in quick_run[1].stdout  # the very table `table` prints
     assert "| candidate | rows | batch invariant |" in quick_run[1].stdout
 
 
 @one_worker
-def test_cpu_table_says_na_on_cpu_for_gpu_figures_and_what_the_rows_measure(quick_run):
-    text = table(quick_run[0]).stdout
+def test_cpu_table_says_na_on_cpu_for_gpu_figures_and_what_the_rows_measure(quick_table):
+    text = quick_table.stdout
     rows = [line.strip("| ").split(" | ") for line in text.splitlines() if line.startswith(("| diffusers |",
                                                                                            "| adaln_lab |"))]
     assert len(rows) == 4

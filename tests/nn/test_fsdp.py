@@ -14,6 +14,7 @@ What holds, per rank r of W, each on its own micro-batch (batch row r) of one ba
 CPU: gloo, 2 ranks, the ops' torch code. GPU (H200): NCCL, 1 rank, the kernels (no fallback warning).
 """
 
+import multiprocessing
 import os
 import socket
 import warnings
@@ -111,7 +112,12 @@ def _free_port():
 
 
 def test_fsdp2_two_cpu_ranks_forward_bitwise_and_gradients_the_reduce_scatters_mean():
-    mp.spawn(_worker, args=(2, _free_port(), "cpu", TINY, TINY_ROWS), nprocs=2, join=True)
+    # Each rank a process of its own, forked from multiprocessing's fork server, which imported this module (torch,
+    # torch.distributed, diffusers, adaln_lab: seconds) once for both ranks, instead of two fresh interpreters
+    # importing it each; the server is itself a fresh interpreter, so no state of this pytest process reaches a rank.
+    multiprocessing.set_forkserver_preload([__name__])
+    mp.start_processes(_worker, args=(2, _free_port(), "cpu", TINY, TINY_ROWS), nprocs=2, join=True,
+                       start_method="forkserver")
 
 
 @pytest.mark.gpu

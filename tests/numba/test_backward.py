@@ -276,10 +276,9 @@ def test_reduce_partials_has_the_association_of_the_kernels_chunked_loop():
         assert same_bits(a, b), name
 
 
-def test_twin_backward_compiles_for_the_cuda_target_without_a_gpu(compile_for_sm90):
-    """numba's real CUDA target (NVVM from the test extra), not the simulator, at the model's shape;
-    the fma the twin writes survive as fma.rn instructions."""
-    script = """
+# the backward's kernels for numba's real CUDA target (tests/numba/conftest.py: `twin_ptx_for_sm90` compiles them in one
+# process with test_forward.py's)
+SM90_SIGS = """
 from adaln_lab.numba import backward as nb
 from adaln_lab.cuda.plan import plan as make_plan
 nb._nc()
@@ -295,7 +294,13 @@ sigs = {
     "table_bwd_reduce": (nb.table_bwd_reduce_kernel(p), (float32[:, :, ::1], f2, f2, int64), "fma.rn.f64"),
 }
 """
-    stdout = compile_for_sm90(script)
+
+
+@pytest.mark.xdist_group("numba_sm90")  # with test_forward.py's: one process compiles both (`twin_ptx_for_sm90`)
+def test_twin_backward_compiles_for_the_cuda_target_without_a_gpu(twin_ptx_for_sm90):
+    """numba's real CUDA target (NVVM from the test extra), not the simulator, at the model's shape;
+    the fma the twin writes survive as fma.rn instructions."""
+    stdout = twin_ptx_for_sm90
     for name in ("norm_modulate_bwd", "reduce_partials", "table_bwd", "table_bwd_reduce"):
         assert f"{name} ok" in stdout, stdout
 

@@ -65,9 +65,9 @@ def test_twin_equals_kernels_cu_bit_for_bit():
     assert torch.equal(out, out_cu)
 
 
-def test_twin_compiles_for_the_cuda_target_without_a_gpu(compile_for_sm90):
-    """numba's real CUDA target (NVVM from the test extra), not the simulator: types and shared sizes hold."""
-    script = """
+# the forward's kernels for numba's real CUDA target (tests/numba/conftest.py: `twin_ptx_for_sm90` compiles them in one
+# process with test_backward.py's)
+SM90_SIGS = """
 from adaln_lab.numba import forward as nb
 nb.cuda()
 from numba import cuda, float32, int64, uint16
@@ -78,5 +78,10 @@ sigs = {
                                                            uint16[:, ::1], float32[::1], int64, float32), ".entry"),
 }
 """
-    stdout = compile_for_sm90(script)
+
+
+@pytest.mark.xdist_group("numba_sm90")  # with test_backward.py's: one process compiles both (`twin_ptx_for_sm90`)
+def test_twin_compiles_for_the_cuda_target_without_a_gpu(twin_ptx_for_sm90):
+    """numba's real CUDA target (NVVM from the test extra), not the simulator: types and shared sizes hold."""
+    stdout = twin_ptx_for_sm90
     assert "table ok" in stdout and "norm_modulate ok" in stdout
