@@ -40,9 +40,8 @@ TUNING = {
     "FWD_WARP_VECTORS_MAX": 24,  # norm_modulate.cu: a row per warp where a lane's share of a row (fwd_threads / 32
                                 # x fwd_vpt vectors) is at most this many (0: never)
     "FWD_WARP_THREADS": 256,    # norm_modulate.cu: block size of the row-per-warp kernel
-    "FWD_PDL": 0,               # norm_modulate.cu: the row-per-warp kernel launched right after the table kernel with
-                                # programmatic dependent launch (its x loads overlap the table's tail); off: its
-                                # first GPU tests found the table read before the wait (bench/NOTES.md v12)
+    "FWD_PDL": 1,               # norm_modulate.cu: the row-per-warp kernel launched right after the table kernel with
+                                # programmatic dependent launch (its x loads overlap the table's tail)
     "BWD_THREADS_MAX": 1024,    # norm_modulate_bwd.cu: row block size cap (H = 5376: 672 threads x 1 vector)
     "BWD_RANGES": 132,          # norm_modulate_bwd.cu: row ranges (a constant, not the SM count)
     "BWD_STAGES": 4,            # norm_modulate_bwd.cu: rows of x and dy in flight (cp.async)

@@ -1,5 +1,7 @@
 """Two forward+backward calls at 32768 rows for Nsight Compute to profile (development aid): norm_out's CUDA
-op (default) or, with `block`, one H3 block's AdaLN path (H 5376, D 2688, T 3: the block report's inputs).
+op (default) or, with `block`, one H3 block's AdaLN path (H 5376, D 2688, T 3: the block report's inputs); with
+`table`, norm_out's table kernel alone, three times (H 5376, D 2688, T 3).
+(-k filters first: --launch-skip and --launch-count count only the kernels it matches.)
 
 Run (on the GPU machine; ncu is on the PATH there):
     ncu -k regex:"table_bf16|norm_modulate|table_bwd_bf16" --launch-skip 4 --launch-count 4 \\
@@ -19,6 +21,14 @@ from adaln_lab.harness.candidates import adaln_lab_candidate
 from adaln_lab.harness.inputs import make
 
 ROWS = 32768
+if sys.argv[1:] == ["table"]:
+    from adaln_lab.cuda import tensors
+
+    inputs = make(1, 8, "cuda")
+    for _ in range(3):
+        tensors.table(inputs.temb, inputs.weight, inputs.bias)
+    torch.cuda.synchronize()
+    sys.exit(0)
 if sys.argv[1:] == ["block"]:
     inputs = br.make_block(1, ROWS, "cuda", H=br.H_REAL, D=br.D_REAL, T=br.T_REAL)
     fn = br.CANDIDATES["adaln_lab"][1](br.H_REAL, br.D_REAL)

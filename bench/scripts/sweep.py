@@ -25,12 +25,13 @@ from profile_kernels import gpu_us, graph_us  # noqa: E402
 
 H, D, T = 5376, 2688, 3
 BASE = dict(plan_module.TUNING)
-CONFIGS = {  # TUNING overrides, each against the first (bench/NOTES.md v12 has the last run of each)
+CONFIGS = {  # TUNING overrides, each against the first (bench/NOTES.md v12, v13 have the last run of each)
     "default": {},
     "staged": dict(FWD_WARP_VECTORS_MAX=0),          # the staged row-block forward (v8 to v11)
-    "no_pdl": dict(FWD_PDL=0),                       # the row-per-warp forward launched plainly after the table
-    "table_r4": dict(TABLE_SMALL_ROWS_PER_WARP=4),   # norm_out's table at 4 rows per warp task (v8 to v11)
+    "no_pdl": dict(FWD_PDL=0),                       # the row-per-warp forward launched plainly after the table (v12)
     "table_r1": dict(TABLE_SMALL_ROWS_PER_WARP=1),
+    "table_r3": dict(TABLE_SMALL_ROWS_PER_WARP=3),
+    "table_r4": dict(TABLE_SMALL_ROWS_PER_WARP=4),   # norm_out's table at 4 rows per warp task (v8 to v11)
     "table256": dict(TABLE_THREADS=256),
     "tb512x256": dict(TB_THREADS=512, TB_ROWS=256),
     "bwd_s3": dict(BWD_STAGES=3),

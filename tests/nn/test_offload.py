@@ -34,12 +34,18 @@ def with_feature(model, feature, device, compute_dtype=torch.bfloat16):
     return model
 
 
+def requested_bytes(key: str) -> int:
+    return torch.cuda.memory_stats()[f"requested_bytes.all.{key}"]
+
+
 def peak_and_output(model, inputs, dys, device):
-    """(the peak bytes allocated on the device during one forward under no_grad, above what was allocated before it;
+    """(the peak bytes requested on the device during one forward under no_grad, above what was requested before it;
     that forward's outputs; the gradients of <outputs, dys> with respect to the model's two main inputs from a second
     forward with grad, or the exception's type where that backward raises). The peak is taken above the baseline
     so that what outlives a call (the model's resident weights, the workspaces a first backward allocates for its
-    own thread) does not count against the model measured after it."""
+    own thread) does not count against the model measured after it. Requested, not allocated, bytes: the caching
+    allocator hands out a cached block of up to 1 MiB more than asked for without splitting it, so allocated bytes
+    depend on what earlier tests left in the cache (seen: the same call measured 655360 bytes apart)."""
     with torch.no_grad():  # a warm-up: what a first call allocates for good (caches, workspaces) is not its peak
         model(**inputs)
     gc.collect()
@@ -47,10 +53,10 @@ def peak_and_output(model, inputs, dys, device):
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated() if device == "cuda" else 0
+    before = requested_bytes("current") if device == "cuda" else 0
     with torch.no_grad():
         out = model(**inputs)
-    peak = torch.cuda.max_memory_allocated() - before if device == "cuda" else 0
+    peak = requested_bytes("peak") - before if device == "cuda" else 0
     leaves = {k: inputs[k].detach().clone().requires_grad_(True) for k in ("hidden_states", "audio_hidden_states")}
     try:
         grad_out = model(**{**inputs, **leaves})
