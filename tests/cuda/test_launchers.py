@@ -155,3 +155,41 @@ def test_the_row_kernel_waits_on_the_table_kernel_only_when_it_follows_it(calls)
         plan_module.TUNING["FWD_PDL"] = old
         plan_module.clear_caches()
         tensors.context.cache_clear()
+
+
+def test_the_programmatic_launch_hands_the_driver_its_geometry_stream_attribute_and_arguments(monkeypatch):
+    """Kernel.after_previous (cuLaunchKernelEx) on a stand-in driver call: each launch gives the driver the grid,
+    block, shared memory, stream and the programmatic-serialization attribute of that call, and the argument
+    block of that call (the argument block is built once and rewritten in place)."""
+    import ctypes
+    import struct
+    from types import SimpleNamespace
+
+    seen = []
+
+    def driver_launch(config_ref, function, params_address, extra):
+        config = config_ref._obj  # ctypes.byref(config)
+        attribute = config.attrs[0]
+        slots = ctypes.cast(params_address, ctypes.POINTER(ctypes.c_void_p))
+        args = [ctypes.string_at(slots[i], 8) for i in range(len(launchers.SIGNATURES["norm_modulate_warp_bf16"]))]
+        seen.append((tuple(config.grid), tuple(config.block), config.shared_mem, config.stream, config.num_attrs,
+                     attribute.id, attribute.value, function, args, extra))
+        return 0
+
+    monkeypatch.setattr(launchers, "_launch_kernel_ex", lambda: driver_launch)
+    kernel = launchers.Kernel("norm_modulate_warp_bf16", SimpleNamespace(kernel=SimpleNamespace(ptr=77)))
+    for rows, stream in ((9, 5), (4097, 6)):
+        kernel.after_previous((rows, 1, 1), (256, 1, 1), 0, stream, 1, 2, 3, 4, 5, 6, 7, 0.5, rows, 1)
+    assert len(seen) == 2
+    for (grid, block, smem, stream, n, attr, value, function, args, extra), rows, want_stream in zip(
+            seen, (9, 4097), (5, 6)):
+        assert (grid, block, smem, stream, n) == ((rows, 1, 1), (256, 1, 1), 0, want_stream, 1)
+        assert (attr, value, function, extra) == (launchers.PROGRAMMATIC_STREAM_SERIALIZATION, 1, 77, None)
+        assert [struct.unpack("<Q", a)[0] for a in args[:6]] == [1, 2, 3, 4, 5, 6]
+        assert struct.unpack("<i", args[6][:4])[0] == 7 and struct.unpack("<f", args[7][:4])[0] == 0.5
+        assert struct.unpack("<i", args[8][:4])[0] == rows
+    not_sm90 = launchers.Kernel("norm_modulate_warp_bf16", SimpleNamespace(kernel=SimpleNamespace(ptr=77)),
+                                programmatic=False)
+    monkeypatch.setattr(not_sm90, "_launch", lambda *a: seen.append("plain"))
+    not_sm90.after_previous((1, 1, 1), (256, 1, 1), 0, 5, 1, 2, 3, 4, 5, 6, 7, 0.5, 1, 1)
+    assert seen[-1] == "plain"
