@@ -173,8 +173,9 @@ step_upstream() {
   for f in ${UPSTREAM_RUNS:-unpatched patched}; do
     local plugin="" path=".."
     [ "$f" = patched ] && plugin=" -p diffusers_patch_plugin" && path="..:../bench/scripts"
-    run_cmd "diffusers_h3_tests_$f.txt" "cd .dtests && PYTHONPATH=$path:\$PYTHONPATH timeout $(within 190) python3 -m pytest \
--q -rfEX -p no:cacheprovider -n 4$plugin $test > @/diffusers_h3_tests_$f.txt 2>&1" || rc=1
+    run_cmd "diffusers_h3_tests_$f.txt" "cd .dtests && { echo \"diffusers tests/ of commit \$(cat COMMIT 2>/dev/null || echo \
+unknown)\"; PYTHONPATH=$path:\$PYTHONPATH timeout $(within 190) python3 -m pytest -q -rfEX -p no:cacheprovider -n 4$plugin \
+$test; } > @/diffusers_h3_tests_$f.txt 2>&1" || rc=1
     tail -n 1 "$out/diffusers_h3_tests_$f.txt"
   done
   return $rc

@@ -1,6 +1,6 @@
 """Shared test setup.
 
-- `gpu` mark: skipped without a CUDA device (on the H200: `python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider
+- `gpu` mark: skipped without a CUDA device (on a GPU machine: `python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider
   tests`).
 - `slow` mark: a repeat that adds no coverage (another test already checks the same property); skipped unless
   `--runslow` is given or ADALN_LAB_SLOW=1 is set: `python3 -m pytest -q -n 2 --runslow -m slow` runs them.
@@ -62,7 +62,7 @@ def pytest_configure_node(node):
 def pytest_collection_modifyitems(config, items):
     skips = []
     if not HAS_CUDA:
-        skips.append(("gpu", pytest.mark.skip(reason="needs a CUDA GPU (none here); run on the H200, see "
+        skips.append(("gpu", pytest.mark.skip(reason="needs a CUDA GPU (none here); run on a GPU machine, see "
                                                      "bench/README.md")))
     if not _run_slow(config):
         skips.append(("slow", pytest.mark.skip(reason="slow: a repeat of a property another test checks; run with "

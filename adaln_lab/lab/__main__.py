@@ -1,8 +1,8 @@
 """python -m adaln_lab.lab --out DIR [--quick] [--device cpu|cuda] [--only errors,latency,invariance]
 
 Measures the lab on this machine and writes DIR/lab_errors.json, DIR/lab_latency.json and
-DIR/lab_invariance.json (what the notebooks read in evidence mode), with one tqdm progress bar
-on stderr. Candidates: diffusers, torch_compile (CUDA only), adaln_lab and adaln_lab_numba where
+DIR/lab_invariance.json (what the notebooks read in evidence mode), with progress on stderr
+(a bar on a terminal, plain lines in a log: `harness.progress`). Candidates: diffusers, torch_compile (CUDA only), adaln_lab and adaln_lab_numba where
 `harness.candidates` has it. Without --quick on a CPU the float64 goldens at 131072 rows need
 tens of GB and minutes; --quick runs the small sizes (H = 256) in well under a minute.
 """
@@ -14,8 +14,8 @@ import sys
 import time
 
 import torch
-from tqdm import tqdm
 
+from ..harness.progress import progress, write
 from . import errors, evidence, latency_sweep, walkthrough
 
 STEPS = ("errors", "invariance", "latency")  # CUDA-graph captures (latency) last, as the report does
@@ -41,10 +41,9 @@ def main(argv: list[str] | None = None) -> int:
 
     candidates, skipped = walkthrough.candidates_here(device)
     for name, why in skipped.items():
-        tqdm.write(f"[adaln_lab.lab] candidate {name} skipped: {why}", file=sys.stderr)
+        write(f"[adaln_lab.lab] candidate {name} skipped: {why}")
     for c in candidates:
-        tqdm.write(f"[adaln_lab.lab] candidate {c.name} on {device}: {c.source}"
-                   + (f"  !! {c.warning}" if c.warning else ""), file=sys.stderr)
+        write(f"[adaln_lab.lab] candidate {c.name} on {device}: {c.source}" + (f"  !! {c.warning}" if c.warning else ""))
     main_candidates = [c for c in candidates if c.name != "adaln_lab_numba"]
     err_plan = errors.plan(args.quick)
     rows = latency_sweep.QUICK_ROWS if args.quick else latency_sweep.FULL_ROWS
@@ -52,8 +51,7 @@ def main(argv: list[str] | None = None) -> int:
              "latency": 2 * len(main_candidates) * len(rows) + (0 if device.type != "cuda" else 2),
              "invariance": len(candidates) + 1}
     meta = evidence.meta(device, args.quick)
-    with tqdm(total=sum(total[s] for s in steps), desc="adaln_lab.lab", unit="step", file=sys.stderr,
-              dynamic_ncols=True) as bar:
+    with progress(sum(total[s] for s in steps), "adaln_lab.lab", unit="step", leave=True) as bar:
         for step in steps:
             bar.set_postfix_str(step)
             start = time.perf_counter()
@@ -65,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                 data = walkthrough.measure(candidates, device, args.quick, bar=bar)
             data["meta"] = {**meta, "seconds": time.perf_counter() - start, "skipped_candidates": skipped}
             path = evidence.save(data, evidence.lab_path(step, args.out))
-            tqdm.write(f"[adaln_lab.lab] wrote {path} ({data['meta']['seconds']:.0f} s)", file=sys.stderr)
+            write(f"[adaln_lab.lab] wrote {path} ({data['meta']['seconds']:.0f} s)")
     return 0
 
 
