@@ -15,7 +15,7 @@
 //
 // norm_modulate_warp_bf16 (where a row fits a warp's registers: plan.fwd_warp, H <= 6144): one row per
 // warp, each lane playing the row block's threads l, l + 32, ... (bench/NOTES.md v12: 3.7 TB/s at 32768 rows
-// on the H200, against 3.2 for the staged kernel). With plan.fwd_pdl (off by default) it is launched right after
+// on the H200, against 3.2 for the staged kernel). With plan.fwd_pdl (TUNING FWD_PDL) it is launched right after
 // the table kernel with programmatic dependent launch, so its x loads and sums of squares overlap the table's tail.
 // norm_modulate_bf16 (staged): each block owns a range of rows_per_range consecutive rows
 // (plan: Rows.fwd_rows_per_range; grid = ranges) and keeps in dynamic shared memory the shift and
@@ -197,7 +197,7 @@ norm_modulate_rowwise_bf16(const bf16_t* __restrict__ x, const bf16_t* __restric
 }
 
 // norm_modulate_warp_bf16: one row per warp, the whole row in the warp's registers (plan.fwd_warp: where a
-// lane's share, ADALN_FWD_THREADS / 32 * ADALN_FWD_VPT vectors, fits ADALN_FWD_WARP_VECTORS_MAX). Lane l
+// lane's share, ADALN_FWD_THREADS / 32 * ADALN_FWD_VPT vectors, is at most TUNING's FWD_WARP_VECTORS_MAX). Lane l
 // plays the threads l, l + 32, l + 64, ... of the row block above (one per warp w of that block): it
 // loads their vectors, sums each thread's squares in that thread's order, runs each warp's butterfly
 // (warp_sum_lane0) on those 32 sums, then block_sum's last step on the warp sums placed in lanes

@@ -127,9 +127,3 @@ def compile_sm90(source: str) -> str:
         pytest.skip("libNVVM not installed (the test extra brings cuda-toolkit[nvvm])")
     assert run.returncode == 0, run.stderr[-4000:]
     return run.stdout
-
-
-@pytest.fixture
-def compile_for_sm90():
-    """compile(source) -> stdout: `compile_sm90` (tests/numba/conftest.py runs the twin's kernels through it)."""
-    return compile_sm90

@@ -1,10 +1,10 @@
 """python -m adaln_lab.lab --out DIR [--quick] [--device cpu|cuda] [--only errors,latency,invariance]
 
 Measures the lab on this machine and writes DIR/lab_errors.json, DIR/lab_latency.json and
-DIR/lab_invariance.json (what the notebooks read in evidence mode), with progress on stderr
-(a bar on a terminal, plain lines in a log: `harness.progress`). Candidates: diffusers, torch_compile (CUDA only), adaln_lab and adaln_lab_numba where
-`harness.candidates` has it. Without --quick on a CPU the float64 goldens at 131072 rows need
-tens of GB and minutes; --quick runs the small sizes (H = 256) in well under a minute.
+DIR/lab_invariance.json (what the notebooks read in evidence mode), with progress on stderr (a bar
+on a terminal, plain lines in a log: `harness.progress`). Candidates: diffusers, torch_compile (CUDA only),
+adaln_lab and adaln_lab_numba where `harness.candidates` has it. Without --quick on a CPU the float64 goldens at 131072 rows need
+tens of GB and most of an hour; --quick runs the small sizes (H = 256) in well under a minute.
 """
 
 from __future__ import annotations

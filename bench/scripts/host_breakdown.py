@@ -150,11 +150,9 @@ def primitives(n: int) -> None:
         "grads reset alone": lambda: reset(leaves),
         "final_adaln_out forward (grad)": lambda: final_adaln_out(*leaves, idx),
     }
-    with torch.no_grad():
-        items_no_grad = {"final_adaln_out forward (no_grad)": lambda: final_adaln_out(*inputs.args)}
+    items_no_grad = {"final_adaln_out forward (no_grad)": lambda: final_adaln_out(*inputs.args)}  # run under no_grad
     for name, fn in items.items():
-        for leaf in leaves:
-            leaf.grad = None
+        reset(leaves)
         print(f"primitive {name}: {loop_us(fn, calls=500 if 'final' in name or 'Function' in name else 2000):.2f} us")
     with torch.no_grad():
         for name, fn in items_no_grad.items():

@@ -9,7 +9,10 @@ Run (on the GPU machine; ncu is on the PATH there):
     ncu -k regex:"norm_modulate_bwd_residual|gated_residual_bwd" --launch-skip 4 --launch-count 4 \\
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section SourceCounters \\
         python3 bench/scripts/ncu_target.py block
-(the second: where the block's row backward passes stall; bench/NOTES.md v5 says why that is the question)
+    ncu -k regex:table_bf16 --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy \\
+        --section WarpStateStats --section SchedulerStats python3 bench/scripts/ncu_target.py table
+(the second: where the block's row backward passes stall, bench/NOTES.md v5 says why that is the question; the
+third: the table kernel, bench/NOTES.md v13)
 """
 
 import sys

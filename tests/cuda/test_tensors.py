@@ -81,7 +81,7 @@ def test_staged_and_row_per_block_forward_agree_bit_for_bit(monkeypatch):
     tab, _ = tensors.table(inputs.temb, inputs.weight, inputs.bias)
     monkeypatch.setitem(plan_module.TUNING, "FWD_WARP_VECTORS_MAX", 0)  # the row-block kernels, not the warp's
     launchers.forget_compiled()
-    assert plan_module.plan(5376, 2688, 3).fwd_staged
+    assert plan_module.plan(5376, 2688, 3).fwd_staged and not plan_module.plan(5376, 2688, 3).fwd_warp
     out, rstd = tensors.norm_modulate(inputs.x, inputs.norm_weight, tab, inputs.timestep_indices, 1e-5,
                                       inputs.temb.shape[1])
     monkeypatch.setitem(plan_module.TUNING, "FWD_STAGES", 1)  # below 2 stages: the row-per-block kernel
@@ -108,13 +108,15 @@ def test_row_per_warp_forward_agrees_with_the_row_block_bit_for_bit(monkeypatch,
     idx[5] = 3  # outside [0, T): a NaN row
     tab, _ = tensors.table(inputs.temb, inputs.weight, inputs.bias)
     outs = {}
-    for warp in (0, 64):
-        monkeypatch.setitem(plan_module.TUNING, "FWD_WARP_VECTORS_MAX", warp)
+    try:
+        for warp in (0, 64):
+            monkeypatch.setitem(plan_module.TUNING, "FWD_WARP_VECTORS_MAX", warp)
+            launchers.forget_compiled()
+            assert plan_module.plan(H, 64, 3).fwd_warp == bool(warp)
+            outs[warp] = tensors.norm_modulate(inputs.x, inputs.norm_weight, tab, idx, 1e-5, 64)
+    finally:  # no plan built under the override outlives the test
+        monkeypatch.undo()
         launchers.forget_compiled()
-        assert plan_module.plan(H, 64, 3).fwd_warp == bool(warp)
-        outs[warp] = tensors.norm_modulate(inputs.x, inputs.norm_weight, tab, idx, 1e-5, 64)
-    monkeypatch.undo()
-    launchers.forget_compiled()
     (out, rstd), (out2, rstd2) = outs[0], outs[64]
     assert torch.equal(out.view(torch.int16), out2.view(torch.int16)) and torch.equal(rstd, rstd2)
     assert bool(out[5].isnan().all())
