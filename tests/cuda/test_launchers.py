@@ -137,11 +137,10 @@ def test_empty_batch_launches_no_row_kernel_and_zeroes_the_partials(calls):
     assert calls[2][4][7] == 1  # reduce_partials sums that one range (its nblocks argument)
 
 
-def test_the_row_kernel_waits_on_the_table_kernel_only_when_it_follows_it(calls):
+def test_the_row_kernel_waits_on_the_table_kernel_only_when_it_follows_it(calls, monkeypatch):
     """With PDL on and table_backend="torch" the table comes from F.linear, not the table kernel: the row kernel
     is launched plainly (a programmatic launch after some other kernel would gain nothing)."""
-    old = plan_module.TUNING["FWD_PDL"]
-    plan_module.TUNING["FWD_PDL"] = 1
+    monkeypatch.setitem(plan_module.TUNING, "FWD_PDL", 1)
     plan_module.clear_caches()
     tensors.context.cache_clear()
     try:
@@ -151,8 +150,8 @@ def test_the_row_kernel_waits_on_the_table_kernel_only_when_it_follows_it(calls)
         assert [c[0] for c in calls] == ["table_bf16", "norm_modulate_warp_bf16"] and PROGRAMMATIC == [1]
         tensors.forward_tensors(*i.args, 1e-5, "torch")
         assert [c[0] for c in calls][2:] == ["norm_modulate_warp_bf16"] and PROGRAMMATIC == [1]
-    finally:
-        plan_module.TUNING["FWD_PDL"] = old
+    finally:  # no plan built under the override outlives the test
+        monkeypatch.undo()
         plan_module.clear_caches()
         tensors.context.cache_clear()
 
