@@ -74,9 +74,26 @@ def profile(step, leaves, calls=500) -> str:
     torch.cuda.synchronize()
     out = io.StringIO()
     stats = pstats.Stats(prof, stream=out).sort_stats("tottime")
-    stats.print_stats(25)
+    stats.print_stats(40)
     total = sum(row[2] for row in stats.stats.values())
     return f"profiled own time per call: {total / calls * 1e6:.1f} us\n" + out.getvalue()
+
+
+def op_table(step, leaves, calls=50) -> str:
+    """torch.profiler's table of `calls` calls, ops by self CPU time (the engine's C++ nodes included)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for _ in range(5):
+        reset(leaves)
+        step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            reset(leaves)
+            step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
 
 
 def loop_us(fn, calls=2000, repeats=5) -> float:
@@ -165,6 +182,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=4097)
     parser.add_argument("--primitives", action="store_true")
+    parser.add_argument("--op-table", action="store_true", help="torch.profiler's CPU-time table of each step")
     args = parser.parse_args()
     n = args.rows
     if args.primitives:
@@ -181,6 +199,10 @@ def main():
     }
     for name, step in steps.items():
         print(f"{name}: host fwd+bwd {host_us(step, leaves):.0f} us at {n} rows")
+    forwards = {"final_adaln_out adaln_lab": lambda: final_adaln_out(*leaves, idx),
+                "final_adaln_out diffusers replay": lambda: replay(*leaves, idx)}
+    for name, step in forwards.items():
+        print(f"{name}: host fwd {host_us(step, leaves):.0f} us at {n} rows")
 
     block = make_block(3, n, "cuda")
     b_leaves = [t.detach().clone().requires_grad_(True) for t in block.leaves]
@@ -198,6 +220,18 @@ def main():
                    "block identity floor": lambda: Identity.apply(*b_leaves).backward(b_ones)}
     for name, step in block_steps.items():
         print(f"{name}: host fwd+bwd {host_us(step, b_leaves):.0f} us at {n} rows")
+    block_forwards = {
+        "block adaln_lab": lambda: block_adaln_path(x, temb, w, b, n1, n2, bidx, passthrough, passthrough, EPS, EPS),
+        "block diffusers replay": lambda: replay_block_adaln(x, temb, w, b, n1, n2, bidx, passthrough, passthrough,
+                                                             EPS, EPS)}
+    for name, step in block_forwards.items():
+        print(f"{name}: host fwd {host_us(step, b_leaves):.0f} us at {n} rows")
+    if args.op_table:
+        for name, (step, step_leaves) in {"final_adaln_out adaln_lab": (steps["final_adaln_out adaln_lab"], leaves),
+                                          "block adaln_lab": (ours, b_leaves),
+                                          "block diffusers replay": (theirs, b_leaves)}.items():
+            print(f"\n== torch.profiler: {name} ==")
+            print(op_table(step, step_leaves))
     print("\n== cProfile: final_adaln_out adaln_lab ==")
     print(profile(steps["final_adaln_out adaln_lab"], leaves))
     print("\n== cProfile: block adaln_lab ==")
