@@ -62,6 +62,9 @@ def gpu_stood_in():
              (launchers, "_launch_kernel_ex", launchers._launch_kernel_ex),
              (tensors, "current_stream", tensors.current_stream), (support, "_not_cuda", support._not_cuda),
              (torch.cuda, "current_device", torch.cuda.current_device)]
+    if hasattr(tensors, "current_device"):  # the glue's own device lookup, where it has one
+        saved.append((tensors, "current_device", tensors.current_device))
+        tensors.current_device = lambda: -1  # what get_device() gives a CPU tensor
     launchers.kernels, launchers.bind = _stub_kernels, (lambda device: None)
     launchers._launch_kernel_ex, tensors.current_stream = _stub_launch_ex, (lambda device: 0)
     support._not_cuda, torch.cuda.current_device = (lambda name, t: None), (lambda: None)
