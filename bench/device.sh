@@ -16,6 +16,8 @@
 #                 (plain run first, then one tool at a time)              sanitize_plain.txt, sanitize_summary.txt
 #   profile       bench/scripts/block_profile.py: the block's kernels     block_profile.txt
 #   host          bench/scripts/host_breakdown.py: host time and cProfile  host_breakdown.txt
+#   host-ab       host_breakdown.py --no-profile, three rounds alternating   host_ab.txt
+#                 the tree at .ab_tree/ (its COMMIT file) and this one
 #   trace         bench/scripts/host_trace.py: what grows with the rows   host_trace.txt
 #   train         bench/scripts/train_step.py: a full-width 2-block       train_step.json, train_step.log
 #                 train step, bf16 and fp32 master weights + autocast
@@ -47,13 +49,13 @@ set -u
 
 self=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")
 root=$(cd "$(dirname "$self")/.." && pwd)
-ALL_STEPS="tests compare report block-report lab sanitize profile host trace train multi upstream sweep memory"
+ALL_STEPS="tests compare report block-report lab sanitize profile host host-ab trace train multi upstream sweep memory"
 SHARING_STEPS="tests compare sanitize memory upstream"
 
 default_limit() {
   case $1 in
     tests) echo 480 ;; compare) echo 300 ;; report) echo 420 ;; block-report) echo 240 ;; lab) echo 560 ;;
-    sanitize) echo 560 ;; profile) echo 150 ;; host) echo 150 ;; trace) echo 150 ;; train) echo 300 ;; multi) echo 300 ;; upstream) echo 400 ;; sweep) echo 200 ;; memory) echo 120 ;;
+    sanitize) echo 560 ;; profile) echo 150 ;; host) echo 150 ;; host-ab) echo 300 ;; trace) echo 150 ;; train) echo 300 ;; multi) echo 300 ;; upstream) echo 400 ;; sweep) echo 200 ;; memory) echo 120 ;;
   esac
 }
 
@@ -137,6 +139,23 @@ step_host() {
   run_cmd host_breakdown.txt "python3 bench/scripts/host_breakdown.py > @/host_breakdown.txt 2>&1"
   local rc=$?
   grep "host fwd+bwd" "$out/host_breakdown.txt"
+  return $rc
+}
+
+# host-ab: candidates in one run. host_breakdown.py (this checkout's) imports adaln_lab from .ab_tree/, then from
+# here, three times over; each block of lines starts with the tree and its commit.
+step_host_ab() {
+  if [ ! -f .ab_tree/adaln_lab/__init__.py ]; then
+    echo "host-ab: no .ab_tree/adaln_lab here (the tree to compare with must travel with the checkout)"
+    return 2
+  fi
+  local here
+  here=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD)
+  run_cmd host_ab.txt "for round in 1 2 3; do for tree in .ab_tree .; do if [ \$tree = . ]; then c=$here; else \
+c=\$(cat .ab_tree/COMMIT 2>/dev/null || echo unknown); fi; echo \"== \$tree \$c\"; PYTHONPATH=\$tree:\$PYTHONPATH \
+python3 bench/scripts/host_breakdown.py --no-profile || exit 1; done; done > @/host_ab.txt 2>&1"
+  local rc=$?
+  grep -E "^==|host fwd\+bwd" "$out/host_ab.txt"
   return $rc
 }
 

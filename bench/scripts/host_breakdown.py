@@ -6,7 +6,7 @@ device synchronised before each sample, median of 200 after 30 warm-ups) of adal
 calls of adaln_lab's, the functions by their own time per call. cProfile adds its own cost per Python call:
 read its shares, not its absolute figures.
 
-    python3 bench/scripts/host_breakdown.py [--rows 4097] [--primitives] > host_breakdown.txt
+    python3 bench/scripts/host_breakdown.py [--rows 4097] [--primitives] [--op-table] [--no-profile] > host_breakdown.txt
 
 --primitives first prints the host cost of each piece an eager call is made of (an allocation, a launch, the
 argument checks, an autograd.Function's forward and backward with and without saved tensors), each the median
@@ -183,6 +183,7 @@ def main():
     parser.add_argument("--rows", type=int, default=4097)
     parser.add_argument("--primitives", action="store_true")
     parser.add_argument("--op-table", action="store_true", help="torch.profiler's CPU-time table of each step")
+    parser.add_argument("--no-profile", action="store_true", help="the host times alone, no cProfile")
     args = parser.parse_args()
     n = args.rows
     if args.primitives:
@@ -232,6 +233,8 @@ def main():
                                           "block diffusers replay": (theirs, b_leaves)}.items():
             print(f"\n== torch.profiler: {name} ==")
             print(op_table(step, step_leaves))
+    if args.no_profile:
+        return
     print("\n== cProfile: final_adaln_out adaln_lab ==")
     print(profile(steps["final_adaln_out adaln_lab"], leaves))
     print("\n== cProfile: block adaln_lab ==")
