@@ -221,26 +221,22 @@ def graph_latency(fn, inputs: Inputs, warmup: int, iters: int, replays: int = GR
     return out
 
 
-def identity_floor_step(inputs: Inputs):
-    """(prepare, step) of the autograd floor: `step()` runs forward+backward of an identity
-    `torch.autograd.Function` over copies of the five leaves (requiring grad).
+def identity_floor(leaves: list[torch.Tensor], grad_out: torch.Tensor):
+    """(prepare, step) of the autograd floor over `leaves` (tensors requiring grad): `step()` runs forward+backward
+    of an identity `torch.autograd.Function` over them, with gradient `grad_out` (leaves[0]'s shape).
 
-    Its forward returns `x.view_as(x)` (no GPU work); its backward returns one preallocated
-    gradient per leaf (zeros_like, made here), so AccumulateGrad runs five times. `prepare()`
-    moves each leaf's `.grad` back into the list the backward returns and sets `.grad = None`:
-    the returned tensors are then referenced nowhere else, AccumulateGrad steals them (no copy)
-    and the same five storages go round every iteration, never written to.
+    Its forward returns `leaves[0].view_as(leaves[0])` (no GPU work); its backward returns one preallocated
+    gradient per leaf (zeros_like, made here), so AccumulateGrad runs once per leaf. `prepare()` moves each leaf's
+    `.grad` back into the list the backward returns and sets `.grad = None`: the returned tensors are then
+    referenced nowhere else, AccumulateGrad steals them (no copy) and the same storages go round every iteration,
+    never written to. `step.leaves` is `leaves`.
     """
-    leaves = [t.detach().clone().requires_grad_(True) for t in inputs.leaves]
-    for leaf in leaves:
-        leaf.grad = torch.zeros_like(leaf)
     pending: list[torch.Tensor] = []
-    ones = torch.ones_like(inputs.x)
 
     class Identity(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, norm_weight, temb, weight, bias):
-            return x.view_as(x)
+        def forward(ctx, *inputs):
+            return inputs[0].view_as(inputs[0])
 
         @staticmethod
         def backward(ctx, dy):
@@ -248,16 +244,25 @@ def identity_floor_step(inputs: Inputs):
             pending.clear()
             return grads
 
+    for leaf in leaves:
+        leaf.grad = torch.zeros_like(leaf)
+
     def prepare():
         pending[:] = [leaf.grad for leaf in leaves]
         for leaf in leaves:
             leaf.grad = None
 
     def step():
-        Identity.apply(*leaves).backward(ones)
+        Identity.apply(*leaves).backward(grad_out)
 
     step.leaves = leaves
     return prepare, step
+
+
+def identity_floor_step(inputs: Inputs):
+    """`identity_floor` over copies of the five leaves of `inputs` (requiring grad), gradient all ones."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs.leaves]
+    return identity_floor(leaves, torch.ones_like(inputs.x))
 
 
 def autograd_floor(inputs: Inputs, warmup: int, iters: int) -> dict:

@@ -35,6 +35,7 @@ import torch
 from adaln_lab import block_adaln_path, final_adaln_out
 from adaln_lab.cuda import launchers, tensors
 from adaln_lab.harness.block_report import EPS, make_block
+from adaln_lab.harness.latency import identity_floor
 from adaln_lab.harness.inputs import D_REAL, H_REAL, make
 from adaln_lab.ops import support
 
@@ -76,33 +77,6 @@ def gpu_stood_in():
         for module, name, value in saved:
             setattr(module, name, value)
         tensors.context.cache_clear()
-
-
-def identity_floor(leaves, grad_out):
-    """(prepare, step) of the autograd floor over `leaves`: an identity Function whose backward returns one
-    gradient per leaf, handed round so that AccumulateGrad steals it (as harness.latency.identity_floor_step)."""
-    pending: list[torch.Tensor] = []
-
-    class Identity(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, *inputs):
-            return inputs[0].view_as(inputs[0])
-
-        @staticmethod
-        def backward(ctx, dy):
-            grads = tuple(pending)
-            pending.clear()
-            return grads
-
-    for leaf in leaves:
-        leaf.grad = torch.zeros_like(leaf)
-
-    def prepare():
-        pending[:] = [leaf.grad for leaf in leaves]
-        for leaf in leaves:
-            leaf.grad = None
-
-    return prepare, lambda: Identity.apply(*leaves).backward(grad_out)
 
 
 def host_us(step, prepare, calls: int, warmup: int = 20) -> float:
