@@ -60,7 +60,7 @@ PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM
 def _launch_kernel_ex():
     """The driver's cuLaunchKernelEx (ctypes): the launch with attributes that CuPy's launch lacks."""
     function = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-    function.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]  # config's address
     function.restype = ctypes.c_int
     return function
 
@@ -89,6 +89,15 @@ class Kernel:
         self._params = (ctypes.c_void_p * len(kinds))(*[base + 8 * i for i in range(len(kinds))])
         self._params_address = ctypes.addressof(self._params)
         self._lock = threading.Lock()
+        self._config = None  # after_previous's launch configuration, built at its first launch and reused
+
+    def _programmatic_config(self) -> _LaunchConfig:
+        self._attribute = _LaunchAttribute(PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
+        config = _LaunchConfig()
+        config.attrs, config.num_attrs = ctypes.pointer(self._attribute), 1
+        self._config_address, self._launch_ex = ctypes.addressof(config), _launch_kernel_ex()
+        self._config = config
+        return config
 
     def __call__(self, grid, block, shared_mem: int, stream: int, *args) -> None:
         with self._lock:
@@ -103,12 +112,13 @@ class Kernel:
         a plain launch (the kernels compile no griddepcontrol there)."""
         if not self.programmatic:
             return self(grid, block, shared_mem, stream, *args)
-        attribute = _LaunchAttribute(PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
-        config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem, stream,
-                               ctypes.pointer(attribute), 1)
-        with self._lock:
+        with self._lock:  # one configuration and argument block per kernel, rewritten in place (host time)
+            config = self._config or self._programmatic_config()
+            config.grid[0], config.grid[1], config.grid[2] = grid
+            config.block[0], config.block[1], config.block[2] = block
+            config.shared_mem, config.stream = shared_mem, stream
             self._pack(self._buffer, 0, *args)
-            status = _launch_kernel_ex()(ctypes.byref(config), self.function.ptr, self._params_address, None)
+            status = self._launch_ex(self._config_address, self.function.ptr, self._params_address, None)
         if status:
             from cupy_backends.cuda.api.driver import CUDADriverError
 

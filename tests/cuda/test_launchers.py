@@ -159,15 +159,15 @@ def test_the_row_kernel_waits_on_the_table_kernel_only_when_it_follows_it(calls,
 def test_the_programmatic_launch_hands_the_driver_its_geometry_stream_attribute_and_arguments(monkeypatch):
     """Kernel.after_previous (cuLaunchKernelEx) on a stand-in driver call: each launch gives the driver the grid,
     block, shared memory, stream and the programmatic-serialization attribute of that call, and the argument
-    block of that call (the argument block is built once and rewritten in place)."""
+    block of that call, though the configuration and the arguments are built once and rewritten in place."""
     import ctypes
     import struct
     from types import SimpleNamespace
 
     seen = []
 
-    def driver_launch(config_ref, function, params_address, extra):
-        config = config_ref._obj  # ctypes.byref(config)
+    def driver_launch(config_address, function, params_address, extra):
+        config = launchers._LaunchConfig.from_address(config_address)
         attribute = config.attrs[0]
         slots = ctypes.cast(params_address, ctypes.POINTER(ctypes.c_void_p))
         args = [ctypes.string_at(slots[i], 8) for i in range(len(launchers.SIGNATURES["norm_modulate_warp_bf16"]))]
