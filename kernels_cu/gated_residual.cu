@@ -13,7 +13,8 @@
 //     table row: a slot per table row the range spans. grid = (Rows.bwd_ranges, ceil(H / 8 / ADALN_GR_THREADS)),
 //     the ranges of norm_modulate_bwd (from the number of rows alone).
 //   gated_residual_reduce_sorted: d_gate[i, h] = the slots of table row i's ranges (table_row_ranges) in
-//     range order, in double, stored fp32. block (32, ADALN_SUM_GROUPS), grid ceil(H / 32).
+//     range order, in double, stored fp32 at d_gate + i * d_stride + h (d_stride H for an (R, H) array, 6H
+//     for the gate's columns of a block's table gradient). block (32, ADALN_SUM_GROUPS), grid ceil(H / 32).
 // dx = dout needs no kernel. A row whose index lies outside [0, R) gets NaN in out and d_y and adds
 // NaN to table row 0's sums, so the error shows in d_gate too.
 // Run: adaln_lab.cuda.tensors.gated_residual_fwd / gated_residual_bwd on CUDA tensors.
@@ -111,7 +112,7 @@ gated_residual_bwd_sorted_bf16(const bf16_t* __restrict__ dout, const float* __r
 
 extern "C" __global__ void __launch_bounds__(32 * ADALN_SUM_GROUPS)
 gated_residual_reduce_sorted(const float* __restrict__ gate_partials, float* __restrict__ d_gate,
-                             const int* __restrict__ row_order, int batches, int rows_per_range) {
+                             const int* __restrict__ row_order, int batches, int rows_per_range, int d_stride) {
     const int h = blockIdx.x * 32 + threadIdx.x;
     if (h >= ADALN_H) return;
     for (int i = threadIdx.y; i < ADALN_T; i += ADALN_SUM_GROUPS) {
@@ -122,6 +123,6 @@ gated_residual_reduce_sorted(const float* __restrict__ gate_partials, float* __r
 #pragma unroll 4
             for (int b = 0; b <= b1 - b0; ++b) s += (double)column[(size_t)b * ADALN_H];
         }
-        d_gate[(size_t)i * ADALN_H + h] = (float)s;
+        d_gate[(size_t)i * d_stride + h] = (float)s;
     }
 }

@@ -39,7 +39,7 @@ SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
     "table_bwd_reduce": "pppi",
     "gated_residual_fwd_bf16": "pppppiii",
     "gated_residual_bwd_sorted_bf16": "pppppppiiii",
-    "gated_residual_reduce_sorted": "pppii",
+    "gated_residual_reduce_sorted": "pppiii",
     "gated_residual_norm_bf16": "pppppppppiifi",
 }
 
@@ -255,13 +255,13 @@ def launch_sorted_row_pass(k: dict, plan: Plan, rows: Rows, stream: int, dy: int
 
 def launch_reduce_sorted_partials(k: dict, plan: Plan, rows: Rows, stream: int, row_partials: int, norm_weight: int,
                                   table_f32: int, d_shift: int, d_scale: int, d_norm_weight: int, d_bias: int,
-                                  row_order: int, S: int, table_stride: int) -> None:
-    """d_shift, d_scale (T, H) fp32, d_norm_weight (H,) and d_bias (2H,) bf16 from launch_sorted_row_pass's
-    partials, in a fixed order (zeros when rows == 0)."""
+                                  row_order: int, S: int, table_stride: int, d_stride: int = 0) -> None:
+    """d_shift, d_scale (T, H) fp32 (row stride d_stride floats, default H), d_norm_weight (H,) and d_bias (2H,)
+    bf16 from launch_sorted_row_pass's partials, in a fixed order (zeros when rows == 0)."""
     k["reduce_partials_sorted_bf16"]((-(-plan.H // 32), 1, 1), (32, plan.sum_groups, 1), 0, stream, row_partials,
                                      norm_weight, table_f32, d_shift, d_scale, d_norm_weight, d_bias, row_order,
                                      _batches(rows, S), max(rows.bwd_rows_per_range, 1), table_stride or 2 * plan.H,
-                                     plan.H)
+                                     d_stride or plan.H)
 
 
 def launch_reduce_partials(k: dict, plan: Plan, rows: Rows, stream: int, row_partials: int, norm_weight: int,
@@ -314,16 +314,17 @@ def launch_gated_residual(k: dict, plan: Plan, rows: Rows, stream: int, x: int, 
 
 def launch_gated_residual_bwd(k: dict, plan: Plan, rows: Rows, stream: int, dout: int, gate: int, y: int,
                               row_index: int, row_order: int, d_y: int, gate_partials: int, d_gate: int,
-                              gate_stride: int, S: int) -> None:
-    """d_y (rows, H) bf16 and d_gate (T, H) fp32 over the rows in table-row order (row_order from
-    launch_row_order); gate_partials holds sorted_slots * H floats. With no rows d_gate is exactly zero."""
+                              gate_stride: int, S: int, d_stride: int = 0) -> None:
+    """d_y (rows, H) bf16 and d_gate (T, H) fp32 (row stride d_stride floats, default H) over the rows in
+    table-row order (row_order from launch_row_order); gate_partials holds sorted_slots * H floats. With no rows
+    d_gate is exactly zero."""
     if rows.rows:
         k["gated_residual_bwd_sorted_bf16"]((rows.bwd_ranges, -(-plan.H // (8 * plan.gr_threads)), 1),
                                             (plan.gr_threads, 1, 1), 0, stream, dout, gate, y, row_index, row_order,
                                             d_y, gate_partials, gate_stride, S, rows.rows, rows.bwd_rows_per_range)
     k["gated_residual_reduce_sorted"]((-(-plan.H // 32), 1, 1), (32, plan.sum_groups, 1), 0, stream,
                                       gate_partials, d_gate, row_order, _batches(rows, S),
-                                      max(rows.bwd_rows_per_range, 1))
+                                      max(rows.bwd_rows_per_range, 1), d_stride or plan.H)
 
 
 def launch_gated_residual_norm(k: dict, plan: Plan, rows: Rows, stream: int, x: int, gate: int, y: int,

@@ -281,8 +281,10 @@ def row_order(row_index: torch.Tensor, plan) -> torch.Tensor:
 
 
 @keeps_device
-def modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None, order=None):
-    """order: `row_order(row_index, plan)` if the caller has it (one sort for several backward passes)."""
+def modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None, order=None, into=None):
+    """order: `row_order(row_index, plan)` if the caller has it (one sort for several backward passes). into: None,
+    or (address, row stride in floats) of fp32 memory taking d_shift | d_scale side by side (a block's table
+    gradient, `ops.table_gradient`); d_shift and d_scale are then written there and returned as None."""
     R, H = shift.shape
     plan, rows, k, stream = _row_setup(x, R)
     dy, x, norm_weight = aligned(dy), aligned(x), aligned(norm_weight)
@@ -293,8 +295,14 @@ def modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_
     d_residual = aligned(d_residual) if fused else d_residual
     dx = torch.empty_like(x)
     d_norm_weight = torch.empty_like(norm_weight)
-    d_shift = torch.empty(R, H, dtype=torch.float32, device=x.device)  # apart: custom-op outputs may not alias
-    d_scale = torch.empty(R, H, dtype=torch.float32, device=x.device)
+    if into is None:
+        d_shift = torch.empty(R, H, dtype=torch.float32, device=x.device)  # apart: custom-op outputs may not alias
+        d_scale = torch.empty(R, H, dtype=torch.float32, device=x.device)
+        d_shift_ptr, d_scale_ptr, d_stride = d_shift.data_ptr(), d_scale.data_ptr(), H
+    else:
+        d_shift = d_scale = None
+        d_shift_ptr, d_stride = into
+        d_scale_ptr = d_shift_ptr + 4 * H
     # the row partials, and after them room for the reduce's d_bias output (2H bf16), which the blocks do not use
     row_partials = torch.empty(launchers.sorted_slots(plan, rows) * 2 * H + H, dtype=torch.float32, device=x.device)
     d_sum_unused = row_partials.data_ptr() + 4 * launchers.sorted_slots(plan, rows) * 2 * H
@@ -303,9 +311,8 @@ def modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_
                                      order.data_ptr(), dx.data_ptr(), row_partials.data_ptr(), x.shape[-2],
                                      d_residual.data_ptr() if fused else 0, table_stride)
     launchers.launch_reduce_sorted_partials(k, plan, rows, stream, row_partials.data_ptr(), norm_weight.data_ptr(),
-                                            table_f32.data_ptr(), d_shift.data_ptr(), d_scale.data_ptr(),
-                                            d_norm_weight.data_ptr(), d_sum_unused, order.data_ptr(),
-                                            x.shape[-2], table_stride)
+                                            table_f32.data_ptr(), d_shift_ptr, d_scale_ptr, d_norm_weight.data_ptr(),
+                                            d_sum_unused, order.data_ptr(), x.shape[-2], table_stride, d_stride)
     if d_residual is not None and not fused:  # a row too wide for three staged inputs: torch's bf16 add, same bits
         dx = dx + d_residual
     return dx, d_norm_weight, d_shift, d_scale
@@ -331,19 +338,21 @@ def gated_residual_fwd(x, gate, y, row_index):
 
 
 @keeps_device
-def gated_residual_bwd(dout, gate, y, row_index, order=None):
-    """order: `row_order(row_index, plan)` if the caller has it."""
+def gated_residual_bwd(dout, gate, y, row_index, order=None, into=None):
+    """order: `row_order(row_index, plan)` if the caller has it. into: None, or (address, row stride in floats) of
+    fp32 memory taking d_gate (a block's table gradient); d_gate is then written there and returned as None."""
     R, H = gate.shape
     plan, rows, k, stream = _row_setup(y, R)
     dout, y, row_index = aligned(dout), aligned(y), row_index.contiguous()
     order = row_order(row_index, plan) if order is None else order.contiguous()
     gate, stride = _gate_pointer(gate)
     d_y = torch.empty_like(y)
-    d_gate = torch.empty(R, H, dtype=torch.float32, device=y.device)
+    d_gate = torch.empty(R, H, dtype=torch.float32, device=y.device) if into is None else None
+    d_gate_ptr, d_stride = (d_gate.data_ptr(), H) if into is None else into
     gate_partials = torch.empty(launchers.sorted_slots(plan, rows) * H, dtype=torch.float32, device=y.device)
     launchers.launch_gated_residual_bwd(k, plan, rows, stream, dout.data_ptr(), gate.data_ptr(), y.data_ptr(),
                                         row_index.data_ptr(), order.data_ptr(), d_y.data_ptr(),
-                                        gate_partials.data_ptr(), d_gate.data_ptr(), stride, y.shape[-2])
+                                        gate_partials.data_ptr(), d_gate_ptr, stride, y.shape[-2], d_stride)
     return d_gate, d_y
 
 
@@ -364,12 +373,17 @@ def gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, ep
 
 
 @keeps_device
-def gated_residual_norm_bwd(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, order=None):
+def gated_residual_norm_bwd(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, order=None,
+                            into=None):
     """(dx, d_gate, d_y, d_norm_weight, d_shift, d_scale): the norm's backward with the residual gradient
     d_x_out added in its row pass (norm_modulate_bwd_residual_sorted_bf16), then the gated residual's
-    backward; one row_order for both."""
+    backward; one row_order for both. into: None, or (address, row stride in floats) of fp32 memory taking
+    d_gate | d_shift | d_scale side by side; those three are then written there and returned as None."""
     order = row_order(row_index, _row_setup(x_out, shift.shape[0])[0]) if order is None else order.contiguous()
+    norm_into = gate_into = None
+    if into is not None:
+        gate_into, norm_into = into, (into[0] + 4 * x_out.shape[-1], into[1])
     dx, d_norm_weight, d_shift, d_scale = modulated_rms_norm_bwd(d_out, x_out, norm_weight, shift, scale, row_index,
-                                                                 rstd, d_residual=d_x_out, order=order)
-    d_gate, d_y = gated_residual_bwd(dx, gate, y, row_index, order=order)
+                                                                 rstd, d_residual=d_x_out, order=order, into=norm_into)
+    d_gate, d_y = gated_residual_bwd(dx, gate, y, row_index, order=order, into=gate_into)
     return dx, d_gate, d_y, d_norm_weight, d_shift, d_scale

@@ -8,8 +8,9 @@
 diffusers' first residual and norm2 run as one op (`gated_residual_norm`); norm1 hands x on so that x's two
 gradients are summed inside its backward. The inputs are checked once for the whole block and the kernel
 rule (`support.table`, `support.rows`) asked once; the CUDA backward's row order is sorted once (`row_order`)
-for the three row ops. Eager calls go to the ops' autograd nodes straight onto the kernels; under torch.compile to their
-custom ops. Numerics: the ops' (CPU: diffusers bit for bit; CUDA kernels: parameter gradients in a fixed
+for the three row ops. Eager calls go to the ops' autograd nodes straight onto the kernels, the table's chunks
+handed over detached and their gradients written by the ops into one table gradient (`ops.table_gradient`: no
+split node, no cat); under torch.compile to their custom ops, through autograd's chunk views. Numerics: the ops' (CPU: diffusers bit for bit; CUDA kernels: parameter gradients in a fixed
 order); backend "torch" runs diffusers' own ops and autograd (`reference.block.replay_block_adaln`).
 """
 
@@ -29,6 +30,7 @@ from . import support
 from .autocast import autocast_params
 from .checks import BLOCK_BACKENDS, TABLE_BACKENDS, check_option, check_rows, check_table_inputs
 from .row_order import row_order
+from .table_gradient import TableGradient
 
 
 def _bf16_beside(y: torch.Tensor, x: torch.Tensor) -> bool:
@@ -99,7 +101,11 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
     table = mt.table_op(temb, weight, bias, table_backend, table_kernels)
     if adapt_table is not None:
         table = adapt_table(table)
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table_chunks(table, H)
+    # eager: the row ops write their chunks' gradients into one table gradient (`ops.table_gradient`)
+    table_grad = TableGradient(table, H) if not compiling and table.requires_grad and torch.is_grad_enabled() else None
+    table_args = () if table_grad is None else (table, table_grad)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table_chunks(
+        table if table_grad is None else table.detach(), H)
     # the CUDA backward passes walk the rows in table-row order: sorted once here for the block's three ops
     # (whenever grad mode is on: attn's or ff's parameters alone may want a backward through them)
     order = None
@@ -113,16 +119,16 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
     norm1_kernels = rows_ok or (not compiling and mrn.kernels_take(x, norm1_weight, shift_msa, scale_msa, row_index,
                                                                    table_dtype))
     h, x = mrn.ModulatedRMSNormAndResidual.apply(x, norm1_weight, shift_msa, scale_msa, row_index, eps1,
-                                                 table_dtype, order, norm1_kernels)
+                                                 table_dtype, order, norm1_kernels, *table_args)
     y = attn(h)
     _check_branch("attn", y, x)
     kernels = (rows_ok and _bf16_beside(y, x)) or (not rows_ok and not compiling and grn.kernels_take(
         x, gate_msa, y, row_index, norm2_weight, shift_mlp, scale_mlp, table_dtype))
     x, h = grn.gated_residual_norm_op(x, gate_msa, y, row_index, norm2_weight, shift_mlp, scale_mlp, eps2,
-                                      table_dtype, order, kernels)
+                                      table_dtype, order, kernels, *table_args)
     del y  # attn's output is not held while ff runs (diffusers' forward frees it there too)
     y = ff(h)
     _check_branch("ff", y, x)
     kernels = (rows_ok and _bf16_beside(y, x) and x.dtype == torch.bfloat16) or (
         not rows_ok and not compiling and gr.kernels_take(x, gate_mlp, y, row_index, table_dtype))
-    return gr.gated_residual_op(x, gate_mlp, y, row_index, table_dtype, order, kernels)
+    return gr.gated_residual_op(x, gate_mlp, y, row_index, table_dtype, order, kernels, *table_args)

@@ -33,6 +33,7 @@ from ..reference.backward import gated_residual_backward
 from ..reference.block import replay_gated_residual
 from . import support
 from .checks import check_order, check_rows
+from .table_gradient import GATE_MLP
 
 
 def kernels_take(x, gate, y, row_index, table_dtype, **more) -> bool:
@@ -49,12 +50,18 @@ def forward(x, gate, y, row_index, table_dtype, kernels: bool) -> torch.Tensor:
     return replay_gated_residual(x, gate.to(table_dtype), y, row_index).contiguous()
 
 
-def backward(dout, gate, y, row_index, table_dtype, row_order, kernels: bool):
-    """(d_gate (R, H) in gate's dtype, d_y): the kernels (in row_order) where `kernels`, else the reference."""
+def backward(dout, gate, y, row_index, table_dtype, row_order, kernels: bool, into=None):
+    """(d_gate (R, H) in gate's dtype, d_y): the kernels (in row_order) where `kernels`, else the reference. into:
+    None, or (TableGradient, chunk): d_gate then goes into that chunk's columns and comes back None."""
     if kernels:
-        d_gate, d_y = tensors.gated_residual_bwd(dout, gate, y, row_index, order=row_order)
-        return tensors.as_dtype(d_gate, gate.dtype), d_y
-    return gated_residual_backward(dout, gate, y, row_index, table_dtype)
+        d_gate, d_y = tensors.gated_residual_bwd(dout, gate, y, row_index, order=row_order,
+                                                 into=None if into is None else into[0].pointer(into[1], 1))
+        return (None if into is not None else tensors.as_dtype(d_gate, gate.dtype)), d_y
+    d_gate, d_y = gated_residual_backward(dout, gate, y, row_index, table_dtype)
+    if into is None:
+        return d_gate, d_y
+    into[0].write(into[1], d_gate)
+    return None, d_y
 
 
 @torch.library.custom_op("adaln_lab::gated_residual_fwd", mutates_args=())
@@ -112,12 +119,14 @@ gated_residual_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 class GatedResidual(torch.autograd.Function):
-    """The lean eager path: forward(x, gate, y, row_index, table_dtype, row_order, kernels) -> out;
-    backward(dout) -> dx (dout itself, in x's dtype: the residual's identity), d_gate, d_y."""
+    """The lean eager path: forward(x, gate, y, row_index, table_dtype, row_order, kernels, table=None,
+    table_grad=None) -> out; backward(dout) -> dx (dout itself, in x's dtype: the residual's identity), d_gate,
+    d_y. A block passes its table and TableGradient with gate detached: d_gate goes into the table gradient
+    (`ops.table_gradient`)."""
 
     @staticmethod
-    def forward(ctx, x, gate, y, row_index, table_dtype, row_order, kernels):
-        ctx.x_dtype, ctx.table_dtype, ctx.kernels = x.dtype, table_dtype, kernels
+    def forward(ctx, x, gate, y, row_index, table_dtype, row_order, kernels, table=None, table_grad=None):
+        ctx.x_dtype, ctx.table_dtype, ctx.kernels, ctx.table_grad = x.dtype, table_dtype, kernels, table_grad
         ctx.save_for_backward(gate, y, row_index, row_order)
         return forward(x, gate, y, row_index, table_dtype, kernels)
 
@@ -126,15 +135,18 @@ class GatedResidual(torch.autograd.Function):
     def backward(ctx, dout):
         gate, y, row_index, row_order = ctx.saved_tensors
         dout = dout.contiguous()
-        d_gate, d_y = backward(dout, gate, y, row_index, ctx.table_dtype, row_order, ctx.kernels)
-        return tensors.as_dtype(dout, ctx.x_dtype), d_gate, d_y, None, None, None, None
+        into = None if ctx.table_grad is None else (ctx.table_grad, GATE_MLP)
+        d_gate, d_y = backward(dout, gate, y, row_index, ctx.table_dtype, row_order, ctx.kernels, into)
+        return tensors.as_dtype(dout, ctx.x_dtype), d_gate, d_y, None, None, None, None, None, None
 
 
-def gated_residual_op(x, gate, y, row_index, table_dtype, row_order, kernels: bool) -> torch.Tensor:
-    """Checked inputs: the custom op under torch.compile, else the eager node (kernels decided)."""
+def gated_residual_op(x, gate, y, row_index, table_dtype, row_order, kernels: bool, table=None,
+                      table_grad=None) -> torch.Tensor:
+    """Checked inputs: the custom op under torch.compile, else the eager node (kernels decided; a block's table and
+    TableGradient passed on)."""
     if torch.compiler.is_compiling():
         return gated_residual_fwd(x, gate, y, row_index, table_dtype, row_order)
-    return GatedResidual.apply(x, gate, y, row_index, table_dtype, row_order, kernels)
+    return GatedResidual.apply(x, gate, y, row_index, table_dtype, row_order, kernels, table, table_grad)
 
 
 def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: torch.Tensor, *,

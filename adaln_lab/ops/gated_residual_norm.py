@@ -43,6 +43,7 @@ from . import gated_residual as gr
 from . import modulated_rms_norm as mrn
 from . import support
 from .checks import check_order, check_rows
+from .table_gradient import GATE_MSA
 
 
 def kernels_take(x, gate, y, row_index, norm_weight, shift, scale, table_dtype, **more) -> bool:
@@ -64,13 +65,18 @@ def forward(x, gate, y, row_index, norm_weight, shift, scale, eps: float, table_
 
 
 def backward(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, table_dtype, x_dtype,
-             row_order, kernels: bool):
+             row_order, kernels: bool, into=None):
     """(dx in x_dtype, d_gate, d_y, d_norm_weight, d_shift, d_scale): the fused backward where `kernels`, else
-    the two ops' backwards one after the other (the norm's summing d_x_out in), each on its own kernels."""
+    the two ops' backwards one after the other (the norm's summing d_x_out in), each on its own kernels. into:
+    None, or (TableGradient, chunk): d_gate, d_shift and d_scale then go into that chunk's columns and the next
+    two's and come back None."""
     if kernels:
         support.check_saved("gated_residual_norm", x_out, norm_weight=norm_weight)
         dx, d_gate, d_y, d_norm_weight, d_shift, d_scale = tensors.gated_residual_norm_bwd(
-            d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, order=row_order)
+            d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, order=row_order,
+            into=None if into is None else into[0].pointer(into[1], 3))
+        if into is not None:
+            return dx, None, d_y, d_norm_weight, None, None
         return (dx, tensors.as_dtype(d_gate, gate.dtype), d_y, d_norm_weight, tensors.as_dtype(d_shift, shift.dtype),
                 tensors.as_dtype(d_scale, scale.dtype))
     d_residual = d_x_out.to(x_out.dtype)
@@ -78,9 +84,10 @@ def backward(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scal
                     and mrn.kernels_take(x_out, norm_weight, shift, scale, row_index, torch.bfloat16, dy=d_out,
                                          d_residual=d_residual))
     dx, d_norm_weight, d_shift, d_scale = mrn.backward(d_out, x_out, norm_weight, shift, scale, row_index, rstd,
-                                                       d_residual, row_order, norm_kernels)
+                                                       d_residual, row_order, norm_kernels,
+                                                       None if into is None else (into[0], into[1] + 1))
     d_gate, d_y = gr.backward(dx, gate, y, row_index, table_dtype, row_order,
-                              gr.kernels_take(y, gate, y, row_index, table_dtype, dout=dx))
+                              gr.kernels_take(y, gate, y, row_index, table_dtype, dout=dx), into)
     return dx.to(x_dtype), d_gate, d_y, d_norm_weight, d_shift, d_scale
 
 
@@ -175,12 +182,15 @@ gated_residual_norm_fwd.register_autograd(_backward, setup_context=_setup_contex
 
 class GatedResidualNorm(torch.autograd.Function):
     """The lean eager path: forward(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, row_order,
-    kernels) -> (x_out, out); backward(d_x_out, d_out) -> dx, d_gate, d_y, d_norm_weight, d_shift, d_scale."""
+    kernels, table=None, table_grad=None) -> (x_out, out); backward(d_x_out, d_out) -> dx, d_gate, d_y,
+    d_norm_weight, d_shift, d_scale. A block passes its table and TableGradient with gate, shift and scale
+    detached: their gradients go into the table gradient (`ops.table_gradient`)."""
 
     @staticmethod
-    def forward(ctx, x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, row_order, kernels):
+    def forward(ctx, x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, row_order, kernels,
+                table=None, table_grad=None):
         x_out, out, rstd = forward(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, kernels)
-        ctx.x_dtype, ctx.table_dtype, ctx.kernels = x.dtype, table_dtype, kernels
+        ctx.x_dtype, ctx.table_dtype, ctx.kernels, ctx.table_grad = x.dtype, table_dtype, kernels, table_grad
         ctx.save_for_backward(x_out, gate, y, row_index, norm_weight, shift, scale, rstd, row_order)
         return x_out, out
 
@@ -192,21 +202,23 @@ class GatedResidualNorm(torch.autograd.Function):
             d_out = torch.zeros_like(x_out)
         if d_x_out is None:
             d_x_out = torch.zeros_like(x_out)
+        into = None if ctx.table_grad is None else (ctx.table_grad, GATE_MSA)
         dx, d_gate, d_y, d_norm_weight, d_shift, d_scale = backward(
             d_x_out.contiguous(), d_out.contiguous(), x_out, gate, y, row_index, norm_weight, shift, scale, rstd,
-            ctx.table_dtype, ctx.x_dtype, row_order, ctx.kernels)
-        return dx, d_gate, d_y, None, d_norm_weight, d_shift, d_scale, None, None, None, None
+            ctx.table_dtype, ctx.x_dtype, row_order, ctx.kernels, into)
+        return dx, d_gate, d_y, None, d_norm_weight, d_shift, d_scale, None, None, None, None, None, None
 
 
 def gated_residual_norm_op(x, gate, y, row_index, norm_weight, shift, scale, eps: float, table_dtype, row_order,
-                           kernels: bool):
-    """Checked inputs: (x_out, out) by the custom op under torch.compile, else the eager node (kernels decided)."""
+                           kernels: bool, table=None, table_grad=None):
+    """Checked inputs: (x_out, out) by the custom op under torch.compile, else the eager node (kernels decided; a
+    block's table and TableGradient passed on)."""
     if torch.compiler.is_compiling():
         x_out, out, _ = gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype,
                                                 row_order)
         return x_out, out
     return GatedResidualNorm.apply(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, row_order,
-                                   kernels)
+                                   kernels, table, table_grad)
 
 
 def gated_residual_norm(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, norm_weight: torch.Tensor,

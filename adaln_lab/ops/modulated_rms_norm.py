@@ -42,6 +42,7 @@ from ..reference.backward import compute_dtype, modulated_rms_norm_backward, rst
 from ..reference.block import replay_modulated_rms_norm
 from . import support
 from .checks import check_order, check_rows
+from .table_gradient import SHIFT_MSA
 
 
 def kernels_take(x, norm_weight, shift, scale, row_index, table_dtype, **more) -> bool:
@@ -66,16 +67,24 @@ def _check_residual(x, d_residual) -> None:
                          f"{tuple(d_residual.shape)}")
 
 
-def backward(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual, row_order, kernels: bool):
+def backward(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual, row_order, kernels: bool, into=None):
     """(dx, d_norm_weight, d_shift, d_scale): the row kernels where `kernels` (in row_order, sorted here when
-    None), else `reference.backward.modulated_rms_norm_backward`."""
+    None), else `reference.backward.modulated_rms_norm_backward`. into: None, or (TableGradient, chunk): d_shift
+    and d_scale then go into that chunk's columns and the next one's (`ops.table_gradient`) and come back None."""
     if kernels:
         support.check_saved("modulated_rms_norm", x, norm_weight=norm_weight)
-        dx, d_norm_weight, d_shift, d_scale = tensors.modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale,
-                                                                            row_index, rstd, d_residual,
-                                                                            order=row_order)
+        dx, d_norm_weight, d_shift, d_scale = tensors.modulated_rms_norm_bwd(
+            dy, x, norm_weight, shift, scale, row_index, rstd, d_residual, order=row_order,
+            into=None if into is None else into[0].pointer(into[1], 2))
+        if into is not None:
+            return dx, d_norm_weight, None, None
         return dx, d_norm_weight, tensors.as_dtype(d_shift, shift.dtype), tensors.as_dtype(d_scale, scale.dtype)
-    return modulated_rms_norm_backward(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual)
+    dx, d_norm_weight, d_shift, d_scale = modulated_rms_norm_backward(dy, x, norm_weight, shift, scale, row_index,
+                                                                      rstd, d_residual)
+    if into is None:
+        return dx, d_norm_weight, d_shift, d_scale
+    into[0].write(into[1], d_shift, d_scale)
+    return dx, d_norm_weight, None, None
 
 
 @torch.library.custom_op("adaln_lab::modulated_rms_norm_fwd", mutates_args=())
@@ -167,16 +176,19 @@ class ModulatedRMSNormAndResidual(torch.autograd.Function):
     that x's gradient from the residual stream reaches this backward, which sums it inside the norm's row
     pass (`backward(..., d_residual)`) instead of autograd adding it in a kernel of its own.
 
-    forward(x, norm_weight, shift, scale, row_index, eps, table_dtype, row_order, kernels); under
-    torch.compile it runs the custom ops (kernels is then decided inside them)."""
+    forward(x, norm_weight, shift, scale, row_index, eps, table_dtype, row_order, kernels, table=None,
+    table_grad=None); under torch.compile it runs the custom ops (kernels is then decided inside them). A block's
+    norm1 passes its table and TableGradient with shift and scale detached: the backward writes d_shift | d_scale
+    into the table gradient and returns it, whole, as the table's gradient (`ops.table_gradient`)."""
 
     @staticmethod
-    def forward(ctx, x, norm_weight, shift, scale, row_index, eps, table_dtype, row_order, kernels):
+    def forward(ctx, x, norm_weight, shift, scale, row_index, eps, table_dtype, row_order, kernels, table=None,
+                table_grad=None):
         if torch.compiler.is_compiling():
             out, rstd = modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, eps, table_dtype)
         else:
             out, rstd = forward(x, norm_weight, shift, scale, row_index, eps, table_dtype, kernels)
-        ctx.kernels = kernels
+        ctx.kernels, ctx.table_grad = kernels, table_grad
         ctx.save_for_backward(x, norm_weight, shift, scale, row_index, rstd, row_order)
         return out, x
 
@@ -188,9 +200,11 @@ class ModulatedRMSNormAndResidual(torch.autograd.Function):
             grads = modulated_rms_norm_bwd(d_out.contiguous(), x, norm_weight, shift, scale, row_index, rstd,
                                            d_residual, row_order)
         else:
+            into = None if ctx.table_grad is None else (ctx.table_grad, SHIFT_MSA)
             grads = backward(d_out.contiguous(), x, norm_weight, shift, scale, row_index, rstd, d_residual,
-                             row_order, ctx.kernels)
-        return (*grads, None, None, None, None, None)
+                             row_order, ctx.kernels, into)
+        d_table = None if ctx.table_grad is None else ctx.table_grad.take()
+        return (*grads, None, None, None, None, None, d_table, None)
 
 
 def modulated_rms_norm(x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,

@@ -1,0 +1,80 @@
+"""`TableGradient`: one H3 block's table gradient, written in place by the block's three row ops.
+
+The block's table (T, 18H), viewed (3T, 6H), holds six column chunks per row: shift_msa | scale_msa | gate_msa |
+shift_mlp | scale_mlp | gate_mlp (`reference.block.CHUNKS`). Through autograd's `chunk`, each op's backward would
+return its chunks' gradients as (3T, H) tensors of their own and autograd would cat the six into the table's
+gradient. Instead `block_adaln_path` hands the ops the chunks detached, the table itself and one TableGradient;
+each op's backward writes its chunks' gradients into the columns of one (T, 18H) buffer where they lie (the CUDA
+reduces write with the row stride 6H), and norm1's op returns the buffer as the table's gradient, the two others
+None: one allocation for the six, no cat, no split node.
+
+Why norm1's op: in any backward pass it runs after the two others that run in that pass (both lie downstream of
+it in the forward, fed by the x it hands on), and it runs whenever the table's gradient is wanted (the table is
+its input). Columns no op wrote in the pass (a loss on norm1's output alone) are zeros, as autograd's cat gives
+for a chunk without gradient. One buffer per backward pass: a new pass (`torch.autograd.backward` or
+`torch.autograd.grad`, retain_graph included) starts a fresh one, so a pass that stopped short of norm1 leaves
+nothing behind for the next.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..reference.block import CHUNKS
+
+_task_id = torch._C._current_graph_task_id  # the backward pass running on this thread (torch.utils.checkpoint's)
+
+
+SHIFT_MSA = CHUNKS.index("shift_msa")  # norm1's chunks: shift_msa | scale_msa
+GATE_MSA = CHUNKS.index("gate_msa")  # gated_residual_norm's: gate_msa | shift_mlp | scale_mlp
+GATE_MLP = CHUNKS.index("gate_mlp")  # gated_residual's
+
+
+class TableGradient:
+    """The (T, 18H) gradient of one block's `table`, filled by chunk columns (module docstring).
+
+    `columns(first, count)` -> the (3T, count * H) view of the buffer over chunks first .. first + count - 1;
+    `pointer(first, count)` -> (address of that view, its row stride in elements) for the kernels, without making
+    the view; `write(first, *grads)` copies (3T, H) gradients there. Each marks those chunks written in this
+    backward pass (one buffer per pass, made at its first call). `take()` -> the buffer, zeros in the chunks no op
+    of this pass wrote, and forgets it.
+    """
+
+    def __init__(self, table: torch.Tensor, hidden_size: int):
+        self.shape, self.dtype, self.device = table.shape, table.dtype, table.device
+        self.H = hidden_size
+        self.row_stride = len(CHUNKS) * hidden_size  # of the (3T, 6H) view
+        self._buffer: torch.Tensor | None = None
+        self._written: set[int] = set()
+        self._task = None
+
+    def _claim(self, first: int, count: int) -> torch.Tensor:
+        task = _task_id()
+        if self._buffer is None or task != self._task:
+            self._buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            self._written, self._task = set(), task
+        self._written.update(range(first, first + count))
+        return self._buffer
+
+    def columns(self, first: int, count: int) -> torch.Tensor:
+        rows = self._claim(first, count).view(-1, self.row_stride)
+        return rows[:, first * self.H:(first + count) * self.H]
+
+    def pointer(self, first: int, count: int) -> tuple[int, int]:
+        buffer = self._claim(first, count)
+        return buffer.data_ptr() + first * self.H * buffer.element_size(), self.row_stride
+
+    def write(self, first: int, *grads: torch.Tensor) -> None:
+        """Copy the (3T, H) gradients of chunks first, first + 1, ... into their columns (the torch code's way)."""
+        columns = self.columns(first, len(grads))
+        for i, grad in enumerate(grads):
+            columns[:, i * self.H:(i + 1) * self.H].copy_(grad)
+
+    def take(self) -> torch.Tensor:
+        if self._buffer is None or self._task != _task_id():  # norm1's op writes its columns first
+            raise RuntimeError("TableGradient.take before any columns of this backward pass were written")
+        buffer, rows = self._buffer, self._buffer.view(-1, self.row_stride)
+        for chunk in set(range(len(CHUNKS))) - self._written:
+            rows[:, chunk * self.H:(chunk + 1) * self.H].zero_()
+        self._buffer, self._written, self._task = None, set(), None
+        return buffer
