@@ -4,7 +4,10 @@
 // is rounded to bf16 once, the fp32 dot product plus bias is rounded to bf16 once) and table_f32
 // (T, N) fp32: the same sums unrounded (final_adaln_out's backward uses them), or, with
 // ADALN_TABLE_F32_ROUNDED, the bf16 values in fp32 (the blocks' modulation table, adaln_lab/cuda/tensors.py).
-// N = ADALN_TABLE_N columns: 2H for norm_out (shift | scale), 18H for an H3 block's adaln_proj.
+// N = ADALN_TABLE_N columns: 2H for norm_out (shift | scale), 18H for an H3 block's adaln_proj. With
+// ADALN_TABLE_ROW_TABLES (a block's table) the bf16 output is instead the two (3T, 2H) row tables the block's norms
+// read, one after the other: column c * H + h of modality m, c in 0..5 = shift_msa, scale_msa, gate_msa, shift_mlp,
+// scale_mlp, gate_mlp, goes to row 3t + m, column (c % 3) * H + h of table c / 3; the gates are not stored in bf16.
 //
 // Work: a task is ADALN_TABLE_ROWS_PER_WARP consecutive output rows j (their weight rows loaded side by
 // side), done by one warp. Two schedules (plan.table_persistent, from the shapes):
@@ -80,7 +83,14 @@ __device__ __forceinline__ void store_task(float acc[TABLE_R][ADALN_T], int firs
             const float sum = warp_sum_lane0(acc[r][t]) + b;
             if (lane == 0) {
                 table_f32[t * ADALN_TABLE_N + j] = ADALN_TABLE_F32_ROUNDED ? round_bf16(sum) : sum;
+#if ADALN_TABLE_ROW_TABLES
+                constexpr int H = ADALN_TABLE_N / 18;
+                const int m = j / (6 * H), c = (j % (6 * H)) / H, h = j % H;
+                if (c != 2 && c != 5)
+                    table[((size_t)(c / 3) * 3 * ADALN_T + 3 * t + m) * 2 * H + (c % 3) * H + h] = float_to_bf16(sum);
+#else
                 table[t * ADALN_TABLE_N + j] = float_to_bf16(sum);
+#endif
             }
         }
     }

@@ -165,12 +165,14 @@ class Plan:
     tuning: tuple
     table_n: int = 0               # table.cu / table_bwd.cu: columns of the table (0: 2H, norm_out's)
     table_f32_rounded: bool = False  # table.cu: table_f32 holds the bf16 values (the blocks' table)
+    table_row_tables: bool = False   # table.cu: the bf16 output is a block's two row tables (see `plan`)
 
     def __hash__(self) -> int:
         # computed once: a plan keys the row, kernel and module caches on every call (host time)
         h = self.__dict__.get("_hash")
         if h is None:
-            h = hash((self.H, self.D, self.T, self.table_n, self.table_f32_rounded, self.tuning))
+            h = hash((self.H, self.D, self.T, self.table_n, self.table_f32_rounded, self.table_row_tables,
+                      self.tuning))
             object.__setattr__(self, "_hash", h)
         return h
 
@@ -269,7 +271,7 @@ class Plan:
                     TB_THREADS=t["TB_THREADS"], TB_ROWS=self.tb_rows, TB_EARLY=t["TB_EARLY"], TB_COLUMNS=TB_COLUMNS,
                     ROW_ORDER_THREADS=ROW_ORDER_THREADS, ROW_ORDER_KEYS_MAX=ROW_ORDER_KEYS_MAX,
                     GR_THREADS=self.gr_threads, SUM_GROUPS=t["SUM_GROUPS"], RP_T=self.rp_t, TABLE_N=self.columns,
-                    TABLE_F32_ROUNDED=int(self.table_f32_rounded))
+                    TABLE_F32_ROUNDED=int(self.table_f32_rounded), TABLE_ROW_TABLES=int(self.table_row_tables))
 
     @cached_property
     def columns(self) -> int:
@@ -294,16 +296,23 @@ def _rows(plan: Plan, rows: int) -> Rows:
 
 
 @lru_cache(maxsize=None)
-def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = False) -> Plan:
+def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = False,
+         table_row_tables: bool = False) -> Plan:
     """The plan of one shape (checked first: an unsupported shape raises ValueError naming the argument).
 
     table_n: the table's columns N when not norm_out's 2H (an H3 block's adaln_proj: 18H), with
-    `table_f32_rounded` the table_f32 output holds the bf16 values. A plan used only for its table
-    kernels passes H = 8; one used only for its row kernels passes D = 8 (adaln_lab/cuda/tensors.py).
+    `table_f32_rounded` the table_f32 output holds the bf16 values. `table_row_tables` (an H3 block's table, N =
+    18 H', H' divisible by 8): table.cu's bf16 output is the two row tables (2, 3T, 2H') the block's norms read,
+    norm1's shift_msa | scale_msa and norm2's shift_mlp | scale_mlp, row 3t + m for timestep t and modality m (the
+    table's (3T, 6H') view), instead of the (T, N) table. A plan used only for its table kernels passes H = 8; one
+    used only for its row kernels passes D = 8 (adaln_lab/cuda/tensors.py).
     """
     check_shapes(H, D, T)
     if table_n and (table_n % 8 or table_n < 8):
         raise ValueError(f"the CUDA kernels need the table's columns (weight.shape[0]) divisible by 8, got {table_n}")
+    if table_row_tables and (table_n % 144 or not table_f32_rounded):
+        raise ValueError(f"row tables need a block's table (columns 18H with H divisible by 8, table_f32_rounded), "
+                         f"got {table_n} columns")
     N = table_n or 2 * H
     t = TUNING
     fwd_threads, fwd_vpt = row_geometry(H, t["FWD_THREADS_MAX"])
@@ -337,7 +346,7 @@ def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = Fal
                 tb_threads=t["TB_THREADS"],
                 sum_groups=t["SUM_GROUPS"], gr_threads=gr_geometry(H, t["GR_THREADS_MAX"]),
                 tuning=tuple(sorted(t.items())), table_n=table_n,
-                table_f32_rounded=table_f32_rounded)
+                table_f32_rounded=table_f32_rounded, table_row_tables=table_row_tables)
 
 
 def clear_caches() -> None:

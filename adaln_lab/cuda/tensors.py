@@ -65,10 +65,11 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 @lru_cache(maxsize=4096)
-def context(device_index: int, H: int, D: int, T: int, rows: int, table_n: int = 0, rounded: bool = False):
+def context(device_index: int, H: int, D: int, T: int, rows: int, table_n: int = 0, rounded: bool = False,
+            row_tables: bool = False):
     """(plan, its Rows for `rows` rows, {name: Kernel} on the device) of one call's shapes, from one cache lookup
     keyed on integers (the eager path's host time)."""
-    plan = make_plan(H, D, T, table_n, rounded)
+    plan = make_plan(H, D, T, table_n, rounded, row_tables)
     return plan, plan.rows(rows), launchers.kernels(device_index, plan)
 
 
@@ -194,24 +195,30 @@ def _setup(device: torch.device, plan):
 
 
 def _table_setup(temb: torch.Tensor, N: int):
-    """(plan, kernels, stream) of the table kernels for temb (T, D) and N columns."""
+    """(plan, kernels, stream) of the table kernels for temb (T, D) and N columns (a block's, N = 18H with H
+    divisible by 8: its bf16 output is the two row tables)."""
     index = temb.device.index
-    plan, _, k = context(index, 8, temb.shape[1], temb.shape[0], 0, N, True)
+    plan, _, k = context(index, 8, temb.shape[1], temb.shape[0], 0, N, True, N % 144 == 0)
     launchers.bind(index)
     return plan, k, current_stream(index)
 
 
 @keeps_device
-def modulation_table_fwd(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def modulation_table_fwd(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, row_tables: bool = False):
+    """table (T, N) fp32 holding bf16 values; with row_tables (N = 18H, H divisible by 8), (table, the block's two
+    bf16 row tables (2, 3T, 2H): norm1's shift_msa | scale_msa and norm2's shift_mlp | scale_mlp, `plan`)."""
     T, D = temb.shape
     N = weight.shape[0]
     plan, k, stream = _table_setup(temb, N)
+    if row_tables and not plan.table_row_tables:
+        raise ValueError(f"row tables need a block's table of 18H columns, H divisible by 8; got {N} columns")
     temb, weight, bias = temb.contiguous(), aligned(weight), aligned(bias)
     table = torch.empty(T, N, dtype=torch.float32, device=temb.device)
-    table_bf16 = torch.empty(T, N, dtype=torch.bfloat16, device=temb.device)
+    shape = (2, 3 * T, N // 9) if plan.table_row_tables else (T, N)  # the bf16 output: row tables or the table
+    table_bf16 = torch.empty(shape, dtype=torch.bfloat16, device=temb.device)
     launchers.launch_table(k, plan, stream, temb.data_ptr(), weight.data_ptr(), bias.data_ptr(),
                            table_bf16.data_ptr(), table.data_ptr())
-    return table
+    return (table, table_bf16) if row_tables else table
 
 
 @keeps_device
@@ -256,15 +263,25 @@ def _shift_scale_bf16(shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return table.as_strided((R, 2 * H), (stride, 1)).to(torch.bfloat16).contiguous()
 
 
+def _row_table(shift: torch.Tensor, row_table) -> int:
+    """Address of row table `row_table[1]` of modulation_table_fwd's row tables `row_table[0]` (2, R, 2H) bf16: the
+    contiguous shift | scale the forward kernels read, the values of the fp32 chunks shift and scale."""
+    R, H = shift.shape
+    return row_table[0].data_ptr() + row_table[1] * R * 2 * H * 2
+
+
 @keeps_device
-def modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, eps: float):
+def modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, eps: float, row_table=None):
+    """row_table: None, or (the block's row tables (2, R, 2H) bf16, which): the forward reads its shift | scale
+    there instead of casting shift and scale (`modulation_table_fwd`)."""
     plan, rows, k, stream = _row_setup(x, shift.shape[0])
     x, norm_weight = aligned(x), aligned(norm_weight)
-    table = _shift_scale_bf16(shift, scale)
+    table = _shift_scale_bf16(shift, scale) if row_table is None else None
+    table_ptr = table.data_ptr() if row_table is None else _row_table(shift, row_table)
     row_index = row_index.contiguous()
     out = torch.empty_like(x)
     rstd = torch.empty(rows.rows, dtype=torch.float32, device=x.device)
-    launchers.launch_norm_modulate(k, plan, rows, stream, x.data_ptr(), norm_weight.data_ptr(), table.data_ptr(),
+    launchers.launch_norm_modulate(k, plan, rows, stream, x.data_ptr(), norm_weight.data_ptr(), table_ptr,
                                    row_index.data_ptr(), out.data_ptr(), rstd.data_ptr(), x.shape[-2], float(eps))
     return out, rstd
 
@@ -357,16 +374,18 @@ def gated_residual_bwd(dout, gate, y, row_index, order=None, into=None):
 
 
 @keeps_device
-def gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, eps: float):
-    """(x_out, out, rstd): gated_residual_fwd then modulated_rms_norm_fwd of its output, in one kernel."""
+def gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, eps: float, row_table=None):
+    """(x_out, out, rstd): gated_residual_fwd then modulated_rms_norm_fwd of its output, in one kernel; row_table
+    as modulated_rms_norm_fwd's."""
     plan, rows, k, stream = _row_setup(x, shift.shape[0])
     x, y, norm_weight, row_index = aligned(x), aligned(y), aligned(norm_weight), row_index.contiguous()
     gate, stride = _gate_pointer(gate)
-    table = _shift_scale_bf16(shift, scale)
+    table = _shift_scale_bf16(shift, scale) if row_table is None else None
+    table_ptr = table.data_ptr() if row_table is None else _row_table(shift, row_table)
     x_out, out = torch.empty_like(x), torch.empty_like(x)
     rstd = torch.empty(rows.rows, dtype=torch.float32, device=x.device)
     launchers.launch_gated_residual_norm(k, plan, rows, stream, x.data_ptr(), gate.data_ptr(), y.data_ptr(),
-                                         row_index.data_ptr(), norm_weight.data_ptr(), table.data_ptr(),
+                                         row_index.data_ptr(), norm_weight.data_ptr(), table_ptr,
                                          x_out.data_ptr(), out.data_ptr(), rstd.data_ptr(), stride, x.shape[-2],
                                          float(eps))
     return x_out, out, rstd

@@ -98,12 +98,18 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
         table_kernels = not compiling and table_error is None
         rows_ok = weight.dtype == torch.bfloat16 and rows_error is None
     table_dtype = weight.dtype
-    table = mt.table_op(temb, weight, bias, table_backend, table_kernels)
+    # on the kernels the table kernel also writes the norms' bf16 row tables, read in place of casting the chunks
+    row_tables = table_kernels and rows_ok and table_backend == "cuda" and adapt_table is None
+    table = mt.table_op(temb, weight, bias, table_backend, table_kernels, row_tables)
+    norm1_rows = norm2_rows = None
+    if row_tables:
+        table, bf16_rows = table
+        norm1_rows, norm2_rows = (bf16_rows, 0), (bf16_rows, 1)
     if adapt_table is not None:
         table = adapt_table(table)
     # eager: the row ops write their chunks' gradients into one table gradient (`ops.table_gradient`)
     table_grad = TableGradient(table, H) if not compiling and table.requires_grad and torch.is_grad_enabled() else None
-    table_args = () if table_grad is None else (table, table_grad)
+    table_args = (None if table_grad is None else table, table_grad)
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table_chunks(
         table if table_grad is None else table.detach(), H)
     # the CUDA backward passes walk the rows in table-row order: sorted once here for the block's three ops
@@ -119,13 +125,13 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
     norm1_kernels = rows_ok or (not compiling and mrn.kernels_take(x, norm1_weight, shift_msa, scale_msa, row_index,
                                                                    table_dtype))
     h, x = mrn.ModulatedRMSNormAndResidual.apply(x, norm1_weight, shift_msa, scale_msa, row_index, eps1,
-                                                 table_dtype, order, norm1_kernels, *table_args)
+                                                 table_dtype, order, norm1_kernels, *table_args, norm1_rows)
     y = attn(h)
     _check_branch("attn", y, x)
     kernels = (rows_ok and _bf16_beside(y, x)) or (not rows_ok and not compiling and grn.kernels_take(
         x, gate_msa, y, row_index, norm2_weight, shift_mlp, scale_mlp, table_dtype))
     x, h = grn.gated_residual_norm_op(x, gate_msa, y, row_index, norm2_weight, shift_mlp, scale_mlp, eps2,
-                                      table_dtype, order, kernels, *table_args)
+                                      table_dtype, order, kernels, *table_args, norm2_rows)
     del y  # attn's output is not held while ff runs (diffusers' forward frees it there too)
     y = ff(h)
     _check_branch("ff", y, x)

@@ -53,11 +53,12 @@ def kernels_take(x, gate, y, row_index, norm_weight, shift, scale, table_dtype, 
             and support.rows(x, shift.shape[0], norm_weight=norm_weight, y=y, **more) is None)
 
 
-def forward(x, gate, y, row_index, norm_weight, shift, scale, eps: float, table_dtype, kernels: bool):
-    """(x_out, out, rstd): one kernel where `kernels`, else the two ops one after the other, each on its own
-    kernels where it can."""
+def forward(x, gate, y, row_index, norm_weight, shift, scale, eps: float, table_dtype, kernels: bool,
+            row_table=None):
+    """(x_out, out, rstd): one kernel where `kernels` (reading shift | scale from a block's row table where given),
+    else the two ops one after the other, each on its own kernels where it can."""
     if kernels:
-        return tensors.gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, eps)
+        return tensors.gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, eps, row_table)
     x_out = gr.forward(x, gate, y, row_index, table_dtype, gr.kernels_take(x, gate, y, row_index, table_dtype))
     out, rstd = mrn.forward(x_out, norm_weight, shift, scale, row_index, eps, table_dtype,
                             mrn.kernels_take(x_out, norm_weight, shift, scale, row_index, table_dtype))
@@ -182,14 +183,16 @@ gated_residual_norm_fwd.register_autograd(_backward, setup_context=_setup_contex
 
 class GatedResidualNorm(torch.autograd.Function):
     """The lean eager path: forward(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, row_order,
-    kernels, table=None, table_grad=None) -> (x_out, out); backward(d_x_out, d_out) -> dx, d_gate, d_y,
-    d_norm_weight, d_shift, d_scale. A block passes its table and TableGradient with gate, shift and scale
-    detached: their gradients go into the table gradient (`ops.table_gradient`)."""
+    kernels, table=None, table_grad=None, row_table=None) -> (x_out, out); backward(d_x_out, d_out) -> dx, d_gate,
+    d_y, d_norm_weight, d_shift, d_scale. A block passes its table and TableGradient with gate, shift and scale
+    detached: their gradients go into the table gradient (`ops.table_gradient`); and its row table, which the
+    kernels read instead of casting shift and scale."""
 
     @staticmethod
     def forward(ctx, x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, row_order, kernels,
-                table=None, table_grad=None):
-        x_out, out, rstd = forward(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, kernels)
+                table=None, table_grad=None, row_table=None):
+        x_out, out, rstd = forward(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, kernels,
+                                   row_table)
         ctx.x_dtype, ctx.table_dtype, ctx.kernels, ctx.table_grad = x.dtype, table_dtype, kernels, table_grad
         ctx.save_for_backward(x_out, gate, y, row_index, norm_weight, shift, scale, rstd, row_order)
         return x_out, out
@@ -206,19 +209,19 @@ class GatedResidualNorm(torch.autograd.Function):
         dx, d_gate, d_y, d_norm_weight, d_shift, d_scale = backward(
             d_x_out.contiguous(), d_out.contiguous(), x_out, gate, y, row_index, norm_weight, shift, scale, rstd,
             ctx.table_dtype, ctx.x_dtype, row_order, ctx.kernels, into)
-        return dx, d_gate, d_y, None, d_norm_weight, d_shift, d_scale, None, None, None, None, None, None
+        return dx, d_gate, d_y, None, d_norm_weight, d_shift, d_scale, None, None, None, None, None, None, None
 
 
 def gated_residual_norm_op(x, gate, y, row_index, norm_weight, shift, scale, eps: float, table_dtype, row_order,
-                           kernels: bool, table=None, table_grad=None):
+                           kernels: bool, table=None, table_grad=None, row_table=None):
     """Checked inputs: (x_out, out) by the custom op under torch.compile, else the eager node (kernels decided; a
-    block's table and TableGradient passed on)."""
+    block's table, TableGradient and row table passed on)."""
     if torch.compiler.is_compiling():
         x_out, out, _ = gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype,
                                                 row_order)
         return x_out, out
     return GatedResidualNorm.apply(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, row_order,
-                                   kernels, table, table_grad)
+                                   kernels, table, table_grad, row_table)
 
 
 def gated_residual_norm(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, norm_weight: torch.Tensor,

@@ -53,10 +53,11 @@ def kernels_take(x, norm_weight, shift, scale, row_index, table_dtype, **more) -
             and support.rows(x, shift.shape[0], norm_weight=norm_weight, **more) is None)
 
 
-def forward(x, norm_weight, shift, scale, row_index, eps: float, table_dtype, kernels: bool):
-    """(out (..., S, H), rstd (rows,)): the row kernels where `kernels`, else diffusers' replay."""
+def forward(x, norm_weight, shift, scale, row_index, eps: float, table_dtype, kernels: bool, row_table=None):
+    """(out (..., S, H), rstd (rows,)): the row kernels where `kernels` (reading shift | scale from a block's row
+    table where given, `cuda.tensors.modulated_rms_norm_fwd`), else diffusers' replay."""
     if kernels:
-        return tensors.modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, eps)
+        return tensors.modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, eps, row_table)
     out = replay_modulated_rms_norm(x, norm_weight, shift.to(table_dtype), scale.to(table_dtype), row_index, eps)
     return out.contiguous(), rstd_of(x, eps)
 
@@ -177,17 +178,18 @@ class ModulatedRMSNormAndResidual(torch.autograd.Function):
     pass (`backward(..., d_residual)`) instead of autograd adding it in a kernel of its own.
 
     forward(x, norm_weight, shift, scale, row_index, eps, table_dtype, row_order, kernels, table=None,
-    table_grad=None); under torch.compile it runs the custom ops (kernels is then decided inside them). A block's
-    norm1 passes its table and TableGradient with shift and scale detached: the backward writes d_shift | d_scale
-    into the table gradient and returns it, whole, as the table's gradient (`ops.table_gradient`)."""
+    table_grad=None, row_table=None); under torch.compile it runs the custom ops (kernels is then decided inside
+    them). A block's norm1 passes its table and TableGradient with shift and scale detached: the backward writes
+    d_shift | d_scale into the table gradient and returns it, whole, as the table's gradient (`ops.table_gradient`);
+    and its row table, which the kernels read instead of casting shift and scale."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, shift, scale, row_index, eps, table_dtype, row_order, kernels, table=None,
-                table_grad=None):
+                table_grad=None, row_table=None):
         if torch.compiler.is_compiling():
             out, rstd = modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, eps, table_dtype)
         else:
-            out, rstd = forward(x, norm_weight, shift, scale, row_index, eps, table_dtype, kernels)
+            out, rstd = forward(x, norm_weight, shift, scale, row_index, eps, table_dtype, kernels, row_table)
         ctx.kernels, ctx.table_grad = kernels, table_grad
         ctx.save_for_backward(x, norm_weight, shift, scale, row_index, rstd, row_order)
         return out, x
@@ -204,7 +206,7 @@ class ModulatedRMSNormAndResidual(torch.autograd.Function):
             grads = backward(d_out.contiguous(), x, norm_weight, shift, scale, row_index, rstd, d_residual,
                              row_order, ctx.kernels, into)
         d_table = None if ctx.table_grad is None else ctx.table_grad.take()
-        return (*grads, None, None, None, None, None, d_table, None)
+        return (*grads, None, None, None, None, None, d_table, None, None)
 
 
 def modulated_rms_norm(x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,

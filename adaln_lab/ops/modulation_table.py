@@ -45,10 +45,12 @@ def kernels_take(temb, weight, bias) -> bool:
     return temb.is_cuda and support.table(support.kernel_temb(temb, weight), weight, bias) is None
 
 
-def forward(temb, weight, bias, table_backend: str, kernels: bool) -> torch.Tensor:
-    """table (T, N) (module docstring): table.cu where `kernels`, else diffusers' table upcast."""
+def forward(temb, weight, bias, table_backend: str, kernels: bool, row_tables: bool = False):
+    """table (T, N) (module docstring): table.cu where `kernels`, else diffusers' table upcast. row_tables (an H3
+    block's table on the kernels): (table, its two bf16 row tables (2, 3T, 2H), `cuda.tensors.modulation_table_fwd`),
+    which the block's norms read in place of casting their chunks."""
     if kernels and table_backend != "torch":
-        return tensors.modulation_table_fwd(support.kernel_temb(temb, weight), weight, bias)
+        return tensors.modulation_table_fwd(support.kernel_temb(temb, weight), weight, bias, row_tables)
     return replay_table(temb, weight, bias).to(table_dtype_of(weight)).contiguous()
 
 
@@ -110,27 +112,32 @@ modulation_table_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 class ModulationTable(torch.autograd.Function):
-    """The lean eager path: forward(temb, weight, bias, table_backend, kernels) -> table (T, N); backward(d_table)
-    -> d_temb, d_weight, d_bias, the same implementations as the custom ops, without the dispatcher."""
+    """The lean eager path: forward(temb, weight, bias, table_backend, kernels, row_tables=False) -> table (T, N)
+    (with row_tables: (table, the block's bf16 row tables), the latter not differentiable); backward(d_table) ->
+    d_temb, d_weight, d_bias, the same implementations as the custom ops, without the dispatcher."""
 
     @staticmethod
-    def forward(ctx, temb, weight, bias, table_backend, kernels):
+    def forward(ctx, temb, weight, bias, table_backend, kernels, row_tables=False):
         ctx.kernels = kernels
         ctx.save_for_backward(temb, weight, bias)
-        return forward(temb, weight, bias, table_backend, kernels)
+        result = forward(temb, weight, bias, table_backend, kernels, row_tables)
+        if row_tables:
+            ctx.mark_non_differentiable(result[1])
+        return result
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, d_table):
+    def backward(ctx, d_table, d_row_tables=None):
         temb, weight, bias = ctx.saved_tensors
-        return (*backward(d_table.contiguous(), temb, weight, bias, ctx.kernels), None, None)
+        return (*backward(d_table.contiguous(), temb, weight, bias, ctx.kernels), None, None, None)
 
 
-def table_op(temb, weight, bias, table_backend: str, kernels: bool) -> torch.Tensor:
-    """The table, checked inputs: the custom op under torch.compile, else the eager node (kernels decided)."""
+def table_op(temb, weight, bias, table_backend: str, kernels: bool, row_tables: bool = False):
+    """The table, checked inputs: the custom op under torch.compile, else the eager node (kernels decided); with
+    row_tables (eager, kernels, an H3 block's table): (table, its row tables)."""
     if torch.compiler.is_compiling():
         return modulation_table_fwd(temb, weight, bias, table_backend)
-    return ModulationTable.apply(temb, weight, bias, table_backend, kernels)
+    return ModulationTable.apply(temb, weight, bias, table_backend, kernels, row_tables)
 
 
 def modulation_table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *,

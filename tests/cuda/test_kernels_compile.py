@@ -14,7 +14,8 @@ from ..paths import ROOT
 
 core = pytest.importorskip("cuda.core", reason="the test extra brings cuda-core and the NVRTC wheel")
 
-SHAPES = [(5376, 2688, 3), (264, 64, 1), (1024, 256, 8), (5376, 2688, 8)]
+SHAPES = [(5376, 2688, 3), (264, 64, 1), (1024, 256, 8), (5376, 2688, 8),
+          (8, 256, 3, 18 * 1024, True, True)]  # the last: a block's table plan writing the row tables
 
 
 def compile_unit(text: str, arch: str):
