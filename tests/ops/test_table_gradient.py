@@ -157,9 +157,10 @@ class _Recorder:
     after_previous = __call__
 
 
-def test_the_kernels_reduces_write_into_the_chunks_columns(monkeypatch):
-    """The CUDA glue on CPU tensors with a recorder for each kernel: the three row ops' reduces get the table
-    gradient's columns of their chunks with the row stride 6H, and table_bwd reads that buffer."""
+def test_the_kernels_read_the_row_tables_and_write_the_chunks_columns(monkeypatch):
+    """The CUDA glue on CPU tensors with a recorder for each kernel: the forward's norms read the row tables the
+    table kernel writes; the three row ops' reduces get the table gradient's columns of their chunks with the row
+    stride 6H, and table_bwd reads that buffer."""
     calls = []
     monkeypatch.setattr(launchers, "kernels", lambda device, plan: {n: _Recorder(n, calls) for n in launchers.SIGNATURES})
     monkeypatch.setattr(launchers, "bind", lambda device: None)
@@ -179,10 +180,16 @@ def test_the_kernels_reduces_write_into_the_chunks_columns(monkeypatch):
         n1, n2 = (torch.ones(H_).bfloat16().requires_grad_(True) for _ in range(2))
         row_index = torch.randint(0, 3 * T, (S,), generator=g)
         out = block_adaln_path(x, temb, weight, bias, n1, n2, row_index, lambda h: h, lambda h: h, backend="cupy")
+        forward = list(calls)
         calls.clear()
         out.backward(torch.ones_like(out))
     finally:
         tensors.context.cache_clear()
+    # the forward: the table kernel's bf16 output is the two row tables, which norm1 and norm2 read
+    launched = dict(forward)
+    rows_bf16 = launched["table_bf16"][3]
+    norm1 = next(args for name, args in forward if name.startswith("norm_modulate"))
+    assert norm1[2] == rows_bf16 and launched["gated_residual_norm_bf16"][5] == rows_bf16 + 3 * T * 2 * H_ * 2
     f32 = 4
     d_table = next(args[0] for name, args in calls if name.startswith("table_bwd") and name != "table_bwd_reduce")
     writes = [(name, args) for name, args in calls
