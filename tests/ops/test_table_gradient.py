@@ -202,3 +202,19 @@ def test_the_kernels_read_the_row_tables_and_write_the_chunks_columns(monkeypatc
         else:  # d_gate 2nd, d_stride last
             found[(args[1] - d_table) // (f32 * H_)] = args[-1]
     assert found == {chunk: 6 * H_ for chunk in range(len(CHUNKS))}  # all six chunks, each with the row stride 6H
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_gives_the_same_bits(reentrant):
+    """Under torch.utils.checkpoint (diffusers' gradient checkpointing) the block recomputes its forward in the
+    backward (reentrant: a nested backward pass of its own): every gradient is the plain run's."""
+    from torch.utils.checkpoint import checkpoint
+
+    def checkpointed(*args):
+        return checkpoint(block_adaln_path, *args, use_reentrant=reentrant)
+
+    plain = _run(block_adaln_path, [_full], "cpu")
+    again = _run(checkpointed, [_full], "cpu")
+    _assert_same(plain[0], again[0])
+    for a, b in zip(plain[2], again[2]):
+        _assert_same(a, b)
