@@ -44,6 +44,13 @@ from . import launchers
 from .plan import plan as make_plan
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_get_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def current_device() -> int:
+    """torch's current CUDA device index (torch.cuda.current_device without its lazy-init check: the callers hold
+    CUDA tensors, so CUDA is initialised)."""
+    return _get_device() if _get_device is not None else torch.cuda.current_device()
 
 
 def current_stream(device_index: int) -> int:
@@ -181,7 +188,7 @@ def keeps_device(fn):
 
     @functools.wraps(fn)
     def on_its_device(first, *args, **kwargs):
-        if first.device.index == torch.cuda.current_device():
+        if first.get_device() == current_device():
             return fn(first, *args, **kwargs)
         with torch.cuda.device(first.device):
             return fn(first, *args, **kwargs)

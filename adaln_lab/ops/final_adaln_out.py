@@ -143,7 +143,7 @@ def _cuda(x, norm_weight, temb, weight, bias, timestep_indices, eps, table_backe
             timestep_indices.contiguous(), float(eps), table_backend)
     if torch.compiler.is_compiling():
         return final_adaln_out_op(*args)
-    if x.device.index == torch.cuda.current_device():
+    if x.get_device() == tensors.current_device():
         return FinalAdaLNOut.apply(*args)
     with torch.cuda.device(x.device):  # kernels and allocations must see x's device as current
         return FinalAdaLNOut.apply(*args)

@@ -165,7 +165,7 @@ def test_the_kernels_read_the_row_tables_and_write_the_chunks_columns(monkeypatc
     monkeypatch.setattr(launchers, "kernels", lambda device, plan: {n: _Recorder(n, calls) for n in launchers.SIGNATURES})
     monkeypatch.setattr(launchers, "bind", lambda device: None)
     monkeypatch.setattr(tensors, "current_stream", lambda device: 0)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    monkeypatch.setattr(tensors, "current_device", lambda: -1)  # a CPU tensor's get_device()
     from adaln_lab.ops import support
 
     monkeypatch.setattr(support, "_not_cuda", lambda name, t: None)
