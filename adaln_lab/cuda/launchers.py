@@ -175,7 +175,8 @@ def kernels(device_index: int, plan: Plan) -> dict:
 
 def launch_table(k: dict, plan: Plan, stream: int, temb: int, weight: int, bias: int, table: int,
                  table_f32: int) -> None:
-    """table (T, N) bf16 and table_f32 (T, N) fp32 = linear(bf16(silu(temb)), weight, bias), N = plan.columns."""
+    """table (T, N) bf16 (a block's two row tables (2, 3T, 2H) where plan.table_row_tables) and table_f32 (T, N)
+    fp32 = linear(bf16(silu(temb)), weight, bias), N = plan.columns."""
     k["table_bf16"]((plan.table_grid, 1, 1), (plan.table_threads, 1, 1), 0, stream,
                     temb, weight, bias, table, table_f32)
 

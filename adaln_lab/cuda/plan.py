@@ -295,6 +295,11 @@ def _rows(plan: Plan, rows: int) -> Rows:
                 fwd_offsets, fwd_bytes, bwd_offsets, bwd_bytes)
 
 
+def row_tables_fit(table_n: int) -> bool:
+    """Whether a table of table_n columns is an H3 block's, 18H with H divisible by 8 (table.cu's row tables)."""
+    return table_n > 0 and table_n % 144 == 0
+
+
 @lru_cache(maxsize=None)
 def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = False,
          table_row_tables: bool = False) -> Plan:
@@ -310,7 +315,7 @@ def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = Fal
     check_shapes(H, D, T)
     if table_n and (table_n % 8 or table_n < 8):
         raise ValueError(f"the CUDA kernels need the table's columns (weight.shape[0]) divisible by 8, got {table_n}")
-    if table_row_tables and (table_n % 144 or not table_f32_rounded):
+    if table_row_tables and not (table_f32_rounded and row_tables_fit(table_n)):
         raise ValueError(f"row tables need a block's table (columns 18H with H divisible by 8, table_f32_rounded), "
                          f"got {table_n} columns")
     N = table_n or 2 * H

@@ -10,26 +10,31 @@ table[timestep_indices[s]], table = linear(bf16(silu(temb)), weight, bias) (T, 2
   d_temb (T, D) fp32, d_weight (2H, D) bf16, d_bias (2H,) bf16, every reduction in a fixed order.
 
 The H3 blocks' ops (the row kernels with the R = 3T table rows as their "timesteps"):
-- `modulation_table_fwd(temb (T, D) fp32, weight (N, D) bf16, bias (N,) bf16) -> table (T, N) fp32` holding
-  bf16 values (table.cu with N columns: the fixed-order GEMV, each row T-invariant);
-  `modulation_table_bwd(d_table, temb, weight) -> d_temb (T, D) fp32, d_weight (N, D) bf16, d_bias (N,) bf16`.
-- `modulated_rms_norm_fwd(x, norm_weight, shift (R, H), scale (R, H), row_index (S,), eps) -> out, rstd` and
-  `modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None, order=None) ->
-  dx, d_norm_weight (H,) bf16, d_shift (R, H) fp32, d_scale (R, H) fp32` (with d_residual, x's shape: dx =
-  bf16(bf16(the norm's dx) + d_residual), in the row pass where three rows fit its stages, else torch's add).
-  The backward passes walk the rows in table-row order (`row_order(row_index, plan) -> (R + 1 + S,) int32`,
-  row_order.cu), so a row range sums the few table rows its positions span instead of R. shift | scale is
+- `modulation_table_fwd(temb (T, D) fp32, weight (N, D) bf16, bias (N,) bf16, row_tables=False) -> table (T, N)
+  fp32` holding bf16 values (table.cu with N columns: the fixed-order GEMV, each row T-invariant); with
+  row_tables (a block's table, N = 18H), (table, the norms' bf16 row tables (2, 3T, 2H)) (`plan`'s
+  table_row_tables); `modulation_table_bwd(d_table, temb, weight) -> d_temb (T, D) fp32, d_weight (N, D) bf16,
+  d_bias (N,) bf16`.
+- `modulated_rms_norm_fwd(x, norm_weight, shift (R, H), scale (R, H), row_index (S,), eps, row_table=None) -> out,
+  rstd` and `modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None, order=None,
+  into=None) -> dx, d_norm_weight (H,) bf16, d_shift (R, H) fp32, d_scale (R, H) fp32` (with d_residual, x's
+  shape: dx = bf16(bf16(the norm's dx) + d_residual), in the row pass where three rows fit its stages, else
+  torch's add). The backward passes walk the rows in table-row order (`row_order(row_index, plan) -> (R + 1 + S,)
+  int32`, row_order.cu), so a row range sums the few table rows its positions span instead of R. shift | scale is
   one table (`_shift_scale`): the blocks' chunks, where scale follows shift in each row of the (3T, 6H) view,
   are read where they lie (row stride 6H); other shift and scale are gathered into an (R, 2H) array. The
-  forward reads a contiguous bf16 copy (one small cast: bench/NOTES.md v6).
+  forward reads a contiguous bf16 shift | scale: a block's row table (row_table) or a cast of the chunks (one
+  small cast: bench/NOTES.md v6). into: where the backward writes d_shift | d_scale instead (a block's table
+  gradient, `ops.table_gradient`), as (address, row stride in floats).
 - `gated_residual_fwd(x, gate (R, H) fp32, y, row_index) -> out`, `gated_residual_bwd(dout, gate, y,
-  row_index, order=None) -> d_gate (R, H) fp32, d_y`; gate may be a column slice of the table.
-- `gated_residual_norm_fwd(...) -> x_out, out, rstd` (one kernel) and `gated_residual_norm_bwd(...) -> dx,
-  d_gate, d_y, d_norm_weight, d_shift, d_scale`: the two ops composed, the residual gradient summed in the
-  norm's row pass: the bits of the ops one after the other with autograd's bf16 add between.
+  row_index, order=None, into=None) -> d_gate (R, H) fp32, d_y`; gate may be a column slice of the table.
+- `gated_residual_norm_fwd(..., row_table=None) -> x_out, out, rstd` (one kernel) and
+  `gated_residual_norm_bwd(..., into=None) -> dx, d_gate, d_y, d_norm_weight, d_shift, d_scale`: the two ops
+  composed, the residual gradient summed in the norm's row pass: the bits of the ops one after the other with
+  autograd's bf16 add between.
 
-Plans: the table's is `plan(8, D, T, table_n=N, table_f32_rounded=True)` (its row kernels unused), the rows'
-`plan(H, 8, R)` (its table kernels unused); see `adaln_lab.cuda.plan`.
+Plans: the table's is `plan(8, D, T, table_n=N, table_f32_rounded=True, table_row_tables=row_tables_fit(N))` (its
+row kernels unused), the rows' `plan(H, 8, R)` (its table kernels unused); see `adaln_lab.cuda.plan`.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from . import launchers
-from .plan import plan as make_plan
+from .plan import plan as make_plan, row_tables_fit
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _get_device = getattr(torch._C, "_cuda_getDevice", None)
@@ -205,7 +210,7 @@ def _table_setup(temb: torch.Tensor, N: int):
     """(plan, kernels, stream) of the table kernels for temb (T, D) and N columns (a block's, N = 18H with H
     divisible by 8: its bf16 output is the two row tables)."""
     index = temb.device.index
-    plan, _, k = context(index, 8, temb.shape[1], temb.shape[0], 0, N, True, N % 144 == 0)
+    plan, _, k = context(index, 8, temb.shape[1], temb.shape[0], 0, N, True, row_tables_fit(N))
     launchers.bind(index)
     return plan, k, current_stream(index)
 
@@ -218,10 +223,10 @@ def modulation_table_fwd(temb: torch.Tensor, weight: torch.Tensor, bias: torch.T
     N = weight.shape[0]
     plan, k, stream = _table_setup(temb, N)
     if row_tables and not plan.table_row_tables:
-        raise ValueError(f"row tables need a block's table of 18H columns, H divisible by 8; got {N} columns")
+        raise ValueError(f"row tables need a block's table of 18H columns, H divisible by 8, got {N} columns")
     temb, weight, bias = temb.contiguous(), aligned(weight), aligned(bias)
     table = torch.empty(T, N, dtype=torch.float32, device=temb.device)
-    shape = (2, 3 * T, N // 9) if plan.table_row_tables else (T, N)  # the bf16 output: row tables or the table
+    shape = (2, 3 * T, 2 * (N // 18)) if plan.table_row_tables else (T, N)  # the bf16 output: row tables or table
     table_bf16 = torch.empty(shape, dtype=torch.bfloat16, device=temb.device)
     launchers.launch_table(k, plan, stream, temb.data_ptr(), weight.data_ptr(), bias.data_ptr(),
                            table_bf16.data_ptr(), table.data_ptr())
@@ -273,8 +278,11 @@ def _shift_scale_bf16(shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def _row_table(shift: torch.Tensor, row_table) -> int:
     """Address of row table `row_table[1]` of modulation_table_fwd's row tables `row_table[0]` (2, R, 2H) bf16: the
     contiguous shift | scale the forward kernels read, the values of the fp32 chunks shift and scale."""
+    tables, which = row_table
     R, H = shift.shape
-    return row_table[0].data_ptr() + row_table[1] * R * 2 * H * 2
+    if tables.shape != (2, R, 2 * H) or tables.dtype != torch.bfloat16:
+        raise ValueError(f"row tables of shape (2, {R}, {2 * H}) bf16 needed, got {tuple(tables.shape)} {tables.dtype}")
+    return tables.data_ptr() + which * R * 2 * H * 2
 
 
 @keeps_device

@@ -10,8 +10,10 @@ gradients are summed inside its backward. The inputs are checked once for the wh
 rule (`support.table`, `support.rows`) asked once; the CUDA backward's row order is sorted once (`row_order`)
 for the three row ops. Eager calls go to the ops' autograd nodes straight onto the kernels, the table's chunks
 handed over detached and their gradients written by the ops into one table gradient (`ops.table_gradient`: no
-split node, no cat); under torch.compile to their custom ops, through autograd's chunk views. Numerics: the ops' (CPU: diffusers bit for bit; CUDA kernels: parameter gradients in a fixed
-order); backend "torch" runs diffusers' own ops and autograd (`reference.block.replay_block_adaln`).
+split node, no cat), the norms reading the table kernel's bf16 row tables; under torch.compile to their custom
+ops, through autograd's chunk views. Numerics: the ops' (CPU: diffusers bit for bit; CUDA kernels: parameter
+gradients in a fixed order); backend "torch" runs diffusers' own ops and autograd
+(`reference.block.replay_block_adaln`).
 """
 
 from __future__ import annotations

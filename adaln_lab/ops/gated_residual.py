@@ -135,9 +135,14 @@ class GatedResidual(torch.autograd.Function):
     def backward(ctx, dout):
         gate, y, row_index, row_order = ctx.saved_tensors
         dout = dout.contiguous()
-        into = None if ctx.table_grad is None else (ctx.table_grad, GATE_MLP)
-        d_gate, d_y = backward(dout, gate, y, row_index, ctx.table_dtype, row_order, ctx.kernels, into)
-        return tensors.as_dtype(dout, ctx.x_dtype), d_gate, d_y, None, None, None, None, None, None
+        table_grad, d_table = ctx.table_grad, None
+        # compiled autograd traces this backward: no writes into the table gradient, a tensor of its own instead
+        in_place = table_grad is not None and not torch.compiler.is_compiling()
+        d_gate, d_y = backward(dout, gate, y, row_index, ctx.table_dtype, row_order, ctx.kernels,
+                               (table_grad, GATE_MLP) if in_place else None)
+        if table_grad is not None and not in_place:
+            d_table, d_gate = table_grad.as_table(GATE_MLP, d_gate), None
+        return tensors.as_dtype(dout, ctx.x_dtype), d_gate, d_y, None, None, None, None, d_table, None
 
 
 def gated_residual_op(x, gate, y, row_index, table_dtype, row_order, kernels: bool, table=None,

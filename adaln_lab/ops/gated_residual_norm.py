@@ -205,11 +205,16 @@ class GatedResidualNorm(torch.autograd.Function):
             d_out = torch.zeros_like(x_out)
         if d_x_out is None:
             d_x_out = torch.zeros_like(x_out)
-        into = None if ctx.table_grad is None else (ctx.table_grad, GATE_MSA)
+        table_grad, d_table = ctx.table_grad, None
+        # compiled autograd traces this backward: no writes into the table gradient, a tensor of its own instead
+        in_place = table_grad is not None and not torch.compiler.is_compiling()
         dx, d_gate, d_y, d_norm_weight, d_shift, d_scale = backward(
             d_x_out.contiguous(), d_out.contiguous(), x_out, gate, y, row_index, norm_weight, shift, scale, rstd,
-            ctx.table_dtype, ctx.x_dtype, row_order, ctx.kernels, into)
-        return dx, d_gate, d_y, None, d_norm_weight, d_shift, d_scale, None, None, None, None, None, None, None
+            ctx.table_dtype, ctx.x_dtype, row_order, ctx.kernels, (table_grad, GATE_MSA) if in_place else None)
+        if table_grad is not None and not in_place:
+            d_table = table_grad.as_table(GATE_MSA, d_gate, d_shift, d_scale)
+            d_gate = d_shift = d_scale = None
+        return dx, d_gate, d_y, None, d_norm_weight, d_shift, d_scale, None, None, None, None, d_table, None, None
 
 
 def gated_residual_norm_op(x, gate, y, row_index, norm_weight, shift, scale, eps: float, table_dtype, row_order,

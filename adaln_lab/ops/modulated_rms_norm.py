@@ -198,14 +198,17 @@ class ModulatedRMSNormAndResidual(torch.autograd.Function):
     def backward(ctx, d_out, d_x):
         x, norm_weight, shift, scale, row_index, rstd, row_order = ctx.saved_tensors
         d_residual = tensors.as_dtype(d_x, x.dtype).contiguous()
-        if torch.compiler.is_compiling():
+        table_grad, d_table = ctx.table_grad, None
+        if torch.compiler.is_compiling():  # compiled autograd: the custom op, the table's gradient as a tensor
             grads = modulated_rms_norm_bwd(d_out.contiguous(), x, norm_weight, shift, scale, row_index, rstd,
                                            d_residual, row_order)
+            if table_grad is not None:
+                d_table, grads = table_grad.as_table(SHIFT_MSA, *grads[2:]), (*grads[:2], None, None)
         else:
-            into = None if ctx.table_grad is None else (ctx.table_grad, SHIFT_MSA)
+            into = None if table_grad is None else (table_grad, SHIFT_MSA)
             grads = backward(d_out.contiguous(), x, norm_weight, shift, scale, row_index, rstd, d_residual,
                              row_order, ctx.kernels, into)
-        d_table = None if ctx.table_grad is None else ctx.table_grad.take()
+            d_table = None if table_grad is None else table_grad.take()
         return (*grads, None, None, None, None, None, d_table, None, None)
 
 

@@ -25,7 +25,9 @@ Layers (as `adaln_lab.ops.final_adaln_out`):
 - `ModulationTable`: the lean eager path, one autograd.Function straight onto the same implementations.
   `table_backend="torch"` keeps F.linear (cuBLAS: diffusers' own bits on the same GPU) for the forward.
 
-Gradients: d_temb (T, D) in temb's dtype, d_weight (N, D) and d_bias (N,) in the parameters' dtypes.
+Gradients: d_temb (T, D) in temb's dtype, d_weight (N, D) and d_bias (N,) in the parameters' dtypes. (In a block's
+eager path the row ops write their chunks' gradients into one float32 table gradient instead:
+`adaln_lab.ops.table_gradient`.)
 """
 
 from __future__ import annotations
@@ -123,11 +125,14 @@ class ModulationTable(torch.autograd.Function):
         result = forward(temb, weight, bias, table_backend, kernels, row_tables)
         if row_tables:
             ctx.mark_non_differentiable(result[1])
+            ctx.set_materialize_grads(False)  # no zeros made for the row tables' gradient on every backward
         return result
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_table, d_row_tables=None):
+        if d_table is None:  # (row tables only) the table got no gradient: nothing reaches the parameters
+            return None, None, None, None, None, None
         temb, weight, bias = ctx.saved_tensors
         return (*backward(d_table.contiguous(), temb, weight, bias, ctx.kernels), None, None, None)
 

@@ -11,9 +11,13 @@ None: one allocation for the six, no cat, no split node.
 Why norm1's op: in any backward pass it runs after the two others that run in that pass (both lie downstream of
 it in the forward, fed by the x it hands on), and it runs whenever the table's gradient is wanted (the table is
 its input). Columns no op wrote in the pass (a loss on norm1's output alone) are zeros, as autograd's cat gives
-for a chunk without gradient. One buffer per backward pass: a new pass (`torch.autograd.backward` or
-`torch.autograd.grad`, retain_graph included) starts a fresh one, so a pass that stopped short of norm1 leaves
-nothing behind for the next.
+for a chunk without gradient. One buffer per backward pass, keyed by the pass (`torch.autograd.backward` or
+`torch.autograd.grad`, retain_graph included, each thread's passes apart): norm1's op takes it, so a pass never
+sees another's columns; the buffer of a pass that stopped short of norm1 (only the attention's parameters wanted)
+stays with the graph until it is freed.
+
+Under compiled autograd the backward is traced, and side effects do not belong there: each op then returns its
+chunks' gradients as a table-shaped gradient of its own (`as_table`: zeros elsewhere), which autograd adds.
 """
 
 from __future__ import annotations
@@ -33,36 +37,36 @@ GATE_MLP = CHUNKS.index("gate_mlp")  # gated_residual's
 class TableGradient:
     """The (T, 18H) gradient of one block's `table`, filled by chunk columns (module docstring).
 
-    `columns(first, count)` -> the (3T, count * H) view of the buffer over chunks first .. first + count - 1;
+    `columns(first, count)` -> the (3T, count * H) view of this pass's buffer over chunks first .. first + count - 1;
     `pointer(first, count)` -> (address of that view, its row stride in elements) for the kernels, without making
     the view; `write(first, *grads)` copies (3T, H) gradients there. Each marks those chunks written in this
-    backward pass (one buffer per pass, made at its first call). `take()` -> the buffer, zeros in the chunks no op
-    of this pass wrote, and forgets it.
+    backward pass (its buffer made at its first call). `take()` -> this pass's buffer, zeros in the chunks no op
+    of the pass wrote, and forgets it. `as_table(first, *grads)` -> the table-shaped gradient of those chunks alone
+    (zeros elsewhere), no buffer touched: compiled autograd's way.
     """
 
     def __init__(self, table: torch.Tensor, hidden_size: int):
         self.shape, self.dtype, self.device = table.shape, table.dtype, table.device
         self.H = hidden_size
         self.row_stride = len(CHUNKS) * hidden_size  # of the (3T, 6H) view
-        self._buffer: torch.Tensor | None = None
-        self._written: set[int] = set()
-        self._task = None
+        self._passes: dict[int, tuple[torch.Tensor, set[int]]] = {}  # backward pass -> (buffer, chunks written)
 
     def _claim(self, first: int, count: int) -> torch.Tensor:
         task = _task_id()
-        if self._buffer is None or task != self._task:
-            self._buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            self._written, self._task = set(), task
-        self._written.update(range(first, first + count))
-        return self._buffer
+        entry = self._passes.get(task)
+        if entry is None:
+            entry = self._passes[task] = (torch.empty(self.shape, dtype=self.dtype, device=self.device), set())
+        entry[1].update(range(first, first + count))
+        return entry[0]
 
     def columns(self, first: int, count: int) -> torch.Tensor:
         rows = self._claim(first, count).view(-1, self.row_stride)
         return rows[:, first * self.H:(first + count) * self.H]
 
     def pointer(self, first: int, count: int) -> tuple[int, int]:
-        buffer = self._claim(first, count)
-        return buffer.data_ptr() + first * self.H * buffer.element_size(), self.row_stride
+        if self.dtype != torch.float32:
+            raise TypeError(f"the kernels write a float32 table gradient, the table is {self.dtype}")
+        return self._claim(first, count).data_ptr() + first * self.H * 4, self.row_stride
 
     def write(self, first: int, *grads: torch.Tensor) -> None:
         """Copy the (3T, H) gradients of chunks first, first + 1, ... into their columns (the torch code's way)."""
@@ -71,10 +75,18 @@ class TableGradient:
             columns[:, i * self.H:(i + 1) * self.H].copy_(grad)
 
     def take(self) -> torch.Tensor:
-        if self._buffer is None or self._task != _task_id():  # norm1's op writes its columns first
+        entry = self._passes.pop(_task_id(), None)
+        if entry is None:  # norm1's op writes its columns first
             raise RuntimeError("TableGradient.take before any columns of this backward pass were written")
-        buffer, rows = self._buffer, self._buffer.view(-1, self.row_stride)
-        for chunk in set(range(len(CHUNKS))) - self._written:
+        buffer, written = entry
+        rows = buffer.view(-1, self.row_stride)
+        for chunk in set(range(len(CHUNKS))) - written:
             rows[:, chunk * self.H:(chunk + 1) * self.H].zero_()
-        self._buffer, self._written, self._task = None, set(), None
         return buffer
+
+    def as_table(self, first: int, *grads: torch.Tensor | None) -> torch.Tensor:
+        rows = self.shape[0] * self.shape[1] // self.row_stride  # 3T
+        zeros = (lambda chunks: torch.zeros(rows, chunks * self.H, dtype=self.dtype, device=self.device))
+        parts = ([zeros(first)] if first else []) + [zeros(1) if g is None else g.to(self.dtype) for g in grads]
+        rest = len(CHUNKS) - first - len(grads)
+        return torch.cat(parts + ([zeros(rest)] if rest else []), dim=1).view(self.shape)

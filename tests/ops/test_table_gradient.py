@@ -31,9 +31,11 @@ def _case(device, seed=0):
     return [t.to(device) for t in leaves], row_index.to(device), dy.to(device)
 
 
-def _chunked(x, temb, weight, bias, n1, n2, row_index, attn, ff, eps1, eps2):
+def _chunked(x, temb, weight, bias, n1, n2, row_index, attn, ff, eps1, eps2, adapt_table=None):
     """The block as its public ops with autograd's chunk views of the table (no TableGradient)."""
     table = modulation_table(temb, weight, bias)
+    if adapt_table is not None:
+        table = adapt_table(table)
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table_chunks(table, x.shape[-1])
     h, x = modulated_rms_norm_and_residual(x, n1, shift_msa, scale_msa, row_index, eps1, table_dtype=weight.dtype)
     x, h = gated_residual_norm(x, gate_msa, attn(h), n2, shift_mlp, scale_mlp, row_index, eps2,
@@ -135,10 +137,11 @@ def test_a_planted_stale_column_is_caught(monkeypatch):
     from adaln_lab.ops import table_gradient
 
     def take_keeping_the_buffer(self):
-        rows = self._buffer.view(-1, self.row_stride)
-        for chunk in set(range(len(CHUNKS))) - self._written:
+        buffer, written = self._passes[0]
+        rows = buffer.view(-1, self.row_stride)
+        for chunk in set(range(len(CHUNKS))) - written:
             rows[:, chunk * self.H:(chunk + 1) * self.H].zero_()
-        return self._buffer
+        return buffer
 
     monkeypatch.setattr(table_gradient, "_task_id", lambda: 0)
     monkeypatch.setattr(TableGradient, "take", take_keeping_the_buffer)
@@ -162,7 +165,8 @@ def test_the_kernels_read_the_row_tables_and_write_the_chunks_columns(monkeypatc
     table kernel writes; the three row ops' reduces get the table gradient's columns of their chunks with the row
     stride 6H, and table_bwd reads that buffer."""
     calls = []
-    monkeypatch.setattr(launchers, "kernels", lambda device, plan: {n: _Recorder(n, calls) for n in launchers.SIGNATURES})
+    monkeypatch.setattr(launchers, "kernels",
+                        lambda device, plan: {n: _Recorder(n, calls) for n in launchers.SIGNATURES})
     monkeypatch.setattr(launchers, "bind", lambda device: None)
     monkeypatch.setattr(tensors, "current_stream", lambda device: 0)
     monkeypatch.setattr(tensors, "current_device", lambda: -1)  # a CPU tensor's get_device()
@@ -218,3 +222,88 @@ def test_activation_checkpointing_gives_the_same_bits(reentrant):
     _assert_same(plain[0], again[0])
     for a, b in zip(plain[2], again[2]):
         _assert_same(a, b)
+
+
+def test_compiled_autograd_gives_the_same_bits():
+    """An eager forward whose backward compiled autograd traces: the ops then return their chunks' gradients as
+    table-shaped tensors (no writes into the table gradient while traced), and every gradient is the plain run's."""
+    compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
+
+    def traced(out, dy, seen, leaves):
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            out.backward(dy)
+
+    plain = _run(block_adaln_path, [_full], "cpu")
+    again = _run(block_adaln_path, [traced], "cpu")
+    for a, b in zip(plain[2], again[2]):
+        _assert_same(a, b)
+
+
+def test_lora_adapt_table_gets_its_gradient():
+    """A LoRA-style adapter on the table (the nn layer's `adapt_table`): its parameter's gradient and every other one
+    are the chunk views' bits."""
+    g = torch.Generator().manual_seed(5)
+    down = (torch.randn(D, 4, generator=g) * 0.1).requires_grad_(True)
+    up = (torch.randn(4, 18 * H, generator=g) * 0.1).requires_grad_(True)
+
+    def run(path, **adapt):
+        leaves, row_index, dy = _case("cpu")
+        leaves = [t.requires_grad_(True) for t in leaves[:6]]
+        x, temb, weight, bias, n1, n2 = leaves
+        for p in (down, up):
+            p.grad = None
+
+        def adapt_table(table):
+            return table + (temb @ down @ up)
+
+        out = path(x, temb, weight, bias, n1, n2, row_index, lambda h: h * 1.5, lambda h: h * 0.5, EPS1, EPS2,
+                   adapt_table=adapt_table)
+        out.backward(dy)
+        return [t.grad for t in leaves] + [down.grad.clone(), up.grad.clone()]
+
+    for a, b in zip(run(block_adaln_path), run(_chunked)):
+        _assert_same(a, b)
+
+
+def test_concurrent_passes_over_one_graph_keep_their_own_buffers():
+    """Two threads taking gradients of one graph at once (retain_graph): each pass has its own buffer, so every pass
+    gives the single-threaded bits."""
+    _concurrent_passes()
+
+
+def test_a_planted_shared_buffer_is_caught(monkeypatch):
+    """The checker itself: with every pass given the same key (one buffer shared by the two threads' passes) the
+    concurrent passes fail, by wrong bits or by a take that finds no buffer."""
+    from adaln_lab.ops import table_gradient
+
+    monkeypatch.setattr(table_gradient, "_task_id", lambda: 0)
+    with pytest.raises(AssertionError):
+        _concurrent_passes()
+
+
+def _concurrent_passes():
+    import threading
+
+    leaves, row_index, dy = _case("cpu")
+    leaves = [t.requires_grad_(True) for t in leaves]
+    x, temb, weight, bias, n1, n2, p = leaves
+    out = block_adaln_path(x, temb, weight, bias, n1, n2, row_index, lambda h: h * p, lambda h: h * 0.5, EPS1, EPS2)
+    expected = torch.autograd.grad(out, leaves[:6], dy, retain_graph=True)
+    found, errors = [], []
+
+    def passes():
+        try:
+            for _ in range(20):
+                found.append(torch.autograd.grad(out, leaves[:6], dy, retain_graph=True))
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=passes) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(found) == 40
+    for grads in found:
+        for a, b in zip(grads, expected):
+            _assert_same(a, b)
