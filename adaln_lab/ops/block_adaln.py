@@ -31,6 +31,7 @@ from . import modulation_table as mt
 from . import support
 from .autocast import autocast_params
 from .checks import BLOCK_BACKENDS, TABLE_BACKENDS, check_option, check_rows, check_table_inputs
+from .eager import apply
 from .row_order import row_order
 from .table_gradient import TableGradient
 
@@ -126,8 +127,8 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
     eps1, eps2 = float(eps1), float(eps2)
     norm1_kernels = rows_ok or (not compiling and mrn.kernels_take(x, norm1_weight, shift_msa, scale_msa, row_index,
                                                                    table_dtype))
-    h, x = mrn.ModulatedRMSNormAndResidual.apply(x, norm1_weight, shift_msa, scale_msa, row_index, eps1,
-                                                 table_dtype, order, norm1_kernels, *table_args, norm1_rows)
+    h, x = apply(mrn.ModulatedRMSNormAndResidual, x, norm1_weight, shift_msa, scale_msa, row_index, eps1, table_dtype,
+                 order, norm1_kernels, *table_args, norm1_rows)
     y = attn(h)
     _check_branch("attn", y, x)
     kernels = (rows_ok and _bf16_beside(y, x)) or (not rows_ok and not compiling and grn.kernels_take(

@@ -30,6 +30,7 @@ from ..reference.final_adaln_out import replay
 from . import support
 from .autocast import autocast_params
 from .checks import BACKENDS, NUMERICS, TABLE_BACKENDS, check_option, validate
+from .eager import apply
 
 
 class FinalAdaLNOut(torch.autograd.Function):
@@ -144,9 +145,9 @@ def _cuda(x, norm_weight, temb, weight, bias, timestep_indices, eps, table_backe
     if torch.compiler.is_compiling():
         return final_adaln_out_op(*args)
     if x.get_device() == tensors.current_device():
-        return FinalAdaLNOut.apply(*args)
+        return apply(FinalAdaLNOut, *args)
     with torch.cuda.device(x.device):  # kernels and allocations must see x's device as current
-        return FinalAdaLNOut.apply(*args)
+        return apply(FinalAdaLNOut, *args)
 
 
 def dense(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

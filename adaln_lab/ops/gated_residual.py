@@ -33,6 +33,7 @@ from ..reference.backward import gated_residual_backward
 from ..reference.block import replay_gated_residual
 from . import support
 from .checks import check_order, check_rows
+from .eager import apply
 from .table_gradient import GATE_MLP
 
 
@@ -151,7 +152,7 @@ def gated_residual_op(x, gate, y, row_index, table_dtype, row_order, kernels: bo
     TableGradient passed on)."""
     if torch.compiler.is_compiling():
         return gated_residual_fwd(x, gate, y, row_index, table_dtype, row_order)
-    return GatedResidual.apply(x, gate, y, row_index, table_dtype, row_order, kernels, table, table_grad)
+    return apply(GatedResidual, x, gate, y, row_index, table_dtype, row_order, kernels, table, table_grad)
 
 
 def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: torch.Tensor, *,

@@ -43,6 +43,7 @@ from . import gated_residual as gr
 from . import modulated_rms_norm as mrn
 from . import support
 from .checks import check_order, check_rows
+from .eager import apply
 from .table_gradient import GATE_MSA
 
 
@@ -225,8 +226,8 @@ def gated_residual_norm_op(x, gate, y, row_index, norm_weight, shift, scale, eps
         x_out, out, _ = gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype,
                                                 row_order)
         return x_out, out
-    return GatedResidualNorm.apply(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, row_order,
-                                   kernels, table, table_grad, row_table)
+    return apply(GatedResidualNorm, x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, row_order,
+                 kernels, table, table_grad, row_table)
 
 
 def gated_residual_norm(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, norm_weight: torch.Tensor,

@@ -42,6 +42,7 @@ from ..reference.backward import compute_dtype, modulated_rms_norm_backward, rst
 from ..reference.block import replay_modulated_rms_norm
 from . import support
 from .checks import check_order, check_rows
+from .eager import apply
 from .table_gradient import SHIFT_MSA
 
 
@@ -233,7 +234,7 @@ def modulated_rms_norm(x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.
     if torch.compiler.is_compiling():
         return modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, float(eps), table_dtype)[0]
     kernels = kernels_take(x, norm_weight, shift, scale, row_index, table_dtype)
-    return ModulatedRMSNorm.apply(x, norm_weight, shift, scale, row_index, float(eps), table_dtype, kernels)
+    return apply(ModulatedRMSNorm, x, norm_weight, shift, scale, row_index, float(eps), table_dtype, kernels)
 
 
 def modulated_rms_norm_and_residual(x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor,
@@ -255,5 +256,5 @@ def modulated_rms_norm_and_residual(x: torch.Tensor, norm_weight: torch.Tensor, 
     table_dtype = x.dtype if table_dtype is None else table_dtype
     kernels = not torch.compiler.is_compiling() and kernels_take(x, norm_weight, shift, scale, row_index,
                                                                   table_dtype)
-    return ModulatedRMSNormAndResidual.apply(x, norm_weight, shift, scale, row_index, float(eps), table_dtype,
-                                             row_order, kernels)
+    return apply(ModulatedRMSNormAndResidual, x, norm_weight, shift, scale, row_index, float(eps), table_dtype,
+                 row_order, kernels)

@@ -40,6 +40,7 @@ from ..reference.backward import modulation_table_backward
 from ..reference.block import replay_table, table_dtype_of
 from . import support
 from .checks import TABLE_BACKENDS, check_option, check_table_inputs
+from .eager import apply
 
 
 def kernels_take(temb, weight, bias) -> bool:
@@ -142,7 +143,7 @@ def table_op(temb, weight, bias, table_backend: str, kernels: bool, row_tables: 
     row_tables (eager, kernels, an H3 block's table): (table, its row tables)."""
     if torch.compiler.is_compiling():
         return modulation_table_fwd(temb, weight, bias, table_backend)
-    return ModulationTable.apply(temb, weight, bias, table_backend, kernels, row_tables)
+    return apply(ModulationTable, temb, weight, bias, table_backend, kernels, row_tables)
 
 
 def modulation_table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *,
