@@ -5,7 +5,8 @@ racecheck, initcheck, synccheck): every CUDA kernel of adaln_lab at small shapes
   real (5376, 2688, 3), at 0, 1, 7 and 300 rows (300 not at the real size), plus x (2, 7, H) (leading dims);
 - the blocks' kernels through adaln_lab/cuda/tensors.py: modulation_table_fwd/bwd (H 264,
   D 64, T 3, N = 18H; the table also on 2 persistent blocks), modulated_rms_norm_fwd/bwd (with and without d_residual), gated_residual_fwd/bwd and
-  gated_residual_norm_fwd/bwd on R = 3T table rows (strided shift / scale / gate slices of the table) at 0, 1,
+  gated_residual_norm_fwd/bwd on R = 3T table rows (strided shift / scale / gate slices of the table; and as a
+  block's eager path calls them: the table kernel's row tables read, a table gradient written in place) at 0, 1,
   7 and 300 rows.
 Every result is checked finite (and, for 0 rows, the parameter gradients exactly zero), so a workload that
 computes garbage fails here too. Prints one line per part and "small calls done".
@@ -86,6 +87,17 @@ def block_calls() -> None:
     rows6 = table.view(R, 6 * H)
     shift, scale, gate = rows6[:, 3 * H:4 * H], rows6[:, 4 * H:5 * H], rows6[:, 2 * H:3 * H]
     norm_weight = (1 + 0.1 * randn(H)).to(torch.bfloat16)
+    # a block's eager path: the norms read the table kernel's row tables (norm2's: table 1), the backwards write into
+    # one table gradient (ops.table_gradient) at the chunks' columns, row stride 6H; the same bits as above
+    table_again, row_tables = fns["modulation_table_fwd"](temb, weight, bias, row_tables=True)
+    assert torch.equal(table_again, table), "the row-tables plan changed the table"
+    grad_table = torch.empty(R, 6 * H, device="cuda")
+
+    def into(chunk):
+        return grad_table.data_ptr() + 4 * chunk * H, 6 * H
+
+    def columns(chunk, count=1):
+        return grad_table[:, chunk * H:(chunk + count) * H]
     for rows in ROWS:
         x, y, dy = (randn(rows, H, dtype=torch.bfloat16) for _ in range(3))
         idx = torch.randint(0, R, (rows,), device="cuda", generator=g)
@@ -97,6 +109,19 @@ def block_calls() -> None:
         x_out, out2, rstd2 = fns["gated_residual_norm_fwd"](x, gate, y, idx, norm_weight, shift, scale, 1e-5)
         fused = fns["gated_residual_norm_bwd"](y, dy, x_out, gate, y, idx, norm_weight, shift, scale, rstd2)
         _finite(out, rstd, *grads, *grads_res, gated, d_gate, d_y, x_out, out2, rstd2, *fused)
+        read = fns["modulated_rms_norm_fwd"](x, norm_weight, shift, scale, idx, 1e-5, row_table=(row_tables, 1))
+        read_fused = fns["gated_residual_norm_fwd"](x, gate, y, idx, norm_weight, shift, scale, 1e-5,
+                                                    row_table=(row_tables, 1))
+        assert all(torch.equal(a, b) for a, b in zip((*read, *read_fused), (out, rstd, x_out, out2, rstd2)))
+        written = fns["modulated_rms_norm_bwd"](dy, x, norm_weight, shift, scale, idx, rstd, into=into(3))
+        assert torch.equal(written[0], grads[0]) and torch.equal(columns(3, 2), torch.cat(grads[2:], dim=1))
+        assert torch.equal(fns["gated_residual_bwd"](dy, gate, y, idx, into=into(2))[1], d_y)
+        assert torch.equal(columns(2), d_gate)
+        grad_table.fill_(float("nan"))
+        written = fns["gated_residual_norm_bwd"](y, dy, x_out, gate, y, idx, norm_weight, shift, scale, rstd2,
+                                                 into=into(2))
+        assert torch.equal(written[0], fused[0]) and torch.equal(columns(2, 3), torch.cat(
+            (fused[1], fused[4], fused[5]), dim=1)), "the table gradient's columns differ from the gradients"
         if rows == 0:
             assert not any(t.any() for t in (*grads[1:], *grads_res[1:], d_gate, *fused[1:2], *fused[3:]))
     print("block kernels: done")
