@@ -15,6 +15,8 @@ from adaln_lab.ops.modulation_table import modulation_table
 from adaln_lab.ops.table_gradient import GATE_MLP, GATE_MSA, SHIFT_MSA, TableGradient
 from adaln_lab.reference.block import CHUNKS, table_chunks
 
+from ..cuda.test_launchers import Recorder
+
 H, D, T, S = 64, 32, 3, 37
 EPS1, EPS2 = 1e-5, 1e-6
 
@@ -150,23 +152,13 @@ def test_a_planted_stale_column_is_caught(monkeypatch):
         _check("cpu", "full then norm1 alone")
 
 
-class _Recorder:
-    def __init__(self, name, calls):
-        self.name, self.calls = name, calls
-
-    def __call__(self, grid, block, shared_mem, stream, *args):
-        self.calls.append((self.name, args))
-
-    after_previous = __call__
-
-
 def test_the_kernels_read_the_row_tables_and_write_the_chunks_columns(monkeypatch):
     """The CUDA glue on CPU tensors with a recorder for each kernel: the forward's norms read the row tables the
     table kernel writes; the three row ops' reduces get the table gradient's columns of their chunks with the row
     stride 6H, and table_bwd reads that buffer."""
-    calls = []
+    recorded = []
     monkeypatch.setattr(launchers, "kernels",
-                        lambda device, plan: {n: _Recorder(n, calls) for n in launchers.SIGNATURES})
+                        lambda device, plan: {n: Recorder(n, recorded) for n in launchers.SIGNATURES})
     monkeypatch.setattr(launchers, "bind", lambda device: None)
     monkeypatch.setattr(tensors, "current_stream", lambda device: 0)
     monkeypatch.setattr(tensors, "current_device", lambda: -1)  # a CPU tensor's get_device()
@@ -184,11 +176,12 @@ def test_the_kernels_read_the_row_tables_and_write_the_chunks_columns(monkeypatc
         n1, n2 = (torch.ones(H_).bfloat16().requires_grad_(True) for _ in range(2))
         row_index = torch.randint(0, 3 * T, (S,), generator=g)
         out = block_adaln_path(x, temb, weight, bias, n1, n2, row_index, lambda h: h, lambda h: h, backend="cupy")
-        forward = list(calls)
-        calls.clear()
+        forward = [(c[0], c[4]) for c in recorded]
+        recorded.clear()
         out.backward(torch.ones_like(out))
     finally:
         tensors.context.cache_clear()
+    calls = [(c[0], c[4]) for c in recorded]
     # the forward: the table kernel's bf16 output is the two row tables, which norm1 and norm2 read
     launched = dict(forward)
     rows_bf16 = launched["table_bf16"][3]
