@@ -15,7 +15,7 @@
 #   sanitize      compute-sanitizer over bench/scripts/sanitize_calls.py  sanitize/sanitize_<tool>.txt,
 #                 (plain run first, then one tool at a time)              sanitize_plain.txt, sanitize_summary.txt
 #   profile       bench/scripts/block_profile.py: the block's kernels     block_profile.txt
-#   host          bench/scripts/host_breakdown.py: host time and cProfile  host_breakdown.txt
+#   host          bench/scripts/host_breakdown.py --bounds: host time, bounds, cProfile  host_breakdown.txt
 #   host-ab       host_breakdown.py --no-profile, three rounds alternating   host_ab.txt
 #                 the tree at .ab_tree/ (its COMMIT file) and this one
 #   trace         bench/scripts/host_trace.py: what grows with the rows   host_trace.txt
@@ -136,7 +136,7 @@ step_lab() {
 }
 
 step_host() {
-  run_cmd host_breakdown.txt "python3 bench/scripts/host_breakdown.py > @/host_breakdown.txt 2>&1"
+  run_cmd host_breakdown.txt "python3 bench/scripts/host_breakdown.py --bounds > @/host_breakdown.txt 2>&1"
   local rc=$?
   grep "host fwd+bwd" "$out/host_breakdown.txt"
   return $rc

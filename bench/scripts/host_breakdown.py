@@ -6,13 +6,17 @@ device synchronised before each sample, median of 200 after 30 warm-ups) of adal
 calls of adaln_lab's, the functions by their own time per call. cProfile adds its own cost per Python call:
 read its shares, not its absolute figures.
 
-    python3 bench/scripts/host_breakdown.py [--rows 4097] [--primitives] [--op-table] [--no-profile] > host_breakdown.txt
+    python3 bench/scripts/host_breakdown.py [--rows 4097] [--primitives] [--bounds] [--op-table] [--no-profile] > host_breakdown.txt
 
 --primitives first prints the host cost of each piece an eager call is made of (an allocation, a launch, the
 argument checks, an autograd.Function's forward and backward with and without saved tensors), each the median
 over 2000 back-to-back calls, so that the sums above can be read against them. Those loops do not synchronise:
 an item that launches GPU work (the launch, the forwards at --rows) shows the larger of its host time and its GPU
 time per call, so read those as upper bounds of the host's part.
+
+--bounds first prints what an autograd.Function that only launches and allocates as the op does (and with fewer
+launches and allocations) costs against the report's identity floor, interleaved in rounds: the least any eager
+path with those counts can cost on this host.
 """
 
 from __future__ import annotations
@@ -178,16 +182,93 @@ def primitives(n: int) -> None:
     torch.cuda.synchronize()
 
 
+def bounds(n: int, rounds: int = 5, device: str = "cuda") -> None:
+    """What no eager path with a given number of launches and allocations can undercut, against the report's floor.
+
+    `Bare(launches_fwd, allocations_fwd, launches_bwd, allocations_bwd)`: an autograd.Function over norm_out's five
+    leaves that saves what the op saves and does only that many launches (a one-row norm_modulate each, its host
+    cost is the driver's and the argument block's) and allocations, returning fresh gradients; no checks, no plan
+    lookups. Timed like the report's host fwd+bwd, interleaved with the report's identity floor and the op in
+    `rounds` rounds (medians of all samples)."""
+    from adaln_lab.cuda import launchers, tensors
+    from adaln_lab.cuda.plan import plan as make_plan
+    from adaln_lab.harness.latency import identity_floor
+
+    inputs = make(3, n, device)
+    x, nw, temb, w, b, idx = inputs.args
+    p = make_plan(x.shape[-1], temb.shape[1], temb.shape[0])
+    one, k = p.rows(1), launchers.kernels(0, p)
+    ws = torch.zeros(p.rows(n).fwd_bytes, dtype=torch.uint8, device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    scratch = torch.empty_like(x)
+    pointers = (x.data_ptr(), nw.data_ptr(), ws.data_ptr() + p.rows(n).fwd_offsets["table"], idx.data_ptr(),
+                scratch.data_ptr(), ws.data_ptr() + p.rows(n).fwd_offsets["rstd"])
+
+    def launch(count):
+        stream = tensors.current_stream(0)
+        for _ in range(count):
+            launchers.launch_norm_modulate(k, p, one, stream, *pointers, x.shape[-2], 1e-5)
+
+    class Bare(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, nw, temb, w, b, idx, counts):
+            ctx.counts = counts
+            out = torch.empty_like(x)
+            keep = [torch.empty(1024, dtype=torch.uint8, device=x.device) for _ in range(counts[1] - 1)]
+            launch(counts[0])
+            ctx.save_for_backward(x, nw, temb, w, idx, *keep)
+            return out
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, nw, temb, w, idx = ctx.saved_tensors[:5]
+            launchers.bind(0)
+            grads = [torch.empty_like(t) for t in (x, nw, temb, w)] + [torch.empty(w.shape[0], dtype=w.dtype,
+                                                                                   device=w.device)]
+            work = [torch.empty(1024, dtype=torch.uint8, device=x.device) for _ in range(ctx.counts[3] - 5)]
+            launch(ctx.counts[2])
+            del work
+            return (*grads, None, None)
+
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs.leaves]
+    ones = torch.ones_like(inputs.x)
+    prepare_floor, floor_step = identity_floor([t.detach().clone().requires_grad_(True) for t in inputs.leaves], ones)
+    steps = {"identity floor (the report's)": (floor_step, prepare_floor),
+             "final_adaln_out adaln_lab": (lambda: final_adaln_out(*leaves, idx).backward(ones), None),
+             "Bare, the op's 2+4 launches, 2+6 allocations": (lambda: Bare.apply(*leaves, idx, (2, 2, 4, 6)).backward(ones),
+                                                              None),
+             "Bare, 2+1 launches, 2+5 allocations": (lambda: Bare.apply(*leaves, idx, (2, 2, 1, 5)).backward(ones), None),
+             "Bare, 1+1 launches, 1+5 allocations": (lambda: Bare.apply(*leaves, idx, (1, 1, 1, 5)).backward(ones), None)}
+    samples = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, (step, prepare) in steps.items():
+            for i in range(240):
+                (prepare or (lambda: reset(leaves)))()
+                sync()
+                t0 = time.perf_counter()
+                step()
+                if i >= 40:
+                    samples[name].append((time.perf_counter() - t0) * 1e6)
+    floor = statistics.median(samples["identity floor (the report's)"])
+    for name, values in samples.items():
+        us = statistics.median(values)
+        print(f"bound {name}: host fwd+bwd {us:.0f} us at {n} rows ({us / floor:.2f}x the floor)")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=4097)
     parser.add_argument("--primitives", action="store_true")
     parser.add_argument("--op-table", action="store_true", help="torch.profiler's CPU-time table of each step")
     parser.add_argument("--no-profile", action="store_true", help="the host times alone, no cProfile")
+    parser.add_argument("--bounds", action="store_true", help="the least an eager path with the op's launches and "
+                        "allocations (or fewer) costs, against the report's identity floor, in rounds")
     args = parser.parse_args()
     n = args.rows
     if args.primitives:
         primitives(n)
+    if args.bounds:
+        bounds(n)
 
     inputs = make(3, n, "cuda")
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs.leaves]
