@@ -182,14 +182,15 @@ def primitives(n: int) -> None:
     torch.cuda.synchronize()
 
 
-def bounds(n: int, rounds: int = 5, device: str = "cuda") -> None:
+def bounds(n: int, rounds: int = 5, device: str = "cuda", samples: int = 200, warmup: int = 40) -> None:
     """What no eager path with a given number of launches and allocations can undercut, against the report's floor.
 
     `Bare(launches_fwd, allocations_fwd, launches_bwd, allocations_bwd)`: an autograd.Function over norm_out's five
     leaves that saves what the op saves and does only that many launches (a one-row norm_modulate each, its host
     cost is the driver's and the argument block's) and allocations, returning fresh gradients; no checks, no plan
     lookups. Timed like the report's host fwd+bwd, interleaved with the report's identity floor and the op in
-    `rounds` rounds (medians of all samples)."""
+    `rounds` rounds of `warmup` + `samples` calls each (medians of all samples). `device` "cpu" runs it on CPU tensors
+    (under bench/scripts/host_model.py's stand-ins, for tests)."""
     from adaln_lab.cuda import launchers, tensors
     from adaln_lab.cuda.plan import plan as make_plan
     from adaln_lab.harness.latency import identity_floor
@@ -239,18 +240,18 @@ def bounds(n: int, rounds: int = 5, device: str = "cuda") -> None:
                                                               None),
              "Bare, 2+1 launches, 2+5 allocations": (lambda: Bare.apply(*leaves, idx, (2, 2, 1, 5)).backward(ones), None),
              "Bare, 1+1 launches, 1+5 allocations": (lambda: Bare.apply(*leaves, idx, (1, 1, 1, 5)).backward(ones), None)}
-    samples = {name: [] for name in steps}
+    found = {name: [] for name in steps}
     for _ in range(rounds):
         for name, (step, prepare) in steps.items():
-            for i in range(240):
+            for i in range(warmup + samples):
                 (prepare or (lambda: reset(leaves)))()
                 sync()
                 t0 = time.perf_counter()
                 step()
-                if i >= 40:
-                    samples[name].append((time.perf_counter() - t0) * 1e6)
-    floor = statistics.median(samples["identity floor (the report's)"])
-    for name, values in samples.items():
+                if i >= warmup:
+                    found[name].append((time.perf_counter() - t0) * 1e6)
+    floor = statistics.median(found["identity floor (the report's)"])
+    for name, values in found.items():
         us = statistics.median(values)
         print(f"bound {name}: host fwd+bwd {us:.0f} us at {n} rows ({us / floor:.2f}x the floor)")
 

@@ -1,6 +1,7 @@
 """bench/scripts/host_model.py, the eager path's own host cost on a CPU with the GPU stood in for: it runs the
 shipped glue end to end (every kernel of norm_out and of one block reached, each launch's argument block
-written) and puts every stand-in back afterwards."""
+written) and puts every stand-in back afterwards. And host_breakdown.py's bounds, run under those stand-ins: each
+bare Function makes the launches it names."""
 
 import importlib.util
 
@@ -12,11 +13,15 @@ from adaln_lab.ops import support
 from ..paths import ROOT
 
 
-def _host_model():
-    spec = importlib.util.spec_from_file_location("host_model", ROOT / "bench" / "scripts" / "host_model.py")
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _host_model():
+    return _script("host_model")
 
 
 def test_the_host_model_reaches_every_launch_and_restores_the_stand_ins():
@@ -31,3 +36,20 @@ def test_the_host_model_reaches_every_launch_and_restores_the_stand_ins():
     assert len(lines) == 3 and lines[1].startswith("final_adaln_out: fwd+bwd")
     assert (launchers.kernels, launchers.bind, tensors.current_stream, support._not_cuda,
             torch.cuda.current_device) == originals
+
+
+def test_the_bounds_make_the_launches_they_name(monkeypatch, capsys):
+    from adaln_lab.harness import inputs
+
+    host_model, breakdown = _host_model(), _script("host_breakdown")
+    monkeypatch.setattr(breakdown, "make", lambda T, n, device: inputs.make(T, n, device, H=64, D=32))
+    host_model.LAUNCHES.clear()
+    with host_model.gpu_stood_in():
+        breakdown.bounds(8, rounds=1, device="cpu", samples=2, warmup=1)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        "bound identity floor (the report's)", "bound final_adaln_out adaln_lab",
+        "bound Bare, the op's 2+4 launches, 2+6 allocations", "bound Bare, 2+1 launches, 2+5 allocations",
+        "bound Bare, 1+1 launches, 1+5 allocations"]
+    assert lines[0].endswith("(1.00x the floor)")
+    assert len(host_model.LAUNCHES) == 3 * ((2 + 4) + (2 + 1) + (1 + 1))  # the op runs torch's code on a CPU
