@@ -7,6 +7,7 @@ backward once on a few rows and prints, per kernel, what the driver reports. Run
     python3 bench/scripts/numba_registers.py         (prints JSON)
 """
 
+import argparse
 import json
 
 import torch
@@ -43,4 +44,7 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; no options
+    if not torch.cuda.is_available():
+        raise SystemExit("numba_registers.py needs a CUDA GPU (the driver reports the kernels' registers): none here")
     main()
