@@ -312,11 +312,23 @@ def row_order(row_index: torch.Tensor, plan) -> torch.Tensor:
     return order
 
 
+def row_workspaces(x: torch.Tensor, table_rows: int) -> tuple[int, int]:
+    """Floats of the workspaces (the row partials) of `modulated_rms_norm_bwd` and `gated_residual_bwd` on x (..., S,
+    H) with `table_rows` table rows: what a caller passing `workspace` provides (16-byte multiples for H % 8 == 0)."""
+    H = x.shape[-1]
+    plan, rows, _ = context(x.device.index, H, 8, table_rows, x.numel() // H)
+    slots = launchers.sorted_slots(plan, rows)
+    return slots * 2 * H + H, slots * H
+
+
 @keeps_device
-def modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None, order=None, into=None):
+def modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None, order=None, into=None,
+                           workspace=None):
     """order: `row_order(row_index, plan)` if the caller has it (one sort for several backward passes). into: None,
     or (address, row stride in floats) of fp32 memory taking d_shift | d_scale side by side (a block's table
-    gradient, `ops.table_gradient`); d_shift and d_scale are then written there and returned as None."""
+    gradient, `ops.table_gradient`); d_shift and d_scale are then written there and returned as None. workspace:
+    None, or the address of `row_workspaces(x, R)[0]` floats (16-byte aligned) for the row partials, in place of an
+    allocation of its own."""
     R, H = shift.shape
     plan, rows, k, stream = _row_setup(x, R)
     dy, x, norm_weight = aligned(dy), aligned(x), aligned(norm_weight)
@@ -336,13 +348,15 @@ def modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_
         d_shift_ptr, d_stride = into
         d_scale_ptr = d_shift_ptr + 4 * H
     # the row partials, and after them room for the reduce's d_bias output (2H bf16), which the blocks do not use
-    row_partials = torch.empty(launchers.sorted_slots(plan, rows) * 2 * H + H, dtype=torch.float32, device=x.device)
-    d_sum_unused = row_partials.data_ptr() + 4 * launchers.sorted_slots(plan, rows) * 2 * H
+    if workspace is None:
+        partials = torch.empty(launchers.sorted_slots(plan, rows) * 2 * H + H, dtype=torch.float32, device=x.device)
+        workspace = partials.data_ptr()
+    d_sum_unused = workspace + 4 * launchers.sorted_slots(plan, rows) * 2 * H
     launchers.launch_sorted_row_pass(k, plan, rows, stream, dy.data_ptr(), x.data_ptr(), rstd.data_ptr(),
                                      norm_weight.data_ptr(), table_f32.data_ptr(), row_index.data_ptr(),
-                                     order.data_ptr(), dx.data_ptr(), row_partials.data_ptr(), x.shape[-2],
+                                     order.data_ptr(), dx.data_ptr(), workspace, x.shape[-2],
                                      d_residual.data_ptr() if fused else 0, table_stride)
-    launchers.launch_reduce_sorted_partials(k, plan, rows, stream, row_partials.data_ptr(), norm_weight.data_ptr(),
+    launchers.launch_reduce_sorted_partials(k, plan, rows, stream, workspace, norm_weight.data_ptr(),
                                             table_f32.data_ptr(), d_shift_ptr, d_scale_ptr, d_norm_weight.data_ptr(),
                                             d_sum_unused, order.data_ptr(), x.shape[-2], table_stride, d_stride)
     if d_residual is not None and not fused:  # a row too wide for three staged inputs: torch's bf16 add, same bits
@@ -370,9 +384,10 @@ def gated_residual_fwd(x, gate, y, row_index):
 
 
 @keeps_device
-def gated_residual_bwd(dout, gate, y, row_index, order=None, into=None):
+def gated_residual_bwd(dout, gate, y, row_index, order=None, into=None, workspace=None):
     """order: `row_order(row_index, plan)` if the caller has it. into: None, or (address, row stride in floats) of
-    fp32 memory taking d_gate (a block's table gradient); d_gate is then written there and returned as None."""
+    fp32 memory taking d_gate (a block's table gradient); d_gate is then written there and returned as None.
+    workspace: None, or the address of `row_workspaces(y, R)[1]` floats (16-byte aligned) for the gate partials."""
     R, H = gate.shape
     plan, rows, k, stream = _row_setup(y, R)
     dout, y, row_index = aligned(dout), aligned(y), row_index.contiguous()
@@ -381,10 +396,12 @@ def gated_residual_bwd(dout, gate, y, row_index, order=None, into=None):
     d_y = torch.empty_like(y)
     d_gate = torch.empty(R, H, dtype=torch.float32, device=y.device) if into is None else None
     d_gate_ptr, d_stride = (d_gate.data_ptr(), H) if into is None else into
-    gate_partials = torch.empty(launchers.sorted_slots(plan, rows) * H, dtype=torch.float32, device=y.device)
+    if workspace is None:
+        gate_partials = torch.empty(launchers.sorted_slots(plan, rows) * H, dtype=torch.float32, device=y.device)
+        workspace = gate_partials.data_ptr()
     launchers.launch_gated_residual_bwd(k, plan, rows, stream, dout.data_ptr(), gate.data_ptr(), y.data_ptr(),
-                                        row_index.data_ptr(), order.data_ptr(), d_y.data_ptr(),
-                                        gate_partials.data_ptr(), d_gate_ptr, stride, y.shape[-2], d_stride)
+                                        row_index.data_ptr(), order.data_ptr(), d_y.data_ptr(), workspace, d_gate_ptr,
+                                        stride, y.shape[-2], d_stride)
     return d_gate, d_y
 
 
@@ -408,16 +425,18 @@ def gated_residual_norm_fwd(x, gate, y, row_index, norm_weight, shift, scale, ep
 
 @keeps_device
 def gated_residual_norm_bwd(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, order=None,
-                            into=None):
+                            into=None, workspaces=(None, None)):
     """(dx, d_gate, d_y, d_norm_weight, d_shift, d_scale): the norm's backward with the residual gradient
     d_x_out added in its row pass (norm_modulate_bwd_residual_sorted_bf16), then the gated residual's
     backward; one row_order for both. into: None, or (address, row stride in floats) of fp32 memory taking
-    d_gate | d_shift | d_scale side by side; those three are then written there and returned as None."""
+    d_gate | d_shift | d_scale side by side; those three are then written there and returned as None.
+    workspaces: the norm's and the gate's `workspace` (each None or an address, `row_workspaces`)."""
     order = row_order(row_index, _row_setup(x_out, shift.shape[0])[0]) if order is None else order.contiguous()
     norm_into = gate_into = None
     if into is not None:
         gate_into, norm_into = into, (into[0] + 4 * x_out.shape[-1], into[1])
     dx, d_norm_weight, d_shift, d_scale = modulated_rms_norm_bwd(d_out, x_out, norm_weight, shift, scale, row_index,
-                                                                 rstd, d_residual=d_x_out, order=order, into=norm_into)
-    d_gate, d_y = gated_residual_bwd(dx, gate, y, row_index, order=order, into=gate_into)
+                                                                 rstd, d_residual=d_x_out, order=order, into=norm_into,
+                                                                 workspace=workspaces[0])
+    d_gate, d_y = gated_residual_bwd(dx, gate, y, row_index, order=order, into=gate_into, workspace=workspaces[1])
     return dx, d_gate, d_y, d_norm_weight, d_shift, d_scale

@@ -111,7 +111,10 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
     if adapt_table is not None:
         table = adapt_table(table)
     # eager: the row ops write their chunks' gradients into one table gradient (`ops.table_gradient`)
-    table_grad = TableGradient(table, H) if not compiling and table.requires_grad and torch.is_grad_enabled() else None
+    # (with the row kernels' workspaces in the same buffer where the rows run on the kernels)
+    table_grad = None
+    if not compiling and table.requires_grad and torch.is_grad_enabled():
+        table_grad = TableGradient(table, H, tensors.row_workspaces(x, table_rows) if rows_ok else None)
     table_args = (None if table_grad is None else table, table_grad)
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table_chunks(
         table if table_grad is None else table.detach(), H)

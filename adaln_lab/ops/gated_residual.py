@@ -56,7 +56,8 @@ def backward(dout, gate, y, row_index, table_dtype, row_order, kernels: bool, in
     None, or (TableGradient, chunk): d_gate then goes into that chunk's columns and comes back None."""
     if kernels:
         d_gate, d_y = tensors.gated_residual_bwd(dout, gate, y, row_index, order=row_order,
-                                                 into=None if into is None else into[0].pointer(into[1], 1))
+                                                 into=None if into is None else into[0].pointer(into[1], 1),
+                                                 workspace=None if into is None else into[0].workspace(into[1]))
         return (None if into is not None else tensors.as_dtype(d_gate, gate.dtype)), d_y
     d_gate, d_y = gated_residual_backward(dout, gate, y, row_index, table_dtype)
     if into is None:

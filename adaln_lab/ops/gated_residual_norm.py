@@ -76,7 +76,8 @@ def backward(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scal
         support.check_saved("gated_residual_norm", x_out, norm_weight=norm_weight)
         dx, d_gate, d_y, d_norm_weight, d_shift, d_scale = tensors.gated_residual_norm_bwd(
             d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, order=row_order,
-            into=None if into is None else into[0].pointer(into[1], 3))
+            into=None if into is None else into[0].pointer(into[1], 3),
+            workspaces=(None, None) if into is None else (into[0].workspace(into[1] + 1), into[0].workspace(into[1])))
         if into is not None:
             return dx, None, d_y, d_norm_weight, None, None
         return (dx, tensors.as_dtype(d_gate, gate.dtype), d_y, d_norm_weight, tensors.as_dtype(d_shift, shift.dtype),

@@ -77,7 +77,8 @@ def backward(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual, row_
         support.check_saved("modulated_rms_norm", x, norm_weight=norm_weight)
         dx, d_norm_weight, d_shift, d_scale = tensors.modulated_rms_norm_bwd(
             dy, x, norm_weight, shift, scale, row_index, rstd, d_residual, order=row_order,
-            into=None if into is None else into[0].pointer(into[1], 2))
+            into=None if into is None else into[0].pointer(into[1], 2),
+            workspace=None if into is None else into[0].workspace(into[1]))
         if into is not None:
             return dx, d_norm_weight, None, None
         return dx, d_norm_weight, tensors.as_dtype(d_shift, shift.dtype), tensors.as_dtype(d_scale, scale.dtype)

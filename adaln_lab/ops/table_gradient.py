@@ -16,6 +16,11 @@ for a chunk without gradient. One buffer per backward pass, keyed by the pass (`
 sees another's columns; the buffer of a pass that stopped short of norm1 (only the attention's parameters wanted)
 stays with the graph until it is freed.
 
+Where the block's row ops run on the kernels, the pass's buffer also holds their row workspaces after the
+table (`workspaces`): one region per op that writes chunk columns (norm1's row partials, gated_residual_norm's norm
+and gate partials, gated_residual's gate partials), so the block's backward makes one allocation for the table
+gradient and the four workspaces (they stay with the buffer until the table's backward has read it).
+
 Under compiled autograd the backward is traced, and side effects do not belong there: each op then returns its
 chunks' gradients as a table-shaped gradient of its own (`as_table`: zeros elsewhere), which autograd adds.
 """
@@ -31,6 +36,7 @@ _task_id = torch._C._current_graph_task_id  # the backward pass running on this 
 
 SHIFT_MSA = CHUNKS.index("shift_msa")  # norm1's chunks: shift_msa | scale_msa
 GATE_MSA = CHUNKS.index("gate_msa")  # gated_residual_norm's: gate_msa | shift_mlp | scale_mlp
+SHIFT_MLP = CHUNKS.index("shift_mlp")  # gated_residual_norm's norm: shift_mlp | scale_mlp
 GATE_MLP = CHUNKS.index("gate_mlp")  # gated_residual's
 
 
@@ -42,22 +48,42 @@ class TableGradient:
     the view; `write(first, *grads)` copies (3T, H) gradients there. Each marks those chunks written in this
     backward pass (its buffer made at its first call). `take()` -> this pass's buffer, zeros in the chunks no op
     of the pass wrote, and forgets it. `as_table(first, *grads)` -> the table-shaped gradient of those chunks alone
-    (zeros elsewhere), no buffer touched: compiled autograd's way.
+    (zeros elsewhere), no buffer touched: compiled autograd's way. `workspace(first)` -> the address of the row
+    workspace of the op writing chunk `first` in this pass's buffer (None without `workspaces`).
+
+    workspaces: None, or (norm, gate), the floats of a norm's and a gated residual's row workspace
+    (`cuda.tensors.row_workspaces` of the block's rows): each pass's buffer then holds four after the table.
     """
 
-    def __init__(self, table: torch.Tensor, hidden_size: int):
+    def __init__(self, table: torch.Tensor, hidden_size: int, workspaces: tuple[int, int] | None = None):
         self.shape, self.dtype, self.device = table.shape, table.dtype, table.device
         self.H = hidden_size
         self.row_stride = len(CHUNKS) * hidden_size  # of the (3T, 6H) view
-        self._passes: dict[int, tuple[torch.Tensor, set[int]]] = {}  # backward pass -> (buffer, chunks written)
+        self._numel = table.numel()
+        self._offsets: dict[int, int] = {}  # chunk first written by an op -> float offset of that op's workspace
+        end = self._numel
+        if workspaces is not None and self.dtype == torch.float32 and self._numel % 4 == 0:  # 16-byte aligned
+            norm, gate = workspaces
+            for first, floats in ((SHIFT_MSA, norm), (SHIFT_MLP, norm), (GATE_MSA, gate), (GATE_MLP, gate)):
+                self._offsets[first], end = end, end + floats
+        self._size = end
+        self._passes: dict[int, tuple[torch.Tensor, set[int]]] = {}  # backward pass -> (table view, chunks written)
 
     def _claim(self, first: int, count: int) -> torch.Tensor:
         task = _task_id()
         entry = self._passes.get(task)
         if entry is None:
-            entry = self._passes[task] = (torch.empty(self.shape, dtype=self.dtype, device=self.device), set())
+            buffer = torch.empty(self._size, dtype=self.dtype, device=self.device)
+            table = buffer.view(self.shape) if self._size == self._numel else buffer[:self._numel].view(self.shape)
+            entry = self._passes[task] = (table, set())
         entry[1].update(range(first, first + count))
         return entry[0]
+
+    def workspace(self, first: int) -> int | None:
+        offset = self._offsets.get(first)
+        if offset is None:
+            return None
+        return self._claim(first, 0).data_ptr() + 4 * offset
 
     def columns(self, first: int, count: int) -> torch.Tensor:
         rows = self._claim(first, count).view(-1, self.row_stride)

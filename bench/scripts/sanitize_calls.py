@@ -113,13 +113,17 @@ def block_calls() -> None:
         read_fused = fns["gated_residual_norm_fwd"](x, gate, y, idx, norm_weight, shift, scale, 1e-5,
                                                     row_table=(row_tables, 1))
         assert all(torch.equal(a, b) for a, b in zip((*read, *read_fused), (out, rstd, x_out, out2, rstd2)))
-        written = fns["modulated_rms_norm_bwd"](dy, x, norm_weight, shift, scale, idx, rstd, into=into(3))
+        # the block's workspaces given (regions of the table gradient's buffer there): exactly sized here
+        norm_ws, gate_ws = (torch.empty(n, device="cuda") for n in tensors.row_workspaces(x, R))
+        written = fns["modulated_rms_norm_bwd"](dy, x, norm_weight, shift, scale, idx, rstd, into=into(3),
+                                                workspace=norm_ws.data_ptr())
         assert torch.equal(written[0], grads[0]) and torch.equal(columns(3, 2), torch.cat(grads[2:], dim=1))
-        assert torch.equal(fns["gated_residual_bwd"](dy, gate, y, idx, into=into(2))[1], d_y)
+        assert torch.equal(fns["gated_residual_bwd"](dy, gate, y, idx, into=into(2), workspace=gate_ws.data_ptr())[1],
+                           d_y)
         assert torch.equal(columns(2), d_gate)
         grad_table.fill_(float("nan"))
         written = fns["gated_residual_norm_bwd"](y, dy, x_out, gate, y, idx, norm_weight, shift, scale, rstd2,
-                                                 into=into(2))
+                                                 into=into(2), workspaces=(norm_ws.data_ptr(), gate_ws.data_ptr()))
         assert torch.equal(written[0], fused[0]) and torch.equal(columns(2, 3), torch.cat(
             (fused[1], fused[4], fused[5]), dim=1)), "the table gradient's columns differ from the gradients"
         if rows == 0:

@@ -199,6 +199,18 @@ def test_the_kernels_read_the_row_tables_and_write_the_chunks_columns(monkeypatc
         else:  # d_gate 2nd, d_stride last
             found[(args[1] - d_table) // (f32 * H_)] = args[-1]
     assert found == {chunk: 6 * H_ for chunk in range(len(CHUNKS))}  # all six chunks, each with the row stride 6H
+    # the four row passes' partials lie in the same allocation, after the table gradient, one region each, and each
+    # reduce reads what its row pass wrote
+    partials_at = {"norm_modulate_bwd_sorted_bf16": 8, "norm_modulate_bwd_residual_sorted_bf16": 9,
+                   "gated_residual_bwd_sorted_bf16": 6}
+    passes = [(name, args[partials_at[name]]) for name, args in calls if name in partials_at]
+    reads = [args[0] for name, args in calls if name in ("reduce_partials_sorted_bf16", "gated_residual_reduce_sorted")]
+    assert [address for _, address in passes] == reads and len(set(reads)) == 4
+    norm_floats, gate_floats = tensors.row_workspaces(x, 3 * T)
+    regions = sorted((address, f32 * (gate_floats if name.startswith("gated") else norm_floats))
+                     for name, address in passes)
+    assert regions[0][0] == d_table + f32 * T * 18 * H_
+    assert all(a + size == b for (a, size), (b, _) in zip(regions, regions[1:]))  # back to back, none overlapping
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
