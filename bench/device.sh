@@ -41,8 +41,8 @@
 # there after each step. LIMIT_<STEP> (LIMIT_BLOCK_REPORT, ...): a step's limit in seconds. SANITIZE_TOOLS
 # (default "memcheck racecheck initcheck synccheck"), SANITIZE_TIMEOUT (seconds per tool, default 120),
 # COMPUTE_SANITIZER (the binary). UPSTREAM_RUNS: which of "unpatched patched" the upstream step runs (default
-# both). COMPARE_ARGS: more arguments of compare_trees.py ("--device cpu --quick"
-# tries the compare step on a CPU). ADALN_LAB_COMMIT: the commit measured (default: the one below).
+# both); UPSTREAM_TIMEOUT: seconds per run (default 190; a slow host needs more). COMPARE_ARGS: more arguments
+# of compare_trees.py ("--device cpu --quick" tries the compare step on a CPU). ADALN_LAB_COMMIT: the commit measured (default: the one below).
 # The commit: the tree's COMMIT file, else `git rev-parse --short HEAD` ("-dirty" when tracked files differ).
 # Wheels in .whl/ (diffusers is not on the machine) go to /tmp/site first, unless PYTHONPATH has it already.
 set -u
@@ -193,7 +193,7 @@ step_upstream() {
     local plugin="" path=".."
     [ "$f" = patched ] && plugin=" -p diffusers_patch_plugin" && path="..:../bench/scripts"
     run_cmd "diffusers_h3_tests_$f.txt" "cd .dtests && { echo \"diffusers tests/ of commit \$(cat COMMIT 2>/dev/null || echo \
-unknown)\"; PYTHONPATH=$path:\$PYTHONPATH timeout $(within 190) python3 -m pytest -q -rfEX -p no:cacheprovider -n 4$plugin \
+unknown)\"; PYTHONPATH=$path:\$PYTHONPATH timeout $(within ${UPSTREAM_TIMEOUT:-190}) python3 -m pytest -q -rfEX -p no:cacheprovider -n 4$plugin \
 $test; } > @/diffusers_h3_tests_$f.txt 2>&1" || rc=1
     tail -n 1 "$out/diffusers_h3_tests_$f.txt"
   done
