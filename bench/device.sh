@@ -42,7 +42,8 @@
 # (default "memcheck racecheck initcheck synccheck"), SANITIZE_TIMEOUT (seconds per tool, default 120),
 # COMPUTE_SANITIZER (the binary). UPSTREAM_RUNS: which of "unpatched patched" the upstream step runs (default
 # both); UPSTREAM_TIMEOUT: seconds per run (default 190; a slow host needs more). COMPARE_ARGS: more arguments
-# of compare_trees.py ("--device cpu --quick" tries the compare step on a CPU). ADALN_LAB_COMMIT: the commit measured (default: the one below).
+# of compare_trees.py ("--device cpu --quick" tries the compare step on a CPU). ADALN_LAB_COMMIT: the commit
+# measured (default: the one below).
 # The commit: the tree's COMMIT file, else `git rev-parse --short HEAD` ("-dirty" when tracked files differ).
 # Wheels in .whl/ (diffusers is not on the machine) go to /tmp/site first, unless PYTHONPATH has it already.
 set -u

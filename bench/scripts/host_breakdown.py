@@ -51,18 +51,23 @@ def passthrough(h):
     return h
 
 
-def host_us(step, leaves, samples=200, warmup=30) -> float:
+def host_samples(step, prepare, samples=200, warmup=30, sync=torch.cuda.synchronize) -> list[float]:
+    """Host us of `samples` calls of step() after `warmup`, each after prepare() and sync() (outside the clock)."""
     times = []
     for i in range(warmup + samples):
-        for leaf in leaves:
-            leaf.grad = None
-        torch.cuda.synchronize()
+        prepare()
+        sync()
         t0 = time.perf_counter()
         step()
         t1 = time.perf_counter()
         if i >= warmup:
             times.append((t1 - t0) * 1e6)
-    return statistics.median(times)
+    return times
+
+
+def host_us(step, leaves, samples=200, warmup=30) -> float:
+    """Median host us of step(), the leaves' grads reset before each call."""
+    return statistics.median(host_samples(step, lambda: reset(leaves), samples, warmup))
 
 
 def profile(step, leaves, calls=500) -> str:
@@ -244,13 +249,7 @@ def bounds(n: int, rounds: int = 5, device: str = "cuda", samples: int = 200, wa
     found = {name: [] for name in steps}
     for _ in range(rounds):
         for name, (step, prepare) in steps.items():
-            for i in range(warmup + samples):
-                (prepare or (lambda: reset(leaves)))()
-                sync()
-                t0 = time.perf_counter()
-                step()
-                if i >= warmup:
-                    found[name].append((time.perf_counter() - t0) * 1e6)
+            found[name] += host_samples(step, prepare or (lambda: reset(leaves)), samples, warmup, sync)
     floor = statistics.median(found["identity floor (the report's)"])
     for name, values in found.items():
         us = statistics.median(values)

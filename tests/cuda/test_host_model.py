@@ -20,15 +20,11 @@ def _script(name):
     return module
 
 
-def _host_model():
-    return _script("host_model")
-
-
 def test_the_host_model_reaches_every_launch_and_restores_the_stand_ins():
     originals = (launchers.kernels, launchers.bind, tensors.current_stream, support._not_cuda,
                  torch.cuda.current_device)
     lines = []
-    found = _host_model().measure(rows=8, calls=3, H=1024, D=256, out=lines.append)
+    found = _script("host_model").measure(rows=8, calls=3, H=1024, D=256, out=lines.append)
     # norm_out: table, rows, then the backward's row pass, reduce, table_bwd and its reduce (tests/cuda/test_launchers.py);
     # a block: the table, the row order, three forward row kernels and the backward's ten
     assert found["final_adaln_out"]["launches"] == 6 and found["block_adaln_path"]["launches"] == 15
@@ -41,7 +37,7 @@ def test_the_host_model_reaches_every_launch_and_restores_the_stand_ins():
 def test_the_bounds_make_the_launches_they_name(monkeypatch, capsys):
     from adaln_lab.harness import inputs
 
-    host_model, breakdown = _host_model(), _script("host_breakdown")
+    host_model, breakdown = _script("host_model"), _script("host_breakdown")
     monkeypatch.setattr(breakdown, "make", lambda T, n, device: inputs.make(T, n, device, H=64, D=32))
     host_model.LAUNCHES.clear()
     with host_model.gpu_stood_in():
