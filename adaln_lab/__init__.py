@@ -9,7 +9,7 @@ Public names: the ops (`final_adaln_out`, `modulation_table`, `modulated_rms_nor
 from .nn import AdaLNOut, AdaLNTransformerBlock, patch, unpatch
 from .ops import (block_adaln_path, final_adaln_out, gated_residual, gated_residual_norm, modulated_rms_norm,
                   modulation_table, row_order)
-from .ops.checks import validate
+from .core.checks import validate
 from .reference import golden, replay
 
 __all__ = ["AdaLNOut", "AdaLNTransformerBlock", "block_adaln_path", "final_adaln_out", "gated_residual",

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from .cuda import launchers
-from .cuda.plan import plan as make_plan
-from .cuda.tensors import current_stream
-from .ops import support
-from .ops.checks import validate
+from .core import launchers
+from .core.plan import plan as make_plan
+from .core.tensors import current_stream
+from .core import support
+from .core.checks import validate
 from .ops.final_adaln_out import final_adaln_out_bwd, final_adaln_out_fwd
 
 _TORCH_TO_CUPY = {torch.bfloat16: "bfloat16", torch.float32: "float32"}

@@ -82,16 +82,16 @@ def pytest_collection_modifyitems(config, items):
 # (the same order everywhere, as xdist requires); the other tests keep theirs. A run without xdist keeps file order.
 LONG_FIRST = (
     "tests/lab/test_notebooks.py::test_notebooks_read_complete_lab_files",  # 23
-    "tests/cuda/test_kernels_compile.py::test_the_largest_T_accepted_compiles_in_seconds",  # 22
+    "tests/core/test_kernels_compile.py::test_the_largest_T_accepted_compiles_in_seconds",  # 22
     "tests/nn/test_multi_gpu_script.py::test_the_multi_gpu_script_on_two_cpu_ranks",  # 13
     "tests/test_readme.py::test_readme_python_blocks_run_in_order_on_a_cpu",  # 10
     "tests/nn/test_fsdp.py::test_fsdp2_two_cpu_ranks_forward_bitwise_and_gradients_the_reduce_scatters_mean",  # 5
     "tests/harness/test_block_report.py::test_cli_writes_a_block_report_prints_its_figures_and_table_renders_it",  # 4
-    "tests/cuda/test_kernels_compile.py::test_every_kernel_compiles",  # 8 x 2-5
+    "tests/core/test_kernels_compile.py::test_every_kernel_compiles",  # 8 x 2-5
     "tests/numba/test_forward.py::test_twin_table_rows_are_T_invariant",  # 4
     "tests/numba/test_op.py::test_numba_is_imported_only_by_the_numba_backend_and_cpu_tensors_need_the_simulator",
     "tests/nn/test_multi_gpu_script.py::test_the_multi_gpu_script_refuses_an_unknown_run_and_no_ranks",  # 3
-    "tests/cuda/test_loader.py::test_cupys_import_fails_on_a_cache_path_it_cannot_make_unless_launchers_comes_first",
+    "tests/core/test_loader.py::test_cupys_import_fails_on_a_cache_path_it_cannot_make_unless_launchers_comes_first",
 )
 
 

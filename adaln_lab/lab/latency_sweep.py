@@ -10,7 +10,7 @@ while far above the graph time means the call is bound by the host.
 Shapes: x (S, H) bf16 for S in `rows`; parameters as in `harness.inputs.make`.
 
 - `rows_sweep`: all of that for each candidate and number of rows.
-- `kernel_bytes`: bytes each adaln_lab kernel reads and writes at S rows (from `adaln_lab.cuda.plan`).
+- `kernel_bytes`: bytes each adaln_lab kernel reads and writes at S rows (from `adaln_lab.core.plan`).
 - `kernel_profile`: device time per kernel of forward+backward calls (torch.profiler, CUDA only:
   CUPTI sees every kernel of the process, the ones adaln_lab launches through the driver too).
 - `roofline`: the two together: achieved TB/s and multiple of each kernel's own floor.
@@ -81,10 +81,10 @@ def rows_sweep(candidates, rows, device, shape: dict, quick: bool = False, seed:
 
 
 def _plan_numbers(S: int, H: int, D: int, T: int) -> tuple[int, int]:
-    """(row ranges of the backward row pass, row blocks of table_bwd) from adaln_lab.cuda.plan, with
+    """(row ranges of the backward row pass, row blocks of table_bwd) from adaln_lab.core.plan, with
     the plan's TUNING (BWD_RANGES ranges, TB_ROWS rows per block) should the plan refuse the shape."""
-    from ..cuda.plan import TUNING
-    from ..cuda.plan import plan as make_plan
+    from ..core.plan import TUNING
+    from ..core.plan import plan as make_plan
 
     try:
         p = make_plan(H, D, T)

@@ -29,9 +29,9 @@ import warnings
 import torch
 import torch.nn as nn
 
-from ..ops import support
-from ..ops.autocast import autocast_params
-from ..ops.checks import BACKENDS, TABLE_BACKENDS, check_option
+from ..core import support
+from ..core.autocast import autocast_params
+from ..core.checks import BACKENDS, TABLE_BACKENDS, check_option
 from ..ops.final_adaln_out import final_adaln_out
 from ..ops.modulated_rms_norm import modulated_rms_norm
 from ..ops.modulation_table import modulation_table

@@ -70,7 +70,7 @@ def adapted_table(table: torch.Tensor, temb: torch.Tensor, linear: nn.Module, na
     """The table (T, N) (float32 holding the weight dtype's values, as `modulation_table` returns it) with the
     adapters' terms added as PEFT adds them (module docstring); `table` itself when `names` is empty.
     weight_dtype: the dtype the base projection computes in (default its weight's; under autocast with an fp32
-    base, bf16: what autocast makes of PEFT's base_layer call, `adaln_lab.ops.autocast`)."""
+    base, bf16: what autocast makes of PEFT's base_layer call, `adaln_lab.core.autocast`)."""
     if not names:
         return table
     weight_dtype = weight_dtype or linear.base_layer.weight.dtype

@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..ops.autocast import autocast_params
+from ..core.autocast import autocast_params
 from ..ops.block_adaln import block_adaln_path
-from ..ops.checks import BLOCK_BACKENDS, TABLE_BACKENDS, check_option
+from ..core.checks import BLOCK_BACKENDS, TABLE_BACKENDS, check_option
 from ..reference.block import MODALITIES
 from . import adapters
 from .fallback import foreign, warn_once

@@ -1,9 +1,9 @@
 """The Numba-CUDA twin of the backward: kernels_cu/norm_modulate_bwd.cu, reduce_partials.cu and table_bwd.cu.
 
 Written for reading, like `adaln_lab.numba.forward` (the forward's twin, whose device functions this
-module imports): the same launch geometry (every number from `adaln_lab.cuda.plan`), the same reduction
+module imports): the same launch geometry (every number from `adaln_lab.core.plan`), the same reduction
 order and the same rounding points as the CUDA C++ kernels, launched in the order of
-`adaln_lab.cuda.launchers.launch_backward`:
+`adaln_lab.core.launchers.launch_backward`:
 
     norm_modulate_bwd   grid Rows.bwd_ranges, block plan.bwd_threads        -> dx, row_partials
     reduce_partials     grid ceil(H / 32), block (32, plan.sum_groups)      -> d_table, d_norm_weight, d_bias
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from .forward import bits, cuda, device_functions, plain
-from ..cuda.plan import TB_COLUMNS, Plan, plan as make_plan
+from ..core.plan import TB_COLUMNS, Plan, plan as make_plan
 
 VEC = 8  # ADALN_VEC (adaln_common.cuh): bf16 values of one 16-byte vector
 

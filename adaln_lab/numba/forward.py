@@ -1,6 +1,6 @@
 """The Numba-CUDA twin of kernels_cu/table.cu and kernels_cu/norm_modulate.cu, for reading and exploring.
 
-Same launch geometry (from `adaln_lab.cuda.plan`: the plan of the shape), same reduction
+Same launch geometry (from `adaln_lab.core.plan`: the plan of the shape), same reduction
 order, same rounding points, written in Python. On a GPU its table, output and rstd are meant to equal the
 CUDA C++ kernels' bit for bit (tests/numba/test_forward.py checks it there). Under numba's CUDA
 simulator (NUMBA_ENABLE_CUDASIM=1, a CPU) it runs too, on tiny shapes: warp shuffles do not exist
@@ -23,7 +23,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from ..cuda.plan import plan as make_plan
+from ..core.plan import plan as make_plan
 
 
 nc = None  # numba.cuda once cuda() ran; kernels name it as a module global so the simulator can swap it
@@ -206,7 +206,7 @@ def plain(t: torch.Tensor):
 
 
 def table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, stream=0):
-    """(T, 2H) bf16 table and (T, 2H) fp32 twin, as `cuda.tensors.table` computes them.
+    """(T, 2H) bf16 table and (T, 2H) fp32 twin, as `core.tensors.table` computes them.
 
     stream: the numba stream to launch on (0: numba's default; `adaln_lab.numba.op` passes torch's current one)."""
     T, D = temb.shape

@@ -35,8 +35,8 @@ import contextlib
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..cuda.tensors import table_from_torch
-from ..ops import support
+from ..core.tensors import table_from_torch
+from ..core import support
 
 
 def _numba_cuda():

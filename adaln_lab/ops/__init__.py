@@ -11,7 +11,7 @@ from .gated_residual_norm import gated_residual_norm
 from .modulated_rms_norm import modulated_rms_norm, modulated_rms_norm_and_residual
 from .modulation_table import modulation_table
 from .row_order import row_order
-from .support import KernelFallbackWarning
+from ..core.support import KernelFallbackWarning
 
 __all__ = ["KernelFallbackWarning", "block_adaln_path", "final_adaln_out", "gated_residual", "gated_residual_norm", "modulated_rms_norm",
            "modulated_rms_norm_and_residual", "modulation_table", "row_order"]

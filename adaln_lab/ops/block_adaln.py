@@ -20,17 +20,17 @@ from __future__ import annotations
 
 import torch
 
-from ..cuda import tensors
-from ..cuda.plan import ROWS_MAX
-from ..cuda.plan import plan as make_plan
+from ..core import tensors
+from ..core.plan import ROWS_MAX
+from ..core.plan import plan as make_plan
 from ..reference.block import MODALITIES, replay_block_adaln, table_chunks
 from . import gated_residual as gr
 from . import gated_residual_norm as grn
 from . import modulated_rms_norm as mrn
 from . import modulation_table as mt
-from . import support
-from .autocast import autocast_params
-from .checks import BLOCK_BACKENDS, TABLE_BACKENDS, check_option, check_rows, check_table_inputs
+from ..core import support
+from ..core.autocast import autocast_params
+from ..core.checks import BLOCK_BACKENDS, TABLE_BACKENDS, check_option, check_rows, check_table_inputs
 from .eager import apply
 from .row_order import row_order
 from .table_gradient import TableGradient
@@ -60,7 +60,7 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
         backend: "auto" (the CUDA kernels where they run, torch code elsewhere), "cupy" (refuse inputs the
             kernels cannot take, with the reason) or "torch" (diffusers' ops); table_backend: "cuda" or "torch".
         Under torch.autocast("cuda", torch.bfloat16) with bf16 CUDA x, fp32 weight, bias and norm weights are
-        cast to bf16 for the kernels as autocast casts a linear's (`adaln_lab.ops.autocast`).
+        cast to bf16 for the kernels as autocast casts a linear's (`adaln_lab.core.autocast`).
         adapt_table: None, or a map of the (T, 18H) float32 table to the table the rows read (same shape and
             dtype): where the nn layer adds LoRA adapters' terms (`adaln_lab.nn.adapters`). Not with "torch".
 

@@ -9,7 +9,7 @@ Broadcast rule: x is (..., S, H); row s of every leading index uses timestep_ind
 Layers (as flash-attention's interface):
 - `final_adaln_out`: validate once (`checks.validate`), resolve the backend (`support.final_adaln_out`, the
   one kernel rule), dispatch: "torch" -> the diffusers replay; "numba" -> `adaln_lab.numba.op`; "cupy" ->
-  eager calls go to the autograd node `FinalAdaLNOut` straight onto the launchers (`cuda.tensors`: two
+  eager calls go to the autograd node `FinalAdaLNOut` straight onto the launchers (`core.tensors`: two
   allocations and two launches forward; the gradients, one workspace and four launches backward), and
   under `torch.compile` to the custom ops below.
 - `torch.ops.adaln_lab.final_adaln_out_fwd` / `final_adaln_out_bwd`: torch.library custom ops with fake
@@ -23,13 +23,13 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..cuda import tensors
-from ..cuda.plan import plan as make_plan
+from ..core import tensors
+from ..core.plan import plan as make_plan
 from ..reference.backward import final_adaln_out_backward
 from ..reference.final_adaln_out import replay
-from . import support
-from .autocast import autocast_params
-from .checks import BACKENDS, NUMERICS, TABLE_BACKENDS, check_option, validate
+from ..core import support
+from ..core.autocast import autocast_params
+from ..core.checks import BACKENDS, NUMERICS, TABLE_BACKENDS, check_option, validate
 from .eager import apply
 
 
@@ -180,7 +180,7 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
             or "auto": "cupy" where it can run (CUDA tensors of those dtypes and shapes), "torch"
             otherwise ("auto" never picks "numba").
         Under torch.autocast("cuda", torch.bfloat16) with bf16 CUDA x, fp32 parameters are cast to bf16 for the
-        kernels as autocast casts a linear's (`adaln_lab.ops.autocast`: the rounding contract then).
+        kernels as autocast casts a linear's (`adaln_lab.core.autocast`: the rounding contract then).
         numerics: "diffusers" rounds where diffusers rounds (SiLU cast, bf16 table, rms_norm
             output, then `1 + scale`, the product and `+ shift` each to x's dtype). One known
             difference of backend "cupy": CuPy compiles the kernels with -ftz=true, so fp32 subnormals
@@ -220,7 +220,7 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
 
         return numba_op.final_adaln_out(x, norm_weight, temb, weight, bias, timestep_indices, eps,
                                         table_backend=table_backend)
-    cast = autocast_params(x, norm_weight, weight, bias)  # fp32 parameters under autocast (`ops.autocast`)
+    cast = autocast_params(x, norm_weight, weight, bias)  # fp32 parameters under autocast (`core.autocast`)
     error = support.final_adaln_out(x, *cast[:1], temb, *cast[1:])
     if error is not None:
         if backend == "cupy":

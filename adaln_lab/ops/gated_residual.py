@@ -18,7 +18,7 @@ Layers (as `adaln_lab.ops.final_adaln_out`):
   (`reference.backward.gated_residual_backward`): d_y = dout * gate[i] (gate in table_dtype as in the
   forward; one rounding to y's dtype), d_gate[r] = sum_{i(s)=r} dout * y (float64, rows in order, rounded
   once to gate's dtype).
-- CUDA kernels (`adaln_lab.cuda.tensors`: gated_residual.cu, ordered per-range sums) for bf16 x, y and
+- CUDA kernels (`adaln_lab.core.tensors`: gated_residual.cu, ordered per-range sums) for bf16 x, y and
   table_dtype with supported shapes (`support.rows`); anything else runs the torch code.
 - `GatedResidual`: the lean eager path, one autograd.Function straight onto the same implementations.
 """
@@ -28,11 +28,11 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..cuda import tensors
+from ..core import tensors
 from ..reference.backward import gated_residual_backward
 from ..reference.block import replay_gated_residual
-from . import support
-from .checks import check_order, check_rows
+from ..core import support
+from ..core.checks import check_order, check_rows
 from .eager import apply
 from .table_gradient import GATE_MLP
 

@@ -25,7 +25,7 @@ Layers (as `adaln_lab.ops.final_adaln_out`):
   with fake kernels and `register_autograd`. When `out` is unused autograd hands the backward zeros, so
   d_norm_weight, d_shift and d_scale come back as zeros where the unfused ops give None.
 - Default (CPU) kernels: the two ops one after the other (their torch code: diffusers' forward bit for bit).
-- CUDA kernels (`adaln_lab.cuda.tensors.gated_residual_norm_fwd / _bwd`) for bf16 x, y, norm_weight and
+- CUDA kernels (`adaln_lab.core.tensors.gated_residual_norm_fwd / _bwd`) for bf16 x, y, norm_weight and
   table_dtype with supported shapes; anything else runs the two ops one after the other, each on its own
   kernels where it can (a bf16 gated residual with, say, an fp32 norm_weight keeps gated_residual.cu's
   fixed-order d_gate), so the bits are the unfused ops' in every case.
@@ -37,12 +37,12 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..cuda import tensors
+from ..core import tensors
 from ..reference.backward import compute_dtype
 from . import gated_residual as gr
 from . import modulated_rms_norm as mrn
-from . import support
-from .checks import check_order, check_rows
+from ..core import support
+from ..core.checks import check_order, check_rows
 from .eager import apply
 from .table_gradient import GATE_MSA
 

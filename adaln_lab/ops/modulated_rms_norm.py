@@ -22,7 +22,7 @@ Layers (as `adaln_lab.ops.final_adaln_out`):
 - Default (CPU) kernels, torch code: the forward is the replay; the backward the exact derivative
   (`reference.backward.modulated_rms_norm_backward`: per row in float32, the parameter sums in float64 in a
   fixed order, rounded once).
-- CUDA kernels (`adaln_lab.cuda.tensors`: norm_out's row kernels with the R table rows as timesteps) for
+- CUDA kernels (`adaln_lab.core.tensors`: norm_out's row kernels with the R table rows as timesteps) for
   bf16 x, norm_weight and table_dtype with supported shapes (`support.rows`); anything else runs the torch
   code.
 - `ModulatedRMSNorm`, `ModulatedRMSNormAndResidual`: the lean eager path, autograd.Functions straight onto
@@ -37,11 +37,11 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..cuda import tensors
+from ..core import tensors
 from ..reference.backward import compute_dtype, modulated_rms_norm_backward, rstd_of
 from ..reference.block import replay_modulated_rms_norm
-from . import support
-from .checks import check_order, check_rows
+from ..core import support
+from ..core.checks import check_order, check_rows
 from .eager import apply
 from .table_gradient import SHIFT_MSA
 
@@ -56,7 +56,7 @@ def kernels_take(x, norm_weight, shift, scale, row_index, table_dtype, **more) -
 
 def forward(x, norm_weight, shift, scale, row_index, eps: float, table_dtype, kernels: bool, row_table=None):
     """(out (..., S, H), rstd (rows,)): the row kernels where `kernels` (reading shift | scale from a block's row
-    table where given, `cuda.tensors.modulated_rms_norm_fwd`), else diffusers' replay."""
+    table where given, `core.tensors.modulated_rms_norm_fwd`), else diffusers' replay."""
     if kernels:
         return tensors.modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, eps, row_table)
     out = replay_modulated_rms_norm(x, norm_weight, shift.to(table_dtype), scale.to(table_dtype), row_index, eps)

@@ -18,7 +18,7 @@ Layers (as `adaln_lab.ops.final_adaln_out`):
   the exact derivative (`reference.backward`), in float64 and rounded once per output: d_weight = d_table^T @ silu(temb),
   d_bias = column sums of d_table (t in order), d_temb = (d_table @ weight) * silu'(temb). As the CUDA
   kernels, the SiLU output is used unrounded (straight-through the declared cast to weight's dtype).
-- Their CUDA kernels (`adaln_lab.cuda.tensors`: table.cu, a fixed-order GEMV whose rows do not depend on T,
+- Their CUDA kernels (`adaln_lab.core.tensors`: table.cu, a fixed-order GEMV whose rows do not depend on T,
   and table_bwd.cu) run for bf16 weight and bias, fp32 temb (or bf16 temb, widened exactly: `kernel_temb`)
   and supported shapes (`support.table`); anything else runs the torch code, since diffusers models run in
   any dtype.
@@ -35,11 +35,11 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..cuda import tensors
+from ..core import tensors
 from ..reference.backward import modulation_table_backward
 from ..reference.block import replay_table, table_dtype_of
-from . import support
-from .checks import TABLE_BACKENDS, check_option, check_table_inputs
+from ..core import support
+from ..core.checks import TABLE_BACKENDS, check_option, check_table_inputs
 from .eager import apply
 
 
@@ -50,7 +50,7 @@ def kernels_take(temb, weight, bias) -> bool:
 
 def forward(temb, weight, bias, table_backend: str, kernels: bool, row_tables: bool = False):
     """table (T, N) (module docstring): table.cu where `kernels`, else diffusers' table upcast. row_tables (an H3
-    block's table on the kernels): (table, its two bf16 row tables (2, 3T, 2H), `cuda.tensors.modulation_table_fwd`),
+    block's table on the kernels): (table, its two bf16 row tables (2, 3T, 2H), `core.tensors.modulation_table_fwd`),
     which the block's norms read in place of casting their chunks."""
     if kernels and table_backend != "torch":
         return tensors.modulation_table_fwd(support.kernel_temb(temb, weight), weight, bias, row_tables)

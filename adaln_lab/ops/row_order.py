@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from ..cuda import tensors
-from ..cuda.plan import ROWS_MAX, check_shapes
-from ..cuda.plan import plan as make_plan
+from ..core import tensors
+from ..core.plan import ROWS_MAX, check_shapes
+from ..core.plan import plan as make_plan
 
 
 def order_torch(row_index: torch.Tensor, table_rows: int) -> torch.Tensor:

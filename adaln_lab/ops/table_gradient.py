@@ -52,7 +52,7 @@ class TableGradient:
     workspace of the op writing chunk `first` in this pass's buffer (None without `workspaces`).
 
     workspaces: None, or (norm, gate), the floats of a norm's and a gated residual's row workspace
-    (`cuda.tensors.row_workspaces` of the block's rows): each pass's buffer then holds four after the table.
+    (`core.tensors.row_workspaces` of the block's rows): each pass's buffer then holds four after the table.
     """
 
     def __init__(self, table: torch.Tensor, hidden_size: int, workspaces: tuple[int, int] | None = None):

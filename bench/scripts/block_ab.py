@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 
 from adaln_lab import final_adaln_out
-from adaln_lab.cuda import launchers, loader, plan as plan_module
+from adaln_lab.core import launchers, loader, plan as plan_module
 from adaln_lab.harness import block_report as br
 from adaln_lab.harness.inputs import make
 from adaln_lab.harness.latency import graph_latency

@@ -136,11 +136,11 @@ def reset(leaves) -> None:
 
 
 def primitives(n: int) -> None:
-    from adaln_lab.cuda import launchers, tensors
-    from adaln_lab.cuda.plan import plan as make_plan
-    from adaln_lab.ops import support
-    from adaln_lab.ops.autocast import autocast_params
-    from adaln_lab.ops.checks import validate
+    from adaln_lab.core import launchers, tensors
+    from adaln_lab.core.plan import plan as make_plan
+    from adaln_lab.core import support
+    from adaln_lab.core.autocast import autocast_params
+    from adaln_lab.core.checks import validate
 
     inputs = make(3, n, "cuda")
     x, nw, temb, w, b, idx = inputs.args
@@ -196,8 +196,8 @@ def bounds(n: int, rounds: int = 5, device: str = "cuda", samples: int = 200, wa
     lookups. Timed like the report's host fwd+bwd, interleaved with the report's identity floor and the op in
     `rounds` rounds of `warmup` + `samples` calls each (medians of all samples). `device` "cpu" runs it on CPU tensors
     (under bench/scripts/host_model.py's stand-ins, for tests)."""
-    from adaln_lab.cuda import launchers, tensors
-    from adaln_lab.cuda.plan import plan as make_plan
+    from adaln_lab.core import launchers, tensors
+    from adaln_lab.core.plan import plan as make_plan
     from adaln_lab.harness.latency import identity_floor
 
     inputs = make(3, n, device)

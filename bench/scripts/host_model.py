@@ -33,11 +33,11 @@ from types import SimpleNamespace
 import torch
 
 from adaln_lab import block_adaln_path, final_adaln_out
-from adaln_lab.cuda import launchers, tensors
+from adaln_lab.core import launchers, tensors
 from adaln_lab.harness.block_report import EPS, make_block
 from adaln_lab.harness.latency import identity_floor
 from adaln_lab.harness.inputs import D_REAL, H_REAL, make
-from adaln_lab.ops import support
+from adaln_lab.core import support
 
 LAUNCHES: list[str] = []
 

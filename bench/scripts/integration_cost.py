@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from adaln_lab.cuda import launchers, tensors
-from adaln_lab.cuda.plan import plan as make_plan
-from adaln_lab.cuda.tensors import current_stream
+from adaln_lab.core import launchers, tensors
+from adaln_lab.core.plan import plan as make_plan
+from adaln_lab.core.tensors import current_stream
 from adaln_lab.harness.inputs import make
 from adaln_lab.harness.latency import autograd_floor, graph_latency, host_latency
 from adaln_lab.ops.final_adaln_out import FinalAdaLNOut, final_adaln_out_op

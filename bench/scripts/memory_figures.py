@@ -1,7 +1,7 @@
 """GPU memory of `final_adaln_out` (backend "cupy"): the peak of one eager forward+backward against the
 bytes it cannot do without, and the memory allocated after 1, 10 and N calls (issue 9).
 
-`measure()` returns the figures (tests/cuda/test_memory.py asserts on them): the peak is
+`measure()` returns the figures (tests/core/test_memory.py asserts on them): the peak is
 torch.cuda.max_memory_allocated() during the call, less what was allocated before the inputs were made;
 the budget is the bytes of x, dy, dx, out, timestep_indices, the four parameters and their four
 gradients (the leaves are the inputs themselves, no copies). Run on a GPU:

@@ -25,7 +25,7 @@ from adaln_lab.harness.inputs import make
 
 ROWS = 32768
 if sys.argv[1:] == ["table"]:
-    from adaln_lab.cuda import tensors
+    from adaln_lab.core import tensors
 
     inputs = make(1, 8, "cuda")
     for _ in range(3):

@@ -14,7 +14,7 @@ import torch
 
 from adaln_lab.numba import backward as numba_backward
 from adaln_lab.harness.inputs import make, upstream
-from adaln_lab.cuda.plan import plan
+from adaln_lab.core.plan import plan
 
 
 def main():

@@ -17,9 +17,9 @@ import time
 import torch
 
 from adaln_lab import final_adaln_out, validate
-from adaln_lab.cuda import launchers, loader
-from adaln_lab.cuda.plan import plan as make_plan
-from adaln_lab.cuda.tensors import current_stream
+from adaln_lab.core import launchers, loader
+from adaln_lab.core.plan import plan as make_plan
+from adaln_lab.core.tensors import current_stream
 from adaln_lab.harness.inputs import make
 
 REPS = 20

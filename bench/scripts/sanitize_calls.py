@@ -55,7 +55,7 @@ def op_calls() -> None:
 
 def persistent_table(table_fwd, temb, weight, bias, table) -> None:
     """table.cu's persistent schedule (the real block's; small tables take a task per warp) on 2 blocks."""
-    from adaln_lab.cuda import launchers, plan as plan_module
+    from adaln_lab.core import launchers, plan as plan_module
 
     saved = dict(plan_module.TUNING)
     try:
@@ -69,7 +69,7 @@ def persistent_table(table_fwd, temb, weight, bias, table) -> None:
 
 
 def block_calls() -> None:
-    from adaln_lab.cuda import tensors
+    from adaln_lab.core import tensors
 
     fns = {name: getattr(tensors, name) for name in BLOCK_FUNCTIONS}  # a missing one fails the workload
     H, D, T = 264, 64, 3

@@ -1,4 +1,4 @@
-"""A/B of kernel variants (adaln_lab.cuda.plan.TUNING) in one process, on the same inputs.
+"""A/B of kernel variants (adaln_lab.core.plan.TUNING) in one process, on the same inputs.
 
 Nothing is timed before it is validated: every config's forward and gradients are first held to
 the float64 golden with the GPU tests' bounds (tests/ops/test_final_adaln_out.py) and compared bitwise with
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from adaln_lab.cuda import launchers, loader, plan as plan_module
-from adaln_lab.cuda.tensors import current_stream
+from adaln_lab.core import launchers, loader, plan as plan_module
+from adaln_lab.core.tensors import current_stream
 from adaln_lab.harness.accuracy import GRAD_KEYS, SEED_GRAD_BOUNDS, correctly_rounded, golden_result, rel_err
 from adaln_lab.harness.inputs import make, upstream
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from adaln_lab import AdaLNTransformerBlock
-from adaln_lab.ops import support
+from adaln_lab.core import support
 
 diffusers = pytest.importorskip("diffusers", reason="the test extra brings diffusers 0.42")
 from diffusers.models.transformers.transformer_minimax_h3 import (  # noqa: E402

@@ -115,7 +115,7 @@ def test_cuda_patched_model_under_memory_features_equals_unpatched_and_peaks_no_
 
 
 def test_a_parameter_moved_or_cast_after_the_forward_is_refused_before_the_kernels_read_it():
-    from adaln_lab.ops.support import check_saved
+    from adaln_lab.core.support import check_saved
 
     x, w = torch.zeros(2, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)
     check_saved("op", x, norm_weight=w)

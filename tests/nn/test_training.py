@@ -3,7 +3,7 @@
 - fp32 master weights under `torch.autocast("cuda", torch.bfloat16)` (GPU): every AdaLN runs on the kernels (no
   AdaLNFallbackWarning, no KernelFallbackWarning), the AdaLN gradients are fp32 and repeat bit for bit, and the
   outputs and AdaLN gradients lie within twice diffusers' own distance (under the same autocast) from the fp32
-  model run without autocast: the bf16 rounding noise both carry (`adaln_lab.ops.autocast` says where the two
+  model run without autocast: the bf16 rounding noise both carry (`adaln_lab.core.autocast` says where the two
   round differently).
 - Gradient accumulation over micro-batches (GPU, kernels; CPU, the torch code): the accumulated gradient is, bit
   for bit, the sum of the micro-batches' gradients in the order they ran, and repeats; it is not the full

@@ -32,7 +32,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from adaln_lab.cuda.plan import plan as make_plan
+from adaln_lab.core.plan import plan as make_plan
 from adaln_lab.harness.accuracy import golden_result
 from adaln_lab.harness.inputs import make, upstream
 from adaln_lab.numba import backward as numba_backward

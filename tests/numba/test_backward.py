@@ -17,7 +17,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from adaln_lab.cuda.plan import TUNING, plan as make_plan
+from adaln_lab.core.plan import TUNING, plan as make_plan
 from adaln_lab.harness.inputs import make, upstream
 from adaln_lab.numba import backward as numba_backward
 
@@ -280,7 +280,7 @@ def test_reduce_partials_has_the_association_of_the_kernels_chunked_loop():
 # process with test_forward.py's)
 SM90_SIGS = """
 from adaln_lab.numba import backward as nb
-from adaln_lab.cuda.plan import plan as make_plan
+from adaln_lab.core.plan import plan as make_plan
 nb._nc()
 from numba import cuda, float32, int64, uint16
 p = make_plan(5376, 2688, 3)

@@ -52,7 +52,7 @@ def test_twin_forward_is_diffusers_up_to_summation_order():
 
 @pytest.mark.gpu
 def test_twin_equals_kernels_cu_bit_for_bit():
-    from adaln_lab.cuda import tensors
+    from adaln_lab.core import tensors
 
     inputs = make(1, 33, "cuda")
     table_cu, table_f32_cu = tensors.table(inputs.temb, inputs.weight, inputs.bias)

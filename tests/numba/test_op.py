@@ -25,7 +25,7 @@ from adaln_lab.harness.candidates import resolve
 from adaln_lab.harness.inputs import Inputs, make, upstream
 from adaln_lab.harness.protocol import FULL
 from adaln_lab.numba import backward as numba_backward, forward as numba_forward, op as numba_op
-from adaln_lab.ops import support
+from adaln_lab.core import support
 from adaln_lab.reference import replay
 
 from .bounds import NAMES, Case, assert_within, golden_tolerances, same_bits

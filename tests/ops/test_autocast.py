@@ -1,4 +1,4 @@
-"""fp32 parameters under autocast (`adaln_lab.ops.autocast`): the ops cast them to bf16 for the kernels as autocast
+"""fp32 parameters under autocast (`adaln_lab.core.autocast`): the ops cast them to bf16 for the kernels as autocast
 casts a linear's, so under `torch.autocast("cuda", torch.bfloat16)` the kernels run (no KernelFallbackWarning),
 the output and gradients are bitwise those of the same op on bf16 parameters holding bf16(master) (the
 gradients reaching the fp32 parameters as fp32), and they repeat bit for bit. Without autocast, fp32 parameters
@@ -12,7 +12,7 @@ import torch
 
 from adaln_lab import block_adaln_path, final_adaln_out
 from adaln_lab.harness.block_protocol import rowwise_attn, rowwise_ff
-from adaln_lab.ops.autocast import autocast_params
+from adaln_lab.core.autocast import autocast_params
 from adaln_lab.ops import KernelFallbackWarning
 
 from .test_block_adaln import _path_case

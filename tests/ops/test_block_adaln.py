@@ -12,7 +12,7 @@ from adaln_lab import block_adaln_path
 from adaln_lab.harness.block_protocol import protocol_candidate, rowwise_attn, rowwise_ff
 from adaln_lab.harness.protocol import QUICK
 from adaln_lab.harness.report import batch_invariance
-from adaln_lab.ops import support
+from adaln_lab.core import support
 from adaln_lab.reference import block as br
 from adaln_lab.testing import assert_batch_invariant
 

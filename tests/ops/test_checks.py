@@ -1,4 +1,4 @@
-"""`adaln_lab.ops.checks.validate` (`adaln_lab.validate`): what it returns, the dtype rule (pinned to what
+"""`adaln_lab.core.checks.validate` (`adaln_lab.validate`): what it returns, the dtype rule (pinned to what
 diffusers' model runs), eps, speed.
 
 Every refused input, each with its error class and the argument's name in the message, is in
@@ -197,7 +197,7 @@ def test_cuda_tensors_without_cupy_name_the_cuda_extra(monkeypatch):
     falls back with and backend "cupy" raises, says what to install."""
     import types
 
-    from adaln_lab.ops import support
+    from adaln_lab.core import support
 
     x = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16, shape=(4, 64))
     monkeypatch.setattr(support, "_cupy_missing", lambda: True)
@@ -210,7 +210,7 @@ def test_cuda_tensors_without_cupy_name_the_cuda_extra(monkeypatch):
 def test_the_cupy_lookup_traces_under_torch_compile_fullgraph(monkeypatch):
     """The kernel rule's CuPy lookup inside a fullgraph compile, before and after an eager call made it: no graph
     break (importlib's find_spec cannot be traced; the GPU test of the compiled op failed on it)."""
-    from adaln_lab.ops import support
+    from adaln_lab.core import support
 
     monkeypatch.setattr(support, "_CUPY_MISSING", {})
     compiled = torch.compile(lambda t: t + int(support._cupy_missing()), fullgraph=True, backend="eager")

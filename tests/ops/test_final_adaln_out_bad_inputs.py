@@ -1,6 +1,6 @@
 """Edge inputs `final_adaln_out` refuses: every bad input (`BAD_INPUTS`) raises its error class with the
 argument's name in the message, on the CPU with backend="torch" and on the GPU (`gpu` mark) with
-backend="cupy" (the validation is the one `adaln_lab.ops.checks.validate` of every backend).
+backend="cupy" (the validation is the one `adaln_lab.core.checks.validate` of every backend).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ GPU (marked `gpu`, skipped without CUDA): the same cases with backend="cupy" on 
 (H = 264, D = 64), compared with backend="torch" on the same tensors: outputs with a bitwise-equal
 fraction >= 0.999 and max|diff| <= 0.02 max|ref|, every gradient within 0.02 max|ref| (x) / the
 documented looser parameter bounds, and exactly zero gradients for S = 0; plus the CUDA path's
-H limits, from `adaln_lab.cuda.plan.check_shapes`.
+H limits, from `adaln_lab.core.plan.check_shapes`.
 """
 
 from __future__ import annotations
@@ -318,7 +318,7 @@ def test_gpu_requires_grad_subset(subset):
 
 def _largest_accepted_h(D=64, T=1, limit=1 << 20):
     """The largest multiple of 8 that the CUDA path's `check_shapes` accepts (binary search)."""
-    from adaln_lab.cuda.plan import check_shapes
+    from adaln_lab.core.plan import check_shapes
 
     def ok(h):
         try:

@@ -120,7 +120,7 @@ def test_backward_ops_refuse_gradients_of_another_shape():
 
 
 def test_rows_too_wide_for_three_staged_inputs_take_the_torch_add():
-    from adaln_lab.cuda.plan import BWD_STAGE_BUDGET, plan
+    from adaln_lab.core.plan import BWD_STAGE_BUDGET, plan
 
     assert plan(34816, 8, R).bwd_res_stages == 0 < plan(34816, 8, R).bwd_stages
     assert plan(5376, 8, R).bwd_res_stages == 4 and plan(5376, 8, R).bwd_res_smem <= BWD_STAGE_BUDGET

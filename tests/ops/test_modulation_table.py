@@ -138,7 +138,7 @@ def test_cuda_table_against_cublas_and_t_invariant():
     """table_backend="torch": F.linear on the GPU, diffusers' bits. "cuda": table.cu, equal to cuBLAS's on
     >= 99.9 % of entries, every entry within the fp32 dot-product bound of the exact table plus one bf16
     rounding (as cuBLAS's), and whose rows do not depend on the other timesteps."""
-    from ..cuda.test_tensors import assert_table_within_the_dot_product_bound
+    from ..core.test_tensors import assert_table_within_the_dot_product_bound
 
     temb, weight, bias = _inputs(T_=GT, H_=GH, D_=GD, device="cuda")
     want = br.replay_table(temb, weight, bias).float()

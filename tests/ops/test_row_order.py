@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from adaln_lab import gated_residual, gated_residual_norm, row_order
-from adaln_lab.cuda import tensors
-from adaln_lab.cuda.plan import T_MAX
-from adaln_lab.cuda.plan import plan as make_plan
+from adaln_lab.core import tensors
+from adaln_lab.core.plan import T_MAX
+from adaln_lab.core.plan import plan as make_plan
 from adaln_lab.ops.modulated_rms_norm import modulated_rms_norm_and_residual
 from adaln_lab.ops.row_order import order_torch
 

@@ -10,12 +10,12 @@ import torch
 
 from adaln_lab import block_adaln_path, gated_residual, gated_residual_norm
 from adaln_lab.ops.modulated_rms_norm import modulated_rms_norm_and_residual
-from adaln_lab.cuda import launchers, tensors
+from adaln_lab.core import launchers, tensors
 from adaln_lab.ops.modulation_table import modulation_table
 from adaln_lab.ops.table_gradient import GATE_MLP, GATE_MSA, SHIFT_MSA, TableGradient
 from adaln_lab.reference.block import CHUNKS, table_chunks
 
-from ..cuda.test_launchers import Recorder
+from ..core.test_launchers import Recorder
 
 H, D, T, S = 64, 32, 3, 37
 EPS1, EPS2 = 1e-5, 1e-6
@@ -162,7 +162,7 @@ def test_the_kernels_read_the_row_tables_and_write_the_chunks_columns(monkeypatc
     monkeypatch.setattr(launchers, "bind", lambda device: None)
     monkeypatch.setattr(tensors, "current_stream", lambda device: 0)
     monkeypatch.setattr(tensors, "current_device", lambda: -1)  # a CPU tensor's get_device()
-    from adaln_lab.ops import support
+    from adaln_lab.core import support
 
     monkeypatch.setattr(support, "_not_cuda", lambda name, t: None)
     tensors.context.cache_clear()

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from adaln_lab.cuda import loader
-from adaln_lab.cuda.plan import plan
+from adaln_lab.core import loader
+from adaln_lab.core.plan import plan
 
 from ..paths import ROOT
 
@@ -200,8 +200,8 @@ def test_a_garbage_cache_file_is_recompiled_and_rewritten(compiled, nvrtc):
 
 _NVRTC_RACE = _NVRTC_SETUP + """
 import hashlib, os, sys, time
-from adaln_lab.cuda import loader
-from adaln_lab.cuda.plan import plan
+from adaln_lab.core import loader
+from adaln_lab.core.plan import plan
 gate = sys.argv[1]
 open(os.path.join(gate, str(os.getpid())), "w").close()
 while len(os.listdir(gate)) < 2:
@@ -241,7 +241,7 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     import torch
     from adaln_lab import final_adaln_out
-    from adaln_lab.cuda import loader
+    from adaln_lab.core import loader
     from adaln_lab.harness.inputs import make, upstream
     i = make(1, 300, "cuda", H=264, D=64, T=3)
     leaves = [t.detach().clone().requires_grad_(True) for t in i.leaves]

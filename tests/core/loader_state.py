@@ -2,7 +2,7 @@
 
 import pytest
 
-from adaln_lab.cuda import loader
+from adaln_lab.core import loader
 
 
 @pytest.fixture(autouse=True)

@@ -5,8 +5,8 @@ get lies inside a live buffer of the right size (the kernels themselves run in t
 import pytest
 import torch
 
-from adaln_lab.cuda import launchers, tensors
-from adaln_lab.cuda import plan as plan_module
+from adaln_lab.core import launchers, tensors
+from adaln_lab.core import plan as plan_module
 from adaln_lab.harness.inputs import make, upstream
 
 
@@ -99,7 +99,7 @@ def test_forward_and_backward_launch_each_kernel_once_on_live_buffers(calls, row
 
 def test_a_large_table_launches_table_bwd_as_two_halves_with_the_same_arguments(calls):
     """From TB_SPLIT_MIN_T table rows on, d_weight and dact come from two kernels on table_bwd_bf16's
-    grid, block and arguments (the same sums: tests/cuda/test_tensors.py checks the bits on a GPU)."""
+    grid, block and arguments (the same sums: tests/core/test_tensors.py checks the bits on a GPU)."""
     i = make(1, 37, "cpu", T=9)
     out, saved = tensors.forward_tensors(*i.args, 1e-5, "cuda")
     assert saved[0].tb_split and not plan_module.plan(5376, 2688, 4).tb_split
@@ -115,7 +115,7 @@ def test_signatures_match_the_kernels():
     """launchers.SIGNATURES (what the driver launch packs) against each kernel's parameter list in kernels_cu/."""
     import re
 
-    from adaln_lab.cuda import loader
+    from adaln_lab.core import loader
 
     text = "".join((loader.kernel_dir() / n).read_text() for n in loader.KERNEL_FILES)
     kinds = {"int": "i", "float": "f"}

@@ -3,7 +3,7 @@
 Every function returns the error to raise (TypeError for a dtype, ValueError for a device or a shape, ImportError
 on CUDA tensors without CuPy, the cuda extra), naming the argument, or None when the kernels take the inputs. Inputs are already validated (shapes agree): these
 rules only say what the kernels cannot do. Who asks: the ops' "auto" dispatch (kernels where they run, torch
-code otherwise), backend "cupy" (raises the error), the custom ops, `adaln_lab.cuda.dlpack`, the modules.
+code otherwise), backend "cupy" (raises the error), the custom ops, `adaln_lab.core.dlpack`, the modules.
 
     final_adaln_out(x, norm_weight, temb, weight, bias)   norm_out's kernels (bf16, fp32 temb, plan shapes)
     table(temb, weight, bias)                               table.cu / table_bwd.cu for an (N, D) projection
@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from ..cuda.plan import ROWS_MAX, T_MAX, check_shapes, plan as make_plan
+from .plan import ROWS_MAX, T_MAX, check_shapes, plan as make_plan
 
 _BF16 = torch.bfloat16
 _F32 = torch.float32

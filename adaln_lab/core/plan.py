@@ -58,7 +58,7 @@ TUNING = {
 SMEM_BLOCK_MAX = 227 * 1024       # dynamic + static shared memory one block may opt in to (sm_90, sm_100)
 BWD_STAGE_BUDGET = 200 * 1024     # dynamic shared memory of the backward's stages (static scratch beside it)
 H_MAX = 50176                      # the largest H whose backward stage (an x and a dy row, padded to the
-                                   # row block) fits BWD_STAGE_BUDGET: tests/cuda/test_kernels_compile.py checks it
+                                   # row block) fits BWD_STAGE_BUDGET: tests/core/test_kernels_compile.py checks it
 TD_MAX = 24576                     # table.cu keeps T * D bf16 activations in 48 KiB of static shared memory
 T_MAX = 32                         # table.cu / table_bwd.cu keep per-timestep arrays in registers, unrolled over T
 ROWS_MAX = 2 ** 31 - 2 ** 15      # rows and S travel as int32; a range's end (p0 + rows per range) must fit too,
@@ -356,6 +356,6 @@ def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = Fal
 
 def clear_caches() -> None:
     """Forget every plan, e.g. after changing TUNING (bench/scripts/sweep.py); `launchers.forget_compiled()`
-    forgets them with the compiled modules and the caches built on both (`cuda.tensors.context`)."""
+    forgets them with the compiled modules and the caches built on both (`core.tensors.context`)."""
     plan.cache_clear()
     _rows.cache_clear()

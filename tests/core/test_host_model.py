@@ -7,8 +7,8 @@ import importlib.util
 
 import torch
 
-from adaln_lab.cuda import launchers, tensors
-from adaln_lab.ops import support
+from adaln_lab.core import launchers, tensors
+from adaln_lab.core import support
 
 from ..paths import ROOT
 
@@ -25,7 +25,7 @@ def test_the_host_model_reaches_every_launch_and_restores_the_stand_ins():
                  torch.cuda.current_device)
     lines = []
     found = _script("host_model").measure(rows=8, calls=3, H=1024, D=256, out=lines.append)
-    # norm_out: table, rows, then the backward's row pass, reduce, table_bwd and its reduce (tests/cuda/test_launchers.py);
+    # norm_out: table, rows, then the backward's row pass, reduce, table_bwd and its reduce (tests/core/test_launchers.py);
     # a block: the table, the row order, three forward row kernels and the backward's ten
     assert found["final_adaln_out"]["launches"] == 6 and found["block_adaln_path"]["launches"] == 15
     assert all(f["allocations"] > 0 and f["us"] > 0 and f["floor_us"] > 0 for f in found.values())

@@ -1,6 +1,6 @@
 """torch glue of the CUDA kernels: torch allocates every output and workspace, `launchers` launch on torch's
 current stream of the tensors' device. One function per op and direction; inputs are validated and
-supported (`adaln_lab.ops.support`) before they come here.
+supported (`adaln_lab.core.support`) before they come here.
 
 norm_out (`final_adaln_out`): x (..., S, H) bf16, norm_weight (H,) bf16, temb (T, D) fp32, weight (2H, D)
 bf16, bias (2H,) bf16, timestep_indices (S,) int64; row s of every leading index of x is modulated by
@@ -34,7 +34,7 @@ The H3 blocks' ops (the row kernels with the R = 3T table rows as their "timeste
   autograd's bf16 add between.
 
 Plans: the table's is `plan(8, D, T, table_n=N, table_f32_rounded=True, table_row_tables=row_tables_fit(N))` (its
-row kernels unused), the rows' `plan(H, 8, R)` (its table kernels unused); see `adaln_lab.cuda.plan`.
+row kernels unused), the rows' `plan(H, 8, R)` (its table kernels unused); see `adaln_lab.core.plan`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""`adaln_lab.cuda.plan`: every kernel's geometry is a function of the shapes only, the shapes the kernels cannot
+"""`adaln_lab.core.plan`: every kernel's geometry is a function of the shapes only, the shapes the kernels cannot
 take are refused with a message naming the limit, and the gated residual's block size follows H."""
 
 from pathlib import Path
 
 import pytest
 
-from adaln_lab.cuda import plan as plan_module
-from adaln_lab.cuda.plan import plan
+from adaln_lab.core import plan as plan_module
+from adaln_lab.core.plan import plan
 
 
 def test_geometry_is_a_function_of_the_shapes_only():
@@ -38,10 +38,10 @@ def test_geometry_is_a_function_of_the_shapes_only():
     mid = plan(8 * 1024, 64, 1)
     assert mid.fwd_stages == 3 and mid.fwd_smem <= plan_module.SMEM_BLOCK_MAX - 8 * 1024
     assert not plan(5376, 8, 32).fwd_staged  # too many timesteps to stage: the row-per-block kernel
-    # nothing in the launch path asks the device for its SM count: adaln_lab/cuda/ (plan, loader, launchers, the
+    # nothing in the launch path asks the device for its SM count: adaln_lab/core/ (plan, loader, launchers, the
     # torch glue) and the ops that launch through it
     package = Path(plan_module.__file__).resolve().parents[1]
-    files = sorted((package / "cuda").glob("*.py")) + sorted((package / "ops").glob("*.py"))
+    files = sorted((package / "core").rglob("*.py")) + sorted((package / "ops").rglob("*.py"))
     assert {"plan.py", "loader.py", "launchers.py", "tensors.py", "final_adaln_out.py"} <= {f.name for f in files}
     for path in files:
         text = path.read_text()

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from adaln_lab import final_adaln_out
-from adaln_lab.cuda import tensors
+from adaln_lab.core import tensors
 from adaln_lab.harness.accuracy import bf16_ulp
 from adaln_lab.harness.inputs import make
 
@@ -75,7 +75,7 @@ def test_table_rows_are_T_invariant():
 
 def test_staged_and_row_per_block_forward_agree_bit_for_bit(monkeypatch):
     """The staged kernel and the row-per-block fallback share the thread map and tree: same bits per row."""
-    from adaln_lab.cuda import launchers, plan as plan_module
+    from adaln_lab.core import launchers, plan as plan_module
 
     inputs = make(3, 1500, "cuda")
     tab, _ = tensors.table(inputs.temb, inputs.weight, inputs.bias)
@@ -101,7 +101,7 @@ def test_row_per_warp_forward_agrees_with_the_row_block_bit_for_bit(monkeypatch,
     """norm_modulate_warp_bf16 plays the row block's threads lane by lane (the same per-thread sums, warp
     butterflies and last step): the same out and rstd bits as the row-block kernels, an invalid index included,
     at widths whose last vectors leave threads of the row block idle."""
-    from adaln_lab.cuda import launchers, plan as plan_module
+    from adaln_lab.core import launchers, plan as plan_module
 
     inputs = make(3, 67, "cuda", H=H, D=64, T=3)
     idx = inputs.timestep_indices.clone()
@@ -160,7 +160,7 @@ def test_split_and_fused_table_backward_agree_bit_for_bit(monkeypatch, rows):
     not a multiple of TB_ROWS (a ragged last row block) and D not a multiple of the 256-column tile. (The
     shipped plan gives the halves other row blocks, TB_SPLIT_ROWS; here both take TB_ROWS, so that the one
     difference left is the kernels'.)"""
-    from adaln_lab.cuda import launchers, plan as plan_module
+    from adaln_lab.core import launchers, plan as plan_module
 
     g = torch.Generator("cuda").manual_seed(rows)
     N, D_ = 18 * H + 72, 264
@@ -190,7 +190,7 @@ def test_persistent_and_one_task_tables_agree_bit_for_bit(monkeypatch, T_):
     with weight loads in flight across tasks, or a task per warp) give every table row the same bits: a row is
     one warp's sum either way. N not a multiple of the 64 rows of a block (a ragged last task), D not a multiple
     of 256 (lanes with fewer steps)."""
-    from adaln_lab.cuda import launchers, plan as plan_module
+    from adaln_lab.core import launchers, plan as plan_module
 
     g = torch.Generator("cuda").manual_seed(T_)
     N, D_ = 18 * H + 72, 264
@@ -297,7 +297,7 @@ def test_gated_residual_bits_do_not_depend_on_its_block_size(monkeypatch, thread
     """GR_THREADS_MAX (a TUNING knob, bench/scripts/block_ab.py) picks how columns split over blocks; each column's
     sums still run over the same rows in the same order: out, d_y and d_gate keep their bits (H 5376 and
     1032 rows: a column tile left partly empty at every block size)."""
-    from adaln_lab.cuda import launchers, plan as plan_module
+    from adaln_lab.core import launchers, plan as plan_module
 
     g = torch.Generator("cuda").manual_seed(threads)
     H_, S = 5376, 1032

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from adaln_lab.cuda import loader, plan as plan_module
-from adaln_lab.cuda.plan import plan
+from adaln_lab.core import loader, plan as plan_module
+from adaln_lab.core.plan import plan
 
 from ..paths import ROOT
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from adaln_lab import final_adaln_out
-from adaln_lab.cuda import launchers
+from adaln_lab.core import launchers
 from adaln_lab.harness.inputs import LEAVES, make, upstream
 
 pytestmark = pytest.mark.gpu

@@ -21,8 +21,8 @@ import types
 
 import pytest
 
-from adaln_lab.cuda import loader
-from adaln_lab.cuda.plan import plan
+from adaln_lab.core import loader
+from adaln_lab.core.plan import plan
 
 from ..paths import ROOT
 
@@ -128,7 +128,7 @@ def test_cupys_import_fails_on_a_cache_path_it_cannot_make_unless_launchers_come
                           timeout=300, cwd=ROOT)
     if bare.returncode != 0:  # CuPy 14 makes its cache directory at import: why loader redirects at import
         assert "FileExistsError" in bare.stderr, bare.stderr[-3000:]
-    code = ("import json, os; import adaln_lab.cuda.launchers; import cupy; from adaln_lab.cuda import loader;"
+    code = ("import json, os; import adaln_lab.core.launchers; import cupy; from adaln_lab.core import loader;"
             "print(json.dumps([loader.IMPORT_PROBLEM, os.environ['CUPY_CACHE_DIR'], loader.cache_dir()]))")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                          cwd=ROOT)

@@ -2,7 +2,7 @@
 
 Two layers:
 - `launch_table`, `launch_norm_modulate` and `launch_backward` take device pointers (ints), the plan,
-  its `Rows` and a raw stream handle. Whoever allocates (torch in `cuda.tensors`, CuPy in `adaln_lab.dlpack`) passes pointers in.
+  its `Rows` and a raw stream handle. Whoever allocates (torch in `core.tensors`, CuPy in `adaln_lab.dlpack`) passes pointers in.
 - `Kernel`: one kernel's launch through the driver (`cuLaunchKernel`) from a preallocated
   argument block, so a launch costs the driver call and a few field writes.
 
@@ -125,7 +125,7 @@ class Kernel:
             raise CUDADriverError(status)
 
 
-_FORGET = []  # caches built on top of these launchers (cuda.tensors.context), cleared with them
+_FORGET = []  # caches built on top of these launchers (core.tensors.context), cleared with them
 
 
 def on_forget(clear) -> None:
