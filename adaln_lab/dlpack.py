@@ -11,7 +11,7 @@ arrays for CuPy input, torch tensors otherwise) and the kernels run on that libr
 (`with cupy.cuda.Stream(...)` or `with torch.cuda.stream(...)` picks it), where the library's own
 allocator orders the reuse of every temporary. Results are bitwise those of
 `adaln_lab.final_adaln_out` (same kernels, same plan). On the CPU (torch tensors) the same two
-functions run the custom ops' CPU kernels: the diffusers replay forward and the analytic backward.
+functions run the launch ops' reference bodies: the diffusers replay forward and the analytic backward.
 
 Shapes: x (..., S, H) bf16, norm_weight (H,) bf16, temb (T, D) fp32, weight (2H, D) bf16, bias (2H,)
 bf16, timestep_indices (S,) int64; table_f32 (T, 2H) fp32 and rstd (rows,) fp32 are the forward's
@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import torch
 
-from .core import launchers
-from .core.plan import plan as make_plan
-from .core.tensors import current_stream
 from .core import support
 from .core.checks import validate
-from .ops.final_adaln_out import final_adaln_out_bwd, final_adaln_out_fwd
+from .core.plan import plan as make_plan
+from .core.tensors import current_stream
+from .ops.final_adaln_out import launch
+from .reference.backward import final_adaln_out_backward
 
 _TORCH_TO_CUPY = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -98,22 +98,16 @@ def forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: float = 1
                                                                        timestep_indices))
     _check(x, norm_weight, temb, weight, bias, timestep_indices, eps)
     if not x.is_cuda:
-        return final_adaln_out_fwd(x, norm_weight, temb, weight, bias, timestep_indices, float(eps), "cuda")
+        return launch.reference_forward(x, norm_weight, temb, weight, bias, timestep_indices, float(eps))
     plan, rows, alloc = _setup(x, temb, like)
     H, T = plan.H, plan.T
+    out, out_t = alloc.empty(tuple(x.shape), torch.bfloat16, x.device)
+    table_f32, table_f32_t = alloc.empty((T, 2 * H), torch.float32, x.device)
+    rstd, rstd_t = alloc.empty((rows.rows,), torch.float32, x.device)
+    table, table_t = alloc.empty((T, 2 * H), torch.bfloat16, x.device)
     with torch.cuda.device(x.device):
-        out, out_t = alloc.empty(tuple(x.shape), torch.bfloat16, x.device)
-        table_f32, table_f32_t = alloc.empty((T, 2 * H), torch.float32, x.device)
-        rstd, rstd_t = alloc.empty((rows.rows,), torch.float32, x.device)
-        table, table_t = alloc.empty((T, 2 * H), torch.bfloat16, x.device)
-        s = alloc.stream(x.device)
-        launchers.bind(x.device.index)
-        k = launchers.kernels(x.device.index, plan)
-        launchers.launch_table(k, plan, s, temb.data_ptr(), weight.data_ptr(), bias.data_ptr(), table_t.data_ptr(),
-                               table_f32_t.data_ptr())
-        launchers.launch_norm_modulate(k, plan, rows, s, x.data_ptr(), norm_weight.data_ptr(), table_t.data_ptr(),
-                                       timestep_indices.data_ptr(), out_t.data_ptr(), rstd_t.data_ptr(), x.shape[-2],
-                                       float(eps), after_table=True)
+        launch.kernels_forward(x, norm_weight, temb, weight, bias, timestep_indices, float(eps), out_t.data_ptr(),
+                               table_t.data_ptr(), table_f32_t.data_ptr(), rstd_t.data_ptr(), alloc.stream(x.device))
     return out, table_f32, rstd
 
 
@@ -132,22 +126,14 @@ def backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd
     if rstd.shape != (x.numel() // H,) or rstd.dtype != torch.float32:
         raise ValueError(f"rstd must be the forward's ({x.numel() // H},) float32 array")
     if not x.is_cuda:
-        return final_adaln_out_bwd(dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd)
+        return final_adaln_out_backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd)
     plan, rows, alloc = _setup(x, temb, like)
     H, T, D = plan.H, plan.T, plan.D
+    arrays = [alloc.empty(shape, dtype, x.device) for shape, dtype in (
+        (tuple(x.shape), torch.bfloat16), ((H,), torch.bfloat16), ((T, D), torch.float32),
+        ((2 * H, D), torch.bfloat16), ((2 * H,), torch.bfloat16), ((rows.bwd_bytes // 4,), torch.float32))]
     with torch.cuda.device(x.device):
-        dx, dx_t = alloc.empty(tuple(x.shape), torch.bfloat16, x.device)
-        d_norm_weight, d_norm_weight_t = alloc.empty((H,), torch.bfloat16, x.device)
-        d_temb, d_temb_t = alloc.empty((T, D), torch.float32, x.device)
-        d_weight, d_weight_t = alloc.empty((2 * H, D), torch.bfloat16, x.device)
-        d_bias, d_bias_t = alloc.empty((2 * H,), torch.bfloat16, x.device)
-        workspace, workspace_t = alloc.empty((rows.bwd_bytes // 4,), torch.float32, x.device)
-        s = alloc.stream(x.device)
-        launchers.bind(x.device.index)
-        launchers.launch_backward(
-            launchers.kernels(x.device.index, plan), plan, rows, s, dy=dy.data_ptr(), x=x.data_ptr(),
-            rstd=rstd.data_ptr(), norm_weight=norm_weight.data_ptr(), table_f32=table_f32.data_ptr(),
-            timestep_indices=timestep_indices.data_ptr(), temb=temb.data_ptr(), weight=weight.data_ptr(),
-            workspace=workspace_t.data_ptr(), dx=dx_t.data_ptr(), d_norm_weight=d_norm_weight_t.data_ptr(),
-            d_temb=d_temb_t.data_ptr(), d_weight=d_weight_t.data_ptr(), d_bias=d_bias_t.data_ptr(), S=x.shape[-2])
-    return dx, d_norm_weight, d_temb, d_weight, d_bias
+        launch.kernels_backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f32.data_ptr(),
+                                rstd.data_ptr(), [t for _, t in arrays[:5]], alloc.stream(x.device),
+                                workspace=arrays[5][1])
+    return tuple(a for a, _ in arrays[:5])

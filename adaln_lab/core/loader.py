@@ -30,6 +30,7 @@ from importlib import resources
 from pathlib import Path
 
 from .plan import ROW_ORDER_KEYS_MAX, Plan
+from .warnings import KernelCacheWarning
 
 KERNEL_FILES = ("adaln_common.cuh", "table.cu", "norm_modulate.cu", "row_order.cu", "norm_modulate_bwd.cu",
                 "reduce_partials.cu", "table_bwd.cu", "gated_residual.cu", "gated_residual_norm.cu")
@@ -43,10 +44,6 @@ KERNELS = ("table_bf16", "norm_modulate_bf16", "norm_modulate_rowwise_bf16", "no
 DEFAULT_CACHE_DIR = os.path.expanduser("~/.cupy/kernel_cache")  # CuPy's default
 # driver statuses of an unusable image: INVALID_IMAGE, NO_BINARY_FOR_GPU, INVALID_PTX, UNSUPPORTED_PTX_VERSION,
 BAD_BINARY_STATUSES = frozenset({200, 209, 218, 222, 300, 302, 303, 500})  # INVALID_SOURCE, SHARED_OBJECT_*, NOT_FOUND
-
-
-class KernelCacheWarning(UserWarning):
-    """CuPy's kernel cache could not be used: the kernels were compiled in memory (the same kernels)."""
 
 
 def kernel_dir() -> Path:

@@ -110,6 +110,13 @@ def layout(sizes: dict) -> tuple[dict, int]:
     return offsets, max(total, ALIGN)
 
 
+def forward_workspace(T: int, H: int, rows: int) -> tuple[dict, int]:
+    """norm_out's forward workspace: `table` (T, 2H) bf16, `table_f32` (T, 2H) fp32 and `rstd` (rows,) fp32 laid out
+    one after another: (byte offsets, total bytes). Integer arithmetic alone, so that torch.compile can trace it on
+    symbolic sizes (the op's Function allocates the workspace in eager and compiled code alike)."""
+    return layout({"table": T * 2 * H * 2, "table_f32": T * 2 * H * 4, "rstd": rows * 4})
+
+
 def supported(H: int, D: int, T: int) -> bool:
     """check_shapes as a yes / no."""
     try:
@@ -288,7 +295,7 @@ def _rows(plan: Plan, rows: int) -> Rows:
     bwd_per = max(1, min(t["ROW_LIST_MAX"], math.ceil(rows / t["BWD_RANGES"])))
     bwd_ranges = math.ceil(rows / bwd_per) if rows else 0
     T, H, D = plan.T, plan.H, plan.D
-    fwd_offsets, fwd_bytes = layout({"table": T * 2 * H * 2, "table_f32": T * 2 * H * 4, "rstd": rows * 4})
+    fwd_offsets, fwd_bytes = forward_workspace(T, H, rows)
     bwd_offsets, bwd_bytes = layout({"row_partials": max(bwd_ranges, 1) * T * 2 * H * 4, "d_table": T * 2 * H * 4,
                                      "dact_partials": plan.blocks_j * T * D * 4})
     return Rows(rows, fwd_per, math.ceil(rows / fwd_per) if rows else 0, bwd_per, bwd_ranges,

@@ -19,6 +19,8 @@ import warnings
 
 import torch
 
+from .library import eager
+from .warnings import KernelFallbackWarning
 from .plan import ROWS_MAX, T_MAX, check_shapes, plan as make_plan
 
 _BF16 = torch.bfloat16
@@ -27,24 +29,15 @@ _NAMES = {_BF16: "bfloat16", _F32: "float32"}
 STATIC_SHARED_MAX = 48 * 1024  # bytes of static shared memory one CUDA block may declare (the twin's limit)
 
 
-_CUPY_MISSING: dict = {}  # the one lookup's answer, kept where torch.compile reads it as a constant
-
-
-def _cupy_missing() -> bool:
-    """Whether CuPy is not installed (looked up once). Under torch.compile, before any eager call looked, False:
-    dynamo cannot trace importlib's lookup (a graph break, so fullgraph fails); the launch then reports a missing
-    CuPy itself."""
-    if "missing" not in _CUPY_MISSING:
-        if torch.compiler.is_compiling():
-            return False
-        _CUPY_MISSING["missing"] = importlib.util.find_spec("cupy") is None
-    return _CUPY_MISSING["missing"]
+# Whether CuPy is installed: one look at the import path when this module loads (no import, well under a
+# millisecond), kept as a constant that torch.compile reads (dynamo cannot trace importlib's lookup).
+CUPY_FOUND = importlib.util.find_spec("cupy") is not None
 
 
 def _not_cuda(name: str, t: torch.Tensor) -> Exception | None:
     if t.device.type != "cuda":
         return ValueError(f"the CUDA kernels need CUDA tensors, but {name} is on {t.device}")
-    if _cupy_missing():
+    if not CUPY_FOUND:
         return ImportError("the CUDA kernels need CuPy (and numba-cuda for the twin), which the cuda extra "
                            "brings: pip install 'adaln_lab[cuda]'")
     return None
@@ -156,16 +149,23 @@ def numba_final_adaln_out(x, norm_weight, temb, weight, bias=None) -> Exception 
     return None
 
 
-class KernelFallbackWarning(UserWarning):
-    """An op on CUDA tensors ran its torch code because the kernels cannot take the inputs (the message says
-    why): diffusers' numerics, parameter gradients summed by atomics (not repeatable run to run)."""
+def route(op: str, backend: str, x: torch.Tensor, error: Exception | None) -> str:
+    """The one decision of a public call, made once and saved for its backward: "cupy" (the kernels) when `error`
+    (this module's answer for the inputs) is None; else backend "cupy" raises `error`, and "auto" warns
+    (`warn_fallback`) and takes "torch" (the op's torch code)."""
+    if error is None:
+        return "cupy"
+    if backend == "cupy":
+        raise error
+    warn_fallback(op, x, error)
+    return "torch"
 
 
 def warn_fallback(op: str, x: torch.Tensor, error: Exception) -> None:
     """Warn (once per op and reason: Python's default filter) that `op` on CUDA x runs its torch code because
     of `error`. Silent on other devices, where the torch code is what backend "auto" means, and while
     torch.compile traces (a warning there is a graph break; the eager call warns)."""
-    if x.is_cuda and not torch.compiler.is_compiling():
+    if x.is_cuda and eager():
         warnings.warn(f"{op}: the CUDA kernels cannot take these inputs ({error}); this call runs the torch code "
                       "(diffusers' numerics; parameter gradients summed by atomics, not repeatable run to run). "
                       "backend='cupy' raises instead", KernelFallbackWarning, stacklevel=3)

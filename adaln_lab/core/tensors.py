@@ -43,7 +43,6 @@ import functools
 from functools import lru_cache
 
 import torch
-import torch.nn.functional as F
 
 from . import launchers
 from .plan import plan as make_plan, row_tables_fit
@@ -88,78 +87,6 @@ def context(device_index: int, H: int, D: int, T: int, rows: int, table_n: int =
 launchers.on_forget(context.cache_clear)
 
 
-def table_from_torch(temb, weight, bias):
-    """The table by F.linear (cuBLAS), diffusers' bits, and its fp32 twin: the same sums unrounded (as
-    table.cu's table_f32), which the backward uses. Tensors to keep alive."""
-    act = F.silu(temb).to(weight.dtype)
-    return F.linear(act, weight, bias), F.linear(act.float(), weight.float(), bias.float())
-
-
-def forward_tensors(x, norm_weight, temb, weight, bias, timestep_indices, eps: float, table_backend: str,
-                    fused_workspace: bool = True):
-    """(out, saved): out (..., S, H) and what the backward needs.
-
-    saved = (plan, rows, keep, table_f32_ptr, rstd_ptr). With `fused_workspace` the bf16 table,
-    table_f32 and rstd share one allocation (the eager path); otherwise `keep` is the tuple
-    (table_f32 (T, 2H), rstd (rows,)) of separate tensors (the custom op's outputs).
-    """
-    x, norm_weight, weight, bias = aligned(x), aligned(norm_weight), aligned(weight), aligned(bias)
-    H = x.shape[-1]
-    T, D = temb.shape
-    device = x.device
-    plan, rows, k = context(device.index, H, D, T, x.numel() // H)
-    launchers.bind(device.index)
-    stream = current_stream(device.index)
-    out = torch.empty_like(x)
-    if fused_workspace:
-        keep = torch.empty(rows.fwd_bytes, dtype=torch.uint8, device=device)
-        base, o = keep.data_ptr(), rows.fwd_offsets
-        table, table_f32, rstd = base + o["table"], base + o["table_f32"], base + o["rstd"]
-    else:
-        table_f32_t = torch.empty(T, 2 * H, dtype=torch.float32, device=device)
-        rstd_t = torch.empty(rows.rows, dtype=torch.float32, device=device)
-        keep = (table_f32_t, rstd_t)
-        table_t = torch.empty(T, 2 * H, dtype=torch.bfloat16, device=device)
-        table, table_f32, rstd = table_t.data_ptr(), table_f32_t.data_ptr(), rstd_t.data_ptr()
-    if table_backend == "torch":
-        table_t, table_f32_t = table_from_torch(temb, weight, bias)
-        if fused_workspace:
-            keep = (keep, table_f32_t)
-        else:
-            keep[0].copy_(table_f32_t)
-        table = table_t.data_ptr()
-        table_f32 = table_f32_t.data_ptr() if fused_workspace else table_f32
-    else:
-        launchers.launch_table(k, plan, stream, temb.data_ptr(), weight.data_ptr(), bias.data_ptr(), table, table_f32)
-    launchers.launch_norm_modulate(k, plan, rows, stream, x.data_ptr(), norm_weight.data_ptr(), table,
-                                   timestep_indices.data_ptr(), out.data_ptr(), rstd, x.shape[-2], eps,
-                                   after_table=table_backend != "torch")
-    return out, (plan, rows, keep, table_f32, rstd)
-
-
-def backward_tensors(dy, x, norm_weight, temb, weight, timestep_indices, saved):
-    """dx, d_norm_weight, d_temb, d_weight, d_bias (see the module docstring) for one forward's `saved`."""
-    plan, rows, _, table_f32, rstd = saved
-    x, norm_weight, weight = aligned(x), aligned(norm_weight), aligned(weight)
-    device = x.device
-    k = launchers.kernels(device.index, plan)
-    launchers.bind(device.index)
-    stream = current_stream(device.index)
-    dy = aligned(dy)
-    dx = torch.empty_like(x)
-    d_norm_weight, d_bias = torch.empty_like(norm_weight), torch.empty(2 * plan.H, dtype=weight.dtype, device=device)
-    d_temb = torch.empty_like(temb)
-    d_weight = torch.empty_like(weight)
-    workspace = torch.empty(rows.bwd_bytes, dtype=torch.uint8, device=device)
-    launchers.launch_backward(k, plan, rows, stream, dy=dy.data_ptr(), x=x.data_ptr(), rstd=rstd,
-                              norm_weight=norm_weight.data_ptr(), table_f32=table_f32,
-                              timestep_indices=timestep_indices.data_ptr(), temb=temb.data_ptr(),
-                              weight=weight.data_ptr(), workspace=workspace.data_ptr(), dx=dx.data_ptr(),
-                              d_norm_weight=d_norm_weight.data_ptr(), d_temb=d_temb.data_ptr(),
-                              d_weight=d_weight.data_ptr(), d_bias=d_bias.data_ptr(), S=x.shape[-2])
-    return dx, d_norm_weight, d_temb, d_weight, d_bias
-
-
 def table(temb, weight, bias):
     """table (T, 2H) bf16 and table_f32 (T, 2H) fp32 by kernels_cu/table.cu (one kernel, for tests and tools)."""
     T, D = temb.shape
@@ -189,11 +116,11 @@ def norm_modulate(x, norm_weight, table_bf16, timestep_indices, eps: float, D: i
 
 def keeps_device(fn):
     """fn's launches bind the device of its first tensor argument; the caller's current device is back after (a
-    block on cuda:1 run while cuda:0 is current leaves cuda:0 current)."""
+    block on cuda:1 run while cuda:0 is current leaves cuda:0 current). CPU tensors: fn as it is."""
 
     @functools.wraps(fn)
     def on_its_device(first, *args, **kwargs):
-        if first.get_device() == current_device():
+        if not first.is_cuda or first.get_device() == current_device():
             return fn(first, *args, **kwargs)
         with torch.cuda.device(first.device):
             return fn(first, *args, **kwargs)

@@ -94,8 +94,8 @@ def adaln_lab_candidate(table_backend: str = "cuda", device: str | torch.device 
 
 
 def adaln_lab_numba_candidate(table_backend: str = "cuda", device: str | torch.device | None = "cuda") -> Named:
-    """`final_adaln_out` with backend "numba": the Numba-CUDA twin of kernels_cu (adaln_lab.numba.forward,
-    adaln_lab.numba.backward) through numba-cuda, on torch's current stream.
+    """`final_adaln_out` with backend "numba": the Numba-CUDA twin of kernels_cu (adaln_lab.ops.final_adaln_out.twin.forward,
+    adaln_lab.ops.final_adaln_out.twin.backward) through numba-cuda, on torch's current stream.
 
     Raises ValueError (naming the candidate) where it cannot run: numba-cuda not importable, or
     `device` not CUDA while numba is not in its simulator, or CUDA while it is (the simulator takes
@@ -106,7 +106,7 @@ def adaln_lab_numba_candidate(table_backend: str = "cuda", device: str | torch.d
 
     kind = torch.device(device).type if device is not None else "cuda"
     try:
-        from ..numba.op import simulating
+        from ..ops.final_adaln_out.twin.op import simulating
 
         simulated = simulating()
     except Exception as error:  # numba-cuda missing or broken: say so before any row is measured
@@ -122,7 +122,7 @@ def adaln_lab_numba_candidate(table_backend: str = "cuda", device: str | torch.d
                                backend="numba", table_backend=table_backend, check_indices=False)
 
     source = (f"adaln_lab final_adaln_out (backend numba: the Numba-CUDA twin of the kernels_cu kernels, "
-              f"adaln_lab.numba.forward / adaln_lab.numba.backward, through numba-cuda on torch's stream, "
+              f"adaln_lab.ops.final_adaln_out.twin.forward / adaln_lab.ops.final_adaln_out.twin.backward, through numba-cuda on torch's stream, "
               f"table_backend={table_backend}, check_indices=False)")
     if simulated:
         return Named("adaln_lab_numba", source.replace("through numba-cuda on torch's stream",

@@ -3,11 +3,11 @@
 The only layer that imports diffusers (through `upstream`, on demand, never at `import adaln_lab`).
 """
 
-from .adaln_out import AdaLNOut, AdaLNOutFallbackWarning
+from ..core.warnings import AdaLNFallbackWarning, AdaLNOutFallbackWarning, NothingToPatchWarning
+from .adaln_out import AdaLNOut
 from .block import AdaLNTransformerBlock
-from .fallback import AdaLNFallbackWarning
 from .fsdp import fsdp2_shard
-from .patch import NothingToPatchWarning, patch, unpatch
+from .patch import patch, unpatch
 
 __all__ = ["AdaLNFallbackWarning", "AdaLNOut", "AdaLNOutFallbackWarning", "AdaLNTransformerBlock", "fsdp2_shard",
            "NothingToPatchWarning", "patch", "unpatch"]

@@ -37,14 +37,11 @@ from ..ops.modulated_rms_norm import modulated_rms_norm
 from ..ops.modulation_table import modulation_table
 from ..reference.final_adaln_out import replay
 from . import adapters
-from .fallback import AdaLNFallbackWarning, foreign, warn_once
+from ..core.warnings import AdaLNOutFallbackWarning
+from .fallback import foreign, warn_once
 from .upstream import diffusers_class
 
 _EXACT_TEMB_DTYPES = (torch.float32, torch.float64)
-
-
-class AdaLNOutFallbackWarning(AdaLNFallbackWarning):
-    """`AdaLNOut` ran the diffusers replay instead of the requested CUDA kernels (the message says why)."""
 
 
 _READS = {"norm": nn.RMSNorm, "linear": None}  # the submodules whose parameters forward reads (linear: `adapters`)

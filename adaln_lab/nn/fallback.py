@@ -17,13 +17,11 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as torch_module
 
+from ..core.warnings import AdaLNFallbackWarning
+
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 _GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
                  "_global_backward_hooks")
-
-
-class AdaLNFallbackWarning(UserWarning):
-    """A patched module ran diffusers' own forward for a call (the message says why)."""
 
 
 def foreign(module: nn.Module, plain: dict[str, type | None]) -> str | None:

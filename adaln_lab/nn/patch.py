@@ -21,6 +21,7 @@ import warnings
 
 import torch.nn as nn
 
+from ..core.warnings import NothingToPatchWarning
 from .adaln_out import AdaLNOut, check_options, submodules
 from .block import AdaLNTransformerBlock, check_submodules
 from .block import check_options as check_block_options
@@ -29,10 +30,6 @@ from .upstream import diffusers_class
 PARTS = ("norm_out", "blocks")
 LOOKED_FOR = {"norm_out": ("MiniMaxH3AdaLayerNormOut", AdaLNOut),
               "blocks": ("MiniMaxH3TransformerBlock", AdaLNTransformerBlock)}  # part: (diffusers class, ours)
-
-
-class NothingToPatchWarning(UserWarning):
-    """`patch` found none of the diffusers modules it swaps (and none already swapped) in the model."""
 
 
 def _parts(parts) -> tuple[str, ...]:

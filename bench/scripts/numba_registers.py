@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from adaln_lab.numba import backward as numba_backward
+from adaln_lab.ops.final_adaln_out.twin import backward as numba_backward
 from adaln_lab.harness.inputs import make, upstream
 from adaln_lab.core.plan import plan
 

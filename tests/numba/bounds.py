@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from adaln_lab.core.plan import plan as make_plan
 from adaln_lab.harness.accuracy import golden_result
 from adaln_lab.harness.inputs import make, upstream
-from adaln_lab.numba import backward as numba_backward
+from adaln_lab.ops.final_adaln_out.twin import backward as numba_backward
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-5

@@ -1,4 +1,4 @@
-"""The Numba twin of the backward (adaln_lab.numba.backward): on a CPU through numba's CUDA simulator
+"""The Numba twin of the backward (adaln_lab.ops.final_adaln_out.twin.backward): on a CPU through numba's CUDA simulator
 (tiny shapes), on a GPU against kernels_cu bit for bit (`gpu` mark).
 
 What the simulator can and cannot show. It runs the twin's geometry, pass logic and order of every
@@ -19,7 +19,7 @@ import torch
 
 from adaln_lab.core.plan import TUNING, plan as make_plan
 from adaln_lab.harness.inputs import make, upstream
-from adaln_lab.numba import backward as numba_backward
+from adaln_lab.ops.final_adaln_out.twin import backward as numba_backward
 
 from .bounds import (DEVICE, EPS, HALF_BF16, NAMES, Depths, assert_within, error_bounds, golden_tolerances, make_case,
                      same_bits, saved_tensors, simulating)
@@ -279,7 +279,7 @@ def test_reduce_partials_has_the_association_of_the_kernels_chunked_loop():
 # the backward's kernels for numba's real CUDA target (tests/numba/conftest.py: `twin_ptx_for_sm90` compiles them in one
 # process with test_forward.py's)
 SM90_SIGS = """
-from adaln_lab.numba import backward as nb
+from adaln_lab.ops.final_adaln_out.twin import backward as nb
 from adaln_lab.core.plan import plan as make_plan
 nb._nc()
 from numba import cuda, float32, int64, uint16

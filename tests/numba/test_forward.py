@@ -1,4 +1,4 @@
-"""The Numba twin of the forward (adaln_lab.numba.forward): on a CPU through numba's CUDA simulator (tiny shapes;
+"""The Numba twin of the forward (adaln_lab.ops.final_adaln_out.twin.forward): on a CPU through numba's CUDA simulator (tiny shapes;
 tests/conftest.py turns it on where there is no GPU), on a GPU against kernels_cu bit for bit."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from adaln_lab.harness.accuracy import parity
 from adaln_lab.harness.inputs import make
-from adaln_lab.numba import forward as numba_forward
+from adaln_lab.ops.final_adaln_out.twin import forward as numba_forward
 from adaln_lab.reference import replay
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -68,7 +68,7 @@ def test_twin_equals_kernels_cu_bit_for_bit():
 # the forward's kernels for numba's real CUDA target (tests/numba/conftest.py: `twin_ptx_for_sm90` compiles them in one
 # process with test_backward.py's)
 SM90_SIGS = """
-from adaln_lab.numba import forward as nb
+from adaln_lab.ops.final_adaln_out.twin import forward as nb
 nb.cuda()
 from numba import cuda, float32, int64, uint16
 sigs = {

@@ -1,4 +1,4 @@
-"""backend="numba" (adaln_lab.numba.op): the Numba twin of kernels_cu as an autograd op.
+"""backend="numba" (adaln_lab.ops.final_adaln_out.twin.op): the Numba twin of kernels_cu as an autograd op.
 
 On a CPU through numba's CUDA simulator at tiny shapes (the simulator runs a few thousand threads a
 second; every fwd + bwd here costs seconds, so the module runs a handful of them): the plumbing of the
@@ -24,7 +24,7 @@ from adaln_lab.harness.accuracy import golden_result, parity, rel_err
 from adaln_lab.harness.candidates import resolve
 from adaln_lab.harness.inputs import Inputs, make, upstream
 from adaln_lab.harness.protocol import FULL
-from adaln_lab.numba import backward as numba_backward, forward as numba_forward, op as numba_op
+from adaln_lab.ops.final_adaln_out.twin import backward as numba_backward, forward as numba_forward, op as numba_op
 from adaln_lab.core import support
 from adaln_lab.reference import replay
 

@@ -1,8 +1,9 @@
-"""The Numba backend of `final_adaln_out`: the Numba-CUDA twin of kernels_cu behind an autograd node.
+"""The Numba backend of `final_adaln_out`: the Numba-CUDA twin of kernels_cu, as the bodies of the op's launch ops.
 
-`final_adaln_out(..., backend="numba")` (validated by `adaln_lab.ops.final_adaln_out`) comes here. The forward runs the
-twin's table and norm_modulate kernels (`adaln_lab.numba.forward`), the backward its norm_modulate_bwd,
-reduce_partials, table_bwd and table_bwd_reduce (`adaln_lab.numba.backward`), launched in
+`final_adaln_out(..., backend="numba")` (validated by `adaln_lab.ops.final_adaln_out`) takes route "numba" through the
+op's one autograd node, whose launch ops (`..launch`) call `forward_tensors` and `backward_tensors` here. The forward runs the
+twin's table and norm_modulate kernels (`adaln_lab.ops.final_adaln_out.twin.forward`), the backward its norm_modulate_bwd,
+reduce_partials, table_bwd and table_bwd_reduce (`adaln_lab.ops.final_adaln_out.twin.backward`), launched in
 launch_backward's order. Same contract as the cupy backend (`adaln_lab.ops.final_adaln_out`):
 
 - Inputs: x (..., S, H) bf16, norm_weight (H,) bf16, temb (T, D) fp32, weight (2H, D) bf16, bias (2H,)
@@ -33,10 +34,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from ..core.tensors import table_from_torch
-from ..core import support
+from ..launch import table_from_torch
+from ....core import support
 
 
 def _numba_cuda():
@@ -105,33 +105,3 @@ def backward_tensors(dy, x, norm_weight, temb, weight, timestep_indices, table_f
     with _launching(x.device) as stream:
         return backward.backward(dy.contiguous(), x, rstd, norm_weight, table_f32, timestep_indices, temb,
                                        weight, stream=stream)
-
-
-class FinalAdaLNOutNumba(torch.autograd.Function):
-    """The autograd node of backend "numba": forward(x, norm_weight, temb, weight, bias, timestep_indices,
-    eps, table_backend) -> out; backward(dy) -> dx, d_norm_weight, d_temb, d_weight, d_bias (shapes and
-    broadcast in the module docstring). Takes contiguous, supported inputs (`final_adaln_out` sees to it).
-    Saves x, norm_weight, temb, weight, timestep_indices, table_f32 and rstd."""
-
-    @staticmethod
-    def forward(ctx, x, norm_weight, temb, weight, bias, timestep_indices, eps, table_backend):
-        out, table_f32, rstd = forward_tensors(x, norm_weight, temb, weight, bias, timestep_indices, eps,
-                                               table_backend)
-        ctx.save_for_backward(x, norm_weight, temb, weight, timestep_indices, table_f32, rstd)
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        x, norm_weight, temb, weight, timestep_indices, table_f32, rstd = ctx.saved_tensors
-        grads = backward_tensors(dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd)
-        needs = ctx.needs_input_grad
-        return (*(g if need else None for g, need in zip(grads, needs)), None, None, None)
-
-
-@torch.compiler.disable
-def final_adaln_out(x, norm_weight, temb, weight, bias, timestep_indices, eps, *, table_backend="cuda"):
-    """The Numba backend of `adaln_lab.final_adaln_out` (inputs already validated by `adaln_lab.ops.final_adaln_out`)."""
-    support.refuse(unsupported(x, norm_weight, temb, weight, bias))
-    return FinalAdaLNOutNumba.apply(x.contiguous(), norm_weight.contiguous(), temb.contiguous(), weight.contiguous(),
-                                    bias.contiguous(), timestep_indices.contiguous(), float(eps), table_backend)

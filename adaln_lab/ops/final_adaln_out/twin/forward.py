@@ -11,7 +11,7 @@ What the simulator cannot reproduce: `cuda.fma` rounds twice there, and rsqrt is
 numba-cuda 0.30.4 calls `numpy.row_stack` at its first launch, which numpy 2.5 removed; `cuda()`
 puts `numpy.vstack` in its place before importing `numba.cuda`, and only when first called.
 
-Scope: the forward (table and norm_modulate); the backward's twin is `adaln_lab.numba.backward`.
+Scope: the forward (table and norm_modulate); the backward's twin is `adaln_lab.ops.final_adaln_out.twin.backward`.
 Tensors: bf16 tensors travel as their 16-bit patterns (uint16), fp32 as fp32.
 """
 
@@ -23,7 +23,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from ..core.plan import plan as make_plan
+from ....core.plan import plan as make_plan
 
 
 nc = None  # numba.cuda once cuda() ran; kernels name it as a module global so the simulator can swap it
@@ -208,7 +208,7 @@ def plain(t: torch.Tensor):
 def table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, stream=0):
     """(T, 2H) bf16 table and (T, 2H) fp32 twin, as `core.tensors.table` computes them.
 
-    stream: the numba stream to launch on (0: numba's default; `adaln_lab.numba.op` passes torch's current one)."""
+    stream: the numba stream to launch on (0: numba's default; `adaln_lab.ops.final_adaln_out.twin.op` passes torch's current one)."""
     T, D = temb.shape
     H = weight.shape[0] // 2
     kernel = table_kernel(H, D, T)

@@ -1,6 +1,6 @@
 """The Numba-CUDA twin of the backward: kernels_cu/norm_modulate_bwd.cu, reduce_partials.cu and table_bwd.cu.
 
-Written for reading, like `adaln_lab.numba.forward` (the forward's twin, whose device functions this
+Written for reading, like `adaln_lab.ops.final_adaln_out.twin.forward` (the forward's twin, whose device functions this
 module imports): the same launch geometry (every number from `adaln_lab.core.plan`), the same reduction
 order and the same rounding points as the CUDA C++ kernels, launched in the order of
 `adaln_lab.core.launchers.launch_backward`:
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from .forward import bits, cuda, device_functions, plain
-from ..core.plan import TB_COLUMNS, Plan, plan as make_plan
+from ....core.plan import TB_COLUMNS, Plan, plan as make_plan
 
 VEC = 8  # ADALN_VEC (adaln_common.cuh): bf16 values of one 16-byte vector
 
@@ -390,7 +390,7 @@ def norm_modulate_bwd(dy, x, rstd, norm_weight, table_f32, timestep_indices, D: 
     rows_per_range: None takes the plan's (Rows.bwd_rows_per_range, what launch_backward passes); the
     kernel takes any, like the CUDA one, so a test can give a few rows several ranges' worth of work.
     stream (here and in the other wrappers): the numba stream to launch on (0: numba's default;
-    `adaln_lab.numba.op` passes torch's current one, on which the outputs are allocated and zeroed).
+    `adaln_lab.ops.final_adaln_out.twin.op` passes torch's current one, on which the outputs are allocated and zeroed).
     """
     rows, H = x.shape
     T = table_f32.shape[0]

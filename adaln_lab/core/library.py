@@ -1,0 +1,61 @@
+"""Where an eager call and a compiled one part: the one module that asks `torch.compiler.is_compiling()`.
+
+- `library_op(name, mutates_args=...)`: a torch.library custom op whose body writes outputs the caller
+  allocated (so its fake is a no-op: nothing for torch.compile to trace into), returned as a plain function that
+  calls the body directly in eager code (the dispatcher's fixed cost skipped) and the custom op while
+  torch.compile traces (an opaque node in the graph). Every op's one `autograd.Function` calls these, in eager and
+  compiled code alike.
+- `apply(function, *args)`: `function.apply(*args)` through the C++ apply where nothing needs the Python layer of
+  `torch.autograd.Function.apply` (its default-argument binding and functorch's dead-wrapper unwrap, about 2 us a
+  call): in eager code without a functorch transform. While tracing, and under a transform, `Function.apply`.
+- `eager()`: whether the call runs eagerly (host values may be read, warnings raised), not under tracing.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+
+import torch
+
+_compiling = torch.compiler.is_compiling
+_transforms_active = torch._C._are_functorch_transforms_active
+
+
+def eager() -> bool:
+    """True in eager code; False while torch.compile traces (no host reads, no warnings there)."""
+    return not _compiling()
+
+
+def library_op(name: str, *, mutates_args: Iterable[str], device_types: str | Iterable[str] | None = None
+               ) -> Callable[[Callable], Callable]:
+    """Decorator: `fn` (returning None, writing the tensors named in mutates_args) as the custom op `name`, with
+    a no-op fake; the returned function calls `fn` in eager code and the op's overload under torch.compile.
+    The custom op itself is the returned function's `op` (for `torch.library.opcheck`)."""
+
+    def register(fn: Callable) -> Callable:
+        op = torch.library.custom_op(name, fn, mutates_args=tuple(mutates_args), device_types=device_types)
+        op.register_fake(_no_output)
+        overload = op._opoverload  # dynamo inlines a plain function calling an OpOverload, also inside a Function
+
+        @functools.wraps(fn)
+        def call(*args):
+            if _compiling():
+                return overload(*args)
+            return fn(*args)
+
+        call.op = op
+        return call
+
+    return register
+
+
+def _no_output(*args) -> None:
+    return None
+
+
+def apply(function: type[torch.autograd.Function], *args):
+    """function.apply(*args), through the C++ apply where nothing needs Function.apply's Python layer."""
+    if _compiling() or _transforms_active():
+        return function.apply(*args)
+    return super(torch.autograd.Function, function).apply(*args)
