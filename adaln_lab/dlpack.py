@@ -16,6 +16,11 @@ functions run the launch ops' reference bodies: the diffusers replay forward and
 Shapes: x (..., S, H) bf16, norm_weight (H,) bf16, temb (T, D) fp32, weight (2H, D) bf16, bias (2H,)
 bf16, timestep_indices (S,) int64; table_f32 (T, 2H) fp32 and rstd (rows,) fp32 are the forward's
 saved values the backward takes; gradients have their inputs' shapes (d_bias (2H,)).
+
+Arguments are checked before anything runs, each error naming the argument: TypeError for what is no
+DLPack array (a list, None), then `adaln_lab.validate`'s checks. A timestep index outside [0, T) is an
+IndexError on the CPU; on CUDA it is not checked (that check would wait for the GPU), as in
+`final_adaln_out`: the kernels never read outside the table, and that row's output is NaN.
 """
 
 from __future__ import annotations
@@ -32,8 +37,22 @@ from .reference.backward import final_adaln_out_backward
 _TORCH_TO_CUPY = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
-def _torch(a) -> torch.Tensor:
-    return a if isinstance(a, torch.Tensor) else torch.from_dlpack(a)
+def _tensors(names: tuple[str, ...], arrays: tuple) -> list[torch.Tensor]:
+    """Each array as a torch tensor (zero-copy); TypeError naming the argument for anything that is no DLPack
+    array (a list, None, ...) or that torch cannot read."""
+    tensors = []
+    for name, a in zip(names, arrays):
+        if not isinstance(a, torch.Tensor):
+            if not hasattr(a, "__dlpack__"):
+                raise TypeError(f"adaln_lab.dlpack: {name} must be an array that supports DLPack (a CuPy array or a "
+                                f"torch tensor), got {type(a).__name__}")
+            try:
+                a = torch.from_dlpack(a)
+            except (BufferError, RuntimeError, TypeError, ValueError) as error:
+                raise TypeError(f"adaln_lab.dlpack: torch.from_dlpack cannot read {name} ({type(a).__name__}): "
+                                f"{error}") from None
+        tensors.append(a)
+    return tensors
 
 
 def _is_cupy(a) -> bool:
@@ -69,7 +88,7 @@ class _Allocator:
 
 
 def _check(x, norm_weight, temb, weight, bias, timestep_indices, eps):
-    validate(x, norm_weight, temb, weight, bias, timestep_indices, eps, check_indices=False)
+    validate(x, norm_weight, temb, weight, bias, timestep_indices, eps, check_indices=not x.is_cuda)
     if x.is_cuda:
         support.refuse(support.final_adaln_out(x, norm_weight, temb, weight, bias))
     elif x.dtype != torch.bfloat16 or temb.dtype != torch.float32:
@@ -94,8 +113,9 @@ def _setup(x, temb, like):
 def forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: float = 1e-5):
     """(out (..., S, H) bf16, table_f32 (T, 2H) fp32, rstd (rows,) fp32) as arrays of x's library."""
     like = x
-    x, norm_weight, temb, weight, bias, timestep_indices = map(_torch, (x, norm_weight, temb, weight, bias,
-                                                                       timestep_indices))
+    x, norm_weight, temb, weight, bias, timestep_indices = _tensors(
+        ("x", "norm_weight", "temb", "weight", "bias", "timestep_indices"),
+        (x, norm_weight, temb, weight, bias, timestep_indices))
     _check(x, norm_weight, temb, weight, bias, timestep_indices, eps)
     if not x.is_cuda:
         return launch.reference_forward(x, norm_weight, temb, weight, bias, timestep_indices, float(eps))
@@ -114,8 +134,9 @@ def forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: float = 1
 def backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd):
     """(dx, d_norm_weight, d_temb, d_weight, d_bias) as arrays of x's library; fixed-order reductions."""
     like = x
-    dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd = map(
-        _torch, (dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd))
+    dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd = _tensors(
+        ("dy", "x", "norm_weight", "temb", "weight", "timestep_indices", "table_f32", "rstd"),
+        (dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd))
     _check(x, norm_weight, temb, weight, weight[:, 0].contiguous(), timestep_indices, 1e-5)  # a bias of the right shape
     if dy.shape != x.shape or dy.dtype != x.dtype:
         raise ValueError(f"dy must be a {x.dtype} array of x's shape {tuple(x.shape)}")

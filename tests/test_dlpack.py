@@ -33,6 +33,45 @@ def test_bad_arrays_are_refused_naming_the_argument():
                         table_f32, rstd[:3])
 
 
+class _UnreadableArray:
+    """Says it speaks DLPack, but its export fails (as a read-only or exotic array's may)."""
+
+    def __dlpack__(self, **kwargs):
+        raise BufferError("this array cannot be exported")
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+def test_non_arrays_are_refused_naming_the_argument():
+    inputs = make(1, 8, "cpu", **SMALL)
+    args = list(inputs.args)
+    with pytest.raises(TypeError, match=r"^adaln_lab.dlpack: x must be an array that supports DLPack .*got list$"):
+        dlpack.forward(args[0].tolist(), *args[1:])
+    with pytest.raises(TypeError, match=r"^adaln_lab.dlpack: temb must be an array .*DLPack .*got NoneType$"):
+        dlpack.forward(*args[:2], None, *args[3:])
+    with pytest.raises(TypeError, match=r"^adaln_lab.dlpack: torch.from_dlpack cannot read weight \(_Unreadable"):
+        dlpack.forward(*args[:3], _UnreadableArray(), *args[4:])
+    out, table_f32, rstd = dlpack.forward(*args)
+    with pytest.raises(TypeError, match=r"^adaln_lab.dlpack: dy must be an array that supports DLPack .*got str$"):
+        dlpack.backward("dy", inputs.x, inputs.norm_weight, inputs.temb, inputs.weight, inputs.timestep_indices,
+                        table_f32, rstd)
+
+
+@pytest.mark.parametrize("bad", [-1, 3])
+def test_a_timestep_index_outside_the_table_is_an_index_error_naming_it(bad):
+    """As `final_adaln_out` on the CPU: IndexError naming timestep_indices, the value and the range (T = 3)."""
+    inputs = make(1, 8, "cpu", **SMALL)
+    idx = inputs.timestep_indices.clone()
+    idx[5] = bad
+    match = rf"^timestep_indices holds {bad}, outside \[0, T\) = \[0, 3\)$"
+    with pytest.raises(IndexError, match=match):
+        dlpack.forward(*inputs.args[:5], idx)
+    out, table_f32, rstd = dlpack.forward(*inputs.args)
+    with pytest.raises(IndexError, match=match):
+        dlpack.backward(out, inputs.x, inputs.norm_weight, inputs.temb, inputs.weight, idx, table_f32, rstd)
+
+
 def _op_result(inputs, dy):
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs.leaves]
     out = adaln_lab_candidate().fn(*leaves, inputs.timestep_indices)

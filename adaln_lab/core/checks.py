@@ -132,7 +132,8 @@ def validate(x, norm_weight, temb, weight, bias, timestep_indices, eps, *, check
     if H == 0:
         raise ValueError(f"x must have a non-empty last dimension H, got shape {tuple(x_shape)}")
     if norm_weight.shape != (H,):
-        raise ValueError(f"norm_weight must have shape ({H},) to match x's last dim, got {tuple(norm_weight.shape)}")
+        raise ValueError(f"norm_weight has shape {tuple(norm_weight.shape)} but x's last dimension is {H} (x has shape "
+                         f"{tuple(x_shape)}): H is taken from x, and norm_weight must have shape (H,) = ({H},)")
     temb_shape = temb.shape
     if len(temb_shape) != 2 or temb_shape[0] == 0 or temb_shape[1] == 0:
         raise ValueError(f"temb must have shape (T, D) with T, D >= 1, got {tuple(temb_shape)}")
@@ -142,12 +143,14 @@ def validate(x, norm_weight, temb, weight, bias, timestep_indices, eps, *, check
         if len(weight_shape) == 2 and weight_shape[0] == 2 * H:  # the rows fit x: the two D disagree
             raise ValueError(f"temb has D = {D} (shape {tuple(temb_shape)}) but weight has D = {weight_shape[1]} "
                              f"(shape {tuple(weight_shape)}): temb (T, D) and weight (2H, D) must share D")
-        raise ValueError(f"weight must have shape (2H, D) = ({2 * H}, {D}), got {tuple(weight_shape)}")
+        raise ValueError(f"weight must have shape (2H, D) = ({2 * H}, {D}), H = {H} being x's last dimension and "
+                         f"D = {D} temb's (temb has shape {tuple(temb_shape)}), got {tuple(weight_shape)}")
     if bias.shape != (2 * H,):
-        raise ValueError(f"bias must have shape (2H,) = ({2 * H},), got {tuple(bias.shape)}")
+        raise ValueError(f"bias must have shape (2H,) = ({2 * H},), H = {H} being x's last dimension (x has shape "
+                         f"{tuple(x_shape)}), got {tuple(bias.shape)}")
     if timestep_indices.shape != (S,):
-        raise ValueError(f"timestep_indices must have shape (S,) = ({S},) to match x, got "
-                         f"{tuple(timestep_indices.shape)}")
+        raise ValueError(f"timestep_indices must have shape (S,) = ({S},), S = {S} being x's second-to-last "
+                         f"dimension (x has shape {tuple(x_shape)}), got {tuple(timestep_indices.shape)}")
 
     # values
     if check_indices and S > 0 and not timestep_indices.is_meta:
@@ -188,18 +191,22 @@ def check_rows(op: str, x: torch.Tensor, row_index: torch.Tensor, *, y: torch.Te
         raise ValueError(f"{op} needs x of shape (..., S, H), got {tuple(x.shape)}")
     S, H = x.shape[-2], x.shape[-1]
     if row_index.shape != (S,):
-        raise ValueError(f"{op} needs row_index of shape (S,) = ({S},), got {tuple(row_index.shape)}")
+        raise ValueError(f"{op} needs row_index of shape (S,) = ({S},), S = {S} being x's second-to-last dimension "
+                         f"(x has shape {tuple(x.shape)}), got {tuple(row_index.shape)}")
     if row_index.dtype != torch.int64:
         raise TypeError(f"{op} needs row_index of dtype int64, got {row_index.dtype}")
-    rows = {t.shape[0] for t in tables.values() if t.dim() == 2}
     for name, t in tables.items():
-        if t.dim() != 2 or t.shape[1] != H or len(rows) != 1:
-            raise ValueError(f"{op} needs {', '.join(tables)} of one shape (R, H) with H = {H}, got {name} "
-                             f"{tuple(t.shape)}")
+        if t.dim() != 2 or t.shape[1] != H:
+            raise ValueError(f"{op} needs {name} of shape (R, H), H = {H} being x's last dimension (x has shape "
+                             f"{tuple(x.shape)}), got {name} {tuple(t.shape)}")
+    if len({t.shape[0] for t in tables.values()}) > 1:
+        raise ValueError(f"{op} needs {', '.join(tables)} of one shape (R, H), got "
+                         + ", ".join(f"{name} {tuple(t.shape)}" for name, t in tables.items()))
     if y is not None and y.shape != x.shape:
         raise ValueError(f"{op} needs y of x's shape {tuple(x.shape)}, got {tuple(y.shape)}")
     if norm_weight is not None and norm_weight.shape != (H,):
-        raise ValueError(f"{op} needs norm_weight of shape ({H},), got {tuple(norm_weight.shape)}")
+        raise ValueError(f"{op} needs norm_weight of shape (H,) = ({H},), H = {H} being x's last dimension (x has "
+                         f"shape {tuple(x.shape)}), got {tuple(norm_weight.shape)}")
     for name, t in (("x", x), *tables.items(), *((("y", y),) if y is not None else ())):
         if not t.dtype.is_floating_point:
             raise TypeError(f"{op} needs a floating-point {name}, got {t.dtype}")
@@ -219,9 +226,13 @@ def check_table_inputs(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     if temb.dim() != 2 or weight.dim() != 2 or bias.dim() != 1:
         raise ValueError(f"modulation_table needs temb (T, D), weight (N, D) and bias (N,), got shapes "
                          f"{tuple(temb.shape)}, {tuple(weight.shape)}, {tuple(bias.shape)}")
-    if temb.shape[1] != weight.shape[1] or bias.shape[0] != weight.shape[0]:
-        raise ValueError(f"modulation_table: temb {tuple(temb.shape)}, weight {tuple(weight.shape)} and bias "
-                         f"{tuple(bias.shape)} disagree (temb's D must be weight's columns, bias weight's rows)")
+    if temb.shape[1] != weight.shape[1]:
+        raise ValueError(f"modulation_table: temb has D = {temb.shape[1]} (shape {tuple(temb.shape)}) but weight has "
+                         f"D = {weight.shape[1]} (shape {tuple(weight.shape)}): temb (T, D) and weight (N, D) disagree")
+    if bias.shape[0] != weight.shape[0]:
+        raise ValueError(f"modulation_table: bias has N = {bias.shape[0]} (shape {tuple(bias.shape)}) but weight has "
+                         f"N = {weight.shape[0]} rows (shape {tuple(weight.shape)}): bias (N,) and weight (N, D) "
+                         "disagree")
     for name, t in (("temb", temb), ("weight", weight), ("bias", bias)):
         if not t.dtype.is_floating_point:
             raise TypeError(f"modulation_table needs a floating-point {name}, got {t.dtype}")

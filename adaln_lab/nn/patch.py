@@ -32,6 +32,12 @@ LOOKED_FOR = {"norm_out": ("MiniMaxH3AdaLayerNormOut", AdaLNOut),
               "blocks": ("MiniMaxH3TransformerBlock", AdaLNTransformerBlock)}  # part: (diffusers class, ours)
 
 
+def _check_model(function: str, model) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"adaln_lab.{function}: model must be a torch.nn.Module (say a diffusers "
+                        f"MiniMaxH3Transformer3DModel), got {type(model).__name__}")
+
+
 def _parts(parts) -> tuple[str, ...]:
     parts = (parts,) if isinstance(parts, str) else tuple(parts)
     if not parts or any(p not in PARTS for p in parts):
@@ -100,6 +106,7 @@ def patch(model: nn.Module, *, parts=("norm_out", "blocks"), backend: str = "aut
     To change the backend of a patched model, set `backend` / `table_backend` on its swapped modules or
     `unpatch` and patch again.
     """
+    _check_model("patch", model)
     parts = _parts(parts)
     check_options(backend, table_backend)  # everything is checked before anything is swapped
     swaps = []  # (match, what from_diffusers checks, build)
@@ -130,6 +137,7 @@ def unpatch(model: nn.Module, *, parts=PARTS) -> list[str]:
     """Put diffusers' modules back in place of adaln_lab's (`AdaLNOut` -> `MiniMaxH3AdaLayerNormOut`,
     `AdaLNTransformerBlock` -> `MiniMaxH3TransformerBlock`, sharing their submodules), for the given parts
     (default both). Returns the qualified names swapped back, norm_out's first."""
+    _check_model("unpatch", model)
     parts = _parts(parts)
     diffusers_class("MiniMaxH3AdaLayerNormOut")
     names = []

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .final_adaln_out import table_reference
+from .final_adaln_out import rms_norm, table_reference
 
 MODALITIES = 3
 CHUNKS = ("shift_msa", "scale_msa", "gate_msa", "shift_mlp", "scale_mlp", "gate_mlp")
@@ -52,7 +52,7 @@ def replay_modulated_rms_norm(x, norm_weight, shift, scale, row_index, eps):
     """`norm(x) * (1 + scale[row_index]) + shift[row_index]` as diffusers computes it: `F.rms_norm` (x's dtype),
     then `1 + scale` in the table's dtype, the product and the sum in the promoted dtype, each rounded.
     shift, scale (R, H) in the table's dtype; x (..., S, H); row_index (S,)."""
-    normed = F.rms_norm(x, (x.shape[-1],), norm_weight, eps)
+    normed = rms_norm(x, norm_weight, eps)
     return normed * (1.0 + scale.index_select(0, row_index)) + shift.index_select(0, row_index)
 
 

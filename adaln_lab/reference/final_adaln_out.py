@@ -5,7 +5,7 @@ timestep_indices (S,) int64 in [0, T); output (..., S, H) in x's dtype.
 
 - `replay`: the very ops of diffusers 0.42 `MiniMaxH3AdaLayerNormOut.forward`, same order, same
   dtypes: SiLU at temb's precision, one cast to the projection dtype, `F.linear` (table in the
-  projection dtype), `F.rms_norm` (rounds once to x's dtype), then `1 + scale`, the product and
+  projection dtype), `F.rms_norm` (rounds once to x's dtype; `rms_norm`), then `1 + scale`, the product and
   `+ shift`, each rounded to the stream dtype. Its backward is torch's, atomics included.
 - `golden(..., flavour="pure")`: the same function in float64 on the upcast inputs, no rounding
   anywhere. This is the seed report's accuracy reference.
@@ -25,13 +25,28 @@ def table_reference(temb, weight, bias):
     return F.linear(F.silu(temb).to(weight.dtype), weight, bias)
 
 
+def rms_norm(x, norm_weight, eps: float):
+    """`F.rms_norm(x, (H,), norm_weight, eps)`, bit for bit (values and gradients): (..., S, H) in x's dtype.
+
+    For a norm_weight of another dtype than x (say layerwise casting's fp16 x with bf16 parameters), torch
+    skips its fused kernel for a composite of the ops below, and says so once per process with a UserWarning
+    from its internals ("Mismatch dtype between input and weight ... Cannot dispatch to fused implementation").
+    Here that composite is called directly: same ops, same order, same bits, no warning
+    (tests/reference/test_rms_norm.py pins the equality against F.rms_norm)."""
+    if norm_weight.dtype == x.dtype:
+        return F.rms_norm(x, (x.shape[-1],), norm_weight, eps)
+    upcast = x.to(torch.promote_types(x.dtype, torch.float32))  # torch's compute dtype: float32, or float64
+    rstd = torch.rsqrt(upcast.pow(2).mean(-1, keepdim=True).add_(eps))
+    return (upcast * rstd * norm_weight).to(x.dtype)
+
+
 def replay(x, norm_weight, temb, weight, bias, timestep_indices, eps: float = 1e-5):
     """diffusers' `MiniMaxH3AdaLayerNormOut.forward`, op for op (see module docstring).
 
     A timestep index outside [0, T) (negative ones included) raises torch's IndexError ("index out of range
     in self") from `index_select` on CPU tensors, and a device-side assert on CUDA ones."""
     shift, scale = table_reference(temb, weight, bias).chunk(2, dim=-1)
-    hidden_states = F.rms_norm(x, (x.shape[-1],), norm_weight, eps)
+    hidden_states = rms_norm(x, norm_weight, eps)
     return hidden_states * (1.0 + scale.index_select(0, timestep_indices)) + shift.index_select(0, timestep_indices)
 
 

@@ -47,7 +47,7 @@ def _bad_index(value):
 
 
 # (id, mutate(args, other_device) -> (args, kwargs), error class, regex the message must match; the
-# regex is formatted with the call's S, H, D, T, H1 = H - 1, H2 = 2H, D1 = D + 1: see check_bad)
+# regex is formatted with the call's S, H, D, T, H1 = H - 1, H2 = 2H, D1 = D + 1, S1 = S - 1: see check_bad)
 BAD_INPUTS = [
     # not a tensor / not dense
     ("x-list", _set(0, lambda t, o, d: t.tolist()), TypeError, "x must be a torch.Tensor, got list"),
@@ -108,15 +108,22 @@ BAD_INPUTS = [
     ("x-1d", _shape(0, lambda d: (d["H"],)), ValueError, r"x must have shape \(\.\.\., S, H\), got \({H},\)"),
     ("x-0d", _shape(0, lambda d: ()), ValueError, r"x must have shape \(\.\.\., S, H\), got \(\)"),
     ("x-empty-H", _shape(0, lambda d: (d["S"], 0)), ValueError, "x must have a non-empty last dimension"),
+    # x's last dimension is H: a mismatch with norm_weight names both and says which one is taken as H
+    ("x-H-short", _shape(0, lambda d: (d["S"], d["H"] - 1)), ValueError,
+     r"^norm_weight has shape \({H},\) but x's last dimension is {H1} \(x has shape \({S}, {H1}\)\): H is taken "
+     r"from x, and norm_weight must have shape \(H,\) = \({H1},\)$"),
     ("norm_weight-short", _shape(1, lambda d: (d["H"] - 1,)), ValueError,
-     r"norm_weight must have shape \({H},\) to match x's last dim, got \({H1},\)"),
-    ("norm_weight-2d", _shape(1, lambda d: (1, d["H"])), ValueError, r"norm_weight must have shape \({H},\)"),
+     r"^norm_weight has shape \({H1},\) but x's last dimension is {H} \(x has shape \({S}, {H}\)\): H is taken "
+     r"from x, and norm_weight must have shape \(H,\) = \({H},\)$"),
+    ("norm_weight-2d", _shape(1, lambda d: (1, d["H"])), ValueError,
+     r"norm_weight has shape \(1, {H}\) but x's last dimension is {H}"),
     ("temb-1d", _shape(2, lambda d: (d["D"],)), ValueError, r"temb must have shape \(T, D\) with T, D >= 1"),
     ("temb-3d", _shape(2, lambda d: (d["T"], d["D"], 1)), ValueError, r"temb must have shape \(T, D\)"),
     ("temb-T0", _shape(2, lambda d: (0, d["D"])), ValueError, r"temb must have shape \(T, D\) with T, D >= 1"),
     ("temb-D0", _shape(2, lambda d: (d["T"], 0)), ValueError, r"temb must have shape \(T, D\) with T, D >= 1"),
     ("weight-transposed", _shape(3, lambda d: (d["D"], 2 * d["H"])), ValueError,
-     r"weight must have shape \(2H, D\) = \({H2}, {D}\), got \({D}, {H2}\)"),
+     r"weight must have shape \(2H, D\) = \({H2}, {D}\), H = {H} being x's last dimension and D = {D} temb's "
+     r"\(temb has shape \({T}, {D}\)\), got \({D}, {H2}\)"),
     ("weight-H-rows", _shape(3, lambda d: (d["H"], d["D"])), ValueError, r"weight must have shape \(2H, D\)"),
     # temb and weight share D: a mismatch names both, whichever of the two is off
     ("weight-D-mismatch", _shape(3, lambda d: (2 * d["H"], d["D"] + 1)), ValueError,
@@ -124,10 +131,13 @@ BAD_INPUTS = [
     ("temb-D-mismatch", _shape(2, lambda d: (d["T"], d["D"] + 1)), ValueError,
      r"temb has D = {D1} \(shape \({T}, {D1}\)\) but weight has D = {D} \(shape \({H2}, {D}\)\): temb \(T, D\) "
      r"and weight \(2H, D\) must share D"),
-    ("bias-H", _shape(4, lambda d: (d["H"],)), ValueError, r"bias must have shape \(2H,\) = \({H2},\)"),
+    ("bias-H", _shape(4, lambda d: (d["H"],)), ValueError,
+     r"bias must have shape \(2H,\) = \({H2},\), H = {H} being x's last dimension \(x has shape \({S}, {H}\)\), "
+     r"got \({H},\)"),
     ("bias-2d", _shape(4, lambda d: (2 * d["H"], 1)), ValueError, r"bias must have shape \(2H,\)"),
     ("timestep_indices-short", _shape(5, lambda d: (d["S"] - 1,)), ValueError,
-     r"timestep_indices must have shape \(S,\) = \({S},\)"),
+     r"timestep_indices must have shape \(S,\) = \({S},\), S = {S} being x's second-to-last dimension \(x has shape "
+     r"\({S}, {H}\)\), got \({S1},\)"),
     ("timestep_indices-2d", _shape(5, lambda d: (1, d["S"])), ValueError, r"timestep_indices must have shape \(S,\)"),
     ("timestep_indices-column", _shape(5, lambda d: (d["S"], 1)), ValueError,
      r"timestep_indices must have shape \(S,\)"),
@@ -147,7 +157,7 @@ BAD_INPUTS = [
 def check_bad(mutate, error, match, backend, device, other_device, shape, **options):
     args = inputs(6, (), device, **shape)
     d = _dims(args)
-    match = match.format(**d, H1=d["H"] - 1, H2=2 * d["H"], D1=d["D"] + 1)
+    match = match.format(**d, H1=d["H"] - 1, H2=2 * d["H"], D1=d["D"] + 1, S1=d["S"] - 1)
     args, kw = mutate(args, other_device)
     with pytest.raises(error, match=match):
         final_adaln_out(*args, **{"backend": backend, **options, **kw})
