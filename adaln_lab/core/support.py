@@ -104,6 +104,14 @@ def rows(x, table_rows: int, **bf16_tensors) -> Exception | None:
     return _shapes(x.shape[-1], 8, max(table_rows, 1))
 
 
+def table_dtype(dtype: torch.dtype) -> Exception | None:
+    """The row kernels read a table of bf16 values: the projection's dtype (`table_dtype`) must be bfloat16."""
+    if dtype != _BF16:
+        return TypeError(f"the CUDA kernels need the table's dtype (the projection's, table_dtype) bfloat16, got "
+                         f"{dtype}")
+    return None
+
+
 def on_device(x, **tensors) -> Exception | None:
     """Every named tensor (the fp32 table chunks, indices, saved statistics) on x's device."""
     return _other_device("x", x, **tensors)

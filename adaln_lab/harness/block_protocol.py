@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.block_adaln import block_adaln_path
+from ..ops.block import block_adaln_path
 from ..reference.block import MODALITIES
 
 

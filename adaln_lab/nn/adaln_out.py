@@ -163,13 +163,11 @@ class AdaLNOut(nn.Module):
         if self._resolved_backend(hidden_states, base.weight, base.bias) == "torch":
             return self._diffusers_forward(hidden_states, temb, timestep_indices)
         norm_weight, weight, bias = autocast_params(hidden_states, self.norm.weight, base.weight, base.bias)
-        if self.backend == "cupy":
-            support.refuse(support.table(support.kernel_temb(temb, weight), weight, bias)
-                           or support.rows(hidden_states, temb.shape[0], norm_weight=norm_weight))
-        table = modulation_table(temb, weight, bias, table_backend=self.table_backend)
+        backend = "cupy" if self.backend == "cupy" else "auto"
+        table = modulation_table(temb, weight, bias, table_backend=self.table_backend, backend=backend)
         shift, scale = adapters.adapted_table(table, temb, self.linear, names, weight.dtype).chunk(2, dim=-1)
         return modulated_rms_norm(hidden_states, norm_weight, shift, scale, timestep_indices, eps,
-                                  table_dtype=weight.dtype)
+                                  table_dtype=weight.dtype, backend=backend)
 
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}, table_backend={self.table_backend!r}"

@@ -3,7 +3,7 @@
 The block shares the original's `norm1`, `attn`, `norm2`, `ff` and `adaln_proj` submodules (same
 tensors, state-dict keys and order, devices, dtypes) and has its forward signature
 `forward(hidden_states, temb, adaln_indices, rotary_emb, attention_mask=None)`. Its AdaLN path is
-`adaln_lab.ops.block_adaln.block_adaln_path`: `modulation_table` (the (T, 18H) float32 table), `modulated_rms_norm_and_residual`
+`adaln_lab.ops.block.block_adaln_path`: `modulation_table` (the (T, 18H) float32 table), `modulated_rms_norm_and_residual`
 for norm1 (x's two gradients summed inside the norm's backward), `gated_residual_norm` for the first
 residual with norm2 (one op: one pass less, and the same gradient sum) and `gated_residual` for the second
 residual; attention and feed-forward are the shared modules, called as
@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from ..core.autocast import autocast_params
-from ..ops.block_adaln import block_adaln_path
+from ..ops.block import block_adaln_path
 from ..core.checks import BLOCK_BACKENDS, TABLE_BACKENDS, check_option
 from ..reference.block import MODALITIES
 from . import adapters

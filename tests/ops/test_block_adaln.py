@@ -1,4 +1,4 @@
-"""`adaln_lab.ops.block_adaln.block_adaln_path` (`adaln_lab.block_adaln_path`), one H3 block's AdaLN path: every
+"""`adaln_lab.ops.block.block_adaln_path` (`adaln_lab.block_adaln_path`), one H3 block's AdaLN path: every
 gradient at least as accurate as diffusers' against float64, the seed's batch-invariance protocol on it (and
 planted counter-examples caught), torch.compile(fullgraph=True), refusals; GPU: the kernels' invariance,
 accuracy, repeatability, torch.compile and CUDA-graph replay. The module around it: tests/nn/test_block.py."""

@@ -1,4 +1,4 @@
-"""`row_order`: the rows of a batch in table-row order (kernels_cu/row_order.cu), as a custom op.
+"""`row_order`: the rows of a batch in table-row order (kernels_cu/row_order.cu).
 
     order = row_order(row_index (S,) int64, table_rows R, H) -> (R + 1 + S,) int32
 
@@ -16,8 +16,9 @@ index is not their position's table row: their dx is NaN and so are the gradient
 table rows, the same bits on every run; an order whose offsets name no row for a position reads and writes
 nothing for it. Offsets that are not sorted are undefined.
 
-Layers (as `adaln_lab.ops.final_adaln_out`): the custom op `torch.ops.adaln_lab.row_order` with a fake kernel; CPU (and
-shapes the kernel does not take, more than plan.ROWS_MAX positions): torch's stable argsort and bincount; CUDA: row_order.cu (one block), compiled
+`row_order` allocates the order and calls the launch op `torch.ops.adaln_lab.row_order` (`core.library.library_op`,
+which writes the caller's tensor): on CPU tensors (and shapes the kernel does not take, more than plan.ROWS_MAX
+positions or a width the plan refuses) torch's stable argsort and bincount; on CUDA row_order.cu (one block), compiled
 in the row kernels' unit of width H (`plan(H, 8, R)`: H picks the unit only).
 """
 
@@ -25,9 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from ..core import tensors
-from ..core.plan import ROWS_MAX, check_shapes
-from ..core.plan import plan as make_plan
+from ...core import launchers, tensors
+from ...core.library import library_op
+from ...core.plan import ROWS_MAX, supported
+from ...core.plan import plan as make_plan
 
 
 def order_torch(row_index: torch.Tensor, table_rows: int) -> torch.Tensor:
@@ -38,27 +40,16 @@ def order_torch(row_index: torch.Tensor, table_rows: int) -> torch.Tensor:
     return torch.cat([offsets, torch.argsort(key, stable=True)]).int()
 
 
-@torch.library.custom_op("adaln_lab::row_order", mutates_args=())
-def row_order_op(row_index: torch.Tensor, table_rows: int, H: int) -> torch.Tensor:
-    """(R + 1 + S,) int32 (module docstring)."""
-    return order_torch(row_index, table_rows)
-
-
-@row_order_op.register_fake
-def _(row_index, table_rows, H):
-    return row_index.new_empty((table_rows + 1 + row_index.shape[0],), dtype=torch.int32)
-
-
-@row_order_op.register_kernel("cuda")
-def _(row_index, table_rows, H):
-    try:
-        check_shapes(H, 8, max(table_rows, 1))
-    except ValueError:
-        return order_torch(row_index, table_rows)
-    if row_index.shape[0] > ROWS_MAX:  # positions travel as int32
-        return order_torch(row_index, table_rows)
-    with torch.cuda.device(row_index.device):
-        return tensors.row_order(row_index, make_plan(H, 8, table_rows))
+@library_op("adaln_lab::row_order", mutates_args=("order",))
+@tensors.keeps_device
+def launch(row_index: torch.Tensor, table_rows: int, H: int, order: torch.Tensor) -> None:
+    """order (R + 1 + S,) int32 of row_index (S,) int64 (module docstring)."""
+    if row_index.is_cuda and row_index.shape[0] <= ROWS_MAX and supported(H, 8, max(table_rows, 1)):
+        plan = make_plan(H, 8, table_rows)
+        k, stream = tensors.setup(row_index.device, plan)
+        launchers.launch_row_order(k, plan, stream, row_index.data_ptr(), order.data_ptr(), row_index.shape[0])
+        return
+    order.copy_(order_torch(row_index, table_rows))
 
 
 def row_order(row_index: torch.Tensor, table_rows: int, H: int) -> torch.Tensor:
@@ -69,5 +60,7 @@ def row_order(row_index: torch.Tensor, table_rows: int, H: int) -> torch.Tensor:
                          f"{row_index.dtype}")
     if table_rows < 1:
         raise ValueError(f"row_order needs at least one table row, got {table_rows}")
-    return row_order_op(row_index.contiguous(), int(table_rows), int(H))
+    order = torch.empty(table_rows + 1 + row_index.shape[0], dtype=torch.int32, device=row_index.device)
+    launch(row_index.contiguous(), int(table_rows), int(H), order)
+    return order
 

@@ -1,0 +1,51 @@
+"""One H3 block's table gradient: an ordinary buffer handed from op to op by autograd, each op writing its columns.
+
+The block's table (T, 18H), viewed (3T, 6H), holds six column chunks per row, in `CHUNKS` order. Through
+autograd's `chunk`, each row op's backward would return its chunks' gradients as (3T, H) tensors of their own and
+autograd would cat the six. Instead `block_adaln_path` passes the table itself to its three row ops in turn, each
+taking it as an input and handing it on as an output (a link: the tensor itself, no copy):
+
+    h, x, link = norm1(x, ..., table)            chunks 0, 1    (shift_msa | scale_msa)
+    x, h, link = gated_residual_norm(x, ..., link) chunks 2, 3, 4 (gate_msa | shift_mlp | scale_mlp)
+    x = gated_residual(x, ..., link)             chunk 5        (gate_mlp)
+
+so that in the backward the gradient of each link reaches the op that made it. The op whose backward runs first in
+a pass gets no link gradient and makes the (T, 18H) buffer (`for_op`, zeroing the chunks of the ops after it, which
+did not run in this pass: a loss on norm1's output alone); each op writes its chunks' gradients into the buffer's
+columns (the CUDA reduces with the row stride 6H, the torch code by copies) and returns the buffer as its link
+input's gradient, so the first op's backward returns the whole table gradient: one allocation for the six, no cat.
+Every op before the one that made the buffer runs in that pass too (its link output has a gradient), so no column
+is left unwritten. It is autograd's own data flow, so eager and compiled code (torch.compile, compiled autograd),
+`retain_graph` passes and concurrent passes need nothing more.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNKS = ("shift_msa", "scale_msa", "gate_msa", "shift_mlp", "scale_mlp", "gate_mlp")
+SHIFT_MSA, GATE_MSA, SHIFT_MLP, GATE_MLP = 0, 2, 3, 5  # the first chunk each op (or op part) writes
+
+
+def for_op(d_link: torch.Tensor | None, table: tuple, hidden_size: int, end: int) -> torch.Tensor:
+    """The (T, 18H) buffer an op writing chunks before `end` writes into: `d_link` (the gradient of its link
+    output: the buffer of the ops after it), or a new buffer, of the table's (shape, dtype, device), whose chunks
+    from `end` on are zero."""
+    if d_link is not None:
+        return d_link
+    shape, dtype, device = table
+    buffer = torch.empty(shape, dtype=dtype, device=device)
+    if end < len(CHUNKS):
+        buffer.view(-1, len(CHUNKS) * hidden_size)[:, end * hidden_size:].zero_()
+    return buffer
+
+
+def columns(buffer: torch.Tensor, hidden_size: int, first: int) -> torch.Tensor:
+    """The (3T, 6H - first * H) view of `buffer` from chunk `first` on (row stride 6H): where an op writes."""
+    return buffer.view(-1, len(CHUNKS) * hidden_size)[:, first * hidden_size:]
+
+
+def standalone(rows: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An op's own (R, width) gradient buffer for its table chunks where it runs outside a block (no link): float32
+    on the kernels, the chunks' dtype in the torch code."""
+    return torch.empty(rows, width, dtype=dtype, device=device)

@@ -1,0 +1,60 @@
+"""The gated residual's two launch ops, writing outputs the caller allocated (`core.library.library_op`):
+
+    forward(x, gate, y, row_index, table_dtype, route, out)
+    backward(dout, gate, y, row_index, order, table_dtype, route, d_y, d_table, column)
+
+Shapes: x, y, out, dout, d_y (..., S, H); gate (R, H) (any strides, float32 holding `table_dtype` values); row_index
+(S,) int64; order: None, or `row_order(row_index, R, H)`; d_table (R, W) with d_gate at columns [column, column + H)
+(an op's own (R, H), or a block's table gradient viewed (3T, 6H)). The residual's gradient is dout itself (the op's
+Function hands it on).
+
+route "cupy": gated_residual.cu forward; backward its sorted pass (d_y per row; d_gate per table row, ordered
+per-range sums reduced in a fixed order). route "torch": diffusers' replay (the product rounded, then the sum) and
+the exact derivative (`reference.backward.gated_residual_backward`: d_gate in float64, rows in order, rounded once).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...core import launchers, tensors
+from ...core.library import library_op
+from ...reference.backward import gated_residual_backward
+from ...reference.block import replay_gated_residual
+from ..row_order import row_order
+
+
+@library_op("adaln_lab::gated_residual_fwd", mutates_args=("out",))
+@tensors.keeps_device
+def forward(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: torch.Tensor, table_dtype: torch.dtype,
+            route: str, out: torch.Tensor) -> None:
+    """out (..., S, H) = x + gate[row_index] * y (module docstring)."""
+    if route != "cupy":
+        out.copy_(replay_gated_residual(x, gate.to(table_dtype), y, row_index))
+        return
+    plan, rows, k, stream = tensors.row_setup(x, gate.shape[0])
+    x, y, row_index = tensors.aligned(x), tensors.aligned(y), row_index.contiguous()
+    gate, stride = tensors.gate_pointer(gate)
+    launchers.launch_gated_residual(k, plan, rows, stream, x.data_ptr(), gate.data_ptr(), y.data_ptr(),
+                                    row_index.data_ptr(), out.data_ptr(), stride, x.shape[-2])
+
+
+@library_op("adaln_lab::gated_residual_bwd", mutates_args=("d_y", "d_table"))
+@tensors.keeps_device
+def backward(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: torch.Tensor,
+             order: torch.Tensor | None, table_dtype: torch.dtype, route: str, d_y: torch.Tensor,
+             d_table: torch.Tensor, column: int) -> None:
+    """d_y, and d_gate into d_table's columns (module docstring)."""
+    R, H = gate.shape
+    if route != "cupy":
+        d_gate, grad_y = gated_residual_backward(dout, gate, y, row_index, table_dtype)
+        d_y.copy_(grad_y), d_table[:, column:column + H].copy_(d_gate)
+        return
+    plan, rows, k, stream = tensors.row_setup(y, R)
+    dout, y, row_index = tensors.aligned(dout), tensors.aligned(y), row_index.contiguous()
+    order = row_order(row_index, R, H) if order is None else order.contiguous()
+    gate, stride = tensors.gate_pointer(gate)
+    partials = torch.empty(launchers.sorted_slots(plan, rows) * H, dtype=torch.float32, device=y.device)
+    launchers.launch_gated_residual_bwd(k, plan, rows, stream, dout.data_ptr(), gate.data_ptr(), y.data_ptr(),
+                                        row_index.data_ptr(), order.data_ptr(), d_y.data_ptr(), partials.data_ptr(),
+                                        d_table.data_ptr() + 4 * column, stride, y.shape[-2], d_table.stride(0))

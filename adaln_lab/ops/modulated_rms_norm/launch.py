@@ -1,0 +1,83 @@
+"""The modulated RMSNorm's two launch ops, writing outputs the caller allocated (`core.library.library_op`):
+
+    forward(x, norm_weight, shift, scale, row_index, eps, table_dtype, route, row_tables, which, out, rstd)
+    backward(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual, order, route, dx, d_norm_weight,
+             d_table, column)
+
+Shapes: x, out, dy, dx, d_residual (..., S, H); norm_weight, d_norm_weight (H,); shift, scale (R, H) (any strides,
+float32 holding `table_dtype` values); row_index (S,) int64; rstd (rows,); row_tables: None, or a block's bf16 row
+tables (2, R, 2H) of which table `which` holds shift | scale (written by the table kernel, read in place of a cast);
+order: None, or `row_order(row_index, R, H)`; d_table (R, W) with d_shift at columns [column, column + H) and d_scale
+at [column + H, column + 2H) (an op's own (R, 2H), or a block's table gradient viewed (3T, 6H)). With d_residual, dx
+is the norm's dx plus d_residual, added in x's dtype as autograd adds.
+
+route "cupy": norm_modulate.cu forward; backward the sorted row pass (the residual summed in it where three rows fit
+its stages, else torch's bf16 add: the same bits) and the reduce of its partials, in table-row order, every sum in a
+fixed order. route "torch": diffusers' replay and the exact derivative (`reference.backward`: per row in float32, the
+parameter sums in float64 in a fixed order, rounded once).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...core import launchers, tensors
+from ...core.library import library_op
+from ...reference.backward import modulated_rms_norm_backward, rstd_of
+from ...reference.block import replay_modulated_rms_norm
+from ..row_order import row_order
+
+
+@library_op("adaln_lab::modulated_rms_norm_fwd", mutates_args=("out", "rstd"))
+@tensors.keeps_device
+def forward(x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+            row_index: torch.Tensor, eps: float, table_dtype: torch.dtype, route: str,
+            row_tables: torch.Tensor | None, which: int, out: torch.Tensor, rstd: torch.Tensor) -> None:
+    """out (..., S, H) and rstd (rows,) (module docstring)."""
+    if route != "cupy":
+        out.copy_(replay_modulated_rms_norm(x, norm_weight, shift.to(table_dtype), scale.to(table_dtype), row_index,
+                                            eps))
+        rstd.copy_(rstd_of(x, eps))
+        return
+    plan, rows, k, stream = tensors.row_setup(x, shift.shape[0])
+    x, norm_weight, row_index = tensors.aligned(x), tensors.aligned(norm_weight), row_index.contiguous()
+    table = tensors.shift_scale_bf16(shift, scale) if row_tables is None else None
+    table_ptr = table.data_ptr() if row_tables is None else tensors.row_table_address(shift, (row_tables, which))
+    launchers.launch_norm_modulate(k, plan, rows, stream, x.data_ptr(), norm_weight.data_ptr(), table_ptr,
+                                   row_index.data_ptr(), out.data_ptr(), rstd.data_ptr(), x.shape[-2], eps)
+
+
+@library_op("adaln_lab::modulated_rms_norm_bwd", mutates_args=("dx", "d_norm_weight", "d_table"))
+@tensors.keeps_device
+def backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+             row_index: torch.Tensor, rstd: torch.Tensor, d_residual: torch.Tensor | None, order: torch.Tensor | None,
+             route: str, dx: torch.Tensor, d_norm_weight: torch.Tensor, d_table: torch.Tensor, column: int) -> None:
+    """dx, d_norm_weight, and d_shift | d_scale into d_table's columns (module docstring)."""
+    R, H = shift.shape
+    if route != "cupy":
+        grads = modulated_rms_norm_backward(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual)
+        dx.copy_(grads[0]), d_norm_weight.copy_(grads[1])
+        d_table[:, column:column + H].copy_(grads[2]), d_table[:, column + H:column + 2 * H].copy_(grads[3])
+        return
+    plan, rows, k, stream = tensors.row_setup(x, R)
+    dy, x, norm_weight = tensors.aligned(dy), tensors.aligned(x), tensors.aligned(norm_weight)
+    table_f32, table_stride = tensors.shift_scale(shift, scale)
+    row_index, rstd = row_index.contiguous(), rstd.contiguous()
+    order = row_order(row_index, R, H) if order is None else order.contiguous()
+    fused = d_residual is not None and plan.bwd_res_stages > 0
+    d_residual = tensors.aligned(d_residual) if fused else d_residual
+    slots = launchers.sorted_slots(plan, rows)
+    # the row partials, and after them room for the reduce's d_bias output (2H bf16), which the blocks do not use
+    partials = torch.empty(slots * 2 * H + H, dtype=torch.float32, device=x.device)
+    workspace = partials.data_ptr()
+    launchers.launch_sorted_row_pass(k, plan, rows, stream, dy.data_ptr(), x.data_ptr(), rstd.data_ptr(),
+                                     norm_weight.data_ptr(), table_f32.data_ptr(), row_index.data_ptr(),
+                                     order.data_ptr(), dx.data_ptr(), workspace, x.shape[-2],
+                                     d_residual.data_ptr() if fused else 0, table_stride)
+    d_shift = d_table.data_ptr() + 4 * column
+    launchers.launch_reduce_sorted_partials(k, plan, rows, stream, workspace, norm_weight.data_ptr(),
+                                            table_f32.data_ptr(), d_shift, d_shift + 4 * H, d_norm_weight.data_ptr(),
+                                            workspace + 4 * slots * 2 * H, order.data_ptr(), x.shape[-2],
+                                            table_stride, d_table.stride(0))
+    if d_residual is not None and not fused:  # a row too wide for three staged inputs: torch's bf16 add, same bits
+        dx.add_(d_residual)
