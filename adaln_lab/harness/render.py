@@ -169,8 +169,8 @@ def floors_table(report: dict) -> list[str]:
     cpu = on_cpu(report)
     rows = ["| rows | memory floor fwd us | memory floor fwd+bwd us |", "|---|---|---|"]
     for S, f in report["memory_floor"].items():
-        rows.append(f"| {S} | {NA_CPU} | {NA_CPU} |" if cpu else f"| {S} | {_us(f.get('fwd_us'))} | "
-                    f"{_us(f.get('fwd_bwd_us'))} |")
+        fwd, fwd_bwd = (NA if f.get(key) is None else f"{f[key]:.1f}" for key in ("fwd_us", "fwd_bwd_us"))
+        rows.append(f"| {S} | {NA_CPU} | {NA_CPU} |" if cpu else f"| {S} | {fwd} | {fwd_bwd} |")
     gpu, host = report.get("autograd_floor_us"), report.get("autograd_floor_host_us")
     if gpu is None and host is None:
         figures = f"{NA} (not in this report)"
