@@ -62,8 +62,9 @@ def parser() -> Parser:
     report.add_argument("--candidates", default=None, metavar="NAMES",
                         help="comma-separated names among diffusers, torch_compile, adaln_lab, adaln_lab_numba "
                              "(torch_compile and adaln_lab_numba: CUDA only) "
-                             f"(default: {DEFAULT_CANDIDATES['cuda']} on cuda, {DEFAULT_CANDIDATES['cpu']} on cpu; '' for none, e.g. with --candidate). Without "
-                             "diffusers installed, the diffusers row is adaln_lab's replay, named diffusers_replay")
+                             f"(default: {DEFAULT_CANDIDATES['cuda']} on cuda, {DEFAULT_CANDIDATES['cpu']} on cpu; "
+                             "'' for none, e.g. with --candidate). Without diffusers installed, the diffusers row "
+                             "is adaln_lab's replay, named diffusers_replay")
     report.add_argument("--candidate", action="append", default=[], metavar="MODULE:FUNCTION",
                         help="a callable fn(x, norm_weight, temb, weight, bias, timestep_indices) -> out to report "
                              "beside the built-ins, e.g. my_pkg.kernels:my_adaln (imported; repeatable); its rows "

@@ -284,7 +284,8 @@ def run_block_report(names: list[str], device: str | torch.device, quick: bool, 
                          dtype=torch.float32).to(torch.bfloat16)
         nbytes = block_floor_bytes(S, **shape)
         if device.type == "cuda":
-            floor = {**nbytes, "fwd_us": nbytes["fwd_bytes"] / copy / 1e6, "fwd_bwd_us": nbytes["fwd_bwd_bytes"] / copy / 1e6}
+            floor = {**nbytes, "fwd_us": nbytes["fwd_bytes"] / copy / 1e6,
+                     "fwd_bwd_us": nbytes["fwd_bwd_bytes"] / copy / 1e6}
         else:
             floor = {**nbytes, "fwd_us": None, "fwd_bwd_us": None, "null_reason": CPU_FLOOR}
         reference = golden(inputs, dy)
