@@ -77,8 +77,8 @@ def parser() -> Parser:
                     "(the diffusers row is then named diffusers_replay).")
     block.add_argument("--out", required=True, metavar="FILE.json", help=OUT_HELP)
     block.add_argument("--quick", action="store_true",
-                       help="small shapes (H = 256, D = 128): well under a minute on a CPU; without it H3's real "
-                            "shapes, which want a GPU")
+                       help="small shapes (H = 256, D = 128), for CPUs and smoke tests; without it H3's real shapes "
+                            "(H = 5376), which want a GPU")
     block.add_argument("--device", choices=("cpu", "cuda"), default=None,
                        help="default: cuda when torch sees a GPU, else cpu")
     block.add_argument("--candidates", default="diffusers,torch_compile,adaln_lab", metavar="NAMES",
