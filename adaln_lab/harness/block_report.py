@@ -10,6 +10,11 @@ work of one block; every candidate runs the real block forward with those maps:
   so Inductor sees and may fuse each AdaLN stretch between them, as it would around real attention);
 - `adaln_lab`: `adaln_lab.nn.block.AdaLNTransformerBlock` built from the same diffusers block.
 
+Without diffusers the report runs all the same on `ReplayBlock`, adaln_lab's op-for-op replay of
+diffusers' block (`reference.block.replay_block_adaln`) with its submodule layout: the diffusers row
+is then named `diffusers_replay` (`replay_of`: "diffusers"), the other rows' sources and the golden
+(`golden` in the JSON) say they are built on the replay, and a line on stderr says so first.
+
 Per size: CUDA-graph replay time of forward and forward+backward, eager host time, the run's memory
 floor (`block_floor_bytes`) and ratios; per candidate the gradients' error against the float64 golden
 (diffusers' block run in float64 on the upcast inputs: no rounding anywhere) and whether two
@@ -30,8 +35,9 @@ from typing import ClassVar
 import torch
 import torch.nn as nn
 
-from ..reference.block import MODALITIES
+from ..reference.block import MODALITIES, replay_block_adaln
 from .accuracy import rel_err
+from .candidates import REPLAY_ROW, diffusers_missing
 from .inputs import H_REAL, D_REAL, T_REAL, PARAMETER_SEED, SALT_X, CallArgs, generator
 from .latency import copy_bandwidth, graph_latency, host_latency
 from .progress import progress, write as progress_write
@@ -41,6 +47,7 @@ LEAVES = ("x", "norm1_weight", "norm2_weight", "temb", "weight", "bias")
 SALTS = {"norm1_weight": 31, "norm2_weight": 32, "temb": 33, "weight": 34, "bias": 35, "dy": 36}
 SIZES, QUICK_SIZES = (4097, 32768), (257, 1024)
 QUICK_SHAPE = {"H": 256, "D": 128, "T": 3}
+WARMUP, ITERS = 10, 30  # calls before timing, samples per CUDA-graph timing
 HOST_SAMPLES = 200  # host-time samples per candidate and size: the host's own jitter (tens of us) needs the median
                     # of many; a sample costs a millisecond or two
 
@@ -104,8 +111,34 @@ class PassThrough(nn.Module):
         return hidden_states
 
 
+class ReplayBlock(nn.Module):
+    """diffusers' `MiniMaxH3TransformerBlock` with pass-through attention and FFN, replayed by adaln_lab
+    (`reference.block.replay_block_adaln`, diffusers' ops in diffusers' order) in diffusers' submodule
+    layout (norm1, attn, norm2, ff, adaln_proj.linear (18H, D)): the block report's stand-in without diffusers.
+
+    forward(hidden_states (S, H), temb (T, D), adaln_indices (S,) in [0, 3T), rotary_emb, attention_mask=None)
+    -> (S, H), diffusers' block output for these attn and ff."""
+
+    def __init__(self, H: int, D: int, eps: float = EPS):
+        super().__init__()
+        self.norm1, self.attn = nn.RMSNorm(H, eps=eps), PassThrough()
+        self.norm2, self.ff = nn.RMSNorm(H, eps=eps), PassThrough()
+        self.adaln_proj = nn.Module()
+        self.adaln_proj.linear = nn.Linear(D, 6 * MODALITIES * H)
+
+    def forward(self, hidden_states, temb, adaln_indices, rotary_emb, attention_mask=None):
+        linear = self.adaln_proj.linear
+        return replay_block_adaln(hidden_states, temb, linear.weight, linear.bias, self.norm1.weight,
+                                  self.norm2.weight, adaln_indices, lambda h: self.attn(h, rotary_emb, attention_mask),
+                                  self.ff, self.norm1.eps, self.norm2.eps)
+
+
 @functools.lru_cache(maxsize=None)
 def _diffusers_block(H: int, D: int):
+    """diffusers' block with pass-through attention and FFN, on the meta device; `ReplayBlock` without diffusers."""
+    if diffusers_missing() is not None:
+        with torch.device("meta"):
+            return ReplayBlock(H, D)
     from ..nn.upstream import diffusers_class
 
     with torch.device("meta"):
@@ -131,7 +164,8 @@ def block_call(block: nn.Module):
 
 
 def diffusers_block_call(x, norm1_weight, norm2_weight, temb, weight, bias, adaln_indices):
-    """diffusers' block forward with pass-through attention and FFN, on these tensors."""
+    """diffusers' block forward with pass-through attention and FFN, on these tensors (without diffusers,
+    `ReplayBlock`'s)."""
     return block_call(_diffusers_block(x.shape[-1], temb.shape[-1]))(
         x, norm1_weight, norm2_weight, temb, weight, bias, adaln_indices)
 
@@ -142,12 +176,19 @@ def _adaln_lab(H: int, D: int):
     return block_call(AdaLNTransformerBlock.from_diffusers(_diffusers_block(H, D)))
 
 
-CANDIDATES = {  # name: (what it runs, build(H, D) -> fn)
+CANDIDATES = {  # name: (what it runs, build(H, D) -> fn); the builds take ReplayBlock without diffusers
     "diffusers": ("diffusers MiniMaxH3TransformerBlock, attention/FFN pass-through",
                   lambda H, D: block_call(_diffusers_block(H, D))),
     "torch_compile": ("torch.compile (default mode) of the same block",
                       lambda H, D: torch.compile(block_call(_diffusers_block(H, D)))),
     "adaln_lab": ("adaln_lab AdaLNTransformerBlock.from_diffusers of the same block", _adaln_lab),
+}
+REPLAYED = {  # name: what it runs without diffusers
+    "diffusers": "diffusers MiniMaxH3TransformerBlock REPLAYED by adaln_lab (ReplayBlock: "
+                 "reference.block.replay_block_adaln), attention/FFN pass-through",
+    "torch_compile": "torch.compile (default mode) of adaln_lab's replay of diffusers' block (ReplayBlock)",
+    "adaln_lab": "adaln_lab AdaLNTransformerBlock.from_diffusers of adaln_lab's replay of diffusers' block "
+                 "(ReplayBlock: diffusers' layout and parameters)",
 }
 
 
@@ -191,42 +232,78 @@ def measured(result: dict, floor: dict) -> str:
     return f"{host} (CUDA graphs: {'n/a on CPU' if reason == 'no CUDA' else reason})"
 
 
-def run_block_report(names: list[str], device: str | torch.device, quick: bool, warmup: int = 10,
-                     iters: int = 30) -> dict:
+CPU_FLOOR = "null on a CPU: its torch code does not stream memory at copy bandwidth (the byte counts stand)"
+
+
+def rows_of(names: list[str], missing: str | None) -> dict:
+    """{row name: (candidate name, what it runs)}: without diffusers (`missing`, why) the diffusers row is
+    `REPLAY_ROW` and every source says it runs on adaln_lab's replay of diffusers' block."""
+    if missing is None:
+        return {name: (name, CANDIDATES[name][0]) for name in names}
+    return {REPLAY_ROW if name == "diffusers" else name:
+            (name, f"{REPLAYED[name]}; diffusers not importable: {missing}") for name in names}
+
+
+def run_block_report(names: list[str], device: str | torch.device, quick: bool, warmup: int | None = None,
+                     iters: int | None = None) -> dict:
+    """The block report of candidates `names` (keys of `CANDIDATES`) on `device`, `warmup` calls (default
+    `WARMUP`) before `iters` samples (default `ITERS`; `HOST_SAMPLES` at least for host times); runs without
+    diffusers (module docstring). Raises ValueError naming an unknown candidate."""
     device = torch.device(device)
+    warmup = WARMUP if warmup is None else warmup
+    iters = ITERS if iters is None else iters
     shape = QUICK_SHAPE if quick else {"H": H_REAL, "D": D_REAL, "T": T_REAL}
     sizes = QUICK_SIZES if quick else SIZES
     unknown = [n for n in names if n not in CANDIDATES]
     if unknown:
         raise ValueError(f"unknown block candidate(s) {unknown}; known: {', '.join(CANDIDATES)}")
+    missing = diffusers_missing()
+    golden_text = ("diffusers' block in float64 on the upcast inputs" if missing is None else
+                   f"adaln_lab's replay of diffusers' block (ReplayBlock) in float64 on the upcast inputs; diffusers "
+                   f"not importable: {missing}")
+    if missing is not None:
+        progress_write(f"[block report] diffusers not importable ({missing}): every row runs on adaln_lab's replay "
+                       f"of diffusers' block, the diffusers row is named {REPLAY_ROW}; "
+                       "pip install 'diffusers>=0.42,<0.43' for the real block")
     copy = copy_bandwidth(device, (64 << 20) if quick else (1 << 30))
     report = {"kind": "adaln_lab_block_report", "op": "MiniMaxH3TransformerBlock AdaLN parts", "quick": quick,
-              "device": str(device), "shape": shape, "eps": EPS, "copy_TBps": copy, "sizes": {}, "notes": {
+              "device": str(device), "shape": shape, "eps": EPS, "copy_TBps": copy, "golden": golden_text,
+              "sizes": {}, "notes": {
                   "floor": block_floor_bytes.__doc__.strip(),
                   "fwd_us_graph": "CUDA-graph replay of the forward (harness.latency.graph_latency)",
                   "fwd_bwd_us_graph": "CUDA-graph replay of forward + backward with an all-ones gradient",
-                  "grad_rel_err": "max|err| / max|ref| against diffusers' block in float64 (random dy)"}}
-    built = {name: CANDIDATES[name][1](shape["H"], shape["D"]) for name in names}
+                  "grad_rel_err": f"max|err| / max|ref| against the golden ({golden_text}; random dy)",
+                  "spread_us": "per timing key, its samples: min, p25, median, p75, max (us) and n",
+                  "copy_TBps": "measured copy bandwidth (host memory on a CPU); on a CPU the floor's times are "
+                               "null, reason in floor.null_reason"}}
+    rows = rows_of(names, missing)
+    built = {row: CANDIDATES[name][1](shape["H"], shape["D"]) for row, (name, _) in rows.items()}
     for S in progress(None, "block report sizes", unit="size", leave=True, iterable=sizes):
         inputs = make_block(1, S, device, **shape)
         dy = torch.randn(inputs.x.shape, generator=generator(device, 1, SALTS["dy"]), device=device,
                          dtype=torch.float32).to(torch.bfloat16)
         nbytes = block_floor_bytes(S, **shape)
-        floor = {**nbytes, "fwd_us": nbytes["fwd_bytes"] / copy / 1e6, "fwd_bwd_us": nbytes["fwd_bwd_bytes"] / copy / 1e6}
+        if device.type == "cuda":
+            floor = {**nbytes, "fwd_us": nbytes["fwd_bytes"] / copy / 1e6,
+                     "fwd_bwd_us": nbytes["fwd_bwd_bytes"] / copy / 1e6}
+        else:
+            floor = {**nbytes, "fwd_us": None, "fwd_bwd_us": None, "null_reason": CPU_FLOOR}
         reference = golden(inputs, dy)
         entry = {"floor": floor, "candidates": {}}
-        for name in names:
-            source, fn = CANDIDATES[name][0], built[name]
+        for row, (name, source) in rows.items():
+            fn, spread = built[row], {}
             if name == "adaln_lab" and device.type != "cuda":
                 source += f" (on {device.type}: the ops' torch code, not the CUDA kernels)"
-            result = {"source": source, **accuracy(fn, inputs, dy, reference)}
-            result.update(host_latency(fn, inputs, warmup, max(iters, HOST_SAMPLES)))
-            result.update(graph_latency(fn, inputs, warmup, iters))
+            result = {"source": source, **({"replay_of": "diffusers"} if row == REPLAY_ROW else {}),
+                      **accuracy(fn, inputs, dy, reference)}
+            result.update(host_latency(fn, inputs, warmup, max(iters, HOST_SAMPLES), spread))
+            result.update(graph_latency(fn, inputs, warmup, iters, spread=spread))
+            result["spread_us"] = spread
             for key in ("fwd", "fwd_bwd"):
                 value = result[f"{key}_us_graph"]
                 result[f"{key}_graph_x_floor"] = None if value is None else value / floor[f"{key}_us"]
-            entry["candidates"][name] = result
-            progress_write(f"[block report] S={S} {name}: {measured(result, floor)}")
+            entry["candidates"][row] = result
+            progress_write(f"[block report] S={S} {row}: {measured(result, floor)}")
         base = entry["candidates"].get("adaln_lab", {}).get("fwd_bwd_us_graph")
         for name, result in entry["candidates"].items():
             other = result.get("fwd_bwd_us_graph")

@@ -26,15 +26,31 @@ import torch
 from ..reference.final_adaln_out import replay
 
 EPS = 1e-5
+REPLAY_ROW = "diffusers_replay"
 Candidate = Callable[..., torch.Tensor]
 
 
 @dataclass
 class Named:
+    """A candidate: its row `name`, what it runs (`source`), the callable, a warning to print, and
+    `replay_of`: the library whose code it stands in for (set on adaln_lab's replay of diffusers)."""
+
     name: str
     source: str
     fn: Candidate
     warning: str | None = None
+    replay_of: str | None = None
+
+
+def diffusers_missing() -> str | None:
+    """None when diffusers' MiniMax-H3 module imports, else why not (one line: the exception's type and text)."""
+    try:
+        import diffusers  # noqa: F401 - first: a None in sys.modules raises here, as a missing package does
+        importlib.import_module("diffusers.models.transformers.transformer_minimax_h3")
+    except Exception as error:  # noqa: BLE001 - missing, too old or broken: all mean "no diffusers rows"
+        text = str(error).strip().splitlines()
+        return f"{type(error).__name__}: {text[0] if text else ''}"[:200]
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,16 +62,17 @@ def _diffusers_module(H: int, D: int):
 
 
 def diffusers_candidate(device: str | torch.device | None = None) -> Named:
-    """The real diffusers module through `torch.func.functional_call`, else the replay (said loudly)."""
-    try:
-        import diffusers
-        from diffusers.models.transformers import transformer_minimax_h3  # noqa: F401
-    except Exception as error:  # diffusers missing or too old: say so in the report and on screen
-        why = f"diffusers not importable: {type(error).__name__}"
-        return Named("diffusers", f"REPLAY, not diffusers: adaln_lab.reference.replay, the op-for-op replay of "
-                     f"MiniMaxH3AdaLayerNormOut ({why})", lambda *a: replay(*a, eps=EPS),
-                     warning=f"the 'diffusers' row is adaln_lab's op-for-op REPLAY, not the diffusers module ({why}); "
-                             "install diffusers==0.42.* for the real one")
+    """The real diffusers module through `torch.func.functional_call`; without diffusers, adaln_lab's replay
+    of it in a row named `REPLAY_ROW` ("diffusers_replay"), said in its source and warning too."""
+    why = diffusers_missing()
+    if why is not None:
+        return Named(REPLAY_ROW, f"diffusers REPLAYED by adaln_lab (diffusers not importable: {why}): "
+                     "adaln_lab.reference.replay, the op-for-op replay of MiniMaxH3AdaLayerNormOut",
+                     lambda *a: replay(*a, eps=EPS), replay_of="diffusers",
+                     warning=f"diffusers is not importable ({why}): the row '{REPLAY_ROW}' is adaln_lab's "
+                             "op-for-op replay of diffusers' module, not diffusers; "
+                             "pip install 'diffusers>=0.42,<0.43' for the real one")
+    import diffusers
 
     def call(x, norm_weight, temb, weight, bias, timestep_indices):
         module = _diffusers_module(x.shape[-1], temb.shape[-1])
@@ -206,6 +223,6 @@ def resolve(candidates: list, device: torch.device) -> list[Named]:
             k = 2
             while f"{built.name}#{k}" in taken:
                 k += 1
-            built = Named(f"{built.name}#{k}", built.source, built.fn, built.warning)
+            built = Named(f"{built.name}#{k}", built.source, built.fn, built.warning, built.replay_of)
         out.append(built)
     return out

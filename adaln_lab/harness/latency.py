@@ -15,6 +15,10 @@ exactly what it times):
   fails or there is no CUDA.
 Once per run, `autograd_floor`: `autograd_floor_us`, `autograd_floor_host_us`, forward+backward of
 an identity autograd.Function over the five leaves (what torch autograd alone costs a call).
+
+Spread: `latency`, `inference_latency`, `host_latency` and `graph_latency` take an optional dict
+`spread`; given one, they put in it, per figure they return, `summary` of its samples (min, p25,
+median, p75, max, n), so a noisy figure shows as such beside its median.
 """
 
 from __future__ import annotations
@@ -27,11 +31,27 @@ import torch
 from .inputs import Inputs
 
 
+def summary(samples: list[float]) -> dict:
+    """{min, p25, median, p75, max, n} of timing samples (us); quartiles by `statistics.quantiles`
+    (inclusive method), both equal to the sample for a single one."""
+    ordered = sorted(samples)
+    p25, _, p75 = statistics.quantiles(ordered, n=4, method="inclusive") if len(ordered) > 1 else ordered * 3
+    return {"min": ordered[0], "p25": p25, "median": statistics.median(ordered), "p75": p75, "max": ordered[-1],
+            "n": len(ordered)}
+
+
+def _median(samples: list[float], spread: dict | None, key: str) -> float:
+    """The median of `samples`; their `summary` into `spread[key]` when `spread` is a dict."""
+    if spread is not None:
+        spread[key] = summary(samples)
+    return statistics.median(samples)
+
+
 class _Timer:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
-    def __call__(self, step, warmup: int, iters: int) -> float:
+    def __call__(self, step, warmup: int, iters: int, spread: dict | None = None, key: str = "") -> float:
         for _ in range(warmup):
             step()
         samples = []
@@ -48,10 +68,10 @@ class _Timer:
                 t0 = time.perf_counter()
                 step()
                 samples.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(samples)
+        return _median(samples, spread, key)
 
 
-def latency(fn, inputs: Inputs, warmup: int, iters: int) -> dict:
+def latency(fn, inputs: Inputs, warmup: int, iters: int, spread: dict | None = None) -> dict:
     timer = _Timer(inputs.x.device)
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs.leaves]
     idx = inputs.timestep_indices
@@ -69,8 +89,9 @@ def latency(fn, inputs: Inputs, warmup: int, iters: int) -> dict:
             leaf.grad = None
         fn(*leaves, idx).backward(ones)
 
-    return {"fwd_us": timer(forward, warmup, iters), "fwd_bwd_us": timer(fwd_bwd_seed, warmup, iters),
-            "fwd_bwd_us_pure": timer(fwd_bwd_pure, warmup, iters)}
+    return {"fwd_us": timer(forward, warmup, iters, spread, "fwd_us"),
+            "fwd_bwd_us": timer(fwd_bwd_seed, warmup, iters, spread, "fwd_bwd_us"),
+            "fwd_bwd_us_pure": timer(fwd_bwd_pure, warmup, iters, spread, "fwd_bwd_us_pure")}
 
 
 NO_CUDA = "no CUDA"
@@ -82,7 +103,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _host_timer(step, warmup: int, iters: int, device: torch.device, prepare=None) -> float:
+def _host_timer(step, warmup: int, iters: int, device: torch.device, prepare=None, spread: dict | None = None,
+                key: str = "") -> float:
     """Median CPU wall time (us) of `step()` alone: `prepare()` and a device synchronize run
     before each sample, outside the timed region; `step`'s return value is dropped after the clock
     stops (freeing it is not part of the call)."""
@@ -100,19 +122,19 @@ def _host_timer(step, warmup: int, iters: int, device: torch.device, prepare=Non
         samples.append((time.perf_counter() - t0) * 1e6)
         del result
     _sync(device)
-    return statistics.median(samples)
+    return _median(samples, spread, key)
 
 
-def inference_latency(fn, inputs: Inputs, warmup: int, iters: int) -> float:
+def inference_latency(fn, inputs: Inputs, warmup: int, iters: int, spread: dict | None = None) -> float:
     """`fwd_us_inference`: the forward alone under `torch.inference_mode()`, on the inputs as made
     (no leaf requires grad), timed like `fwd_us`: CUDA events around each call after a synchronize
     (wall clock on CPU), median of `iters` samples after `warmup` calls."""
     timer = _Timer(inputs.x.device)
     with torch.inference_mode():
-        return timer(lambda: fn(*inputs.args), warmup, iters)
+        return timer(lambda: fn(*inputs.args), warmup, iters, spread, "fwd_us_inference")
 
 
-def host_latency(fn, inputs: Inputs, warmup: int, iters: int) -> dict:
+def host_latency(fn, inputs: Inputs, warmup: int, iters: int, spread: dict | None = None) -> dict:
     """`host_fwd_us`, `host_fwd_bwd_us`: CPU wall time (time.perf_counter) to issue one call with
     nothing waited on. Each sample synchronizes the device first (outside the clock), then times
     only the Python call: the forward on leaves requiring grad; or the forward and `.backward()`
@@ -131,8 +153,10 @@ def host_latency(fn, inputs: Inputs, warmup: int, iters: int) -> dict:
     def fwd_bwd():
         fn(*leaves, idx).backward(ones)
 
-    return {"host_fwd_us": _host_timer(lambda: fn(*leaves, idx), warmup, iters, device),
-            "host_fwd_bwd_us": _host_timer(fwd_bwd, warmup, iters, device, prepare=reset)}
+    return {"host_fwd_us": _host_timer(lambda: fn(*leaves, idx), warmup, iters, device, spread=spread,
+                                       key="host_fwd_us"),
+            "host_fwd_bwd_us": _host_timer(fwd_bwd, warmup, iters, device, prepare=reset, spread=spread,
+                                           key="host_fwd_bwd_us")}
 
 
 def _reason(error: BaseException) -> str:
@@ -140,7 +164,8 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"[:400]
 
 
-def _graph_time(step, leaves, warmup: int, iters: int, replays: int) -> float:
+def _graph_time(step, leaves, warmup: int, iters: int, replays: int, spread: dict | None = None,
+                key: str = "") -> float:
     """Capture `step` once in a CUDA graph and time replays (us per replay, median of samples)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -169,7 +194,7 @@ def _graph_time(step, leaves, warmup: int, iters: int, replays: int) -> float:
             end.record()
             end.synchronize()
             samples.append(start.elapsed_time(end) * 1e3 / replays)
-        return statistics.median(samples)
+        return _median(samples, spread, key)
     finally:
         del kept
         for leaf in leaves:
@@ -177,7 +202,8 @@ def _graph_time(step, leaves, warmup: int, iters: int, replays: int) -> float:
         graph.reset()
 
 
-def graph_latency(fn, inputs: Inputs, warmup: int, iters: int, replays: int = GRAPH_REPLAYS) -> dict:
+def graph_latency(fn, inputs: Inputs, warmup: int, iters: int, replays: int = GRAPH_REPLAYS,
+                  spread: dict | None = None) -> dict:
     """`fwd_us_graph`, `fwd_bwd_us_graph`: the GPU's own time of one call, host overhead removed.
 
     The forward alone on leaves requiring grad, and separately the forward plus `.backward()` with
@@ -210,7 +236,7 @@ def graph_latency(fn, inputs: Inputs, warmup: int, iters: int, replays: int = GR
             return result
 
         try:
-            out[key], out[key + "_error"] = _graph_time(step, leaves, warmup, iters, replays), None
+            out[key], out[key + "_error"] = _graph_time(step, leaves, warmup, iters, replays, spread, key), None
         except Exception as error:  # noqa: BLE001 - any capture failure is a finding, not a crash
             out[key], out[key + "_error"] = None, _reason(error)
             try:

@@ -5,9 +5,11 @@ Same keys as tests/data/seed_prior_art_b200.json (so the files read side by side
 `adaln_lab_commit` where the seed has `rl_kernel_commit`, plus: the measured copy bandwidth
 (`copy_TBps`), the memory floor per size (`memory_floor`), the autograd floor of the run
 (`autograd_floor_us`, `autograd_floor_host_us`), per size and candidate the pure
-forward+backward time, CUDA-graph, inference-mode and host (issue) times and the fraction of copy
-bandwidth achieved, for adaln_lab its forward parity with diffusers, and `schema_notes`, which
-explains the keys kept only for the seed's schema and every timing key.
+forward+backward time, CUDA-graph, inference-mode and host (issue) times, the spread of each
+timing's samples (`spread_us`) and the fraction of copy bandwidth achieved, for adaln_lab its
+forward parity with diffusers, and `schema_notes`, which explains the keys kept only for the seed's
+schema and every timing key. On a CPU the memory floor's times and the floor fractions are null
+(reason in `floor_null_reason`): torch's CPU code is nowhere near streaming at copy bandwidth.
 
 Order of work: every candidate's invariance, accuracy and eager timings first, then the autograd
 floor, then the CUDA-graph timings of all candidates and sizes last (torch.compile's candidate
@@ -18,11 +20,9 @@ that `inputs.make` draws from unusable, and it must not cost the rest of the rep
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 import platform
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ from .candidates import Named, adaln_lab_candidate, diffusers_candidate, resolve
 from .inputs import make, upstream
 from .latency import (autograd_floor, copy_bandwidth, graph_latency, host_latency, inference_latency,
                       latency, memory_floor)
+from .output import write  # noqa: F401 - `report.write`, as before
 from .progress import progress, write as progress_write
 from .protocol import FULL, QUICK, Protocol
 
@@ -40,6 +41,8 @@ LIBRARIES = ("torch", "triton", "diffusers", "cupy-cuda13x", "numba-cuda", "nump
              "liger-kernel", "vllm", "flashinfer-python", "sglang", "transformer_engine", "megatron-core")
 REPO = Path(__file__).resolve().parents[2]
 GRAPH_KEYS = ("fwd_us_graph", "fwd_bwd_us_graph", "fwd_us_graph_error", "fwd_bwd_us_graph_error")
+CPU_FLOOR = ("null on a CPU: torch's CPU code does not stream memory at copy bandwidth, so a multiple of this "
+             "floor would say nothing (the byte counts stand)")
 
 SCHEMA_NOTES = {
     "seed": "'seed' in names ('seed report', 'seed protocol', 'seed_prior_art') means the prior-art report "
@@ -69,7 +72,14 @@ SCHEMA_NOTES = {
                          "at the first accuracy size.",
     "autograd_floor_host_us": "the same identity call timed like host_fwd_bwd_us: what torch autograd alone costs "
                               "the host per forward+backward.",
-    "memory_floor": "per size: bytes read once and written once (fwd_bytes, fwd_bwd_bytes) over copy_TBps.",
+    "memory_floor": "per size: bytes read once and written once (fwd_bytes, fwd_bwd_bytes) over copy_TBps; on a "
+                    "CPU fwd_us and fwd_bwd_us are null, reason in floor_null_reason (so are the candidates' "
+                    "fwd_floor_fraction and fwd_bwd_floor_fraction).",
+    "copy_TBps": "measured device-to-device copy bandwidth (host memory on a CPU), (read + write) / median time.",
+    "spread_us": "per timing key of an accuracy_latency entry, its samples: min, p25, median, p75, max (us) and n; "
+                 "median is the key's value.",
+    "diffusers_replay": "the row of the 'diffusers' candidate where diffusers is not importable: adaln_lab's "
+                        "op-for-op replay of diffusers' module, not diffusers (replay_of: 'diffusers').",
     "rows_invariant": "the three row checks alone (all_rows, full_vs_sub_batches, batch_size_sweep): no row whose "
                       "output or dx differs; `batch_invariant` (the seed's verdict) also needs params_repeatable.",
     "rowgrad_differ": "rows whose dx (the gradient of x) is not bitwise equal to the reference row's; fwd_differ "
@@ -156,19 +166,33 @@ def batch_invariance(fn, protocol: Protocol, device: torch.device) -> dict:
 
 
 def accuracy_latency(candidate: Named, protocol: Protocol, device: torch.device, floors: dict) -> dict:
+    """Per accuracy size: errors, timings, `spread_us` of their samples and the floor fractions (null
+    where the floor is, on a CPU)."""
     out = {}
     for S in protocol.accuracy_sizes:
         inputs = make(protocol.accuracy_seed, S, device, **protocol.shape)
         entry = accuracy(candidate.fn, inputs, upstream(protocol.accuracy_seed, inputs.x))
-        entry.update(latency(candidate.fn, inputs, protocol.warmup, protocol.iters))
-        entry["fwd_us_inference"] = inference_latency(candidate.fn, inputs, protocol.warmup, protocol.iters)
-        entry.update(host_latency(candidate.fn, inputs, protocol.warmup, protocol.iters))
+        spread: dict = {}
+        entry.update(latency(candidate.fn, inputs, protocol.warmup, protocol.iters, spread))
+        entry["fwd_us_inference"] = inference_latency(candidate.fn, inputs, protocol.warmup, protocol.iters, spread)
+        entry.update(host_latency(candidate.fn, inputs, protocol.warmup, protocol.iters, spread))
         entry.update(dict.fromkeys(GRAPH_KEYS))  # filled by graph_timings, after every other measurement
+        entry["spread_us"] = spread
         floor = floors[str(S)]
-        entry["fwd_floor_fraction"] = floor["fwd_us"] / entry["fwd_us"]
-        entry["fwd_bwd_floor_fraction"] = floor["fwd_bwd_us"] / entry["fwd_bwd_us_pure"]
+        for key, timed in (("fwd", "fwd_us"), ("fwd_bwd", "fwd_bwd_us_pure")):
+            entry[f"{key}_floor_fraction"] = (None if floor[f"{key}_us"] is None
+                                              else floor[f"{key}_us"] / entry[timed])
         out[str(S)] = entry
     return out
+
+
+def floors_of(protocol: Protocol, copy: float, device: torch.device) -> dict:
+    """`memory_floor` per accuracy size; on a CPU its times are null with `floor_null_reason`."""
+    floors = {str(S): memory_floor(S, protocol.H, protocol.D, protocol.T, copy) for S in protocol.accuracy_sizes}
+    if device.type != "cuda":
+        for floor in floors.values():
+            floor.update(fwd_us=None, fwd_bwd_us=None, floor_null_reason=CPU_FLOOR)
+    return floors
 
 
 def forward_parity(protocol: Protocol, device: torch.device) -> dict:
@@ -192,8 +216,10 @@ def graph_timings(candidates: list[Named], protocol: Protocol, device: torch.dev
     for candidate in (progress(None, "cuda graphs", unit="candidate", leave=True, iterable=order)
                       if device.type == "cuda" else order):
         for S, batch in inputs.items():
-            figures = graph_latency(candidate.fn, batch, protocol.warmup, protocol.iters)
-            results[candidate.name][S].update(figures)
+            entry = results[candidate.name][S]
+            figures = graph_latency(candidate.fn, batch, protocol.warmup, protocol.iters,
+                                    spread=entry.setdefault("spread_us", {}))
+            entry.update(figures)
             for key in ("fwd_us_graph", "fwd_bwd_us_graph"):
                 if figures[key] is None and figures[key + "_error"] != "no CUDA":
                     progress_write(f"[adaln_lab report] {candidate.name} @{S}: {key} capture failed: "
@@ -215,7 +241,7 @@ def announce_estimate(candidates: list[Named], protocol: Protocol, device: torch
     probe = min(estimate.PROBE_ROWS, protocol.full_batch)
     progress_write(f"[adaln_lab report] full protocol, {len(candidates)} candidate(s), ~{len(batches)} calls each: "
                    f"{estimate.minutes(total)} on this device ({device}; extrapolated from calls of 1 and {probe} "
-                   "rows; --quick for minutes)")
+                   "rows; --quick for a run of seconds)")
     return total
 
 
@@ -235,7 +261,7 @@ def run_report(candidates: list, device: str | torch.device, quick: bool, protoc
     if not quick:
         announce_estimate(candidates, protocol, device)
     copy = copy_bandwidth(device, protocol.copy_bytes)
-    floors = {str(S): memory_floor(S, protocol.H, protocol.D, protocol.T, copy) for S in protocol.accuracy_sizes}
+    floors = floors_of(protocol, copy, device)
     report = {
         "kind": "adaln_lab_report",
         "rfc": None,
@@ -253,6 +279,7 @@ def run_report(candidates: list, device: str | torch.device, quick: bool, protoc
     }
     for candidate in progress(None, "candidates", unit="candidate", leave=True, iterable=candidates):
         entry = {"source": candidate.source, "has_backward": True,
+                 **({"replay_of": candidate.replay_of} if candidate.replay_of else {}),
                  "batch_invariance": batch_invariance(candidate.fn, protocol, device),
                  "accuracy_latency": accuracy_latency(candidate, protocol, device, floors)}
         if not entry["batch_invariance"]["batch_invariant"]:
@@ -260,6 +287,7 @@ def run_report(candidates: list, device: str | torch.device, quick: bool, protoc
                                      + [f"  {line}" for line in invariance.failure_summary(entry["batch_invariance"])]))
         if candidate.name == "adaln_lab" and device.type == "cuda":
             entry["forward_parity_vs_diffusers"] = forward_parity(protocol, device)
+            entry["forward_parity_baseline"] = diffusers_candidate().source
         report["results"]["plain"][candidate.name] = entry
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -268,12 +296,3 @@ def run_report(candidates: list, device: str | torch.device, quick: bool, protoc
     graph_timings(candidates, protocol, device,
                   {name: entry["accuracy_latency"] for name, entry in report["results"]["plain"].items()})
     return report
-
-
-def write(report: dict, path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    tmp.replace(path)
-    print(f"wrote {path}", file=sys.stderr)

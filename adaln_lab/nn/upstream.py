@@ -11,8 +11,10 @@ def diffusers_class(name: str) -> type:
     try:
         import diffusers  # noqa: F401
     except ImportError as err:
-        raise ImportError("adaln_lab.patch / unpatch need diffusers (MiniMax-H3 is in diffusers 0.42): "
-                          "pip install 'diffusers>=0.42,<0.43', or install adaln_lab with its [test] extra") from err
+        raise ImportError(f"diffusers' {name} was asked for, and diffusers is not installed (patch, unpatch, "
+                          "from_diffusers, to_diffusers and testing.tiny_h3_model need diffusers; MiniMax-H3 is in "
+                          "diffusers 0.42): pip install 'diffusers>=0.42,<0.43', or install adaln_lab with its [test] "
+                          "or [notebooks] extra") from err
     try:
         import importlib
 

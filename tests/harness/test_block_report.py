@@ -2,6 +2,8 @@
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -59,7 +61,8 @@ def test_cli_writes_a_block_report_prints_its_figures_and_table_renders_it(tmp_p
     assert main(["table", str(out)]) == 0
     text = capsys.readouterr().out
     assert text.strip() == captured.out.strip()
-    assert "| 1024 | diffusers | n/a on CPU |" in text and "- CPU run:" in text and "copy bandwidth n/a on CPU" in text
+    assert "| 1024 | diffusers | n/a on CPU |" in text and "- CPU run:" in text
+    assert re.search(r"host memory copy [0-9.e-]+ TB/s \(no floor on CPU\)", text)  # printed, as in the JSON
     report = json.loads(out.read_text())
     assert report["kind"] == "adaln_lab_block_report" and report["quick"]
     entry = report["sizes"]["257"]
@@ -67,6 +70,10 @@ def test_cli_writes_a_block_report_prints_its_figures_and_table_renders_it(tmp_p
     result = entry["candidates"]["diffusers"]
     assert result["fwd_us_graph"] is None and result["fwd_us_graph_error"] == "no CUDA"
     assert result["host_fwd_bwd_us"] > 0 and result["grads_repeat_bitwise"]
+    assert entry["floor"]["fwd_us"] is None and "CPU" in entry["floor"]["null_reason"]  # printed as n/a on CPU
+    spread = result["spread_us"]["host_fwd_bwd_us"]
+    assert spread["median"] == result["host_fwd_bwd_us"] and spread["n"] == br.HOST_SAMPLES
+    assert re.search(r"\| 257 \| diffusers \| n/a on CPU \| n/a on CPU \| n/a on CPU \| \d+ ±\d+% \|", text)
 
 
 def test_the_block_line_shows_graph_and_host_figures_or_why_graphs_are_missing():
@@ -79,5 +86,47 @@ def test_the_block_line_shows_graph_and_host_figures_or_why_graphs_are_missing()
 
 
 def test_cli_refuses_an_unknown_candidate(tmp_path):
-    with pytest.raises(SystemExit):
-        main(["block-report", "--out", str(tmp_path / "x.json"), "--quick", "--device", "cpu", "--candidates", "nope"])
+    assert main(["block-report", "--out", str(tmp_path / "x.json"), "--quick", "--device", "cpu",
+                 "--candidates", "nope"]) == 2
+
+
+WITHOUT_DIFFUSERS = """
+import sys
+sys.modules["diffusers"] = None  # import diffusers now raises ImportError, as after a plain `pip install -e .`
+from adaln_lab.harness import block_report as br
+br.QUICK_SIZES, br.HOST_SAMPLES, br.WARMUP, br.ITERS = (33,), 3, 1, 3  # the run's cost, not what it does
+from adaln_lab.__main__ import main
+sys.exit(main(["block-report", "--quick", "--device", "cpu", "--candidates", "diffusers,adaln_lab",
+              "--out", sys.argv[1]]))
+"""
+
+
+def test_block_report_runs_without_diffusers_and_says_its_rows_are_the_replay(tmp_path):
+    out = tmp_path / "block.json"
+    run = subprocess.run([sys.executable, "-c", WITHOUT_DIFFUSERS, str(out)], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert "diffusers not importable" in run.stderr and "named diffusers_replay" in run.stderr
+    assert "| 33 | diffusers_replay |" in run.stdout and "| 33 | adaln_lab |" in run.stdout
+    assert "| diffusers |" not in run.stdout
+    assert "- diffusers_replay: NOT diffusers (diffusers is not installed here)" in run.stdout
+    report = json.loads(out.read_text())
+    rows = report["sizes"]["33"]["candidates"]
+    assert set(rows) == {"diffusers_replay", "adaln_lab"}
+    assert rows["diffusers_replay"]["replay_of"] == "diffusers" and "replay_of" not in rows["adaln_lab"]
+    assert all("REPLAYED" in row["source"] or "replay of diffusers' block" in row["source"] for row in rows.values())
+    assert "replay of diffusers' block" in report["golden"]
+    assert rows["adaln_lab"]["fwd_rel_err"] < 0.02 and rows["adaln_lab"]["grads_repeat_bitwise"]
+
+
+def test_the_replay_block_is_diffusers_block_bit_for_bit():
+    pytest.importorskip("diffusers.models.transformers.transformer_minimax_h3")
+    inputs = br.make_block(1, 33, H=16, D=8, T=2)
+    dy = torch.randn(inputs.x.shape).to(torch.bfloat16)
+    with torch.device("meta"):
+        replay = br.ReplayBlock(16, 8)
+    ours = br.forward_backward(br.block_call(replay), inputs, dy)
+    theirs = br.forward_backward(br.diffusers_block_call, inputs, dy)
+    assert br.diffusers_missing() is None  # theirs is diffusers' own block
+    assert torch.equal(ours[0], theirs[0])
+    assert all(torch.equal(ours[1][name], theirs[1][name]) for name in br.LEAVES)

@@ -12,5 +12,6 @@ def test_candidate_sources_say_what_runs(monkeypatch):
     assert "torch replay" in cpu.source and "table_backend=cuda" not in cpu.source and cpu.warning
     monkeypatch.setitem(sys.modules, "diffusers", None)  # import diffusers now raises ImportError
     missing = diffusers_candidate()
-    assert missing.source.startswith("REPLAY") and "not importable" in missing.source
-    assert "REPLAY" in missing.warning
+    assert missing.name == "diffusers_replay" and missing.replay_of == "diffusers"  # its row says what it is
+    assert "REPLAYED by adaln_lab" in missing.source and "not importable" in missing.source
+    assert "diffusers_replay" in missing.warning and "not diffusers" in missing.warning

@@ -8,7 +8,7 @@ import torch
 
 from adaln_lab.harness.inputs import make
 from adaln_lab.harness.latency import (autograd_floor, graph_latency, host_latency, identity_floor_step,
-                                       inference_latency, latency)
+                                       inference_latency, latency, summary)
 from adaln_lab.reference import replay
 
 SHAPE = {"H": 64, "D": 32, "T": 3}
@@ -24,6 +24,25 @@ def test_inference_and_host_timings_are_positive_on_cpu(cpu_inputs):
     host = host_latency(replay, cpu_inputs, 1, 3)
     assert set(host) == {"host_fwd_us", "host_fwd_bwd_us"}
     assert host["host_fwd_us"] > 0 and host["host_fwd_bwd_us"] > 0
+
+
+def test_summary_of_samples():
+    assert summary([3.0, 100.0, 1.0, 4.0, 2.0]) == {"min": 1.0, "p25": 2.0, "median": 3.0, "p75": 4.0, "max": 100.0,
+                                                     "n": 5}
+    assert summary([7.0]) == {"min": 7.0, "p25": 7.0, "median": 7.0, "p75": 7.0, "max": 7.0, "n": 1}
+
+
+def test_timings_give_the_spread_of_their_samples_when_asked(cpu_inputs):
+    spread = {}
+    figures = latency(replay, cpu_inputs, 1, 4, spread)
+    figures["fwd_us_inference"] = inference_latency(replay, cpu_inputs, 1, 4, spread)
+    figures.update(host_latency(replay, cpu_inputs, 1, 4, spread))
+    assert set(spread) == set(figures) == {"fwd_us", "fwd_bwd_us", "fwd_bwd_us_pure", "fwd_us_inference",
+                                           "host_fwd_us", "host_fwd_bwd_us"}
+    for key, s in spread.items():
+        assert s["n"] == 4 and s["median"] == figures[key] and s["min"] <= s["median"] <= s["max"]
+    assert graph_latency(replay, cpu_inputs, 1, 4, spread=spread)["fwd_us_graph"] is None
+    assert len(spread) == 6  # no samples without CUDA: nothing added
 
 
 def test_inference_latency_runs_under_inference_mode(cpu_inputs):

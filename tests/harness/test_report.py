@@ -2,6 +2,7 @@
 schema (same keys, side by side), says what each row ran, and `python -m adaln_lab table` renders it."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -87,9 +88,8 @@ def test_cli_rejects_unknown_candidates_and_gpu_only_ones_on_cpu(tmp_path, capsy
                          timeout=120)  # the command itself, in a process of its own
     assert run.returncode == 2 and "unknown candidate" in run.stderr
     assert not (tmp_path / "x.json").exists()
-    with pytest.raises(SystemExit) as exit_:  # its main() (what `python -m adaln_lab` runs), in this process
-        main([*args, "torch_compile"])
-    assert exit_.value.code == 2 and "runs on CUDA only" in capsys.readouterr().err
+    assert main([*args, "torch_compile"]) == 2  # its main() (what `python -m adaln_lab` runs), in this process
+    assert "runs on CUDA only" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
 
 
@@ -169,7 +169,7 @@ def test_cpu_table_says_na_on_cpu_for_gpu_figures_and_what_the_rows_measure(quic
         assert "x)" not in " ".join(cells)
     assert "| 65 | n/a on CPU | n/a on CPU |" in text  # the memory floor
     assert "CUDA events n/a on CPU" in text and "us CUDA events" not in text
-    assert "copy bandwidth n/a on CPU" in text and "TB/s" not in text
+    assert re.search(r"host memory copy [0-9.e-]+ TB/s \(no floor on CPU\)", text)  # measured, in the JSON too
     cpu = [line for line in text.splitlines() if line.startswith("- CPU run:")]
     assert len(cpu) == 1 and "wall clock" in cpu[0]
     assert "- diffusers and adaln_lab give the same errors: on a CPU they run the same torch ops" in text
@@ -194,3 +194,59 @@ def test_progress_in_a_log_is_plain_lines_without_escape_codes(quick_run):
     err = quick_run[1].stderr
     assert "\x1b[" not in err and "\r" not in err  # no tqdm redraws, no cursor-up of nested bars
     assert "batch invariance: 4/4 checks in " in err and "all_rows n=8: 16/16 calls in " in err
+
+
+TIMINGS = ("fwd_us", "fwd_bwd_us", "fwd_bwd_us_pure", "fwd_us_inference", "host_fwd_us", "host_fwd_bwd_us")
+
+
+@one_worker
+def test_quick_report_has_the_spread_of_each_timing_and_no_cpu_floor_figures(quick_report, quick_run):
+    for floor in quick_report["memory_floor"].values():  # printed as "n/a on CPU": null here, with the reason
+        assert floor["fwd_us"] is None and floor["fwd_bwd_us"] is None and "CPU" in floor["floor_null_reason"]
+        assert floor["fwd_bytes"] > 0 and floor["fwd_bwd_bytes"] > floor["fwd_bytes"]
+    for entry in quick_report["results"]["plain"].values():
+        for figures in entry["accuracy_latency"].values():
+            assert figures["fwd_floor_fraction"] is None and figures["fwd_bwd_floor_fraction"] is None
+            assert set(figures["spread_us"]) == set(TIMINGS)  # no CUDA graphs on a CPU: no samples of theirs
+            for key in TIMINGS:
+                s = figures["spread_us"][key]
+                assert s["median"] == figures[key] and s["n"] == quick_report["protocol"]["iters"]
+                assert 0 < s["min"] <= s["p25"] <= s["median"] <= s["p75"] <= s["max"]
+    rows = [line for line in quick_run[1].stdout.splitlines() if line.startswith("| adaln_lab |")]
+    assert rows and all(len(re.findall(r"\d ±\d+%", row)) == 4 for row in rows)  # eager x2, inference, host
+
+
+def spread_report():
+    """A one-row report whose fwd_us samples have p25 100, median 200, p75 300 (a half-IQR of 50 %)."""
+    figures = {"fwd_us": 200.0, "spread_us": {"fwd_us": {"min": 90.0, "p25": 100.0, "median": 200.0, "p75": 300.0,
+                                                         "max": 9000.0, "n": 5}}}
+    return {"kind": "adaln_lab_report", "memory_floor": {"9": {"fwd_us": None, "fwd_bwd_us": None}},
+            "environment": {"device": "cpu"}, "results": {"plain": {"mine": {"accuracy_latency": {"9": figures}}}}}
+
+
+def test_table_prints_the_spread_beside_the_median():
+    from adaln_lab.harness.render import markdown
+
+    text = markdown(spread_report())
+    assert "| mine | 9 | n/a | n/a | n/a on CPU | n/a on CPU | 200 ±50% (n/a on CPU) | n/a |" in text
+    assert "- ±N%: half the interquartile range" in text
+
+
+def test_report_without_diffusers_names_its_row_diffusers_replay(tmp_path, monkeypatch, capsys):
+    """Without diffusers the 'diffusers' row is adaln_lab's replay: named so on screen, in the table and the JSON."""
+    from adaln_lab.__main__ import main
+    from adaln_lab.harness import report as report_module
+
+    from .test_user_candidates import TINY
+
+    monkeypatch.setitem(sys.modules, "diffusers", None)  # import diffusers now raises ImportError
+    monkeypatch.setattr(report_module, "QUICK", TINY)
+    out = tmp_path / "r.json"
+    assert main(["report", "--quick", "--device", "cpu", "--candidates", "diffusers,adaln_lab", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "[adaln_lab report] candidate diffusers_replay on cpu: diffusers REPLAYED by adaln_lab" in captured.err
+    assert "| diffusers_replay | 9 |" in captured.out and "| diffusers |" not in captured.out
+    assert "- diffusers_replay: NOT diffusers (diffusers is not installed here)" in captured.out
+    plain = json.loads(out.read_text())["results"]["plain"]
+    assert set(plain) == {"diffusers_replay", "adaln_lab"}
+    assert plain["diffusers_replay"]["replay_of"] == "diffusers" and "replay_of" not in plain["adaln_lab"]
