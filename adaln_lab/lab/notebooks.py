@@ -46,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m adaln_lab.lab.notebooks", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n")[2])
     parser.add_argument("paths", nargs="*", help=f"notebooks (default: every *.ipynb in {NOTEBOOK_DIR})")
-    parser.add_argument("--write", action="store_true", help="write the executed notebooks, outputs included, back into their files "
-                        "(without it nothing is written)")
+    parser.add_argument("--write", action="store_true",
+                        help="write the executed notebooks, outputs included, back into their files "
+                             "(without it nothing is written)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds one cell may take (default 1800)")
     args = parser.parse_args(argv)
     paths = [Path(p) for p in args.paths] or sorted(NOTEBOOK_DIR.glob("*.ipynb"))
