@@ -4,7 +4,7 @@ On a terminal (stderr a TTY) `progress` is a tqdm bar; nested bars are fine ther
 is a pipe or a file, tqdm's redraws (carriage returns, and for nested bars the cursor-up code
 ESC [A) would litter the log, so `progress` is then `LineProgress`: one plain line when the
 work ends ("all_rows n=8: 16/16 calls in 2.1 s"). `ADALN_LAB_PROGRESS=bars` or `=lines` forces
-one or the other.
+one or the other; `TQDM_DISABLE` (set, and not "0" or "false"; the notebooks set it) turns both off.
 """
 
 from __future__ import annotations
@@ -60,10 +60,18 @@ class LineProgress:
         return False
 
 
+def disabled() -> bool:
+    """Whether TQDM_DISABLE asks for no progress at all: set, and not '', '0' or 'false'."""
+    return os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false")
+
+
 def progress(total: int | None, desc: str, unit: str = "call", leave: bool = False, iterable=None):
-    """A progress bar of `total` steps (or over `iterable`): tqdm on a terminal, else `LineProgress`."""
+    """A progress bar of `total` steps (or over `iterable`): tqdm on a terminal, else `LineProgress`;
+    a silent tqdm when `disabled()`."""
     if iterable is not None and total is None and hasattr(iterable, "__len__"):
         total = len(iterable)
+    if disabled():
+        return tqdm(iterable, total=total, desc=desc, unit=unit, disable=True)
     if terminal():
         return tqdm(iterable, total=total, desc=desc, unit=unit, leave=leave, dynamic_ncols=True)
     return LineProgress(total, desc, unit, iterable)

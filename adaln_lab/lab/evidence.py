@@ -8,6 +8,11 @@ A notebook sets `MODE = "auto" | "evidence" | "measure"` at its top and calls `r
   computed live on this CPU at small sizes instead, and the banner says so;
 - "auto": "measure" where torch sees CUDA, "evidence" elsewhere.
 
+$ADALN_LAB_EVIDENCE_DIR=DIR makes evidence mode read DIR instead, e.g. the folder of `python -m adaln_lab.lab
+--out DIR [--quick]`. Such a folder holds no report.json (unless `python -m adaln_lab report --out
+DIR/report.json` wrote one) and no sweep.json: `load_report(required=False)` is then None, and a notebook
+shows `missing(name)` ("report.json: not measured in this run ...") where a figure of those files would be.
+
 `obtain(kind, mode, measure)` does the above for one lab file and returns `(data, banner)`: the
 banner is the line a notebook prints, so a reader always sees what the figures are. With
 $ADALN_LAB_SAVE_DIR set, measure mode on a GPU also writes what it measured there as `lab_<kind>.json`
@@ -44,8 +49,8 @@ def repo_root() -> Path:
 
 
 def evidence_dir() -> Path:
-    """bench/results/<EVIDENCE_MACHINE> of the checkout, or $ADALN_LAB_EVIDENCE_DIR when set (tests point it at
-    a synthetic copy)."""
+    """bench/results/<EVIDENCE_MACHINE> of the checkout, or $ADALN_LAB_EVIDENCE_DIR when set: a folder of
+    `python -m adaln_lab.lab --out DIR` (tests point it at a synthetic copy)."""
     override = os.environ.get("ADALN_LAB_EVIDENCE_DIR")
     return Path(override) if override else repo_root() / RELATIVE
 
@@ -78,13 +83,39 @@ def load_json(path: str | Path) -> dict | None:
     return json.loads(path.read_text())
 
 
-def load_report(directory: str | Path | None = None) -> dict:
-    """The committed report of `python -m adaln_lab report` (bench/results/<EVIDENCE_MACHINE>/report.json)."""
+def load_report(directory: str | Path | None = None, required: bool = True) -> dict | None:
+    """The committed report of `python -m adaln_lab report` (bench/results/<EVIDENCE_MACHINE>/report.json);
+    when there is none, FileNotFoundError, or None if not `required` (a folder of `python -m adaln_lab.lab
+    --out DIR` holds no report: the notebooks then say `missing("report.json")` where they would show it)."""
     path = Path(directory or evidence_dir()) / "report.json"
     report = load_json(path)
-    if report is None:
+    if report is None and required:
         raise FileNotFoundError(f"no report at {path}")
     return report
+
+
+NOT_MEASURED = "not measured in this run"
+WRITERS = {"report.json": "python -m adaln_lab report --out DIR/report.json",
+           **{f"lab_{kind}.json": "python -m adaln_lab.lab --out DIR" for kind in KINDS}}
+
+
+def missing(name: str, what: str = "") -> str:
+    """The line a notebook shows for a figure whose evidence file `name` the evidence folder lacks."""
+    writer = WRITERS.get(name)
+    return (f"{what or name}: {NOT_MEASURED} (no {name} in {_shown(evidence_dir())}"
+            + (f"; `{writer}` writes one)" if writer else ")"))
+
+
+def machine(data: dict) -> str:
+    """The machine of a lab file (its `meta`) or of a report (top level): the GPU's name, else 'CPU (arch)'."""
+    env = (data.get("meta") or data).get("environment") or {}
+    return env.get("gpu") or f"CPU ({env.get('cpu') or 'unknown'})"
+
+
+def live(device) -> str:
+    """'computed now on NVIDIA H100 80GB HBM3' or 'computed now on this CPU': for what a notebook measures itself."""
+    device = torch.device(device)
+    return f"computed now on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'this CPU'}"
 
 
 def save(data: dict, path: str | Path) -> Path:
@@ -103,12 +134,10 @@ def meta(device: torch.device, quick: bool) -> dict:
 
 
 def describe(data: dict) -> str:
-    """'NVIDIA H200, commit 0123abc, full sizes' for a lab file's `meta`."""
-    m = data.get("meta", {})
-    env = m.get("environment") or {}
-    where = env.get("gpu") or f"CPU ({env.get('cpu') or 'unknown'})"
+    """'NVIDIA H200, commit 0123abc, full sizes' for a lab file's `meta` or a report's top level."""
+    m = data.get("meta") or data
     commit = str(m.get("adaln_lab_commit") or "unknown")[:7]
-    return f"{where}, commit {commit}, {'quick (small) sizes' if m.get('quick') else 'full sizes'}"
+    return f"{machine(data)}, commit {commit}, {'quick (small) sizes' if m.get('quick') else 'full sizes'}"
 
 
 def obtain(kind: str, mode: str, measure: Callable[[torch.device, bool], dict],
@@ -129,7 +158,8 @@ def obtain(kind: str, mode: str, measure: Callable[[torch.device, bool], dict],
         return data, f"MODE measure: measured now on {describe(data)}."
     data = load_json(path)
     if data is not None:
-        return data, f"MODE evidence: committed evidence {_shown(path)} ({describe(data)})."
+        source = "ADALN_LAB_EVIDENCE_DIR" if os.environ.get("ADALN_LAB_EVIDENCE_DIR") else "committed evidence"
+        return data, f"MODE evidence: {source} {_shown(path)} ({describe(data)})."
     data = _measured(measure, torch.device("cpu"), True)
     return data, (f"MODE evidence, but {path.name} is not committed yet: computed live on this CPU at small sizes "
                   f"({describe(data)}). These are NOT GPU figures; a GPU run of "

@@ -5,6 +5,11 @@
   distances always show, and elements whose output is 0 (no ratio) sit in a column of their own at the right.
 - `planted_figure(planted, checks)`: the planted counter-examples against each check; caught reads green,
   missed grey, and a planted example that no check caught red.
+- `roofline_figure(inside, alone, copy_TBps)`: adaln_lab's kernels, time against the bytes each moves, one
+  panel per number of rows; each kernel its own marker (named in a legend beside the panels, so no label
+  lies on another), filled inside a forward+backward call, hollow alone.
+- `caption(fig, where)`: the machine (and commit) the figure's data come from, under its title: every
+  figure of the notebooks names its GPU, or says it was computed on this CPU.
 """
 
 from __future__ import annotations
@@ -103,4 +108,69 @@ def planted_figure(planted: dict, checks):
     return fig
 
 
-__all__ = ["CAUGHT", "MISSED", "UNNOTICED", "scatter_limits", "ulp_figure", "planted_colors", "planted_figure"]
+MARKERS = "osD^vPX*<>"
+
+
+def roofline_figure(inside: dict, alone: dict, copy_TBps: float):
+    """Kernel time (us) against bytes moved (MB), log-log, one panel per number of rows.
+
+    `inside` / `alone`: {rows: [`latency_sweep.roofline` rows]} profiled inside forward+backward calls
+    (filled markers) and timed alone back to back (hollow, larger: a ring where the two agree); kernels
+    without a byte model are left out.
+    The dashed line is the copy bandwidth. Returns the figure (constrained layout, legend at the right)."""
+    plt = _pyplot()
+    from matplotlib.lines import Line2D
+
+    sizes = sorted({S for S in (*inside, *alone) if any(k["bytes"] for k in (*inside.get(S, []), *alone.get(S, [])))},
+                   key=int)
+    names = sorted({k["name"] for rows in (*inside.values(), *alone.values()) for k in rows if k["bytes"]})
+    style = {name: (MARKERS[i % len(MARKERS)], f"C{i % 10}") for i, name in enumerate(names)}
+    fig, axes = plt.subplots(1, max(1, len(sizes)), figsize=(5.2 * max(1, len(sizes)) + 2.6, 4.4), squeeze=False,
+                             sharey=True, layout="constrained")
+    for ax, S in zip(axes[0], sizes):
+        known = []
+        for rows, filled in ((inside.get(S, []), True), (alone.get(S, []), False)):
+            for k in rows:
+                if not k["bytes"]:
+                    continue
+                marker, color = style[k["name"]]
+                ax.scatter([k["bytes"] / 1e6], [k["us"]], s=55 if filled else 130, marker=marker, color=color,
+                           facecolors=color if filled else "none", linewidths=1.4)
+                known.append(k["bytes"])
+        ends = [min(known) / 2, max(known) * 2]
+        ax.plot([b / 1e6 for b in ends], [b / copy_TBps / 1e6 for b in ends], "k--", lw=1)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("bytes the kernel must move (MB, log)")
+        ax.set_title(f"{S} rows")
+    axes[0][0].set_ylabel("kernel time (us, log)")
+    fig.suptitle("adaln_lab kernels: time against bytes\n(on the dashed line: at copy bandwidth)", fontsize=11)
+    if not sizes:
+        axes[0][0].text(0.5, 0.5, "no kernel with a byte model in these data", ha="center", va="center",
+                        transform=axes[0][0].transAxes)
+        return fig
+    handles = [Line2D([], [], ls="", marker=style[n][0], color=style[n][1], label=n.replace("_bf16", ""))
+               for n in names]
+    handles += [Line2D([], [], ls="", marker="o", color="gray", label="filled: inside a fwd+bwd call (profile)"),
+                Line2D([], [], ls="", marker="o", color="gray", markerfacecolor="none",
+                       label="hollow: alone, back to back (sweep)"),
+                Line2D([], [], ls="--", color="black", label=f"copy bandwidth {copy_TBps:.2f} TB/s")]
+    fig.legend(handles=handles, loc="outside right center", fontsize=8)
+    return fig
+
+
+def caption(fig, where: str):
+    """Write `where` (the data's machine and commit, `evidence.describe`, or `evidence.live`) under the
+    figure's suptitle, or as its suptitle, and lay the figure out again so that nothing overlaps it.
+    Returns the suptitle's Text."""
+    title = fig.get_suptitle()
+    text = fig.suptitle(f"{title}\n{where}" if title else where, fontsize=10)
+    from matplotlib.layout_engine import ConstrainedLayoutEngine
+
+    if not isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine):  # constrained layout makes room itself
+        fig.tight_layout()
+    return text
+
+
+__all__ = ["CAUGHT", "MISSED", "UNNOTICED", "scatter_limits", "ulp_figure", "planted_colors", "planted_figure",
+           "roofline_figure", "caption"]

@@ -1,9 +1,12 @@
-"""Execute the lab's notebooks top to bottom, in place: python -m adaln_lab.lab.notebooks [PATH ...]
+"""Execute the lab's notebooks top to bottom and check that no cell raises; --write saves their outputs into the files.
+
+python -m adaln_lab.lab.notebooks [--write] [PATH ...]
 
 Each notebook keeps `MODE = "auto"`: on a machine with CUDA it measures afresh, on a CPU it reads
-the committed GPU evidence (bench/results/<machine>, `lab.evidence.EVIDENCE_MACHINE`). With `--write` the executed notebook, outputs
-included, replaces the file (what gets committed after a GPU run); without it nothing is
-written. Needs the test extra (nbclient, nbformat, ipykernel). Prints each notebook's seconds and
+the committed GPU evidence (bench/results/<machine>, `lab.evidence.EVIDENCE_MACHINE`), or the folder
+$ADALN_LAB_EVIDENCE_DIR names. Without `--write` nothing is written: the run only checks; with it
+the executed notebook, outputs included, replaces the file (what gets committed after a run).
+Needs the test extra (nbclient, nbformat, ipykernel). Prints each notebook's seconds on stderr and
 exits 1 if any cell raised.
 """
 
@@ -40,9 +43,12 @@ def execute(path: str | Path, timeout: int = 1800, write: bool = False):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m adaln_lab.lab.notebooks", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m adaln_lab.lab.notebooks", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n")[2])
     parser.add_argument("paths", nargs="*", help=f"notebooks (default: every *.ipynb in {NOTEBOOK_DIR})")
-    parser.add_argument("--write", action="store_true", help="write the executed notebooks, outputs included, back")
+    parser.add_argument("--write", action="store_true",
+                        help="write the executed notebooks, outputs included, back into their files "
+                             "(without it nothing is written)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds one cell may take (default 1800)")
     args = parser.parse_args(argv)
     paths = [Path(p) for p in args.paths] or sorted(NOTEBOOK_DIR.glob("*.ipynb"))

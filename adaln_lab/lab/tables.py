@@ -1,7 +1,9 @@
 """Markdown tables of the notebooks, from a report (`python -m adaln_lab report`) or a lab file.
 
 Every number is printed with `fmt` (3 significant digits, or 'n/a'), so a test can find the
-report's figures in a notebook's output by formatting them the same way.
+report's figures in a notebook's output by formatting them the same way. The report's tables take
+None for a report that is not there (a folder of `python -m adaln_lab.lab --out DIR` has none) and
+say so in one line (`evidence.missing`) instead.
 """
 
 from __future__ import annotations
@@ -37,9 +39,17 @@ def table(head: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def report_errors(report: dict) -> str:
+def _no_report(what: str) -> str:
+    from .evidence import missing
+
+    return missing("report.json", what)
+
+
+def report_errors(report: dict | None) -> str:
     """Forward and gradient errors (max|err| / max|ref| vs the float64 golden) of a report, with the
     fraction of d_bias correctly rounded, per size and candidate."""
+    if report is None:
+        return _no_report("the report's errors")
     rows = []
     for S in report["memory_floor"]:
         for name, entry in report["results"]["plain"].items():
@@ -75,8 +85,10 @@ def spread(sp: dict) -> str:
                    "max spread / max|g|"], rows)
 
 
-def report_latency(report: dict) -> str:
+def report_latency(report: dict | None) -> str:
     """Per size and candidate: graph, eager and host times, memory floor and autograd host floor (us)."""
+    if report is None:
+        return _no_report("the report's times")
     rows = []
     host_floor = report.get("autograd_floor_host_us")
     for S, floor in report["memory_floor"].items():
@@ -97,8 +109,10 @@ def kernels(rows: list[dict]) -> str:
     return table(["kernel", "launches", "us", "MB moved", "TB/s", "floor us", "x floor"], out)
 
 
-def invariance(report: dict) -> str:
+def invariance(report: dict | None) -> str:
     """The report's verdicts per candidate: the three row checks and parameter-gradient repeatability."""
+    if report is None:
+        return _no_report("the full protocol's verdicts")
     rows = []
     for name, entry in report["results"]["plain"].items():
         b = entry["batch_invariance"]
@@ -135,14 +149,42 @@ def checks(results: dict, check: str) -> str:
                   for name, r in results.items()])
 
 
-def report_parity(report: dict) -> str:
+PARITY = "adaln_lab's forward against diffusers'"
+
+
+def parity(report: dict | None) -> dict:
+    """{table backend: {rows: parity}} of a report's `forward_parity_vs_diffusers`; {} where it has none
+    (no report, or a CPU run's: the harness measures it on CUDA only)."""
+    if report is None:
+        return {}
+    return report["results"]["plain"].get("adaln_lab", {}).get("forward_parity_vs_diffusers") or {}
+
+
+def report_parity(report: dict | None) -> str:
     """adaln_lab's forward against diffusers' in a report (`forward_parity_vs_diffusers`): bitwise
-    equal, within one ulp, largest distance in ulps of the output and of the final add's operand."""
-    parity = report["results"]["plain"].get("adaln_lab", {}).get("forward_parity_vs_diffusers") or {}
+    equal, within one ulp, largest distance in ulps of the output and of the final add's operand;
+    one line saying it was not measured where the report has none."""
+    if report is None:
+        return _no_report(PARITY)
+    if not parity(report):
+        from .evidence import NOT_MEASURED, machine
+
+        return f"{PARITY}: {NOT_MEASURED} (the report of {machine(report)} has none: a CUDA run measures it)"
     rows = [[backend, S, pct(p["bitwise_equal_fraction"], 5), pct(p["within_1_ulp_fraction"], 5), p["max_ulp"],
-             p["max_operand_ulp"]] for backend, sizes in parity.items() for S, p in sizes.items()]
+             p["max_operand_ulp"]] for backend, sizes in parity(report).items() for S, p in sizes.items()]
     return table(["adaln_lab", "rows", "bitwise equal", "within 1 ulp", "max ulps (output)",
                   "max ulps (largest operand of + shift)"], rows)
+
+
+def parity_largest(report: dict | None, backend: str = "table_backend=cuda") -> str | None:
+    """The sentence on the largest distance of `report_parity` (output ulps against the ulps of the larger
+    operand of `+ shift`), or None where the report has no parity figures for `backend`."""
+    sizes = parity(report).get(backend)
+    if not sizes:
+        return None
+    worst = max(sizes.values(), key=lambda p: p["max_ulp"])
+    return (f"largest distance there: {worst['max_ulp']} ulps of the output, but {worst['max_operand_ulp']} ulps of "
+            "the larger operand of `+ shift`: a cancellation, not an arithmetic error")
 
 
 ZERO_OUTPUT = "out = 0 (no ratio)"

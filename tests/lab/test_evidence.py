@@ -40,3 +40,29 @@ def test_modes_and_the_evidence_fallback(tmp_path, monkeypatch):
     (saved / "lab_latency.json").unlink()
     evidence.obtain("latency", "measure", measure)
     assert not (saved / "lab_latency.json").exists()  # are never saved as evidence
+
+
+def test_a_lab_folder_without_report_or_parity_says_not_measured(tmp_path, monkeypatch):
+    """A folder of `python -m adaln_lab.lab --out DIR --quick` has no report.json, and a CPU report has no
+    forward_parity_vs_diffusers: the readers say so in one line instead of raising (KeyError before)."""
+    from adaln_lab.lab import tables
+
+    monkeypatch.setenv("ADALN_LAB_EVIDENCE_DIR", str(tmp_path))
+    assert evidence.load_report(required=False) is None
+    with pytest.raises(FileNotFoundError):
+        evidence.load_report()
+    for text in (tables.report_errors(None), tables.report_latency(None), tables.invariance(None),
+                 tables.report_parity(None)):
+        assert evidence.NOT_MEASURED in text and "report.json" in text and "\n" not in text
+    cpu_report = {"environment": {"gpu": None, "cpu": "x86_64"}, "adaln_lab_commit": "8c7a04a0", "quick": True,
+                  "results": {"plain": {"adaln_lab": {"source": "the replay"}}}}
+    assert evidence.machine(cpu_report) == "CPU (x86_64)"
+    assert evidence.describe(cpu_report) == "CPU (x86_64), commit 8c7a04a, quick (small) sizes"
+    line = tables.report_parity(cpu_report)
+    assert evidence.NOT_MEASURED in line and "CPU (x86_64)" in line and "\n" not in line
+    assert tables.parity_largest(cpu_report) is None
+    parity = {"4097": {"bitwise_equal_fraction": 0.999, "within_1_ulp_fraction": 1.0, "max_ulp": 7,
+                       "max_operand_ulp": 1}}
+    cpu_report["results"]["plain"]["adaln_lab"]["forward_parity_vs_diffusers"] = {"table_backend=cuda": parity}
+    assert "7 ulps of the output, but 1 ulps" in tables.parity_largest(cpu_report)
+    assert "| table_backend=cuda | 4097 |" in tables.report_parity(cpu_report)

@@ -1,5 +1,6 @@
 """`adaln_lab.lab.figures`: the ulp scatter reaches the largest distance and draws outputs of 0 apart, with finite
-log axes and no overflow; the planted counter-examples' figure reads caught as green and an unnoticed one as red."""
+log axes and no overflow; the planted counter-examples' figure reads caught as green and an unnoticed one as red;
+the kernels' roofline names each kernel once, in a legend clear of the panels; a caption names the data's machine."""
 
 import math
 import warnings
@@ -82,5 +83,54 @@ def test_planted_counter_examples_read_caught_as_good():
         image = fig.axes[0].get_images()[0].get_array()
         assert tuple(float(v) for v in image[0][0][:3]) == pytest.approx(figures.CAUGHT)
         assert not math.isnan(float(image[1][1][0]))
+    finally:
+        plt.close(fig)
+
+
+def _boxes_overlap(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def test_roofline_figure_names_kernels_in_a_legend_that_overlaps_nothing():
+    """Kernels of nearly the same bytes and time (the 4097- and 32768-row points, in the call and alone) drew
+    their names on top of each other; now each kernel is a marker named once in a legend beside the panels."""
+    kernels = {"table_bf16": 60e6, "norm_modulate_warp_bf16": 61e6, "table_bwd_bf16": 62e6, "Memset (Device)": None}
+    rows = [{"name": n, "calls": 1.0, "us": 35.0, "bytes": b} for n, b in kernels.items()]
+    fig = figures.roofline_figure({"4097": rows, "32768": rows}, {"4097": rows[:2], "32768": rows[:2]}, 3.0)
+    suptitle = figures.caption(fig, "data: NVIDIA H100 80GB HBM3, commit 1be521e, full sizes")
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        legend = fig.legends[0]
+        labels = [t.get_text() for t in legend.get_texts()]
+        assert sorted(labels[:3]) == ["norm_modulate_warp", "table", "table_bwd"]  # each kernel once, Memset left out
+        assert len({h.get_marker() for h in legend.legend_handles[:3]}) == 3  # told apart by marker
+        assert [ax.get_title() for ax in fig.axes] == ["4097 rows", "32768 rows"]
+        title = suptitle.get_window_extent(renderer)
+        assert "NVIDIA H100 80GB HBM3" in fig.get_suptitle()
+        for ax in fig.axes:
+            assert not ax.texts  # no label drawn among the points
+            box = ax.get_tightbbox(renderer)
+            assert not _boxes_overlap(box, legend.get_window_extent(renderer))
+            assert not _boxes_overlap(box, title)
+        assert not _boxes_overlap(fig.axes[0].get_tightbbox(renderer), fig.axes[1].get_tightbbox(renderer))
+    finally:
+        plt.close(fig)
+
+
+def test_caption_puts_the_machine_under_the_title_without_covering_the_axes():
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3))
+    for ax in axes:
+        ax.set_title("a panel")
+    fig.suptitle("error against the float64 golden")
+    data = {"meta": {"environment": {"gpu": "NVIDIA H100 80GB HBM3"}, "adaln_lab_commit": "1be521e0", "quick": False}}
+    suptitle = figures.caption(fig, "data: " + evidence.describe(data))
+    try:
+        assert fig.get_suptitle() == ("error against the float64 golden\n"
+                                      "data: NVIDIA H100 80GB HBM3, commit 1be521e, full sizes")
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        title = suptitle.get_window_extent(renderer)
+        assert all(not _boxes_overlap(ax.get_tightbbox(renderer), title) for ax in axes)
     finally:
         plt.close(fig)

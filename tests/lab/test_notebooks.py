@@ -9,10 +9,16 @@ files (torch.compile, adaln_lab_numba, CUDA-graph times and a kernel profile inc
 reading path of H200 data runs here too. Every notebook reads report.json: while the evidence folder
 waits for its GPU run, the tests that execute them skip, naming the missing file.
 
+A third run reads a folder of `python -m adaln_lab.lab --out DIR --quick` (ADALN_LAB_EVIDENCE_DIR=DIR), which
+holds no report.json: the report's parts say "not measured in this run"; then with a CPU run's report there
+(no forward_parity_vs_diffusers, no CUDA-graph times, no torch_compile). Each run's kernel also renders its
+figures as SVG with their text, so the tests read that every figure names the machine of its data.
+
 One pytest-xdist worker runs the tests of the committed evidence (`xdist_group`): those notebooks execute once.
 """
 
 import dataclasses
+import json
 import re
 import shutil
 from pathlib import Path
@@ -34,7 +40,17 @@ from adaln_lab.reference import replay  # noqa: E402
 
 one_worker = pytest.mark.xdist_group("notebooks")  # the tests of the module fixture `executed`: notebooks run once
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
-PROGRESS = re.compile(r"\d+%\||\d+/\d+ \[|it/s|call/s|step/s")
+PROGRESS = re.compile(r"\d+%\||\d+/\d+ \[|it/s|call/s|step/s|\d+/\d+ \w+ in [\d.]+ s")  # bars, and lines of a log
+CPU = "computed now on this CPU"  # the caption of a figure a notebook computes itself on the CPU
+
+
+def _svg_figures(env, directory: Path) -> None:
+    """Make the kernels started under `env` render each figure as SVG too, its text kept as text."""
+    profile = directory / "profile_default"
+    profile.mkdir(parents=True, exist_ok=True)
+    (profile / "ipython_kernel_config.py").write_text(
+        'c.InlineBackend.figure_formats = {"png", "svg"}\nc.InlineBackend.rc = {"svg.fonttype": "none"}\n')
+    env.setenv("IPYTHONDIR", str(directory))
 
 
 def _execute(path: Path) -> tuple:
@@ -59,15 +75,18 @@ def _text(notebook) -> str:
 
 
 @pytest.fixture(scope="module")
-def executed():
+def executed(tmp_path_factory):
     """{stem: (executed notebook, seconds)} against the committed evidence, each notebook run once,
     in a kernel that sees no GPU (MODE "auto" -> evidence, as in CI, also on a GPU machine)."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("CUDA_VISIBLE_DEVICES", "")
+        _svg_figures(env, tmp_path_factory.mktemp("ipython"))
         return {path.stem: _execute(path) for path in NOTEBOOKS}
 
 
-def _check_clean(notebook):
+def _check_clean(notebook, machines=()):
+    """No error, no progress output, the MODE banner, a figure; with `machines`, each figure (its SVG text)
+    names one of them."""
     outputs = _outputs(notebook)
     assert outputs, "no output at all"
     errors_ = [o for o in outputs if o.get("output_type") == "error"]
@@ -76,13 +95,18 @@ def _check_clean(notebook):
     assert not PROGRESS.search(streams), f"progress-bar noise in the output: {PROGRESS.search(streams).group(0)!r}"
     assert "MODE " in streams  # the banner: measured now, committed evidence, or computed live on this CPU
     assert any("image/png" in o.get("data", {}) for o in outputs), "no figure"
+    if machines:
+        svgs = [o["data"]["image/svg+xml"] for o in outputs if "image/svg+xml" in o.get("data", {})]
+        assert len(svgs) == sum("image/png" in o.get("data", {}) for o in outputs)
+        unnamed = [k for k, svg in enumerate(svgs) if not any(m in svg for m in machines)]
+        assert not unnamed, f"figures {unnamed} of {len(svgs)} name none of {machines}"
 
 
 @one_worker
 @needs_evidence("report.json")  # every notebook shows its figures
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path, executed):
-    _check_clean(executed[path.stem][0])
+    _check_clean(executed[path.stem][0], (evidence.machine(evidence.load_report(EVIDENCE)), CPU))
 
 
 def test_notebooks_are_set_up_for_both_modes():
@@ -205,12 +229,55 @@ def test_notebooks_read_complete_lab_files(tmp_path, monkeypatch):
         torch.set_num_threads(threads)
     monkeypatch.setenv("ADALN_LAB_EVIDENCE_DIR", str(tmp_path))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # evidence mode on any machine
+    _svg_figures(monkeypatch, tmp_path / "ipython")
     texts = {}
     for path in NOTEBOOKS:
         notebook, _ = _execute(path)
-        _check_clean(notebook)
+        _check_clean(notebook, ("synthetic H200", evidence.machine(evidence.load_report(tmp_path)), CPU))
         texts[path.stem] = _text(notebook)
         assert "synthetic H200" in texts[path.stem], path.stem  # the banner names the committed file's machine
         assert "NOT GPU" not in texts[path.stem], path.stem
     assert "profiled inside forward+backward calls" in texts["latency_analysis"]  # the kernel profile was read
     assert "torch_compile" in texts["error_analysis"] and "adaln_lab_numba" in texts["invariance_walkthrough"]
+
+
+# --- the notebooks on a folder of `python -m adaln_lab.lab --out DIR --quick` -------------------------------
+
+def _cpu_report(report: dict) -> dict:
+    """`report` as a CPU run writes it: no GPU, no forward_parity_vs_diffusers, no CUDA-graph times, no
+    torch_compile (it runs on CUDA only)."""
+    report = json.loads(json.dumps(report))
+    report["environment"].update(gpu=None, cpu="x86_64", device="cpu")
+    plain = report["results"]["plain"]
+    plain.pop("torch_compile", None)
+    plain["adaln_lab"].pop("forward_parity_vs_diffusers", None)
+    for entry in plain.values():
+        for a in entry["accuracy_latency"].values():
+            a.update(fwd_us_graph=None, fwd_bwd_us_graph=None)
+    return report
+
+
+@needs_evidence("report.json")
+def test_notebooks_read_a_quick_lab_folder(tmp_path, monkeypatch):
+    from adaln_lab.lab.__main__ import main
+
+    threads = torch.get_num_threads()
+    try:
+        assert main(["--out", str(tmp_path), "--quick", "--device", "cpu"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setenv("ADALN_LAB_EVIDENCE_DIR", str(tmp_path))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    _svg_figures(monkeypatch, tmp_path / "ipython")
+    for path in NOTEBOOKS:  # no report.json, no sweep.json
+        notebook, _ = _execute(path)
+        _check_clean(notebook, ("CPU (x86_64)", "CPU (", CPU))
+        text = _text(notebook)
+        assert f": {evidence.NOT_MEASURED} (no report.json" in text
+        assert "NOT GPU" not in text  # the folder's lab files are read, not recomputed
+    (tmp_path / "report.json").write_text(json.dumps(_cpu_report(evidence.load_report(EVIDENCE))))
+    for stem in ("error_analysis", "latency_analysis"):  # a CPU report: the parity and graph times it lacks
+        notebook, _ = _execute(NOTEBOOK_DIR / f"{stem}.ipynb")
+        _check_clean(notebook, ("CPU (", CPU))
+        if stem == "error_analysis":
+            assert f"adaln_lab's forward against diffusers': {evidence.NOT_MEASURED}" in _text(notebook)

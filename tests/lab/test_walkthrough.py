@@ -45,3 +45,16 @@ def test_user_report_renders_with_the_harness_table():
     rep = walkthrough.user_report([Named("mine", "the replay", replay)], CPU, protocol=p)
     assert rep["results"]["plain"]["mine"]["batch_invariance"]["batch_invariant"] is True
     assert "| mine | 65 | yes | yes |" in markdown(rep)
+
+
+def test_checks_print_no_progress_when_tqdm_is_disabled(monkeypatch, capfd):
+    """The notebooks set TQDM_DISABLE: the plain-line progress of a log (a kernel's stderr) stays off too."""
+    small = dataclasses.replace(QUICK, H=32, D=16, seeds=(3,))
+    monkeypatch.setenv("ADALN_LAB_PROGRESS", "lines")  # what a notebook kernel's stderr (no TTY) gets
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    walkthrough.run_check("all_rows", replay, small, CPU)
+    assert "all_rows n=8:" in capfd.readouterr().err  # the line the notebooks showed 41 of
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    result = walkthrough.run_check("all_rows", replay, small, CPU)
+    assert walkthrough.failures("all_rows", result) == 0
+    assert capfd.readouterr().err == ""
