@@ -7,29 +7,29 @@
 # does not stop the next):
 #   tests         every GPU test (pytest -m gpu, 8 xdist workers)          pytest_gpu.txt
 #   compare       outputs and gradients bitwise against the old tree      compare_<old commit>.json, compare.log
-#                 at .old_tree/ (bench/scripts/compare_trees.py)
+#                 at .old_tree/ (adaln_lab.bench.compare_trees)
 #   report        python3 -m adaln_lab report, and its table              report.json, report.log, report.md
 #   block-report  python3 -m adaln_lab block-report                      block_report.json, block_report.log
 #   lab           python3 -m adaln_lab.lab (what the notebooks read)      lab_errors.json, lab_invariance.json,
 #                                                                         lab_latency.json, lab.log
-#   sanitize      compute-sanitizer over bench/scripts/sanitize_calls.py  sanitize/sanitize_<tool>.txt,
+#   sanitize      compute-sanitizer over adaln_lab.bench.sanitize_calls  sanitize/sanitize_<tool>.txt,
 #                 (plain run first, then one tool at a time)              sanitize_plain.txt, sanitize_summary.txt
-#   profile       bench/scripts/block_profile.py: the block's kernels     block_profile.txt
-#   host          bench/scripts/host_breakdown.py --bounds: host time, bounds, cProfile  host_breakdown.txt
+#   profile       adaln_lab.bench.block_profile: the block's kernels     block_profile.txt
+#   host          adaln_lab.bench.host_breakdown --bounds: host time, bounds, cProfile  host_breakdown.txt
 #   host-ab       host_breakdown.py --no-profile, three rounds alternating   host_ab.txt
 #                 the tree at .ab_tree/ (its COMMIT file) and this one
-#   trace         bench/scripts/host_trace.py: what grows with the rows   host_trace.txt
-#   train         bench/scripts/train_step.py: a full-width 2-block       train_step.json, train_step.log
+#   trace         adaln_lab.bench.host_trace: what grows with the rows   host_trace.txt
+#   train         adaln_lab.bench.train_step: a full-width 2-block       train_step.json, train_step.log
 #                 train step, bf16 and fp32 master weights + autocast
-#   multi         bench/scripts/multi_gpu.py over every visible GPU:      multi_gpu.json, multi_gpu.log
+#   multi         adaln_lab.bench.multi_gpu over every visible GPU:      multi_gpu.json, multi_gpu.log
 #                 FSDP2 and context parallelism (ulysses, ring; from 2
 #                 GPUs) against one device, a planted counter-example
 #   upstream      diffusers' own MiniMax-H3 model tests from a diffusers   diffusers_h3_tests_unpatched.txt,
 #                 checkout's tests/ at .dtests/tests (its COMMIT file),    diffusers_h3_tests_patched.txt
 #                 unpatched, then every model patched (the plugin
-#                 bench/scripts/diffusers_patch_plugin.py)
-#   sweep         bench/scripts/sweep.py default: each kernel alone       sweep.json, sweep.log
-#   memory        bench/scripts/memory_figures.py: peak and growth        memory_figures.json, memory_figures.log
+#                 adaln_lab.bench.diffusers_patch_plugin)
+#   sweep         adaln_lab.bench.sweep default: each kernel alone       sweep.json, sweep.log
+#   memory        adaln_lab.bench.memory_figures: peak and growth        memory_figures.json, memory_figures.log
 # STEP+STEP runs steps side by side; only those that time nothing may share the GPU (tests, compare, sanitize,
 # memory). After each step: one row per file it made in OUT_DIR/MANIFEST.csv (file,commit,command,torch,date;
 # the command as run from the checkout's root, OUT_DIR written as the current directory), and everything in
@@ -106,7 +106,7 @@ step_compare() {
   fi
   local old
   old=$(cat .old_tree/COMMIT 2>/dev/null || echo 6b65938)
-  run_cmd "compare_$old.json compare.log" "python3 bench/scripts/compare_trees.py --old .old_tree --old-commit $old \
+  run_cmd "compare_$old.json compare.log" "python3 -m adaln_lab.bench.compare_trees --old .old_tree --old-commit $old \
 ${COMPARE_ARGS:+$COMPARE_ARGS }--out @/compare_$old.json > @/compare.log 2>&1"
   local rc=$?
   tail -n 4 "$out/compare.log"
@@ -137,7 +137,7 @@ step_lab() {
 }
 
 step_host() {
-  run_cmd host_breakdown.txt "python3 bench/scripts/host_breakdown.py --bounds > @/host_breakdown.txt 2>&1"
+  run_cmd host_breakdown.txt "python3 -m adaln_lab.bench.host_breakdown --bounds > @/host_breakdown.txt 2>&1"
   local rc=$?
   grep "host fwd+bwd" "$out/host_breakdown.txt"
   return $rc
@@ -154,14 +154,14 @@ step_host_ab() {
   here=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD)
   run_cmd host_ab.txt "for round in 1 2 3; do for tree in .ab_tree .; do if [ \$tree = . ]; then c=$here; else \
 c=\$(cat .ab_tree/COMMIT 2>/dev/null || echo unknown); fi; echo \"== \$tree \$c\"; PYTHONPATH=\$tree:\$PYTHONPATH \
-python3 bench/scripts/host_breakdown.py --no-profile || exit 1; done; done > @/host_ab.txt 2>&1"
+python3 adaln_lab/bench/host_breakdown.py --no-profile || exit 1; done; done > @/host_ab.txt 2>&1"
   local rc=$?
   grep -E "^==|host fwd\+bwd" "$out/host_ab.txt"
   return $rc
 }
 
 step_train() {
-  run_cmd "train_step.json train_step.log" "python3 bench/scripts/train_step.py > @/train_step.json 2> @/train_step.log"
+  run_cmd "train_step.json train_step.log" "python3 -m adaln_lab.bench.train_step > @/train_step.json 2> @/train_step.log"
   local rc=$?
   cat "$out/train_step.log"
   return $rc
@@ -171,14 +171,14 @@ step_multi() {
   local world
   world=$(python3 -c "import torch; print(torch.cuda.device_count())")
   run_cmd "multi_gpu.json multi_gpu.log" \
-    "python3 bench/scripts/multi_gpu.py --device cuda --world $world --out @/multi_gpu.json 2> @/multi_gpu.log"
+    "python3 -m adaln_lab.bench.multi_gpu --device cuda --world $world --out @/multi_gpu.json 2> @/multi_gpu.log"
   local rc=$?
   grep -v "^\[rank" "$out/multi_gpu.log" | tail -n 8
   return $rc
 }
 
 step_trace() {
-  run_cmd host_trace.txt "python3 bench/scripts/host_trace.py > @/host_trace.txt 2>&1"
+  run_cmd host_trace.txt "python3 -m adaln_lab.bench.host_trace > @/host_trace.txt 2>&1"
   local rc=$?
   head -n 8 "$out/host_trace.txt"
   return $rc
@@ -192,7 +192,7 @@ step_upstream() {
   local test=tests/models/transformers/test_models_transformer_minimax_h3.py rc=0 f
   for f in ${UPSTREAM_RUNS:-unpatched patched}; do
     local plugin="" path=".."
-    [ "$f" = patched ] && plugin=" -p diffusers_patch_plugin" && path="..:../bench/scripts"
+    [ "$f" = patched ] && plugin=" -p adaln_lab.bench.diffusers_patch_plugin" && path=".."
     run_cmd "diffusers_h3_tests_$f.txt" "cd .dtests && { echo \"diffusers tests/ of commit \$(cat COMMIT 2>/dev/null || echo \
 unknown)\"; PYTHONPATH=$path:\$PYTHONPATH timeout $(within ${UPSTREAM_TIMEOUT:-190}) python3 -m pytest -q -rfEX -p no:cacheprovider -n 4$plugin \
 $test; } > @/diffusers_h3_tests_$f.txt 2>&1" || rc=1
@@ -202,14 +202,14 @@ $test; } > @/diffusers_h3_tests_$f.txt 2>&1" || rc=1
 }
 
 step_profile() {
-  run_cmd block_profile.txt "python3 bench/scripts/block_profile.py adaln_lab > @/block_profile.txt 2>&1"
+  run_cmd block_profile.txt "python3 -m adaln_lab.bench.block_profile adaln_lab > @/block_profile.txt 2>&1"
   local rc=$?
   grep -E "^(==|--)" "$out/block_profile.txt"
   return $rc
 }
 
 step_sweep() {
-  run_cmd "sweep.json sweep.log" "python3 bench/scripts/sweep.py default > @/sweep.json 2> @/sweep.log"
+  run_cmd "sweep.json sweep.log" "python3 -m adaln_lab.bench.sweep default > @/sweep.json 2> @/sweep.log"
   local rc=$?
   tail -n 2 "$out/sweep.log"
   return $rc
@@ -217,7 +217,7 @@ step_sweep() {
 
 step_memory() {
   run_cmd "memory_figures.json memory_figures.log" \
-    "python3 bench/scripts/memory_figures.py > @/memory_figures.json 2> @/memory_figures.log"
+    "python3 -m adaln_lab.bench.memory_figures > @/memory_figures.json 2> @/memory_figures.log"
   local rc=$?
   grep -E '"(peak_over_budget|growth_bytes)"' "$out/memory_figures.json"
   return $rc
@@ -232,7 +232,7 @@ step_memory() {
 step_sanitize() {
   local tools=${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck} limit=${SANITIZE_TIMEOUT:-120}
   local sanitizer=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
-  local workload=bench/scripts/sanitize_calls.py summary="$out/sanitize/sanitize_summary.txt"
+  local workload="-m adaln_lab.bench.sanitize_calls" summary="$out/sanitize/sanitize_summary.txt"
   local tool log t0 code line errors warns note failed=0
   mkdir -p "$out/sanitize"
   printf 'sanitize/sanitize_summary.txt|bash bench/device.sh . sanitize (its summary lines)\n' >> "$out/.pending_$step"
