@@ -1,14 +1,16 @@
 """Where the evidence tooling lives: the modules the runner's steps run are importable as adaln_lab.bench.*
 (no bench/scripts/ left, no test loading a file by its path), each development one-off in bench/tools/ says what
 it is in a one-line docstring that bench/README.md repeats, and bench/device.sh only prepares the machine and calls
-the runner."""
+the runner. Every evidence folder's MANIFEST.csv has one row per file, with the GPU and the driver."""
 
 import ast
+import csv
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+from adaln_lab.bench import manifest
 from adaln_lab.bench.steps import STEPS
 
 from ..paths import ROOT
@@ -57,3 +59,19 @@ def test_the_bench_readme_names_every_step_and_device_sh_is_a_thin_wrapper():
         assert f"| `{name}` |" in readme, name
     device = (ROOT / "bench" / "device.sh").read_text().splitlines()
     assert len(device) < 40 and device[-1] == 'exec python3 -m adaln_lab.bench "$@"'
+
+
+def test_every_evidence_folder_lists_each_of_its_files_once_with_the_gpu_and_driver():
+    folders = sorted(p for p in (ROOT / "bench" / "results").iterdir() if p.is_dir())
+    assert {"h100", "h200", "cpu"} <= {f.name for f in folders}
+    for folder in folders:
+        with (folder / manifest.NAME).open(newline="") as f:
+            header = next(csv.reader(f))
+        assert tuple(header) == manifest.FIELDS, folder.name
+        rows = manifest.read(folder / manifest.NAME)
+        files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                       if p.is_file() and p.name != manifest.NAME)
+        assert sorted(row["file"] for row in rows) == files, folder.name
+        for row in rows:
+            assert row["gpu"] == "none" if folder.name == "cpu" else folder.name.upper() in row["gpu"], row
+            assert row["driver"] and row["torch"] and row["commit"], row
