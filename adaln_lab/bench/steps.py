@@ -65,8 +65,10 @@ def base_tree(ctx: Context) -> int:
 
 
 def base_commit(ctx: Context) -> str:
-    named = ctx.base / "COMMIT"
-    return named.read_text().strip() if named.is_file() and named.read_text().strip() else "unknown"
+    """The base tree's commit: its COMMIT file, else git's (a checkout of its own), else "unknown"."""
+    from .compare_trees import tree_commit
+
+    return tree_commit(ctx.base, None)
 
 
 def compare(ctx: Context) -> int:
