@@ -16,7 +16,6 @@ from __future__ import annotations
 import fnmatch
 import re
 import subprocess
-from pathlib import Path
 
 import pytest
 
