@@ -23,7 +23,7 @@ PY = sys.executable
 SANITIZE_TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 UPSTREAM_RUNS = ("unpatched", "patched")
 UPSTREAM_TEST = "tests/models/transformers/test_models_transformer_minimax_h3.py"
-DEFAULT_BASE = {"compare": ".old_tree", "host-ab": ".ab_tree"}  # copied along with the checkout (ignored by git)
+DEFAULT_BASE = {"compare": ".old_tree", "host-ab": ".ab_tree"}  # trees copied along with the checkout
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,8 @@ def module(name: str, *args: str) -> list[str]:
 
 
 def tests(ctx: Context) -> int:
+    if not xdist(8):
+        ctx.say("tests: pytest-xdist missing: the tests run in one process")
     rc = ctx.run(["pytest_gpu.txt"], module("pytest", "-q", "-m", "gpu", *xdist(8), "-p", "no:cacheprovider",
                                             "--durations=20", "tests"), stdout="pytest_gpu.txt", stderr=STDOUT)
     ctx.show_tail("pytest_gpu.txt", 3)
