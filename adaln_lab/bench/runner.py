@@ -47,7 +47,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = Parser(
         prog="python -m adaln_lab.bench", formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__.split("\n\n")[0],
-        epilog="steps (default limit in seconds; * may share the GPU, +):\n" + "\n".join(
+        epilog="steps (default limit in seconds; *: may run beside another * step, STEP+STEP):\n" + "\n".join(
             f"  {s.name:<13} {s.limit:>4}{'*' if s.shares else ' '} {s.does}" for s in STEPS.values()))
     parser.add_argument("steps", nargs="+", metavar="STEP", help="a step, or steps joined by + to run side by side")
     parser.add_argument("--out", required=True, metavar="DIR", help="the folder the files and MANIFEST.csv go to")
