@@ -14,7 +14,7 @@ from .inputs import LEAVES, Inputs
 
 GRAD_KEYS = {"x": "x", "norm_weight": "nw", "temb": "temb", "weight": "w", "bias": "b"}
 # The seed report's rl_kernel gradient errors (the smaller of its two sizes): the bounds adaln_lab's GPU
-# tests and bench/scripts/sweep.py hold every kernel version to. d_bias is held to being correctly rounded.
+# tests and adaln_lab/bench/sweep.py hold every kernel version to. d_bias is held to being correctly rounded.
 SEED_GRAD_BOUNDS = {"x": 0.0051, "nw": 0.0036, "temb": 0.0010, "w": 0.0038}
 
 

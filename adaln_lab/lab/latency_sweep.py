@@ -173,7 +173,7 @@ def roofline(kernels: list[dict], S: int, shape: dict, copy_TBps: float) -> list
     return out
 
 
-# The kernels HEAD ships, as bench/scripts/sweep.py names them in its "default" (HEAD's plan) entries; its
+# The kernels HEAD ships, as adaln_lab/bench/sweep.py names them in its "default" (HEAD's plan) entries; its
 # "table_bwd+reduce" is table_bwd and its reduce together, which the profile inside the calls
 # (lab_latency.json) shows apart.
 SHIPPED = {"table_bf16": ("default", "table"), "norm_modulate_warp_bf16": ("default", "norm_modulate"),
@@ -182,7 +182,7 @@ SHIPPED = {"table_bf16": ("default", "table"), "norm_modulate_warp_bf16": ("defa
 
 
 def sweep_kernels(sweep: dict, S: int) -> list[dict]:
-    """[{name, calls, us}] of the shipped kernels at S rows from a bench/scripts/sweep.py JSON (each
+    """[{name, calls, us}] of the shipped kernels at S rows from an adaln_lab/bench/sweep.py JSON (each
     kernel timed alone, back to back): those of `SHIPPED`."""
     out = []
     for name, (config, key) in SHIPPED.items():

@@ -1,30 +1,20 @@
-"""bench/scripts/host_model.py, the eager path's own host cost on a CPU with the GPU stood in for: it runs the
+"""adaln_lab.bench.host_model, the eager path's own host cost on a CPU with the GPU stood in for: it runs the
 shipped glue end to end (every kernel of norm_out and of one block reached, each launch's argument block
-written) and puts every stand-in back afterwards. And host_breakdown.py's bounds, run under those stand-ins: each
-bare Function makes the launches it names."""
-
-import importlib.util
+written) and puts every stand-in back afterwards. And adaln_lab.bench.host_breakdown's bounds, run under those
+stand-ins: each bare Function makes the launches it names."""
 
 import torch
 
+from adaln_lab.bench import host_breakdown, host_model
 from adaln_lab.core import launchers, tensors
 from adaln_lab.core import support
-
-from ..paths import ROOT
-
-
-def _script(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_host_model_reaches_every_launch_and_restores_the_stand_ins():
     originals = (launchers.kernels, launchers.bind, tensors.current_stream, support._not_cuda,
                  torch.cuda.current_device)
     lines = []
-    found = _script("host_model").measure(rows=8, calls=3, H=1024, D=256, out=lines.append)
+    found = host_model.measure(rows=8, calls=3, H=1024, D=256, out=lines.append)
     # norm_out: table, rows, then the backward's row pass, reduce, table_bwd and its reduce (tests/core/test_launchers.py);
     # a block: the table, the row order, three forward row kernels and the backward's ten
     assert found["final_adaln_out"]["launches"] == 6 and found["block_adaln_path"]["launches"] == 15
@@ -37,11 +27,10 @@ def test_the_host_model_reaches_every_launch_and_restores_the_stand_ins():
 def test_the_bounds_make_the_launches_they_name(monkeypatch, capsys):
     from adaln_lab.harness import inputs
 
-    host_model, breakdown = _script("host_model"), _script("host_breakdown")
-    monkeypatch.setattr(breakdown, "make", lambda T, n, device: inputs.make(T, n, device, H=64, D=32))
+    monkeypatch.setattr(host_breakdown, "make", lambda T, n, device: inputs.make(T, n, device, H=64, D=32))
     host_model.LAUNCHES.clear()
     with host_model.gpu_stood_in():
-        breakdown.bounds(8, rounds=1, device="cpu", samples=2, warmup=1)
+        host_breakdown.bounds(8, rounds=1, device="cpu", samples=2, warmup=1)
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == [
         "bound identity floor (the report's)", "bound final_adaln_out adaln_lab",

@@ -1,5 +1,5 @@
 """GPU memory of `final_adaln_out` (backend "cupy") at the real sizes (GPU only; figures from
-bench/scripts/memory_figures.py, which prints them as JSON):
+adaln_lab.bench.memory_figures, which prints them as JSON):
 
 - the peak of one eager forward+backward at 32768 rows (H 5376, D 2688, T 3) stays within 1.05x of the
   bytes of x, dy, dx, out, timestep_indices, the parameters and their gradients (~1.52 GB; the kernels'
@@ -9,21 +9,15 @@ bench/scripts/memory_figures.py, which prints them as JSON):
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from ..paths import ROOT
+from adaln_lab.bench import memory_figures
 
 pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("cuda_memory")]  # one worker measures `figures` once
-FIGURES = ROOT / "bench" / "scripts" / "memory_figures.py"
 
 
 @pytest.fixture(scope="module")
 def figures():
-    spec = importlib.util.spec_from_file_location("memory_figures", FIGURES)
-    memory_figures = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(memory_figures)
     return memory_figures.measure(rows=32768, calls=1000)
 
 

@@ -1,4 +1,4 @@
-"""bench/scripts/multi_gpu.py, the run prepared for a machine of several GPUs, emulated on the CPU: 2 gloo ranks
+"""adaln_lab.bench.multi_gpu, the run prepared for a machine of several GPUs, emulated on the CPU: 2 gloo ranks
 run FSDP2 and diffusers' ulysses context parallelism on the patched tiny model, each against the model unsharded,
 and the planted leaky norm_out is caught; ring is skipped there with its reason (no CPU attention backend returns
 the log-sum-exp)."""
@@ -13,13 +13,13 @@ from ..paths import ROOT
 
 pytest.importorskip("diffusers", reason="the test extra brings diffusers 0.42")
 
-SCRIPT = ROOT / "bench" / "scripts" / "multi_gpu.py"
+MODULE = [sys.executable, "-m", "adaln_lab.bench.multi_gpu"]  # from the checkout's root: its adaln_lab
 
 
 def test_the_multi_gpu_script_on_two_cpu_ranks(tmp_path):
     out = tmp_path / "multi_gpu.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--world", "2", "--steps", "1",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*MODULE, "--device", "cpu", "--world", "2", "--steps", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["checks_failed"] == [] and result["world"] == 2
@@ -39,6 +39,6 @@ def test_the_multi_gpu_script_on_two_cpu_ranks(tmp_path):
 def test_the_multi_gpu_script_refuses_an_unknown_run_and_no_ranks(tmp_path):
     for args, says in ((["--runs", "fsdp,tensor"], "--runs: unknown ['tensor']"),
                        (["--world", "0"], "--world must be >= 1, got 0")):
-        done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", *args, "--out", str(tmp_path / "x.json")],
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run([*MODULE, "--device", "cpu", *args, "--out", str(tmp_path / "x.json")],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert done.returncode == 2 and says in done.stderr, done.stderr[-500:]

@@ -1,51 +1,52 @@
-"""Same-run A/B of launch and kernel choices on one H3 block's AdaLN forward+backward and on norm_out
-(issues 11 and 7).
+"""Same-run A/B of plan knobs and kernel text edits on one H3 block and norm_out, bitwise against shipped first."""
 
-Variants: plan knobs and / or a checked text edit of a shipped kernel file. Those that keep every sum's
-order must give bitwise the outputs and gradients of `shipped` (checked before timing); those marked
-`reorders` (BWD_RANGES: the row ranges of the parameter sums) must give bitwise its outputs and row
-gradients (dx of the block: x's gradient) and parameter gradients within 2^-10 relative (l2) of shipped's,
-else they are not timed:
-- `shipped`: kernels_cu/ and the plan's TUNING as committed;
-- `fused_table_bwd`: TB_SPLIT_MIN_T beyond T_MAX: table_bwd_bf16 instead of its two halves
-  (table_bwd_d_weight_bf16, table_bwd_dact_bf16) wherever T >= 5, i.e. for `norm_out_T9` only;
-- `staged_forward`: FWD_STAGED_MIN_BLOCKS = 1: the block's 9-row table is staged in the forward (one
-  block per SM) instead of the row-per-block kernel;
-- `dact_on_stack`: table_bwd.cu with its combine loop over t not unrolled (`#pragma unroll 1`, made by a
-  checked text edit of the shipped file), so its dact accumulators live in local memory, as up to 9cf210c;
-- `gr96`, `gr128`: GR_THREADS_MAX = 96 / 128 (gated_residual.cu's block: 7 / 6 column tiles of 96 / 128
-  threads over the 672 vectors of H 5376; shipped: 256, i.e. 3 tiles of 224 threads, one wave of blocks;
-  128 was shipped up to 1d31f3d, whose A/B measured 224 3.1 % faster on the block at 32768 rows);
-- `bwd_threads384`, `bwd_threads256` (retree: another tree for the row backward's dot product, so dx
-  changes in its last bits; a screen, gradients within 2^-7 of shipped): BWD_THREADS_MAX = 384 / 256, i.e.
-  the row backward at H 5376 with 352 threads x 2 vectors / 224 x 3 instead of 672 x 1: the same bytes with
-  half / a third of the per-row bookkeeping and barrier participants (NOTES v5: the row pass looks bound
-  per row, not by bytes);
-- `bwd264`, `bwd264_s2` (reorders): BWD_RANGES = 264 (two row ranges per SM of an H200 for the norms' and
-  gated residuals' backward, twice the partial sums), the second with BWD_STAGES = 2 (less shared memory per
-  block, so two blocks of the norm's backward fit an SM with three staged inputs too).
-- `rp_t4`: RP_T_MAX = 4: reduce_partials sums 4 timesteps per pass (the block's 9 table rows in three
-  passes, as up to bd4d17b; shipped: all 9 in one pass; the same sums, the same bits);
-- `tb_rows128`, `tb_rows256`, `tb_threads512` (reorders: dact's partial sums over other row blocks, so
-  d_temb's bits): table_bwd with 128 weight rows per block for both kernels (v5's choice), 256 for the one
-  kernel, or 512 threads and 256 rows (shipped since v6: 512 rows for table_bwd_bf16, 256 for its halves; a
-  block's fixed work, d_table staging, SiLU of its columns, the dact combine, spread over more rows);
-- table.cu (v8: a large table, at least TABLE_PERSISTENT_MIN_ROUNDS x TABLE_BLOCKS blocks of one task per warp,
-  runs persistent blocks looping over warp tasks, TABLE_AHEAD weight steps in flight per lane, the first issued
-  before the SiLU prologue; shipped: TABLE_BLOCKS 132 of 512 threads, AHEAD 2, from 8 rounds on, i.e. the H3
-  block's 18H rows persistent, norm_out's 2H a task per warp as up to v7): `table_one_task` (every table a
-  task per warp), `table_persistent_all` (every table persistent), `table_ahead1`, `table_ahead3`,
-  `table_rows2` (2 rows per task, 4 steps ahead), `table_threads256` (264 blocks of 256 threads, two per SM),
-  `table_blocks264` (that with 3 steps ahead). A table row's sums are one warp's whatever the block or grid,
-  so all keep shipped's bits.
-- table_bwd.cu (v8: a warp whose rows all exist issues its first TB_EARLY = 4 weight loads before the block's
-  prologue, d_table staging and SiLU; the fused kernel capped at 128 registers, two blocks per SM): `tb_early0`
-  (none early), `tb_early8`. The same sums, the same bits.
-Times: CUDA-graph replay of forward+backward (harness.latency.graph_latency) at 4097 and 32768 rows,
-for the block (`block`: its table has T = 3 rows, so table_bwd is never split) and for norm_out's
-`final_adaln_out` at T = 3 (`norm_out`) and at T = 9 timesteps (`norm_out_T9`, where the split applies).
-Run (on a GPU):  python3 bench/scripts/block_ab.py [VARIANT ...] > block_ab.json      (default: every variant)
-"""
+# Same-run A/B of launch and kernel choices on one H3 block's AdaLN forward+backward and on norm_out
+# (issues 11 and 7).
+#
+# Variants: plan knobs and / or a checked text edit of a shipped kernel file. Those that keep every sum's
+# order must give bitwise the outputs and gradients of `shipped` (checked before timing); those marked
+# `reorders` (BWD_RANGES: the row ranges of the parameter sums) must give bitwise its outputs and row
+# gradients (dx of the block: x's gradient) and parameter gradients within 2^-10 relative (l2) of shipped's,
+# else they are not timed:
+# - `shipped`: kernels_cu/ and the plan's TUNING as committed;
+# - `fused_table_bwd`: TB_SPLIT_MIN_T beyond T_MAX: table_bwd_bf16 instead of its two halves
+#   (table_bwd_d_weight_bf16, table_bwd_dact_bf16) wherever T >= 5, i.e. for `norm_out_T9` only;
+# - `staged_forward`: FWD_STAGED_MIN_BLOCKS = 1: the block's 9-row table is staged in the forward (one
+#   block per SM) instead of the row-per-block kernel;
+# - `dact_on_stack`: table_bwd.cu with its combine loop over t not unrolled (`#pragma unroll 1`, made by a
+#   checked text edit of the shipped file), so its dact accumulators live in local memory, as up to 9cf210c;
+# - `gr96`, `gr128`: GR_THREADS_MAX = 96 / 128 (gated_residual.cu's block: 7 / 6 column tiles of 96 / 128
+#   threads over the 672 vectors of H 5376; shipped: 256, i.e. 3 tiles of 224 threads, one wave of blocks;
+#   128 was shipped up to 1d31f3d, whose A/B measured 224 3.1 % faster on the block at 32768 rows);
+# - `bwd_threads384`, `bwd_threads256` (retree: another tree for the row backward's dot product, so dx
+#   changes in its last bits; a screen, gradients within 2^-7 of shipped): BWD_THREADS_MAX = 384 / 256, i.e.
+#   the row backward at H 5376 with 352 threads x 2 vectors / 224 x 3 instead of 672 x 1: the same bytes with
+#   half / a third of the per-row bookkeeping and barrier participants (NOTES v13: the row pass looks bound
+#   per row, not by bytes);
+# - `bwd264`, `bwd264_s2` (reorders): BWD_RANGES = 264 (two row ranges per SM of an H200 for the norms' and
+#   gated residuals' backward, twice the partial sums), the second with BWD_STAGES = 2 (less shared memory per
+#   block, so two blocks of the norm's backward fit an SM with three staged inputs too).
+# - `rp_t4`: RP_T_MAX = 4: reduce_partials sums 4 timesteps per pass (the block's 9 table rows in three
+#   passes, as up to bd4d17b; shipped: all 9 in one pass; the same sums, the same bits);
+# - `tb_rows128`, `tb_rows256`, `tb_threads512` (reorders: dact's partial sums over other row blocks, so
+#   d_temb's bits): table_bwd with 128 weight rows per block for both kernels (v13's choice), 256 for the one
+#   kernel, or 512 threads and 256 rows (shipped since v14: 512 rows for table_bwd_bf16, 256 for its halves; a
+#   block's fixed work, d_table staging, SiLU of its columns, the dact combine, spread over more rows);
+# - table.cu (v16: a large table, at least TABLE_PERSISTENT_MIN_ROUNDS x TABLE_BLOCKS blocks of one task per warp,
+#   runs persistent blocks looping over warp tasks, TABLE_AHEAD weight steps in flight per lane, the first issued
+#   before the SiLU prologue; shipped: TABLE_BLOCKS 132 of 512 threads, AHEAD 2, from 8 rounds on, i.e. the H3
+#   block's 18H rows persistent, norm_out's 2H a task per warp as up to v15): `table_one_task` (every table a
+#   task per warp), `table_persistent_all` (every table persistent), `table_ahead1`, `table_ahead3`,
+#   `table_rows2` (2 rows per task, 4 steps ahead), `table_threads256` (264 blocks of 256 threads, two per SM),
+#   `table_blocks264` (that with 3 steps ahead). A table row's sums are one warp's whatever the block or grid,
+#   so all keep shipped's bits.
+# - table_bwd.cu (v16: a warp whose rows all exist issues its first TB_EARLY = 4 weight loads before the block's
+#   prologue, d_table staging and SiLU; the fused kernel capped at 128 registers, two blocks per SM): `tb_early0`
+#   (none early), `tb_early8`. The same sums, the same bits.
+# Times: CUDA-graph replay of forward+backward (harness.latency.graph_latency) at 4097 and 32768 rows,
+# for the block (`block`: its table has T = 3 rows, so table_bwd is never split) and for norm_out's
+# `final_adaln_out` at T = 3 (`norm_out`) and at T = 9 timesteps (`norm_out_T9`, where the split applies).
+# Run (on a GPU):  python3 bench/tools/block_ab.py [VARIANT ...] > block_ab.json      (default: every variant)
 
 import json
 import shutil

@@ -1,8 +1,8 @@
 """FSDP2 over W ranks and diffusers' context parallelism (ulysses W, ring W) on the patched MiniMax-H3 model,
 each against the same model unsharded on one device; one process per rank, one host.
 
-    python3 bench/scripts/multi_gpu.py --device cuda --world 2 --out multi_gpu.json        (W GPUs, NCCL)
-    python3 bench/scripts/multi_gpu.py --device cpu --world 2 --out multi_gpu_cpu.json     (the CPU emulation, gloo)
+    python3 -m adaln_lab.bench.multi_gpu --device cuda --world 2 --out multi_gpu.json        (W GPUs, NCCL)
+    python3 -m adaln_lab.bench.multi_gpu --device cpu --world 2 --out multi_gpu_cpu.json     (the CPU emulation, gloo)
 
 Every rank builds the same seeded model and inputs: on cuda diffusers' MiniMaxH3Transformer3DModel at full width
 (H 5376, 56 x 128 heads) with 2 blocks and 1 refiner block; on cpu a tiny one (H 32, 2 heads). The checks run under

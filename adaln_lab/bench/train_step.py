@@ -18,7 +18,7 @@ gradient upstream of an attention varies there whatever the AdaLN does); the pat
 against diffusers' first (max |diff| over the two outputs, beside diffusers' own distance from the float32
 model for scale).
 
-    python3 bench/scripts/train_step.py [--steps 10] > train_step.json   (a table on stderr)
+    python3 -m adaln_lab.bench.train_step [--steps 10] > train_step.json   (a table on stderr)
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
-"""Where the time of the CUDA op goes, at the seed sizes: development aid for bench/NOTES.md.
+"""Where the time of the CUDA op goes at the seed sizes: graph, eager and host time, host parts, registers."""
 
-- the whole op: forward and forward+backward as CUDA-graph replays (GPU time), back to back (20
-  calls between two CUDA events), and the host's time to issue one call;
-- host costs of the parts: validate, torch.empty, one kernel launch, an identity autograd.Function
-  over the five leaves (returning the same gradient list each call, so AccumulateGrad copies: a
-  higher floor than the report's `autograd_floor_host_us`, whose gradients are stolen);
-- registers and spill bytes of every kernel. Per-kernel times: bench/scripts/sweep.py.
-Run: python3 bench/scripts/profile_kernels.py > profile_kernels.json
-"""
+# - the whole op: forward and forward+backward as CUDA-graph replays (GPU time), back to back (20 calls between two
+#   CUDA events), and the host's time to issue one call;
+# - host costs of the parts: validate, torch.empty, one kernel launch, an identity autograd.Function over the five
+#   leaves (returning the same gradient list each call, so AccumulateGrad copies: a higher floor than the report's
+#   `autograd_floor_host_us`, whose gradients are stolen);
+# - registers and spill bytes of every kernel. Per-kernel times: adaln_lab/bench/sweep.py.
+# Run (on a GPU): python3 bench/tools/profile_kernels.py > profile_kernels.json
 
 import json
 import statistics
@@ -17,43 +16,11 @@ import time
 import torch
 
 from adaln_lab import final_adaln_out, validate
+from adaln_lab.bench.timing import gpu_us, graph_us
 from adaln_lab.core import launchers, loader
 from adaln_lab.core.plan import plan as make_plan
 from adaln_lab.core.tensors import current_stream
 from adaln_lab.harness.inputs import make
-
-REPS = 20
-
-
-def gpu_us(step, reps: int = REPS) -> float:
-    """Median over 5 samples of `reps` back-to-back calls between two CUDA events, per call."""
-    for _ in range(3):
-        step()
-    samples = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record()
-        for _ in range(reps):
-            step()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(samples)
-
-
-def graph_us(step, reps: int = REPS) -> float:
-    """`step` captured once in a CUDA graph (after a warm-up on a side stream), replays timed like gpu_us."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return gpu_us(graph.replay, reps)
 
 
 def host_us(step, reps: int = 50) -> float:

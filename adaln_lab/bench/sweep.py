@@ -3,35 +3,32 @@
 Nothing is timed before it is validated: every config's forward and gradients are first held to
 the float64 golden with the GPU tests' bounds (tests/ops/test_final_adaln_out.py) and compared bitwise with
 the first config; a config that fails is reported and not timed. Then each kernel is timed back to
-back (profile_kernels.gpu_us) and the whole forward / forward+backward as CUDA-graph replays.
+back (adaln_lab.bench.timing.gpu_us) and the whole forward / forward+backward as CUDA-graph replays.
 `default` alone is the evidence of the shipped kernels (sweep.json: each kernel timed alone, what
 adaln_lab.lab.latency_sweep.sweep_kernels reads); the other configs pick what TUNING should hold.
-Run (on a GPU): python3 bench/scripts/sweep.py [CONFIG ...] > sweep.json
+Run (on a GPU): python3 -m adaln_lab.bench.sweep [CONFIG ...] > sweep.json
 """
 
 import json
 import sys
-from pathlib import Path
 
 import torch
 
+from adaln_lab.bench.timing import gpu_us, graph_us
 from adaln_lab.core import launchers, loader, plan as plan_module
 from adaln_lab.core.tensors import current_stream
 from adaln_lab.harness.accuracy import GRAD_KEYS, SEED_GRAD_BOUNDS, correctly_rounded, golden_result, rel_err
 from adaln_lab.harness.inputs import make, upstream
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/scripts/: the profiler's timers
-from profile_kernels import gpu_us, graph_us  # noqa: E402
-
 H, D, T = 5376, 2688, 3
 BASE = dict(plan_module.TUNING)
-CONFIGS = {  # TUNING overrides, each against the first (bench/NOTES.md v12, v13 have the last run of each)
+CONFIGS = {  # TUNING overrides, each against the first (bench/NOTES.md v20, v21 have the last run of each)
     "default": {},
-    "staged": dict(FWD_WARP_VECTORS_MAX=0),          # the staged row-block forward (v8 to v11)
-    "no_pdl": dict(FWD_PDL=0),                       # the row-per-warp forward launched plainly after the table (v12)
+    "staged": dict(FWD_WARP_VECTORS_MAX=0),          # the staged row-block forward (v8 to v19)
+    "no_pdl": dict(FWD_PDL=0),                       # the row-per-warp forward launched plainly after the table (v20)
     "table_r1": dict(TABLE_SMALL_ROWS_PER_WARP=1),
     "table_r3": dict(TABLE_SMALL_ROWS_PER_WARP=3),
-    "table_r4": dict(TABLE_SMALL_ROWS_PER_WARP=4),   # norm_out's table at 4 rows per warp task (v8 to v11)
+    "table_r4": dict(TABLE_SMALL_ROWS_PER_WARP=4),   # norm_out's table at 4 rows per warp task (v8 to v19)
     "table256": dict(TABLE_THREADS=256),
     "tb512x256": dict(TB_THREADS=512, TB_ROWS=256),
     "bwd_s3": dict(BWD_STAGES=3),

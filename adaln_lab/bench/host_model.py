@@ -5,17 +5,17 @@ argument block written as on a GPU) whose driver call is a no-op, `bind` and the
 and the kernel rule's "is it on CUDA" answers yes. Everything else is the shipped code: the checks, the
 kernel rule, the plans, the autograd Functions, the allocations (CPU ones here) and the engine. What this
 leaves out is what the GPU host adds per call: the driver's launch (about 6-8 us each on the lent hosts,
-bench/NOTES.md v9) and the CUDA caching allocator instead of the CPU's. What it adds: the torch ops around the
+bench/NOTES.md v17) and the CUDA caching allocator instead of the CPU's. What it adds: the torch ops around the
 kernels (the block's bf16 casts of its table chunks, autograd's cat of the chunks' gradients) compute on the CPU
 here, where a GPU host only launches them. Read its figures as the Python and autograd share, against the
-identity floor on the same CPU; the GPU host's own figures come from host_breakdown.py on the device.
+identity floor on the same CPU; the GPU host's own figures come from adaln_lab.bench.host_breakdown on the device.
 
 Per step (norm_out's `final_adaln_out`, one H3 block's `block_adaln_path` with identity attn and ff) it prints
 the median host time of forward+backward over `--calls` samples (grads reset outside the clock), the identity
 autograd floor over the same leaves, the launches and allocations per call, and with --profile the cProfile
 of our functions by own time.
 
-    python3 bench/scripts/host_model.py [--rows 64] [--calls 300] [--profile] [--width H D]
+    python3 -m adaln_lab.bench.host_model [--rows 64] [--calls 300] [--profile] [--width H D]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ For each candidate of the block report (adaln_lab by default) at 4097 and 32768 
 T 3): 5 warm-up calls, then 10 profiled forward+backward calls (`adaln_lab.lab.latency_sweep.kernel_profile`,
 what the latency notebook profiles); prints each CUDA kernel's time per call (us) and count per call,
 sorted, beside the block's memory floor. Run (on a GPU):
-    python3 bench/scripts/block_profile.py [candidate ...] > block_profile.txt
+    python3 -m adaln_lab.bench.block_profile [candidate ...] > block_profile.txt
 """
 
 import sys

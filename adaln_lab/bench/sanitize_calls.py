@@ -1,5 +1,5 @@
-"""The workload `bash bench/device.sh OUT_DIR sanitize` runs under each compute-sanitizer tool (memcheck,
-racecheck, initcheck, synccheck): every CUDA kernel of adaln_lab at small shapes, 0 and 1 rows included.
+"""The workload the evidence runner's `sanitize` step runs under each compute-sanitizer tool (memcheck,
+racecheck, initcheck, synccheck; `python3 -m adaln_lab.bench.sanitize_calls` runs it plainly): every CUDA kernel of adaln_lab at small shapes, 0 and 1 rows included.
 
 - `final_adaln_out` (backend "cupy"), forward+backward: (H, D, T) = (264, 64, 3), (1024, 256, 1) and the
   real (5376, 2688, 3), at 0, 1, 7 and 300 rows (300 not at the real size), plus x (2, 7, H) (leading dims);

@@ -5,7 +5,7 @@ bytes it cannot do without, and the memory allocated after 1, 10 and N calls (is
 torch.cuda.max_memory_allocated() during the call, less what was allocated before the inputs were made;
 the budget is the bytes of x, dy, dx, out, timestep_indices, the four parameters and their four
 gradients (the leaves are the inputs themselves, no copies). Run on a GPU:
-    python3 bench/scripts/memory_figures.py [ROWS] [CALLS]      (default 32768 rows, 1000 calls; prints JSON)
+    python3 -m adaln_lab.bench.memory_figures [ROWS] [CALLS]      (default 32768 rows, 1000 calls; prints JSON)
 """
 
 from __future__ import annotations

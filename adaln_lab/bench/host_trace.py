@@ -11,7 +11,7 @@ If `bwd after fwd` grows with rows while `bwd idle` does not, something in the b
 forward's GPU work. Then torch.profiler over 20 forward+backward calls at the largest size: the CPU-side
 events (runtime and driver API calls included) by their own CPU time, which names the call that waits.
 
-    python3 bench/scripts/host_trace.py [--rows 4097 32768] > host_trace.txt
+    python3 -m adaln_lab.bench.host_trace [--rows 4097 32768] > host_trace.txt
 """
 
 from __future__ import annotations

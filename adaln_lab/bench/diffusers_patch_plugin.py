@@ -1,5 +1,6 @@
 """pytest plugin: every MiniMaxH3Transformer3DModel is patched by adaln_lab at the end of its __init__, so that
-diffusers' own model tests run on the patched model (bench/results/cpu/MANIFEST.csv has the command)."""
+diffusers' own model tests run on the patched model (`pytest -p adaln_lab.bench.diffusers_patch_plugin`, as the
+evidence runner's `upstream` step runs them)."""
 import functools
 
 import adaln_lab

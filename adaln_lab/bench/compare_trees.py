@@ -18,9 +18,9 @@ adaln_lab), which writes {name: sha256 of the tensor's bytes, dtype, shape}; thi
 writes one JSON: both trees' commits, each tensor's verdict, `unequal`, `all_equal`. Exit 0 when every tensor
 is bitwise equal, 1 when any differs or is missing, 2 when a tree's process fails.
 
-    python3 bench/scripts/compare_trees.py --old .old_tree --out compare_6b65938.json     (on a GPU)
-    python3 bench/scripts/compare_trees.py --old .old_tree --device cpu --quick --out /tmp/compare.json
-(on a CPU both trees run their torch code, not the kernels)
+    python3 -m adaln_lab.bench.compare_trees --old .old_tree --out compare_6b65938.json     (on a GPU)
+    python3 -m adaln_lab.bench.compare_trees --old .old_tree --device cpu --quick --out /tmp/compare.json
+(on a CPU both trees run their torch code, not the kernels). The runner's `compare` step runs it against `--base`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout holding adaln_lab/
 SEED = 1                                   # the report's accuracy_seed; the block report's seed
 FULL = {"norm_out": {"sizes": (4097, 32768), "shape": {"H": 5376, "D": 2688, "T": 3}},
         "block": {"sizes": (4097, 32768), "shape": {"H": 5376, "D": 2688, "T": 3}}}

@@ -6,7 +6,7 @@ device synchronised before each sample, median of 200 after 30 warm-ups) of adal
 calls of adaln_lab's, the functions by their own time per call. cProfile adds its own cost per Python call:
 read its shares, not its absolute figures.
 
-    python3 bench/scripts/host_breakdown.py [--rows 4097] [--primitives] [--bounds] [--op-table] [--no-profile] > host_breakdown.txt
+    python3 -m adaln_lab.bench.host_breakdown [--rows 4097] [--primitives] [--bounds] [--op-table] [--no-profile] > host_breakdown.txt
 
 --primitives first prints the host cost of each piece an eager call is made of (an allocation, a launch, the
 argument checks, an autograd.Function's forward and backward with and without saved tensors), each the median
@@ -139,8 +139,8 @@ def primitives(n: int) -> None:
     from adaln_lab.core import launchers, tensors
     from adaln_lab.core.plan import plan as make_plan
     from adaln_lab.core import support
-    from adaln_lab.core.autocast import autocast_params
-    from adaln_lab.core.checks import validate
+    from adaln_lab.ops.autocast import autocast_params
+    from adaln_lab.ops.checks import validate
 
     inputs = make(3, n, "cuda")
     x, nw, temb, w, b, idx = inputs.args
@@ -195,7 +195,7 @@ def bounds(n: int, rounds: int = 5, device: str = "cuda", samples: int = 200, wa
     cost is the driver's and the argument block's) and allocations, returning fresh gradients; no checks, no plan
     lookups. Timed like the report's host fwd+bwd, interleaved with the report's identity floor and the op in
     `rounds` rounds of `warmup` + `samples` calls each (medians of all samples). `device` "cpu" runs it on CPU tensors
-    (under bench/scripts/host_model.py's stand-ins, for tests)."""
+    (under adaln_lab.bench.host_model's stand-ins, for tests)."""
     from adaln_lab.core import launchers, tensors
     from adaln_lab.core.plan import plan as make_plan
     from adaln_lab.harness.latency import identity_floor

@@ -1,11 +1,12 @@
-"""Registers, local memory and the largest block of each numba-cuda backward kernel at H = 5376 (issue 10).
+"""Registers, local memory and the largest block of each numba-cuda backward kernel at H = 5376 (on a GPU)."""
 
-The twin's row pass launches plan.bwd_threads = 672 threads; numba leaves the register count to ptxas
-unless jit options bound it (numba_backward._register_limit), and a kernel using more than
-65536 / 672 registers per thread fails with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES. This runs the twin's
-backward once on a few rows and prints, per kernel, what the driver reports. Run on a GPU:
-    python3 bench/scripts/numba_registers.py         (prints JSON)
-"""
+# Registers, local memory and the largest block of each numba-cuda backward kernel at H = 5376 (issue 10).
+#
+# The twin's row pass launches plan.bwd_threads = 672 threads; numba leaves the register count to ptxas
+# unless jit options bound it (numba_backward._register_limit), and a kernel using more than
+# 65536 / 672 registers per thread fails with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES. This runs the twin's
+# backward once on a few rows and prints, per kernel, what the driver reports. Run on a GPU:
+#     python3 bench/tools/numba_registers.py         (prints JSON)
 
 import argparse
 import json

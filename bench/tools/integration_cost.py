@@ -1,34 +1,29 @@
-"""What the integration layers cost, and where the graph's GPU time goes (issues 8 and 7).
+"""What the integration layers cost (eager Function, custom op, bare kernels) and each kernel's share of the graph."""
 
-One process, H200 sizes (H 5376, D 2688, T 3), 4097 and 32768 rows:
-- for three ways to call the same kernels: `function` (the eager autograd.Function that
-  `final_adaln_out` uses), `custom_op` (the torch.library op that torch.compile sees, called eagerly)
-  and `kernels` (forward_tensors then backward_tensors, no autograd at all): CUDA-graph replay time
-  of forward and forward+backward (harness.latency.graph_latency; `kernels` by the same capture),
-  and for the two autograd paths the host time to issue one call (harness.latency.host_latency);
-  the same run's autograd floor (harness.latency.autograd_floor);
-- leave-one-out: the kernel sequence of one forward+backward captured in a graph with each kernel
-  left out in turn, and each kernel alone in a graph, so the graph's total can be split per kernel
-  with the L2 state of the real sequence.
-Each path is first checked bitwise against the `function` path. Run (on a GPU):
-    python3 bench/scripts/integration_cost.py > integration_cost.json
-"""
+# One process, H200 sizes (H 5376, D 2688, T 3), 4097 and 32768 rows (issues 8 and 7):
+# - for three ways to call the same kernels: `function` (the eager autograd.Function that `final_adaln_out` uses),
+#   `custom_op` (the torch.library op that torch.compile sees, called eagerly) and `kernels` (forward_tensors then
+#   backward_tensors, no autograd at all): CUDA-graph replay time of forward and forward+backward
+#   (harness.latency.graph_latency; `kernels` by the same capture), and for the two autograd paths the host time to
+#   issue one call (harness.latency.host_latency); the same run's autograd floor (harness.latency.autograd_floor);
+# - leave-one-out: the kernel sequence of one forward+backward captured in a graph with each kernel left out in
+#   turn, and each kernel alone in a graph, so the graph's total can be split per kernel with the L2 state of the
+#   real sequence.
+# Each path is first checked bitwise against the `function` path.
+# Run (on a GPU): python3 bench/tools/integration_cost.py > integration_cost.json
 
 import json
 import sys
-from pathlib import Path
 
 import torch
 
+from adaln_lab.bench.timing import graph_us
 from adaln_lab.core import launchers, tensors
 from adaln_lab.core.plan import plan as make_plan
 from adaln_lab.core.tensors import current_stream
 from adaln_lab.harness.inputs import make
 from adaln_lab.harness.latency import autograd_floor, graph_latency, host_latency
 from adaln_lab.ops.final_adaln_out import FinalAdaLNOut, final_adaln_out_op
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/scripts/: the profiler's graph timing
-from profile_kernels import graph_us  # noqa: E402
 
 EPS = 1e-5
 WARMUP, ITERS = 5, 30
