@@ -17,7 +17,7 @@
 //     for the gate's columns of a block's table gradient). block (32, ADALN_SUM_GROUPS), grid ceil(H / 32).
 // dx = dout needs no kernel. A row whose index lies outside [0, R) gets NaN in out and d_y and adds
 // NaN to table row 0's sums, so the error shows in d_gate too.
-// Run: adaln_lab.cuda.tensors.gated_residual_fwd / gated_residual_bwd on CUDA tensors.
+// Run: adaln_lab.ops.gated_residual.launch.forward / backward (route "cupy").
 
 #define GR_VECTORS_H (ADALN_H / ADALN_VEC)
 #define GR_NAN __int_as_float(0x7fc00000)

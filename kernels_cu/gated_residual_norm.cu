@@ -10,7 +10,7 @@
 // x_out and out. grid = rows (one row per block).
 // The backward needs no kernel of its own: norm_modulate_bwd_residual_sorted_bf16 (the norm's dx plus the
 // gradient that reached x_out through the residual), then gated_residual_bwd_sorted_bf16.
-// Run: adaln_lab.cuda.tensors.gated_residual_norm_fwd on CUDA tensors.
+// Run: adaln_lab.ops.gated_residual_norm.launch.forward (route "cupy").
 
 extern "C" __global__ void __launch_bounds__(ADALN_FWD_THREADS)
 gated_residual_norm_bf16(const bf16_t* __restrict__ x, const float* __restrict__ gate, const bf16_t* __restrict__ y,

@@ -7,7 +7,7 @@
 // reads nothing outside the table and gets NaN.
 //
 // Thread i of a row's block holds the 8-wide vectors i, i + ADALN_FWD_THREADS, ... (ADALN_FWD_VPT
-// of them); ADALN_FWD_THREADS and ADALN_FWD_VPT come from H alone (adaln_lab/cuda/plan.py). Reduction
+// of them); ADALN_FWD_THREADS and ADALN_FWD_VPT come from H alone (adaln_lab/core/plan.py). Reduction
 // order: per thread in vector then element order, then block_sum (adaln_common.cuh): the same tree
 // for every row, whatever the number of rows, their order, or which block owns them. The three kernels
 // below share that tree and the per-vector functions, so they give the same bits for every row; the plan
@@ -24,7 +24,7 @@
 // cp.async ahead of the row being normalised. Each thread reads back only the slots it wrote.
 // norm_modulate_rowwise_bf16: one row per block, every load issued before the reduction; used when
 // neither fits (a wide row with more timesteps than the staged kernel's shared memory holds).
-// Run: adaln_lab.cuda.tensors.norm_modulate(x, norm_weight, table, timestep_indices, eps, D).
+// Run: adaln_lab.core.tensors.norm_modulate(x, norm_weight, table, timestep_indices, eps, D).
 
 #define FWD_SLOTS (ADALN_FWD_VPT * ADALN_FWD_THREADS)  // uint4 slots of one row in shared memory
 

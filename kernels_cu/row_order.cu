@@ -19,7 +19,7 @@
 // staged in shared memory as bytes (coalesced loads of row_index, read once; plan.row_order_smem(S) counts
 // them) and each thread reads 16 at a time; else both passes load them from row_index (ROW_ORDER_BATCH in
 // flight per thread). Integers only: the result does not depend on timing.
-// Run: adaln_lab.cuda.launchers.launch_row_order (adaln_lab/cuda/tensors.py, every block backward).
+// Run: adaln_lab.core.launchers.launch_row_order (adaln_lab/ops/row_order/op.py, every block backward).
 
 #define ROW_ORDER_THREADS ADALN_ROW_ORDER_THREADS
 #define ROW_ORDER_BATCH 16

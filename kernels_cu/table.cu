@@ -3,7 +3,7 @@
 // Computes, for all T timesteps at once, table (T, N) bf16 (diffusers' rounding: the SiLU output
 // is rounded to bf16 once, the fp32 dot product plus bias is rounded to bf16 once) and table_f32
 // (T, N) fp32: the same sums unrounded (final_adaln_out's backward uses them), or, with
-// ADALN_TABLE_F32_ROUNDED, the bf16 values in fp32 (the blocks' modulation table, adaln_lab/cuda/tensors.py).
+// ADALN_TABLE_F32_ROUNDED, the bf16 values in fp32 (the blocks' modulation table, adaln_lab/ops/modulation_table/launch.py).
 // N = ADALN_TABLE_N columns: 2H for norm_out (shift | scale), 18H for an H3 block's adaln_proj. With
 // ADALN_TABLE_ROW_TABLES (a block's table) the bf16 output is instead the two (3T, 2H) row tables the block's norms
 // read, one after the other: column c * H + h of modality m, c in 0..5 = shift_msa, scale_msa, gate_msa, shift_mlp,
@@ -27,7 +27,7 @@
 // Each timestep has its own accumulator, so row t has the same bits whatever T is and whichever
 // other timesteps are present; a row's sums are one warp's whatever the grid, so the grid never changes a
 // bit. weight is read once.
-// Run: adaln_lab.cuda.tensors.table(temb, weight, bias) on CUDA tensors.
+// Run: adaln_lab.core.tensors.table(temb, weight, bias) on CUDA tensors.
 
 #define TABLE_R ADALN_TABLE_ROWS_PER_WARP
 #define TABLE_WARPS (ADALN_TABLE_THREADS / 32)

@@ -139,8 +139,8 @@ def primitives(n: int) -> None:
     from adaln_lab.core import launchers, tensors
     from adaln_lab.core.plan import plan as make_plan
     from adaln_lab.core import support
-    from adaln_lab.ops.autocast import autocast_params
-    from adaln_lab.ops.checks import validate
+    from adaln_lab.core.autocast import autocast_params
+    from adaln_lab.core.checks import validate
 
     inputs = make(3, n, "cuda")
     x, nw, temb, w, b, idx = inputs.args

@@ -62,6 +62,7 @@ def gpu_stood_in():
     saved = [(launchers, "kernels", launchers.kernels), (launchers, "bind", launchers.bind),
              (launchers, "_launch_kernel_ex", launchers._launch_kernel_ex),
              (tensors, "current_stream", tensors.current_stream), (support, "_not_cuda", support._not_cuda),
+             (tensors, "gpu", tensors.gpu),
              (torch.cuda, "current_device", torch.cuda.current_device)]
     if hasattr(tensors, "current_device"):  # the glue's own device lookup, where it has one
         saved.append((tensors, "current_device", tensors.current_device))
@@ -69,6 +70,7 @@ def gpu_stood_in():
     launchers.kernels, launchers.bind = _stub_kernels, (lambda device: None)
     launchers._launch_kernel_ex, tensors.current_stream = _stub_launch_ex, (lambda device: 0)
     support._not_cuda, torch.cuda.current_device = (lambda name, t: None), (lambda: None)
+    tensors.gpu = lambda t: True
     tensors.context.cache_clear()
     _stub_kernels.cache_clear()
     try:

@@ -38,6 +38,8 @@ import numbers
 
 import torch
 
+from .library import eager
+
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _FLOAT_DTYPES = frozenset(FLOAT_DTYPES)
 _TEMB_DTYPES = frozenset((torch.float32, torch.float64))
@@ -154,7 +156,7 @@ def validate(x, norm_weight, temb, weight, bias, timestep_indices, eps, *, check
 
     # values
     if check_indices and S > 0 and not timestep_indices.is_meta:
-        if torch.compiler.is_compiling():  # no host value under tracing: an assert in the graph (CPU only)
+        if not eager():  # no host value under tracing: an assert in the graph (CPU only)
             if timestep_indices.device.type == "cpu":
                 torch._assert_async(((timestep_indices >= 0) & (timestep_indices < T)).all(),
                                     "timestep_indices holds a value outside [0, T), T = temb.shape[0]")

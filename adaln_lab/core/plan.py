@@ -317,7 +317,7 @@ def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = Fal
     18 H', H' divisible by 8): table.cu's bf16 output is the two row tables (2, 3T, 2H') the block's norms read,
     norm1's shift_msa | scale_msa and norm2's shift_mlp | scale_mlp, row 3t + m for timestep t and modality m (the
     table's (3T, 6H') view), instead of the (T, N) table. A plan used only for its table kernels passes H = 8; one
-    used only for its row kernels passes D = 8 (adaln_lab/cuda/tensors.py).
+    used only for its row kernels passes D = 8 (adaln_lab/core/tensors.py).
     """
     check_shapes(H, D, T)
     if table_n and (table_n % 8 or table_n < 8):
@@ -333,7 +333,7 @@ def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = Fal
     fwd_static = 4 * t["FWD_ROW_LIST_MAX"] + 4 * (fwd_threads // 32 + 1)
     fwd_stages = t["FWD_STAGES"]
     fwd_budget = SMEM_BLOCK_MAX // t["FWD_STAGED_MIN_BLOCKS"]  # 2: stage only where two blocks fit an SM
-    while fwd_stages >= 2 and (2 * T + fwd_stages) * slot + fwd_static > fwd_budget:  # (bench/scripts/block_ab.py)
+    while fwd_stages >= 2 and (2 * T + fwd_stages) * slot + fwd_static > fwd_budget:  # (bench/tools/block_ab.py)
         fwd_stages -= 1
     if fwd_stages < 2:
         fwd_stages = 0  # fall back to one row per block: same threads, same tree, same bits per row
@@ -362,7 +362,7 @@ def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = Fal
 
 
 def clear_caches() -> None:
-    """Forget every plan, e.g. after changing TUNING (bench/scripts/sweep.py); `launchers.forget_compiled()`
+    """Forget every plan, e.g. after changing TUNING (adaln_lab/bench/sweep.py); `launchers.forget_compiled()`
     forgets them with the compiled modules and the caches built on both (`core.tensors.context`)."""
     plan.cache_clear()
     _rows.cache_clear()

@@ -31,6 +31,12 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _get_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
+def gpu(t: torch.Tensor) -> bool:
+    """Whether a launch body runs the kernels for t's device (CUDA tensors; a CPU stand-in of the GPU says yes for
+    CPU tensors: `adaln_lab.bench.host_model`)."""
+    return t.is_cuda
+
+
 def current_device() -> int:
     """torch's current CUDA device index (torch.cuda.current_device without its lazy-init check: the callers hold
     CUDA tensors, so CUDA is initialised)."""

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as torch_module
 
+from ..core.library import eager
 from ..core.warnings import AdaLNFallbackWarning
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -42,7 +43,7 @@ def foreign(module: nn.Module, plain: dict[str, type | None]) -> str | None:
             return f"{name} carries a diffusers hook registry (layerwise casting, group offloading, ...)"
         if getattr(sub, "_hf_hook", None) is not None:
             return f"{name} carries an accelerate hook (cpu / disk offload, device_map)"
-        if not torch.compiler.is_compiling() and "forward" in sub.__dict__:  # (the registries above mark theirs)
+        if eager() and "forward" in sub.__dict__:  # (the registries above mark theirs)
             return f"{name}'s forward is replaced on the instance"
     return None
 

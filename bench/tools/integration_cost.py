@@ -1,9 +1,10 @@
 """What the integration layers cost (eager Function, custom op, bare kernels) and each kernel's share of the graph."""
 
 # One process, H200 sizes (H 5376, D 2688, T 3), 4097 and 32768 rows (issues 8 and 7):
-# - for three ways to call the same kernels: `function` (the eager autograd.Function that `final_adaln_out` uses),
-#   `custom_op` (the torch.library op that torch.compile sees, called eagerly) and `kernels` (forward_tensors then
-#   backward_tensors, no autograd at all): CUDA-graph replay time of forward and forward+backward
+# - for three ways to call the same kernels: `function` (the op's one autograd.Function, its launch ops called
+#   directly as in eager code), `custom_op` (the same node with the launch ops through the dispatcher, as
+#   torch.ops.adaln_lab.final_adaln_out_fwd / _bwd, what a compiled graph calls) and `kernels` (the launch ops on
+#   preallocated outputs, no autograd at all): CUDA-graph replay time of forward and forward+backward
 #   (harness.latency.graph_latency; `kernels` by the same capture), and for the two autograd paths the host time to
 #   issue one call (harness.latency.host_latency); the same run's autograd floor (harness.latency.autograd_floor);
 # - leave-one-out: the kernel sequence of one forward+backward captured in a graph with each kernel left out in
@@ -18,23 +19,46 @@ import sys
 import torch
 
 from adaln_lab.bench.timing import graph_us
-from adaln_lab.core import launchers, tensors
+from adaln_lab.core import launchers
 from adaln_lab.core.plan import plan as make_plan
 from adaln_lab.core.tensors import current_stream
 from adaln_lab.harness.inputs import make
 from adaln_lab.harness.latency import autograd_floor, graph_latency, host_latency
-from adaln_lab.ops.final_adaln_out import FinalAdaLNOut, final_adaln_out_op
+from adaln_lab.core.plan import forward_workspace
+from adaln_lab.ops.final_adaln_out import launch
+from adaln_lab.ops.final_adaln_out.op import FinalAdaLNOut
 
 EPS = 1e-5
 WARMUP, ITERS = 5, 30
 
 
 def function_path(*args):
-    return FinalAdaLNOut.apply(*args, EPS, "cuda")
+    return FinalAdaLNOut.apply(*args, EPS, "cupy", "cuda")
+
+
+class _Dispatched(torch.autograd.Function):
+    """FinalAdaLNOut with its launch ops called through the dispatcher (torch.ops.adaln_lab.*)."""
+
+    @staticmethod
+    def forward(ctx, x, nw, temb, weight, bias, idx):
+        H, T = x.shape[-1], temb.shape[0]
+        out = torch.empty_like(x)
+        workspace = torch.empty(forward_workspace(T, H, x.numel() // H)[1], dtype=torch.uint8, device=x.device)
+        launch.forward.op(x, nw, temb, weight, bias, idx, EPS, "cupy", "cuda", out, workspace)
+        ctx.save_for_backward(x, nw, temb, weight, idx, workspace)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, nw, temb, weight, idx, workspace = ctx.saved_tensors
+        grads = (torch.empty_like(x), torch.empty_like(nw), torch.empty_like(temb), torch.empty_like(weight),
+                 weight.new_empty(weight.shape[:1]))
+        launch.backward.op(dy.contiguous(), x, nw, temb, weight, idx, workspace, "cupy", *grads)
+        return (*grads, None)
 
 
 def custom_op_path(*args):
-    return final_adaln_out_op(*args, EPS, "cuda")
+    return _Dispatched.apply(*args)
 
 
 def kernel_sequence(inputs, plan):
@@ -86,17 +110,24 @@ def leave_one_out(inputs, plan) -> dict:
 
 
 def kernels_only(inputs) -> dict:
-    """Graph time of forward_tensors (+ backward_tensors), no autograd; outputs checked against `function`."""
+    """Graph time of the launch ops on preallocated outputs, no autograd; outputs checked against `function`."""
     x, nw, temb, weight, bias = (t.detach() for t in inputs.leaves)
     idx = inputs.timestep_indices
     ones = torch.ones_like(x)
+    H, T = x.shape[-1], temb.shape[0]
+    out = torch.empty_like(x)
+    workspace = torch.empty(forward_workspace(T, H, x.numel() // H)[1], dtype=torch.uint8, device=x.device)
+    grads = (torch.empty_like(x), torch.empty_like(nw), torch.empty_like(temb), torch.empty_like(weight),
+             torch.empty_like(bias))
 
     def fwd():
-        return tensors.forward_tensors(x, nw, temb, weight, bias, idx, EPS, "cuda")
+        launch.forward(x, nw, temb, weight, bias, idx, EPS, "cupy", "cuda", out, workspace)
+        return out
 
     def fwd_bwd():
-        out, saved = fwd()
-        return out, tensors.backward_tensors(ones, x, nw, temb, weight, idx, saved)
+        fwd()
+        launch.backward(ones, x, nw, temb, weight, idx, workspace, "cupy", *grads)
+        return out, grads
 
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs.leaves]
     reference = function_path(*leaves, idx)

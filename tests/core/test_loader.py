@@ -1,4 +1,4 @@
-"""adaln_lab/cuda/loader.py's decisions: a kernel cache CuPy cannot use means a compile in memory with a
+"""adaln_lab/core/loader.py's decisions: a kernel cache CuPy cannot use means a compile in memory with a
 KernelCacheWarning, never a crash or a wrong kernel; the module cache compiles a plan once per process,
 whichever threads ask.
 

@@ -1,4 +1,4 @@
-"""The facts about CuPy's kernel cache that adaln_lab/cuda/loader.py leans on, and real compiles through it.
+"""The facts about CuPy's kernel cache that adaln_lab/core/loader.py leans on, and real compiles through it.
 
 CPU: CuPy's disk backend's hash check and atomic writes, across two processes; `-ftz=true` added on both
 paths; CUPY_CACHE_IN_MEMORY read at every compile; with real NVRTC for sm_90 and no driver (the binary

@@ -11,9 +11,10 @@ the bf16 table (T, 2H), table_f32 (T, 2H) (the table before its bf16 rounding) a
 writes and the backward reads. Inputs contiguous (the op's Function sees to it).
 
 route "cupy": kernels_cu on CUDA tensors (two launches forward, four backward, every reduction in a fixed order;
-the backward's workspace is one allocation of its own); route "numba": the Numba twin (`numba.op`), the same
-bits; on CPU tensors with route "cupy" the bodies are the reference (the diffusers replay forward, the analytic
-backward of `reference.backward`), which is what `torch.library.opcheck` and the CPU tests exercise.
+the backward's workspace is one allocation of its own); route "numba": the Numba twin (`twin.op`), the same bits;
+route "torch", and CPU tensors (`core.tensors.gpu`), the reference: the diffusers replay forward, the analytic
+backward of `reference.backward` (what `torch.library.opcheck` and the CPU tests exercise; the public op's own
+torch route is the replay under torch's autograd).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def forward(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tensor, weig
         _, saved_f32, saved_rstd = saved_views(workspace, T, H, rows)
         out.copy_(result), saved_f32.copy_(table_f32), saved_rstd.copy_(rstd)
         return
-    if x.device.type != "cuda":
+    if route == "torch" or not tensors.gpu(x):
         _, saved_f32, saved_rstd = saved_views(workspace, T, H, rows)
         result, table_f32, rstd = reference_forward(x, norm_weight, temb, weight, bias, timestep_indices, eps)
         out.copy_(result), saved_f32.copy_(table_f32), saved_rstd.copy_(rstd)
@@ -117,7 +118,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, temb:
     T, D = temb.shape
     rows = x.numel() // H
     outputs = (dx, d_norm_weight, d_temb, d_weight, d_bias)
-    if route == "numba" or x.device.type != "cuda":
+    if route in ("numba", "torch") or not tensors.gpu(x):
         _, table_f32, rstd = saved_views(workspace, T, H, rows)
         if route == "numba":
             from .twin import op as twin

@@ -44,7 +44,7 @@ def order_torch(row_index: torch.Tensor, table_rows: int) -> torch.Tensor:
 @tensors.keeps_device
 def launch(row_index: torch.Tensor, table_rows: int, H: int, order: torch.Tensor) -> None:
     """order (R + 1 + S,) int32 of row_index (S,) int64 (module docstring)."""
-    if row_index.is_cuda and row_index.shape[0] <= ROWS_MAX and supported(H, 8, max(table_rows, 1)):
+    if tensors.gpu(row_index) and row_index.shape[0] <= ROWS_MAX and supported(H, 8, max(table_rows, 1)):
         plan = make_plan(H, 8, table_rows)
         k, stream = tensors.setup(row_index.device, plan)
         launchers.launch_row_order(k, plan, stream, row_index.data_ptr(), order.data_ptr(), row_index.shape[0])
