@@ -192,7 +192,7 @@ ZERO_OUTPUT = "out = 0 (no ratio)"
 
 def cancellation(value) -> str:
     """A cancellation ratio of `errors.ulp_analysis` ('133'), or 'out = 0 (no ratio)' where the output is 0."""
-    from .errors import is_zero_output
+    from .ulps import is_zero_output
 
     return ZERO_OUTPUT if is_zero_output(value) else fmt(value)
 

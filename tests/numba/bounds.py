@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from adaln_lab.core.plan import plan as make_plan
 from adaln_lab.harness.accuracy import golden_result
 from adaln_lab.harness.inputs import make, upstream
-from adaln_lab.ops.final_adaln_out.twin import backward as numba_backward
+from adaln_lab.ops.final_adaln_out.twin import backward as numba_backward, backward_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-5
@@ -44,7 +44,7 @@ NAMES = ("dx", "d_norm_weight", "d_temb", "d_weight", "d_bias")  # backward's or
 
 
 def simulating() -> bool:
-    numba_backward._nc()
+    backward_kernels._nc()
     from numba import config
 
     return bool(config.ENABLE_CUDASIM)

@@ -279,7 +279,7 @@ def test_reduce_partials_has_the_association_of_the_kernels_chunked_loop():
 # the backward's kernels for numba's real CUDA target (tests/numba/conftest.py: `twin_ptx_for_sm90` compiles them in one
 # process with test_forward.py's)
 SM90_SIGS = """
-from adaln_lab.ops.final_adaln_out.twin import backward as nb
+from adaln_lab.ops.final_adaln_out.twin import backward_kernels as nb
 from adaln_lab.core.plan import plan as make_plan
 nb._nc()
 from numba import cuda, float32, int64, uint16
