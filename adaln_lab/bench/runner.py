@@ -68,6 +68,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--upstream-runs", default=",".join(UPSTREAM_RUNS), metavar="RUNS",
                         help="comma-separated, of unpatched, patched (default: both)")
     parser.add_argument("--upstream-timeout", type=int, default=190, metavar="SECONDS", help="per run (default 190)")
+    parser.add_argument("--host-ab-rounds", type=int, default=3, metavar="N",
+                        help="rounds of host-ab, each the base tree then this one (default 3)")
     parser.add_argument("--dry-run", action="store_true", help="print each step's commands; run and write nothing")
     args = parser.parse_args(argv)
     args.groups = [group.split("+") for group in args.steps]
@@ -90,6 +92,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         if not values or set(values) - set(allowed):
             parser.error(f"{option} {getattr(args, chosen)!r}: comma-separated, of {', '.join(allowed)}")
         setattr(args, chosen, values)
+    if args.host_ab_rounds < 1:
+        parser.error(f"--host-ab-rounds must be >= 1, got {args.host_ab_rounds}")
     if args.budget < 0:
         parser.error(f"--budget must be >= 0, got {args.budget}")
     return args

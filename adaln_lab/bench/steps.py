@@ -194,7 +194,7 @@ def host(ctx: Context) -> int:
 
 
 def host_ab(ctx: Context) -> int:
-    """Three rounds alternating the base tree and this one: this checkout's host_breakdown.py, run from each tree
+    """Rounds (--host-ab-rounds, default 3) alternating the base tree and this one: this checkout's host_breakdown.py, run from each tree
     with that tree's adaln_lab first on the path, so both are timed by the same code in one run."""
     if base_tree(ctx):
         return 2
@@ -205,14 +205,15 @@ def host_ab(ctx: Context) -> int:
     run_file = "import runpy, sys; runpy.run_path(sys.argv.pop(1), run_name='__main__')"
     base = ctx.word(str(ctx.base)).replace(BASE_MARK, "$BASE")
     trees = ((base, ctx.base, base_commit(ctx)), (".", ctx.root, commit + ("-dirty" if dirty else "")))
-    shown = (f"script=$PWD/adaln_lab/bench/host_breakdown.py; for round in 1 2 3; do for tree in {base} .; do "
+    rounds = ctx.options.host_ab_rounds
+    shown = (f"script=$PWD/adaln_lab/bench/host_breakdown.py; for round in $(seq {rounds}); do for tree in {base} .; do "
              'echo "== $tree $(cat $tree/COMMIT 2>/dev/null || git rev-parse --short HEAD)"; (cd $tree && '
              f'PYTHONPATH=$PWD python3 -c "{run_file}" $script --no-profile) || exit 1; done; done > host_ab.txt 2>&1')
     if ctx.dry_run:
         ctx.say(f"  {shown}")
         return 0
     (ctx.out / "host_ab.txt").unlink(missing_ok=True)
-    for _ in range(3):
+    for _ in range(rounds):
         for label, tree, tree_commit_ in trees:
             path = {"PYTHONPATH": os.pathsep.join(p for p in (str(tree), ctx.env.get("PYTHONPATH")) if p)}
             rc = ctx.run(["host_ab.txt"], [PY, "-c", run_file, script, "--no-profile"], stdout="host_ab.txt",

@@ -110,10 +110,12 @@ def layout(sizes: dict) -> tuple[dict, int]:
     return offsets, max(total, ALIGN)
 
 
+@lru_cache(maxsize=4096)
 def forward_workspace(T: int, H: int, rows: int) -> tuple[dict, int]:
     """norm_out's forward workspace: `table` (T, 2H) bf16, `table_f32` (T, 2H) fp32 and `rstd` (rows,) fp32 laid out
-    one after another: (byte offsets, total bytes). Integer arithmetic alone, so that torch.compile can trace it on
-    symbolic sizes (the op's Function allocates the workspace in eager and compiled code alike)."""
+    one after another: (byte offsets (shared: not to be modified), total bytes). Integer arithmetic alone, so that
+    torch.compile traces it on symbolic sizes (dynamo looks through the cache; the op's Function allocates the
+    workspace in eager and compiled code alike)."""
     return layout({"table": T * 2 * H * 2, "table_f32": T * 2 * H * 4, "rstd": rows * 4})
 
 

@@ -79,7 +79,7 @@ def forward(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tensor, weig
         out.copy_(result), saved_f32.copy_(table_f32), saved_rstd.copy_(rstd)
         return
     device = x.get_device()
-    base, o = workspace.data_ptr(), tensors.context(device, H, D, T, rows)[1].fwd_offsets
+    base, o = workspace.data_ptr(), forward_workspace(T, H, rows)[0]
     if table_backend == "torch":
         saved = saved_views(workspace, T, H, rows)
         for piece, value in zip(saved, table_from_torch(temb, weight, bias)):
@@ -130,7 +130,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, temb:
             output.copy_(grad)
         return
     device = x.get_device()
-    base, o = workspace.data_ptr(), tensors.context(device, H, D, T, rows)[1].fwd_offsets
+    base, o = workspace.data_ptr(), forward_workspace(T, H, rows)[0]
     kernels_backward(dy, x, norm_weight, temb, weight, timestep_indices, base + o["table_f32"], base + o["rstd"],
                      outputs, tensors.current_stream(device))
 
