@@ -2,16 +2,18 @@
 
 - `gpu` mark: skipped without a CUDA device (on a GPU machine: `python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider
   tests`).
+- `integration` mark: the heavy end-to-end tests (NVRTC compiles of the whole unit, the notebooks, the README's
+  blocks, processes of their own: CuPy's cache, gloo ranks, CLI runs). CI runs them; `-m "not integration"` is the
+  quick loop over the unit tests.
 - `slow` mark: a repeat that adds no coverage (another test already checks the same property); skipped unless
   `--runslow` is given or ADALN_LAB_SLOW=1 is set: `python3 -m pytest -q -n 2 --runslow -m slow` runs them.
   A skip rather than `-m "not slow"` in addopts, so that `-m gpu` keeps working as it is.
 - No GPU: NUMBA_ENABLE_CUDASIM=1 (set here, before anything imports numba), so the Numba twin's tests run in
   numba's CUDA simulator; tests that need it off start a fresh process without it.
-- pytest-xdist: each worker takes its share of the cores (torch threads, and OMP_NUM_THREADS for the processes
-  tests start, unless OMP_NUM_THREADS is set): N workers of all-core OpenMP pools on the same cores spin in
-  each other's barriers. And `-n N` alone distributes with `--dist loadgroup` (like `load`, but the tests of
-  one `xdist_group` share a worker, so a module-scoped fixture is built once); an explicit --dist is kept. Every
-  worker puts the longest tests (LONG_FIRST) at the front of its collection, so none of them starts last.
+- pytest-xdist (`-n N`, scheduled `--dist worksteal` by pyproject's addopts: an idle worker takes queued tests from a
+  busy one, so no hand-kept order is needed): each worker takes its share of the cores (torch threads, and
+  OMP_NUM_THREADS for the processes tests start, unless OMP_NUM_THREADS is set): N workers of all-core OpenMP pools on
+  the same cores spin in each other's barriers.
 """
 
 import os
@@ -39,26 +41,6 @@ def _run_slow(config) -> bool:
     return config.getoption("--runslow") or os.environ.get("ADALN_LAB_SLOW", "") == "1"
 
 
-def _default_dist(config) -> bool:
-    """Whether the command asked for no --dist of its own (`-n N` alone sets it to 'load')."""
-    args = [str(a) for a in config.invocation_params.args]
-    return not any(a == "--dist" or a.startswith("--dist=") or a == "-d" for a in args)
-
-
-def pytest_configure(config):
-    if getattr(config.option, "dist", "no") == "load" and _default_dist(config):
-        config.option.dist = "loadgroup"  # the controller schedules by group
-    workerinput = getattr(config, "workerinput", None)
-    if workerinput is not None and workerinput.get("adaln_lab_loadgroup"):
-        config.option.loadgroup = True  # workers tag the grouped tests' ids (xdist reads its own --dist there)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node):
-    """pytest-xdist: tell each worker that the controller runs --dist loadgroup."""
-    node.workerinput["adaln_lab_loadgroup"] = node.config.getoption("dist") == "loadgroup"
-
-
 def pytest_collection_modifyitems(config, items):
     skips = []
     if not HAS_CUDA:
@@ -71,28 +53,6 @@ def pytest_collection_modifyitems(config, items):
         for keyword, skip in skips:
             if keyword in item.keywords:
                 item.add_marker(skip)
-    if getattr(config, "workerinput", None) is not None:  # a pytest-xdist worker: the long tests go out first
-        first = {name: rank for rank, name in enumerate(LONG_FIRST)}
-        items.sort(key=lambda item: first.get(item.nodeid.split("[")[0].split("@")[0], len(first)))
-
-
-# pytest-xdist sends a worker the next test when it is nearly done (the groups of `xdist_group` first, the biggest
-# first; then the tests in collection order): a long test sent last keeps one worker busy while the other idles.
-# So these, the longest on a 2-core CPU (seconds there) and not in a group, lead the collection of every worker
-# (the same order everywhere, as xdist requires); the other tests keep theirs. A run without xdist keeps file order.
-LONG_FIRST = (
-    "tests/lab/test_notebooks.py::test_notebooks_read_complete_lab_files",  # 23
-    "tests/core/test_kernels_compile.py::test_the_largest_T_accepted_compiles_in_seconds",  # 22
-    "tests/nn/test_multi_gpu_script.py::test_the_multi_gpu_script_on_two_cpu_ranks",  # 13
-    "tests/test_readme.py::test_readme_python_blocks_run_in_order_on_a_cpu",  # 10
-    "tests/nn/test_fsdp.py::test_fsdp2_two_cpu_ranks_forward_bitwise_and_gradients_the_reduce_scatters_mean",  # 5
-    "tests/harness/test_block_report.py::test_cli_writes_a_block_report_prints_its_figures_and_table_renders_it",  # 4
-    "tests/core/test_kernels_compile.py::test_every_kernel_compiles",  # 8 x 2-5
-    "tests/numba/test_forward.py::test_twin_table_rows_are_T_invariant",  # 4
-    "tests/numba/test_op.py::test_numba_is_imported_only_by_the_numba_backend_and_cpu_tensors_need_the_simulator",
-    "tests/nn/test_multi_gpu_script.py::test_the_multi_gpu_script_refuses_an_unknown_run_and_no_ranks",  # 3
-    "tests/core/test_loader.py::test_cupys_import_fails_on_a_cache_path_it_cannot_make_unless_launchers_comes_first",
-)
 
 
 _SM90_LOOP = """

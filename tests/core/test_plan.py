@@ -42,7 +42,7 @@ def test_geometry_is_a_function_of_the_shapes_only():
     # torch glue) and the ops that launch through it
     package = Path(plan_module.__file__).resolve().parents[1]
     files = sorted((package / "core").rglob("*.py")) + sorted((package / "ops").rglob("*.py"))
-    assert {"plan.py", "loader.py", "launchers.py", "tensors.py", "final_adaln_out.py"} <= {f.name for f in files}
+    assert {"plan.py", "loader.py", "launchers.py", "tensors.py", "launch.py"} <= {f.name for f in files}
     for path in files:
         text = path.read_text()
         assert "multi_processor_count" not in text and "MultiProcessorCount" not in text, path.name
