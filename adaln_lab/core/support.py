@@ -139,9 +139,17 @@ def twin_td_max(H: int, D: int, T: int) -> int:
     return (STATIC_SHARED_MAX - threads * 4) // 4
 
 
-def numba_final_adaln_out(x, norm_weight, temb, weight, bias=None) -> Exception | None:
-    """The Numba twin of norm_out's kernels: the same rule, on CUDA or (under numba's simulator) CPU tensors,
-    with T * D <= twin_td_max (its table's static shared memory) and at most ROWS_MAX rows."""
+def numba_final_adaln_out(x, norm_weight, temb, weight, bias=None, *, simulating: bool = False
+                          ) -> Exception | None:
+    """The Numba twin of norm_out's kernels: the same rule, on CUDA tensors or, under numba's simulator
+    (`simulating`, NUMBA_ENABLE_CUDASIM=1), CPU tensors, with T * D <= twin_td_max (its table's static shared
+    memory) and at most ROWS_MAX rows."""
+    if simulating and x.device.type != "cpu":
+        return ValueError(f"backend='numba' under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) needs CPU "
+                          f"tensors, but x is on {x.device}; unset NUMBA_ENABLE_CUDASIM to run on the GPU")
+    if not simulating and x.device.type != "cuda":
+        return ValueError(f"backend='numba' needs CUDA tensors (or CPU tensors under numba's CUDA simulator, "
+                          f"NUMBA_ENABLE_CUDASIM=1), but x is on {x.device}")
     for name, t in (("x", x), ("norm_weight", norm_weight), ("weight", weight), ("bias", bias)):
         if t is not None and t.dtype != _BF16:
             return _dtype(name, t, _BF16)

@@ -131,7 +131,8 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
     if backend == "numba":
         from .twin import op as twin
 
-        support.refuse(twin.unsupported(x, norm_weight, temb, weight, bias))
+        simulating = twin.simulating()
+        support.refuse(support.numba_final_adaln_out(x, norm_weight, temb, weight, bias, simulating=simulating))
         return _kernels(x, norm_weight, temb, weight, bias, timestep_indices, eps, "numba", table_backend)
     cast = autocast_params(x, norm_weight, weight, bias)  # fp32 parameters under autocast (`core.autocast`)
     route = support.route("final_adaln_out", backend, x, support.final_adaln_out(x, *cast[:1], temb, *cast[1:]))

@@ -8,8 +8,8 @@ launch_backward's order. Same contract as the cupy backend (`adaln_lab.ops.final
 
 - Inputs: x (..., S, H) bf16, norm_weight (H,) bf16, temb (T, D) fp32, weight (2H, D) bf16, bias (2H,)
   bf16, timestep_indices (S,) int64; row s of every leading index of x is modulated by
-  table[timestep_indices[s]]. Anything the kernels cannot take is refused by `unsupported` with an error
-  naming the argument (the cupy rule, plus one limit of the twin's table kernel: see `support.twin_td_max`).
+  table[timestep_indices[s]]. Anything the kernels cannot take is refused by `core.support.numba_final_adaln_out`
+  with an error naming the argument (the cupy rule, plus one limit of the twin's table kernel: `twin_td_max`).
 - Output (..., S, H) bf16; gradients dx (..., S, H) bf16, d_norm_weight (H,) bf16, d_temb (T, D) fp32,
   d_weight (2H, D) bf16, d_bias (2H,) bf16, every reduction in the kernels' fixed order.
 - Saved for the backward: x, norm_weight, temb, weight, timestep_indices and the forward's table_f32
@@ -36,7 +36,6 @@ import contextlib
 import torch
 
 from ..launch import table_from_torch
-from ....core import support
 
 
 def _numba_cuda():
@@ -52,23 +51,6 @@ def simulating() -> bool:
     from numba import config
 
     return bool(config.ENABLE_CUDASIM)
-
-
-def unsupported(x, norm_weight, temb, weight, bias=None) -> Exception | None:
-    """Why backend "numba" cannot take these (validated) inputs, as the error to raise; None if it can:
-    `support.numba_final_adaln_out` (the kernels' rule and the twin's table limit) on CUDA tensors, or on
-    CPU tensors under numba's CUDA simulator."""
-    error = support.numba_final_adaln_out(x, norm_weight, temb, weight, bias)
-    if error is not None:
-        return error
-    if simulating():
-        if x.device.type != "cpu":
-            return ValueError(f"backend='numba' under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) needs CPU "
-                              f"tensors, but x is on {x.device}; unset NUMBA_ENABLE_CUDASIM to run on the GPU")
-    elif x.device.type != "cuda":
-        return ValueError(f"backend='numba' needs CUDA tensors (or CPU tensors under numba's CUDA simulator, "
-                          f"NUMBA_ENABLE_CUDASIM=1), but x is on {x.device}")
-    return None
 
 
 @contextlib.contextmanager
