@@ -1,12 +1,15 @@
-"""The DLPack kernel API: CPU (torch tensors, the custom ops' CPU kernels) and GPU (CuPy arrays and
-torch tensors, bitwise equal to adaln_lab.final_adaln_out, zero-copy, on the caller's stream)."""
+"""The DLPack kernel API: CPU (torch tensors, the launch ops' reference bodies: `final_adaln_out.launch` on CPU
+tensors) and GPU (CuPy arrays and torch tensors, bitwise equal to adaln_lab.final_adaln_out, zero-copy, on the
+caller's stream)."""
 
 import pytest
 import torch
 
 from adaln_lab import dlpack
+from adaln_lab.core.plan import forward_workspace
 from adaln_lab.harness.candidates import adaln_lab_candidate
 from adaln_lab.harness.inputs import make, upstream
+from adaln_lab.ops.final_adaln_out import launch
 from adaln_lab.reference import replay
 
 SMALL = dict(H=264, D=64, T=3)
@@ -17,10 +20,22 @@ def test_cpu_forward_is_the_replay_and_backward_has_every_gradient():
     out, table_f32, rstd = dlpack.forward(*inputs.args)
     assert torch.equal(out, replay(*inputs.args))
     assert table_f32.shape == (3, 528) and rstd.shape == (20,)
-    grads = dlpack.backward(upstream(1, inputs.x), inputs.x, inputs.norm_weight, inputs.temb, inputs.weight,
-                            inputs.timestep_indices, table_f32, rstd)
+    dy = upstream(1, inputs.x)
+    grads = dlpack.backward(dy, inputs.x, inputs.norm_weight, inputs.temb, inputs.weight, inputs.timestep_indices,
+                            table_f32, rstd)
     for g, leaf in zip(grads, inputs.leaves):
         assert g.shape == leaf.shape and bool(torch.isfinite(g.float()).all())
+    # the launch ops' bodies on CPU tensors give the same bits: forward, saved values and gradients
+    op_out = torch.empty_like(inputs.x)
+    workspace = torch.empty(forward_workspace(3, 264, 20)[1], dtype=torch.uint8)
+    launch.forward(*inputs.args, 1e-5, "cupy", "cuda", op_out, workspace)
+    _, op_table_f32, op_rstd = launch.saved_views(workspace, 3, 264, 20)
+    assert torch.equal(op_out, out) and torch.equal(op_table_f32, table_f32) and torch.equal(op_rstd, rstd)
+    op_grads = [torch.empty_like(t) for t in inputs.leaves]
+    launch.backward(dy, inputs.x, inputs.norm_weight, inputs.temb, inputs.weight, inputs.timestep_indices, workspace,
+                    "cupy", *op_grads)
+    for g, op_g in zip(grads, op_grads):
+        assert torch.equal(g, op_g)
 
 
 def test_bad_arrays_are_refused_naming_the_argument():

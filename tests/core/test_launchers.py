@@ -1,6 +1,9 @@
-"""The launch sequence of the CUDA op, checked on the CPU: a recorder stands in for every kernel, so CI
-sees which kernels a forward and a backward launch, with which geometry, and that every pointer they
-get lies inside a live buffer of the right size (the kernels themselves run in tests/ops/test_final_adaln_out.py)."""
+"""The launch sequence of the CUDA op, checked on the CPU: a recorder stands in for every kernel and
+`core.tensors.gpu` says yes for CPU tensors (the host model's stand-in of the GPU), so norm_out's launch ops
+(`final_adaln_out.launch.forward` / `backward`) take their CUDA branch (`kernels_forward` / `kernels_backward`) and
+CI sees which kernels a forward and a backward launch, with which geometry, on which stream, and that every pointer
+they get lies inside a live buffer of the right size (the kernels themselves run in
+tests/ops/test_final_adaln_out.py)."""
 
 import pytest
 import torch
@@ -8,6 +11,9 @@ import torch
 from adaln_lab.core import launchers, tensors
 from adaln_lab.core import plan as plan_module
 from adaln_lab.harness.inputs import make, upstream
+from adaln_lab.ops.final_adaln_out import launch
+
+STREAM = 7  # torch's current stream as the launch bodies read it (`tensors.current_stream`): every launch is on it
 
 
 class Recorder:
@@ -16,7 +22,7 @@ class Recorder:
 
     def __call__(self, grid, block, shared_mem, stream, *args):
         assert len(args) == len(launchers.SIGNATURES[self.name]), self.name
-        self.calls.append((self.name, grid, block, shared_mem, args))
+        self.calls.append((self.name, grid, block, shared_mem, args, stream))
 
     def after_previous(self, grid, block, shared_mem, stream, *args):
         """The programmatic dependent launch: recorded as the launch it is, and named in PROGRAMMATIC."""
@@ -33,11 +39,40 @@ def calls(monkeypatch):
     PROGRAMMATIC.clear()
     monkeypatch.setattr(launchers, "kernels", lambda device, plan: {n: Recorder(n, recorded) for n in launchers.SIGNATURES})
     monkeypatch.setattr(launchers, "bind", lambda device: None)
-    monkeypatch.setattr(tensors, "current_stream", lambda device: 0)
+    monkeypatch.setattr(tensors, "current_stream", lambda device: STREAM)
+    monkeypatch.setattr(tensors, "gpu", lambda t: True)
     from cupy.cuda import runtime
 
-    monkeypatch.setattr(runtime, "memsetAsync", lambda ptr, value, size, stream: recorded.append(("memset", ptr, size)))
+    monkeypatch.setattr(runtime, "memsetAsync",
+                        lambda ptr, value, size, stream: recorded.append(("memset", ptr, size, stream)))
     return recorded
+
+
+class Forward:
+    """launch.forward on route "cupy" (its CUDA branch, under the `calls` fixture), out and the forward workspace
+    allocated as FinalAdaLNOut allocates them; `backward` runs launch.backward on that workspace."""
+
+    def __init__(self, i, table_backend="cuda"):
+        H = i.x.shape[-1]
+        T, D = i.temb.shape
+        self.plan = plan_module.plan(H, D, T)
+        self.rows = self.plan.rows(i.x.numel() // H)
+        self.out = torch.empty_like(i.x)
+        self.workspace = torch.empty(plan_module.forward_workspace(T, H, self.rows.rows)[1], dtype=torch.uint8)
+        assert self.rows.fwd_offsets == plan_module.forward_workspace(T, H, self.rows.rows)[0]
+        launch.forward(*i.args, 1e-5, "cupy", table_backend, self.out, self.workspace)
+
+    def backward(self, i, dy):
+        """launch.backward on the forward's workspace, the gradients allocated as FinalAdaLNOut allocates them
+        (the backward's workspace is its own allocation)."""
+        grads = (torch.empty_like(i.x), torch.empty_like(i.norm_weight), torch.empty_like(i.temb),
+                 torch.empty_like(i.weight), i.weight.new_empty(i.weight.shape[:1]))
+        launch.backward(dy, i.x, i.norm_weight, i.temb, i.weight, i.timestep_indices, self.workspace, "cupy", *grads)
+        return grads
+
+
+def _streams(calls):
+    return {c[-1] for c in calls}
 
 
 def _buffers(buffers):
@@ -51,13 +86,15 @@ def _inside(pointer, buffers):
 @pytest.mark.parametrize("rows", [1, 1031])
 def test_forward_and_backward_launch_each_kernel_once_on_live_buffers(calls, rows):
     i = make(1, rows, "cpu")
-    out, saved = tensors.forward_tensors(*i.args, 1e-5, "cuda")
+    forward = Forward(i)
+    out = forward.out
     dy = upstream(1, i.x)
-    grads = tensors.backward_tensors(dy, i.x, i.norm_weight, i.temb, i.weight, i.timestep_indices, saved)
+    grads = forward.backward(i, dy)
     names = [c[0] for c in calls]
     assert names == ["table_bf16", "norm_modulate_warp_bf16", "norm_modulate_bwd_bf16", "reduce_partials_bf16",
                      "table_bwd_bf16", "table_bwd_reduce"]
-    plan, r = saved[0], saved[1]
+    assert _streams(calls) == {STREAM}
+    plan, r = forward.plan, forward.rows
     assert PROGRAMMATIC == ([1] if plan.fwd_pdl else [])  # with PDL the row kernel may start as the table ends
     assert calls[1][1] == (-(-rows // plan.fwd_warp_rows), 1, 1) and calls[1][2] == (32 * plan.fwd_warp_rows, 1, 1)
     assert calls[2][1] == (r.bwd_ranges, 1, 1)
@@ -66,11 +103,11 @@ def test_forward_and_backward_launch_each_kernel_once_on_live_buffers(calls, row
     # every pointer argument points into something alive: inputs, outputs, the forward's workspace
     # (kept for the backward) or the backward's workspace (the only allocation not returned); the one null
     # pointer is table_bwd's d_bias, an output norm_out takes from reduce_partials instead
-    live = _buffers([*i.args, dy, out, saved[2], *grads])
+    live = _buffers([*i.args, dy, out, forward.workspace, *grads])
     workspace_pointers = [a for c in calls[2:] for kind, a in zip(launchers.SIGNATURES[c[0]], c[4])
                           if kind == "p" and a and not _inside(a, live)]
     base = min(workspace_pointers)
-    for name, _, _, _, args in calls:
+    for name, _, _, _, args, _ in calls:
         for kind, a in zip(launchers.SIGNATURES[name], args):
             if kind == "p" and (a or name != "table_bwd_bf16"):
                 assert _inside(a, live) or 0 <= a - base < r.bwd_bytes, (name, a)
@@ -78,7 +115,7 @@ def test_forward_and_backward_launch_each_kernel_once_on_live_buffers(calls, row
     d_scale = base + r.bwd_offsets["d_table"] + 4 * plan.H
     assert sorted(a - base for a in set(workspace_pointers) - {d_scale}) == sorted(r.bwd_offsets.values())
     # and every argument is the buffer its kernel parameter names (a swap of two would pass the checks above)
-    fws, o, b = saved[2].data_ptr(), r.fwd_offsets, r.bwd_offsets
+    fws, o, b = forward.workspace.data_ptr(), r.fwd_offsets, r.bwd_offsets
     p = {name: t.data_ptr() for name, t in zip(("x", "norm_weight", "temb", "weight", "bias", "idx"), i.args)}
     expected = {
         "table_bf16": [p["temb"], p["weight"], p["bias"], fws + o["table"], fws + o["table_f32"]],
@@ -92,7 +129,7 @@ def test_forward_and_backward_launch_each_kernel_once_on_live_buffers(calls, row
                            0],
         "table_bwd_reduce": [base + b["dact_partials"], p["temb"], grads[2].data_ptr()],
     }
-    for name, _, _, _, args in calls:
+    for name, _, _, _, args, _ in calls:
         pointers = [a for kind, a in zip(launchers.SIGNATURES[name], args) if kind == "p"]
         assert pointers == expected[name], name
 
@@ -101,14 +138,15 @@ def test_a_large_table_launches_table_bwd_as_two_halves_with_the_same_arguments(
     """From TB_SPLIT_MIN_T table rows on, d_weight and dact come from two kernels on table_bwd_bf16's
     grid, block and arguments (the same sums: tests/core/test_tensors.py checks the bits on a GPU)."""
     i = make(1, 37, "cpu", T=9)
-    out, saved = tensors.forward_tensors(*i.args, 1e-5, "cuda")
-    assert saved[0].tb_split and not plan_module.plan(5376, 2688, 4).tb_split
-    tensors.backward_tensors(upstream(1, i.x), i.x, i.norm_weight, i.temb, i.weight, i.timestep_indices, saved)
+    forward = Forward(i)
+    assert forward.plan.tb_split and not plan_module.plan(5376, 2688, 4).tb_split
+    forward.backward(i, upstream(1, i.x))
     names = [c[0] for c in calls]
     assert names[-3:] == ["table_bwd_d_weight_bf16", "table_bwd_dact_bf16", "table_bwd_reduce"]
     assert "table_bwd_bf16" not in names
     halves = calls[-3:-1]
-    assert halves[0][1:] == halves[1][1:] and halves[0][1] == saved[0].tb_grid + (1,)
+    assert halves[0][1:] == halves[1][1:] and halves[0][1] == forward.plan.tb_grid + (1,)
+    assert _streams(calls) == {STREAM}
 
 
 def test_signatures_match_the_kernels():
@@ -127,13 +165,14 @@ def test_signatures_match_the_kernels():
 
 def test_empty_batch_launches_no_row_kernel_and_zeroes_the_partials(calls):
     i = make(1, 0, "cpu", H=264, D=64, T=2)
-    out, saved = tensors.forward_tensors(*i.args, 1e-5, "cuda")
-    assert out.shape == (0, 264)
-    tensors.backward_tensors(torch.empty_like(out), i.x, i.norm_weight, i.temb, i.weight, i.timestep_indices, saved)
+    forward = Forward(i)
+    assert forward.out.shape == (0, 264)
+    forward.backward(i, torch.empty_like(forward.out))
     names = [c[0] for c in calls]
     assert names == ["table_bf16", "memset", "reduce_partials_bf16", "table_bwd_bf16", "table_bwd_reduce"]
     memset = calls[1]
     assert memset[2] == 2 * 2 * 264 * 4  # one range of (T, 2, H) fp32 zeros
+    assert _streams(calls) == {STREAM}
     assert calls[2][4][7] == 1  # reduce_partials sums that one range (its nblocks argument)
 
 
@@ -146,9 +185,9 @@ def test_the_row_kernel_waits_on_the_table_kernel_only_when_it_follows_it(calls,
     try:
         i = make(1, 9, "cpu", H=64, D=32, T=2)
         assert plan_module.plan(64, 32, 2).fwd_pdl
-        tensors.forward_tensors(*i.args, 1e-5, "cuda")
+        Forward(i, "cuda")
         assert [c[0] for c in calls] == ["table_bf16", "norm_modulate_warp_bf16"] and PROGRAMMATIC == [1]
-        tensors.forward_tensors(*i.args, 1e-5, "torch")
+        Forward(i, "torch")
         assert [c[0] for c in calls][2:] == ["norm_modulate_warp_bf16"] and PROGRAMMATIC == [1]
     finally:  # no plan built under the override outlives the test
         monkeypatch.undo()

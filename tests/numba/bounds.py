@@ -20,11 +20,11 @@ with timestep t: rstd r, a = dy * norm_weight, s1 = 1 + scale[t], P = sum_h |a s
   2H + D + 64. A factor 1.05 covers the second-order terms (all first-order terms are below 1e-3).
 - Outputs stored in bf16 round once more: |bf16(v) - v| <= 2^-8 |v|, so the bound against the
   golden is E + 2^-8 (|golden| + E).
-- Against the analytic CPU backward (the CPU kernel of `adaln_lab.ops.final_adaln_out.final_adaln_out_bwd`,
-  `adaln_lab.reference.backward` in torch ops) both get the same rstd and table_f32 (rho = sigma = 0); each
-  is within E of the exact function of those inputs, E taken with the larger of the two implementations'
-  depths (torch's mean over H: H), so |twin - ref| <= 2 E + 2^-8 (|twin| + |ref|) * 1.01 (the two bf16
-  roundings).
+- Against the analytic CPU backward (the body of `adaln_lab.ops.final_adaln_out.launch.backward` on CPU
+  tensors, `adaln_lab.reference.backward` in torch ops: `launch_backward` below) both get the same rstd and
+  table_f32 (rho = sigma = 0); each is within E of the exact function of those inputs, E taken with the larger
+  of the two implementations' depths (torch's mean over H: H), so |twin - ref| <= 2 E + 2^-8 (|twin| + |ref|)
+  * 1.01 (the two bf16 roundings).
 """
 
 import dataclasses
@@ -32,9 +32,10 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from adaln_lab.core.plan import plan as make_plan
+from adaln_lab.core.plan import forward_workspace, plan as make_plan
 from adaln_lab.harness.accuracy import golden_result
 from adaln_lab.harness.inputs import make, upstream
+from adaln_lab.ops.final_adaln_out import launch
 from adaln_lab.ops.final_adaln_out.twin import backward as numba_backward, backward_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,6 +76,21 @@ def saved_tensors(inputs):
     act = F.silu(inputs.temb).to(torch.bfloat16).double()  # the forward's GEMV takes bf16(silu(temb))
     table_f32 = (act @ inputs.weight.double().T + inputs.bias.double()).float()
     return rstd, table_f32
+
+
+def launch_backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f32, rstd, route="cupy"):
+    """(dx, d_norm_weight, d_temb, d_weight, d_bias) of `final_adaln_out.launch.backward` from the given table_f32
+    and rstd, written into a forward workspace (as the forward leaves them there), the gradients allocated as the
+    op's Function allocates them: on CPU tensors the analytic backward, on CUDA tensors route "cupy"'s kernels."""
+    T, H = temb.shape[0], x.shape[-1]
+    rows = x.numel() // H
+    workspace = torch.zeros(forward_workspace(T, H, rows)[1], dtype=torch.uint8, device=x.device)
+    _, saved_f32, saved_rstd = launch.saved_views(workspace, T, H, rows)
+    saved_f32.copy_(table_f32), saved_rstd.copy_(rstd)
+    grads = (torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(temb), torch.empty_like(weight),
+             weight.new_empty(weight.shape[:1]))
+    launch.backward(dy, x, norm_weight, temb, weight, timestep_indices, workspace, route, *grads)
+    return grads
 
 
 def make_case(seed: int, timesteps, **shape) -> Case:

@@ -21,8 +21,8 @@ from adaln_lab.core.plan import TUNING, plan as make_plan
 from adaln_lab.harness.inputs import make, upstream
 from adaln_lab.ops.final_adaln_out.twin import backward as numba_backward
 
-from .bounds import (DEVICE, EPS, HALF_BF16, NAMES, Depths, assert_within, error_bounds, golden_tolerances, make_case,
-                     same_bits, saved_tensors, simulating)
+from .bounds import (DEVICE, EPS, HALF_BF16, NAMES, Depths, assert_within, error_bounds, golden_tolerances,
+                     launch_backward, make_case, same_bits, saved_tensors, simulating)
 
 TINY = {"H": 64, "D": 32, "T": 3}  # the simulator runs a few thousand threads a second: keep grids tiny
 ROW_TIMESTEPS = [2, 0, 1, 2, 0, 1]  # 6 rows: S = 3 twice over (test_leading_dims_use_index_r_mod_S)
@@ -50,11 +50,9 @@ def test_gradients_within_the_bounds_of_the_float64_golden(case):
 
 @one_worker
 def test_gradients_within_the_bounds_of_the_analytic_cpu_backward(case):
-    from adaln_lab.ops.final_adaln_out import final_adaln_out_bwd
-
     i = case.inputs
-    ref = final_adaln_out_bwd(case.dy.cpu(), i.x.cpu(), i.norm_weight.cpu(), i.temb.cpu(), i.weight.cpu(),
-                              i.timestep_indices.cpu(), case.table_f32.cpu(), case.rstd.cpu())
+    ref = launch_backward(case.dy.cpu(), i.x.cpu(), i.norm_weight.cpu(), i.temb.cpu(), i.weight.cpu(),
+                          i.timestep_indices.cpu(), case.table_f32.cpu(), case.rstd.cpu())
     H = i.x.shape[-1]
     plan = make_plan(H, i.temb.shape[1], i.temb.shape[0])
     rows = i.x.shape[0]
@@ -311,17 +309,22 @@ def test_twin_backward_compiles_for_the_cuda_target_without_a_gpu(twin_ptx_for_s
 @pytest.mark.parametrize("shape, rows", [(dict(H=5376, D=2688, T=3), 4097), (dict(H=264, D=64, T=1), 7),
                                          (dict(H=1024, D=256, T=8), 300)], ids=str)
 def test_twin_equals_kernels_cu_bit_for_bit(shape, rows):
-    """The twin against launch_backward's four kernels (through the custom op) and against the op's
-    autograd (backend="cupy"), every gradient bit for bit. T = 8 walks reduce_partials in two chunks;
-    300 and 4097 rows put 3 and 32 rows in each row range."""
+    """The twin against launch_backward's four kernels (through the launch ops on route "cupy", on the forward
+    launch op's table_f32 and rstd) and against the op's autograd (backend="cupy"), every gradient bit for bit.
+    T = 8 walks reduce_partials in two chunks; 300 and 4097 rows put 3 and 32 rows in each row range."""
     from adaln_lab import final_adaln_out
-    from adaln_lab.ops.final_adaln_out import final_adaln_out_bwd, final_adaln_out_fwd
+    from adaln_lab.core.plan import forward_workspace
+    from adaln_lab.ops.final_adaln_out import launch
 
     inputs = make(1, rows, "cuda", **shape)
-    out, table_f32, rstd = final_adaln_out_fwd(*inputs.args, EPS, "cuda")
+    T, H = inputs.temb.shape[0], inputs.x.shape[-1]
+    out = torch.empty_like(inputs.x)
+    workspace = torch.empty(forward_workspace(T, H, rows)[1], dtype=torch.uint8, device="cuda")
+    launch.forward(*inputs.args, EPS, "cupy", "cuda", out, workspace)
+    _, table_f32, rstd = launch.saved_views(workspace, T, H, rows)
     dy = upstream(1, out)
-    kernels = final_adaln_out_bwd(dy, inputs.x, inputs.norm_weight, inputs.temb, inputs.weight,
-                                  inputs.timestep_indices, table_f32, rstd)
+    kernels = launch_backward(dy, inputs.x, inputs.norm_weight, inputs.temb, inputs.weight, inputs.timestep_indices,
+                              table_f32, rstd)
     torch.cuda.synchronize()
     twin = numba_backward.backward(dy, inputs.x, rstd, inputs.norm_weight, table_f32, inputs.timestep_indices,
                                    inputs.temb, inputs.weight)
@@ -336,14 +339,12 @@ def test_twin_equals_kernels_cu_bit_for_bit(shape, rows):
 @pytest.mark.gpu
 def test_twin_poisons_like_kernels_cu():
     """An index outside [0, T): the same NaN and the same bits elsewhere as the kernels."""
-    from adaln_lab.ops.final_adaln_out import final_adaln_out_bwd
-
     inputs = make(2, 300, "cuda", H=264, D=64, T=3)
     idx = inputs.timestep_indices.clone()
     idx[5], idx[200] = 3, -1
     rstd, table_f32 = saved_tensors(inputs)
     dy = upstream(2, inputs.x)
-    kernels = final_adaln_out_bwd(dy, inputs.x, inputs.norm_weight, inputs.temb, inputs.weight, idx, table_f32, rstd)
+    kernels = launch_backward(dy, inputs.x, inputs.norm_weight, inputs.temb, inputs.weight, idx, table_f32, rstd)
     twin = numba_backward.backward(dy, inputs.x, rstd, inputs.norm_weight, table_f32, idx, inputs.temb, inputs.weight)
     torch.cuda.synchronize()
     assert bool(twin[0][5].float().isnan().all())

@@ -1,4 +1,5 @@
-"""backend="numba" (adaln_lab.ops.final_adaln_out.twin.op): the Numba twin of kernels_cu as an autograd op.
+"""backend="numba" (adaln_lab.ops.final_adaln_out.twin.op): the Numba twin of kernels_cu as the bodies of the op's
+launch ops, route "numba" of its one autograd node `FinalAdaLNOut`.
 
 On a CPU through numba's CUDA simulator at tiny shapes (the simulator runs a few thousand threads a
 second; every fwd + bwd here costs seconds, so the module runs a handful of them): the plumbing of the
@@ -20,12 +21,15 @@ import pytest
 import torch
 
 from adaln_lab import final_adaln_out
+from adaln_lab.core import support
+from adaln_lab.core.plan import forward_workspace
 from adaln_lab.harness.accuracy import golden_result, parity, rel_err
 from adaln_lab.harness.candidates import resolve
 from adaln_lab.harness.inputs import Inputs, make, upstream
 from adaln_lab.harness.protocol import FULL
+from adaln_lab.ops.final_adaln_out import launch
+from adaln_lab.ops.final_adaln_out.op import FinalAdaLNOut
 from adaln_lab.ops.final_adaln_out.twin import backward as numba_backward, forward as numba_forward, op as numba_op
-from adaln_lab.core import support
 from adaln_lab.reference import replay
 
 from .bounds import NAMES, Case, assert_within, golden_tolerances, same_bits
@@ -36,6 +40,19 @@ EPS = 1e-5
 LEAF_DTYPES = (torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16)
 
 
+def saved_of(out):
+    """What out's node (FinalAdaLNOut) saved: (x, norm_weight, temb, weight, timestep_indices, table_f32, rstd),
+    the last two the views of its forward workspace (`launch.saved_views`), which is checked to have the size
+    `forward_workspace` gives."""
+    assert type(out.grad_fn).__name__ == "FinalAdaLNOutBackward"
+    x, norm_weight, temb, weight, idx, workspace = (t.detach() for t in out.grad_fn.saved_tensors)
+    T, H = temb.shape[0], x.shape[-1]
+    rows = x.numel() // H
+    assert workspace.dtype == torch.uint8 and workspace.shape == (forward_workspace(T, H, rows)[1],)
+    _, table_f32, rstd = launch.saved_views(workspace, T, H, rows)
+    return x, norm_weight, temb, weight, idx, table_f32.clone(), rstd.clone()
+
+
 def run(inputs: Inputs, dy_seed: int, x_shape=None, **kwargs):
     """(out, grads, saved) of final_adaln_out(backend="numba") on fresh leaves; x viewed as x_shape."""
     leaves = [t.detach().clone() for t in inputs.leaves]
@@ -43,7 +60,7 @@ def run(inputs: Inputs, dy_seed: int, x_shape=None, **kwargs):
         leaves[0] = leaves[0].view(x_shape)
     leaves = [t.requires_grad_(True) for t in leaves]
     out = final_adaln_out(*leaves, inputs.timestep_indices, EPS, backend="numba", **kwargs)
-    saved = tuple(t.detach() for t in out.grad_fn.saved_tensors)
+    saved = saved_of(out)
     out.backward(upstream(dy_seed, out))
     return out.detach(), tuple(leaf.grad for leaf in leaves), saved
 
@@ -77,7 +94,8 @@ def test_shapes_dtypes_and_saved_tensors(batch):
     assert out.shape == (2, 3, H) and out.dtype == torch.bfloat16
     for name, g, leaf, dtype in zip(NAMES, grads, inputs.leaves, LEAF_DTYPES):
         assert g is not None and g.shape == leaf.shape and g.dtype == dtype, name
-    # what the cupy backend keeps: x, norm_weight, temb, weight, timestep_indices, table_f32, rstd
+    # what the node keeps for either route: x, norm_weight, temb, weight, timestep_indices and the workspace
+    # holding table_f32 and rstd
     x, norm_weight, temb, weight, idx, table_f32, rstd = saved
     for a, b in ((x, inputs.x), (norm_weight, inputs.norm_weight), (temb, inputs.temb), (weight, inputs.weight),
                  (idx, inputs.timestep_indices)):
@@ -161,19 +179,19 @@ def test_calls_repeat(batch):
 # ---------------------------------------------------------------- the autograd Function itself
 
 def test_function_with_torch_table_and_only_x_requiring_grad():
-    """FinalAdaLNOutNumba.apply directly, table_backend="torch" (F.linear's table, as the cupy backend):
-    out is the twin's row kernel on that table; only x gets a gradient, within the golden bounds."""
+    """FinalAdaLNOut.apply directly on route "numba", table_backend="torch" (F.linear's table, as the cupy
+    backend): out is the twin's row kernel on that table; only x gets a gradient, within the golden bounds."""
     import torch.nn.functional as F
 
     inputs = make(7, 4, DEVICE, **TINY)
     x = inputs.x.clone().requires_grad_(True)
-    out = numba_op.FinalAdaLNOutNumba.apply(x, inputs.norm_weight, inputs.temb, inputs.weight, inputs.bias,
-                                            inputs.timestep_indices, EPS, "torch")
+    out = FinalAdaLNOut.apply(x, inputs.norm_weight, inputs.temb, inputs.weight, inputs.bias,
+                              inputs.timestep_indices, EPS, "numba", "torch")
     act = F.silu(inputs.temb).to(torch.bfloat16)
     table = F.linear(act, inputs.weight, inputs.bias)
     expected, _ = numba_forward.norm_modulate(inputs.x, inputs.norm_weight, table, inputs.timestep_indices, EPS)
     assert same_bits(out.detach(), expected)
-    *_, table_f32, rstd = (t.detach() for t in out.grad_fn.saved_tensors)
+    *_, table_f32, rstd = saved_of(out)
     assert torch.equal(table_f32, F.linear(act.float(), inputs.weight.float(), inputs.bias.float()))
     dy = upstream(7, out)
     out.backward(dy)

@@ -1,27 +1,31 @@
 """`adaln_lab.ops.final_adaln_out` (MiniMax-H3's norm_out as one op) and its layers.
 
-CPU: the torch.library custom ops (`final_adaln_out_fwd` / `final_adaln_out_bwd`): registration, fake kernels,
-opcheck, autograd, and torch.compile(fullgraph=True) tracing through them (their CPU kernels are the replay
-forward and the analytic backward, so CI checks every layer but the CUDA kernels themselves).
-GPU (`gpu` mark; kernels_cu through the eager node `FinalAdaLNOut` and the custom ops): parity with diffusers,
-accuracy, invariance, empty batches, errors, streams, torch.compile, CUDA graphs and opcheck.
+CPU: the launch ops (`launch.forward` / `launch.backward`, `torch.ops.adaln_lab.final_adaln_out_fwd` / `_bwd`,
+writing caller-allocated outputs): registration, no-op fake kernels, opcheck, and the one autograd node
+`FinalAdaLNOut` on them, eager and under torch.compile(fullgraph=True) (on CPU tensors the launch bodies are the
+replay forward and the analytic backward, so CI checks every layer but the CUDA kernels themselves).
+GPU (`gpu` mark; kernels_cu through `FinalAdaLNOut` and the launch ops): parity with diffusers, accuracy,
+invariance, empty batches, errors, streams, torch.compile, CUDA graphs and opcheck.
 """
 
 import pytest
 import torch
 
 from adaln_lab import final_adaln_out
+from adaln_lab.core.library import apply
+from adaln_lab.core.plan import forward_workspace
 from adaln_lab.harness import invariance
 from adaln_lab.harness.accuracy import SEED_GRAD_BOUNDS, accuracy, parity
 from adaln_lab.harness.candidates import adaln_lab_candidate, diffusers_candidate
 from adaln_lab.harness.inputs import make, upstream
-from adaln_lab.ops.final_adaln_out import final_adaln_out_bwd, final_adaln_out_fwd, final_adaln_out_op
+from adaln_lab.ops.final_adaln_out import launch
+from adaln_lab.ops.final_adaln_out.op import FinalAdaLNOut
 from adaln_lab.reference import replay
 
 gpu = pytest.mark.gpu
 
 
-# ---------------------------------------------------------------- CPU: the custom ops
+# ---------------------------------------------------------------- CPU: the launch ops and the autograd node
 
 SHAPE = dict(H=64, D=32, T=3)  # the CPU tests'
 
@@ -30,7 +34,33 @@ def _leaves(inputs):
     return [t.detach().clone().requires_grad_(True) for t in inputs.leaves]
 
 
-def test_ops_are_registered_with_fake_kernels():
+def _workspace(x, T):
+    """The forward workspace of x (..., S, H) and T table rows, as FinalAdaLNOut allocates it."""
+    H = x.shape[-1]
+    return torch.empty(forward_workspace(T, H, x.numel() // H)[1], dtype=torch.uint8, device=x.device)
+
+
+def _outputs(x, T):
+    """(out, workspace) of launch.forward for x (..., S, H) and T table rows (out contiguous)."""
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), _workspace(x, T)
+
+
+def _grad_outputs(x, norm_weight, temb, weight):
+    """dx, d_norm_weight, d_temb, d_weight, d_bias of launch.backward, as FinalAdaLNOut allocates them."""
+    return (torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(temb), torch.empty_like(weight),
+            weight.new_empty(weight.shape[:1]))
+
+
+def _node(x, norm_weight, temb, weight, bias, timestep_indices, eps=1e-5):
+    """The autograd node of route "cupy" (on CPU tensors: the launch bodies' reference) through core.library.apply:
+    the C++ apply in eager code, Function.apply while torch.compile traces."""
+    return apply(FinalAdaLNOut, x, norm_weight, temb, weight, bias, timestep_indices, float(eps), "cupy", "cuda")
+
+
+def test_ops_are_registered_with_no_op_fake_kernels():
+    """The launch ops are torch.ops.adaln_lab.final_adaln_out_fwd / _bwd; their fakes return nothing (the caller
+    allocated every output), and the node allocates out (rows, H) and the workspace holding the bf16 table
+    (T, 2H), table_f32 (T, 2H) and rstd (rows,)."""
     assert hasattr(torch.ops.adaln_lab, "final_adaln_out_fwd")
     assert hasattr(torch.ops.adaln_lab, "final_adaln_out_bwd")
     inputs = make(1, 10, "cpu", **SHAPE)
@@ -38,24 +68,34 @@ def test_ops_are_registered_with_fake_kernels():
 
     with FakeTensorMode() as mode:
         fake = [mode.from_tensor(t) for t in inputs.args]
-        out, table_f32, rstd = final_adaln_out_fwd(*fake, 1e-5, "cuda")
-        assert out.shape == (10, 64) and out.dtype == torch.bfloat16
+        out, workspace = _outputs(fake[0], 3)
+        assert torch.ops.adaln_lab.final_adaln_out_fwd(*fake, 1e-5, "cupy", "cuda", out, workspace) is None
+        assert workspace.shape == (forward_workspace(3, 64, 10)[1],) and workspace.dtype == torch.uint8
+        table, table_f32, rstd = launch.saved_views(workspace, 3, 64, 10)
+        assert table.shape == (3, 128) and table.dtype == torch.bfloat16
         assert table_f32.shape == (3, 128) and table_f32.dtype == torch.float32
-        assert rstd.shape == (10,)
+        assert rstd.shape == (10,) and rstd.dtype == torch.float32
+        x, norm_weight, temb, weight, _, idx = fake
+        grads = _grad_outputs(x, norm_weight, temb, weight)
+        assert torch.ops.adaln_lab.final_adaln_out_bwd(out, x, norm_weight, temb, weight, idx, workspace, "cupy",
+                                                       *grads) is None
+        result = FinalAdaLNOut.apply(*fake, 1e-5, "cupy", "cuda")
+        assert result.shape == (10, 64) and result.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("route", ["cupy", "torch"])
 @pytest.mark.parametrize("rows", [0, 1, 37])
-def test_opcheck_on_cpu(rows):
+def test_opcheck_on_cpu(rows, route):
     inputs = make(2, rows, "cpu", **SHAPE)
-    args = (*_leaves(inputs), inputs.timestep_indices, 1e-5, "cuda")
-    torch.library.opcheck(final_adaln_out_fwd, args)
+    args = (*_leaves(inputs), inputs.timestep_indices, 1e-5, route, "cuda", *_outputs(inputs.x, 3))
+    torch.library.opcheck(launch.forward.op, args)
 
 
 def test_cpu_kernel_forward_is_the_replay_and_backward_is_close_to_autograd():
     inputs = make(3, 41, "cpu", **SHAPE)
     dy = upstream(3, inputs.x)
     ours = _leaves(inputs)
-    out = final_adaln_out_op(*ours, inputs.timestep_indices, 1e-5)
+    out = FinalAdaLNOut.apply(*ours, inputs.timestep_indices, 1e-5, "cupy", "cuda")
     out.backward(dy)
     ref = _leaves(inputs)
     expected = replay(*ref, inputs.timestep_indices)
@@ -66,44 +106,90 @@ def test_cpu_kernel_forward_is_the_replay_and_backward_is_close_to_autograd():
         assert (a.grad.double() - b.grad.double()).abs().max() <= 0.05 * scale
 
 
+def test_c_apply_gives_function_applys_outputs_and_gradients():
+    """core.library.apply (the C++ apply in eager code) and FinalAdaLNOut.apply: the same bits, forward and
+    backward."""
+    inputs = make(8, 19, "cpu", **SHAPE)
+    dy = upstream(8, inputs.x)
+    results = []
+    for call in (lambda *a: FinalAdaLNOut.apply(*a, 1e-5, "cupy", "cuda"), _node):
+        leaves = _leaves(inputs)
+        out = call(*leaves, inputs.timestep_indices)
+        out.backward(dy)
+        results.append([out.detach()] + [leaf.grad for leaf in leaves])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def _recording_backend(graphs):
+    """aot_autograd whose forward and backward compilers note each graph's call targets (the graphs run as traced,
+    as aot_eager's)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def record(gm, example_inputs):
+        graphs.append([" ".join(map(str, (n.target, *n.args[:1]))) for n in gm.graph.nodes if n.op == "call_function"])
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=record, bw_compiler=record)
+
+
 def test_compile_fullgraph_traces_the_op_forward_and_backward():
-    """torch.compile with fullgraph=True raises on any graph break: the op must be one traced node."""
+    """torch.compile with fullgraph=True raises on any graph break: the node's forward is one launch op
+    (final_adaln_out_fwd) in the forward graph, its backward one (final_adaln_out_bwd) in the backward graph, and
+    the compiled call equals the eager one bit for bit."""
     torch._dynamo.reset()
     inputs = make(4, 33, "cpu", **SHAPE)
     dy = upstream(4, inputs.x)
 
     def fn(x, norm_weight, temb, weight, bias, timestep_indices):
-        return final_adaln_out_op(x, norm_weight, temb, weight, bias, timestep_indices, 1e-5)
+        return _node(x, norm_weight, temb, weight, bias, timestep_indices)
 
     eager = _leaves(inputs)
-    out_eager = final_adaln_out_op(*eager, inputs.timestep_indices, 1e-5)
+    out_eager = _node(*eager, inputs.timestep_indices)
     out_eager.backward(dy)
-    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    graphs = []
+    compiled = torch.compile(fn, fullgraph=True, backend=_recording_backend(graphs))
     leaves = _leaves(inputs)
     out = compiled(*leaves, inputs.timestep_indices)
     out.backward(dy)
     assert torch.equal(out, out_eager)
     for a, b in zip(leaves, eager):
         assert torch.equal(a.grad, b.grad)
+    assert len(graphs) == 2
+    for graph, name in zip(graphs, ("final_adaln_out_fwd", "final_adaln_out_bwd")):
+        assert sum(f"adaln_lab.{name}.default" in call for call in graph) == 1, graph
+        assert not any("adaln_lab." in call and name not in call for call in graph), graph
 
 
 def test_opcheck_of_the_backward_op_and_of_non_contiguous_inputs():
-    """The backward op on its own, and a permuted x: outputs are contiguous in the fake and the real kernel."""
+    """The backward op on its own (on the forward's workspace), and a permuted x written into a contiguous out:
+    the values of the contiguous x."""
     inputs = make(5, 24, "cpu", **SHAPE)
-    out, table_f32, rstd = final_adaln_out_fwd(*inputs.args, 1e-5, "cuda")
+    out, workspace = _outputs(inputs.x, 3)
+    launch.forward(*inputs.args, 1e-5, "cupy", "cuda", out, workspace)
     dy = upstream(5, inputs.x)
-    torch.library.opcheck(final_adaln_out_bwd, (dy, inputs.x, inputs.norm_weight, inputs.temb, inputs.weight,
-                                                inputs.timestep_indices, table_f32, rstd))
+    grads = _grad_outputs(inputs.x, inputs.norm_weight, inputs.temb, inputs.weight)
+    torch.library.opcheck(launch.backward.op, (dy, inputs.x, inputs.norm_weight, inputs.temb, inputs.weight,
+                                               inputs.timestep_indices, workspace, "cupy", *grads))
     x3 = inputs.x.view(4, 6, 64).transpose(0, 1)  # (6, 4, 64) with S = 4: non-contiguous
-    args = (x3, *[t.detach().clone().requires_grad_(True) for t in inputs.leaves[1:]], inputs.timestep_indices[:4],
-            1e-5, "cuda")
-    torch.library.opcheck(final_adaln_out_fwd, args)
+    assert not x3.is_contiguous()
+    rest = [t.detach().clone().requires_grad_(True) for t in inputs.leaves[1:]]
+    out3, workspace3 = _outputs(x3, 3)
+    args = (x3, *rest, inputs.timestep_indices[:4], 1e-5, "cupy", "cuda", out3, workspace3)
+    torch.library.opcheck(launch.forward.op, args)
+    launch.forward(*args)
+    dense, dense_workspace = _outputs(x3, 3)
+    launch.forward(x3.contiguous(), *rest, inputs.timestep_indices[:4], 1e-5, "cupy", "cuda", dense, dense_workspace)
+    assert out3.is_contiguous() and torch.equal(out3, dense)
 
 
 def test_cpu_table_f32_is_the_unrounded_table():
     """table_f32 is the fp32 sum before the table's bf16 rounding, as table.cu gives it."""
     inputs = make(6, 3, "cpu", **SHAPE)
-    _, table_f32, _ = final_adaln_out_fwd(*inputs.args, 1e-5, "cuda")
+    out, workspace = _outputs(inputs.x, 3)
+    launch.forward(*inputs.args, 1e-5, "cupy", "cuda", out, workspace)
+    _, table_f32, rstd = launch.saved_views(workspace, 3, 64, 3)
     act = torch.nn.functional.silu(inputs.temb).to(torch.bfloat16).double()
     exact = act @ inputs.weight.double().T + inputs.bias.double()
     assert (table_f32.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
@@ -281,10 +367,18 @@ def test_torch_compile_fullgraph_equals_eager():
 
 
 @gpu
-def test_custom_ops_pass_opcheck_on_cuda():
+@pytest.mark.parametrize("table_backend", ["cuda", "torch"])
+def test_custom_ops_pass_opcheck_on_cuda(table_backend):
+    """The launch ops on the kernels (route "cupy" on CUDA tensors), the backward on the forward's workspace."""
     inputs = make(1, 65, "cuda", H=264, D=64, T=3)
-    args = (*[t.detach().clone().requires_grad_(True) for t in inputs.leaves], inputs.timestep_indices, 1e-5, "cuda")
-    torch.library.opcheck(final_adaln_out_fwd, args)
+    out, workspace = _outputs(inputs.x, 3)
+    args = (*_leaves(inputs), inputs.timestep_indices, 1e-5, "cupy", table_backend, out, workspace)
+    torch.library.opcheck(launch.forward.op, args)
+    launch.forward(*inputs.args, 1e-5, "cupy", table_backend, out, workspace)
+    dy = upstream(1, inputs.x)
+    grads = _grad_outputs(inputs.x, inputs.norm_weight, inputs.temb, inputs.weight)
+    torch.library.opcheck(launch.backward.op, (dy, inputs.x, inputs.norm_weight, inputs.temb, inputs.weight,
+                                               inputs.timestep_indices, workspace, "cupy", *grads))
 
 
 def _cpu_call(fn, inputs, dy):

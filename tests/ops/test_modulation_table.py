@@ -1,18 +1,19 @@
-"""`adaln_lab.modulation_table`: diffusers' `adaln_proj` table upcast to float32, its custom ops, exact float64
-backward; GPU: table.cu against cuBLAS, T-invariant rows, fallbacks, gradients against float64."""
+"""`adaln_lab.modulation_table`: diffusers' `adaln_proj` table upcast to float32, its launch ops (`launch.forward` /
+`launch.backward`, writing caller-allocated outputs) and its one autograd node, exact float64 backward; GPU: table.cu
+against cuBLAS, T-invariant rows, fallbacks, gradients against float64."""
 
 import pytest
 import torch
 
 from adaln_lab import modulation_table
-from adaln_lab.ops.modulation_table import modulation_table_bwd, modulation_table_fwd
+from adaln_lab.core.plan import row_tables_fit
+from adaln_lab.ops.modulation_table import launch
 from adaln_lab.reference import block as br
 
 diffusers = pytest.importorskip("diffusers", reason="the test extra brings diffusers 0.42")
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AdaLayerNormModulation  # noqa: E402
 
 H, D, T = 16, 24, 3
-OPS = (modulation_table_fwd, modulation_table_bwd)
 
 
 def _inputs(dtype=torch.bfloat16, temb_dtype=torch.float32, T_=T, H_=H, D_=D, seed=0, device="cpu"):
@@ -21,6 +22,30 @@ def _inputs(dtype=torch.bfloat16, temb_dtype=torch.float32, T_=T, H_=H, D_=D, se
     weight = (torch.randn(18 * H_, D_, generator=g) * D_ ** -0.5).to(dtype)
     bias = (torch.randn(18 * H_, generator=g) * 0.1).to(dtype)
     return temb.to(device), weight.to(device), bias.to(device)
+
+
+def _table_outputs(temb, weight, route):
+    """(table, table_bf16) of launch.forward, as ModulationTable allocates them: table (T, N) in
+    promote_types(weight, float32); on the kernels the table kernel's bf16 output, (2, 3T, 2H) for a block's table
+    of N = 18H columns, else (T, N); None in the torch code."""
+    T_, N = temb.shape[0], weight.shape[0]
+    table = torch.empty(T_, N, dtype=torch.promote_types(weight.dtype, torch.float32), device=temb.device)
+    if route != "cupy":
+        return table, None
+    shape = (2, 3 * T_, 2 * (N // 18)) if row_tables_fit(N) else (T_, N)
+    return table, torch.empty(shape, dtype=torch.bfloat16, device=temb.device)
+
+
+def _grad_outputs(temb, weight, bias):
+    """d_temb, d_weight, d_bias of launch.backward, in the inputs' dtypes."""
+    return torch.empty_like(temb), torch.empty_like(weight), torch.empty_like(bias)
+
+
+def table_backward(d_table, temb, weight, bias, route="torch"):
+    """(d_temb, d_weight, d_bias) of launch.backward: route "torch" is the exact float64 derivative."""
+    grads = _grad_outputs(temb, weight, bias)
+    launch.backward(d_table, temb, weight, route, *grads)
+    return grads
 
 
 def _grads(fn, leaves, d_out):
@@ -84,24 +109,34 @@ def test_gradients_flow_from_the_chunks_in_float32_and_repeat_bitwise():
     second = _grads(chunk_sum, (temb, weight, bias), torch.tensor(1.0))
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     d_table = torch.arange(1.0, 7.0).repeat_interleave(H).repeat(3).expand(T, -1)  # each chunk's factor
-    expected = modulation_table_bwd(d_table.contiguous(), temb, weight, bias)
+    expected = table_backward(d_table.contiguous(), temb, weight, bias)
     assert all(torch.equal(a, b) for a, b in zip(first, expected))
 
 
 @pytest.mark.parametrize("dtype,temb_dtype", DTYPES[:3])
 def test_opcheck(dtype, temb_dtype):
     temb, weight, bias = (t.requires_grad_(True) for t in _inputs(dtype, temb_dtype))
-    torch.library.opcheck(modulation_table_fwd, (temb, weight, bias, "cuda"))
+    outputs = _table_outputs(temb, weight, "torch")
+    torch.library.opcheck(launch.forward.op, (temb, weight, bias, "torch", "cuda", *outputs))
     d_table = torch.randn(T, 18 * H)
-    torch.library.opcheck(modulation_table_bwd, (d_table, temb.detach(), weight.detach(), bias.detach()))
+    temb, weight, bias = temb.detach(), weight.detach(), bias.detach()
+    torch.library.opcheck(launch.backward.op, (d_table, temb, weight, "torch", *_grad_outputs(temb, weight, bias)))
 
 
 def test_fake_kernel_on_meta_tensors():
-    temb, weight, bias = (t.to("meta") for t in _inputs())
+    """The launch ops' no-op fakes serve meta tensors (nothing written, nothing returned), and the node on meta
+    tensors allocates the table and, backward, the gradients in their dtypes."""
+    temb, weight, bias = (t.to("meta").requires_grad_(True) for t in _inputs())
     table = modulation_table(temb, weight, bias)
     assert table.device.type == "meta" and table.shape == (T, 18 * H) and table.dtype == torch.float32
-    d_temb, d_weight, d_bias = modulation_table_bwd(table, temb, weight, bias)
-    assert (d_temb.dtype, d_weight.dtype, d_bias.dtype) == (torch.float32, torch.bfloat16, torch.bfloat16)
+    table.backward(torch.empty_like(table))
+    assert (temb.grad.dtype, weight.grad.dtype, bias.grad.dtype) == (torch.float32, torch.bfloat16, torch.bfloat16)
+    assert all(t.grad.device.type == "meta" and t.grad.shape == t.shape for t in (temb, weight, bias))
+    temb, weight, bias = temb.detach(), weight.detach(), bias.detach()
+    assert torch.ops.adaln_lab.modulation_table_fwd(temb, weight, bias, "cupy", "cuda",
+                                                    *_table_outputs(temb, weight, "cupy")) is None
+    assert torch.ops.adaln_lab.modulation_table_bwd(table.detach(), temb, weight, "cupy",
+                                                    *_grad_outputs(temb, weight, bias)) is None
 
 
 def test_compile_fullgraph_matches_eager():
@@ -163,7 +198,7 @@ def test_cuda_falls_back_to_torch_for_what_the_kernels_do_not_take(dtype, temb_d
     assert torch.equal(table, br.replay_table(temb, weight, bias).to(table.dtype))
     d_table = torch.randn_like(table)
     got = _grads(modulation_table, (temb, weight, bias), d_table)
-    want = modulation_table_bwd(d_table.cpu(), temb.cpu(), weight.cpu(), bias.cpu())
+    want = table_backward(d_table.cpu(), temb.cpu(), weight.cpu(), bias.cpu())
     for a, b in zip(got, want):
         assert torch.allclose(a.cpu().double(), b.double(), rtol=2 ** -7, atol=1e-6)
 
@@ -184,8 +219,10 @@ def test_cuda_backward_against_float64_repeatable_and_no_worse_than_diffusers(te
 
 
 @pytest.mark.gpu
-def test_cuda_opcheck():
+@pytest.mark.parametrize("route", ["cupy", "torch"])
+def test_cuda_opcheck(route):
     temb, weight, bias = (t.requires_grad_(True) for t in _inputs(T_=GT, H_=GH, D_=GD, device="cuda"))
-    torch.library.opcheck(modulation_table_fwd, (temb, weight, bias, "cuda"))
+    torch.library.opcheck(launch.forward.op, (temb, weight, bias, route, "cuda", *_table_outputs(temb, weight, route)))
     d_table = torch.randn(GT, 18 * GH, device="cuda")
-    torch.library.opcheck(modulation_table_bwd, (d_table, temb.detach(), weight.detach(), bias.detach()))
+    temb, weight, bias = temb.detach(), weight.detach(), bias.detach()
+    torch.library.opcheck(launch.backward.op, (d_table, temb, weight, route, *_grad_outputs(temb, weight, bias)))

@@ -2,20 +2,31 @@
 backward row passes that walk it (norm_modulate_bwd.cu's sorted passes, gated_residual.cu's backward). CPU: the
 torch reference against a plain Python sort, the argument checks. GPU: the kernel against the reference, and the
 passes over a batch of several sequences, an index outside the table and a table row without rows, against
-float64 and row by row against one sequence; one order shared by a block's ops gives each op's own bits."""
+float64 and row by row against one sequence; one order shared by a block's ops gives each op's own bits. The
+passes run through the ops' launch bodies on route "cupy" (tests/core/test_tensors.py's helpers)."""
 
 import pytest
 import torch
 
 from adaln_lab import gated_residual, gated_residual_norm, row_order
-from adaln_lab.core import tensors
-from adaln_lab.core.plan import T_MAX
-from adaln_lab.core.plan import plan as make_plan
+from adaln_lab.core.plan import T_MAX, supported
 from adaln_lab.ops.modulated_rms_norm import modulated_rms_norm_and_residual
 from adaln_lab.ops.row_order import order_torch
+from adaln_lab.ops.row_order.op import launch as row_order_launch
+
+from ..core.test_tensors import gr_bwd, norm_bwd, norm_fwd
 
 gpu = pytest.mark.gpu
 H = 1024
+
+
+def kernel_order(row_index: torch.Tensor, T: int) -> torch.Tensor:
+    """The row_order launch op on an order allocated here: row_order.cu on CUDA tensors of a width and table the
+    plan takes (checked, so that the kernel, not the torch fallback, is what runs)."""
+    assert row_index.is_cuda and supported(H, 8, max(T, 1))
+    order = torch.empty(T + 1 + row_index.shape[0], dtype=torch.int32, device=row_index.device)
+    row_order_launch(row_index, T, H, order)
+    return order
 
 
 def expected_order(row_index: torch.Tensor, T: int) -> torch.Tensor:
@@ -35,19 +46,30 @@ def test_the_torch_order_is_the_definition(S, T):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
 def test_custom_ops_pass_opcheck_with_an_order(device):
-    """The row_order op, and an op taking one (its fake kernel and autograd with the extra input)."""
-    from adaln_lab.ops.gated_residual import gated_residual_bwd, gated_residual_fwd
-    from adaln_lab.ops.row_order import row_order_op
+    """The row_order launch op, and the launch ops of an op taking an order (the gated residual's: its backward
+    takes it; the route the device runs, the kernels on CUDA), their no-op fakes and autograd registration; and
+    the op's autograd node given the order gives the gradients it gives sorting on its own."""
+    from adaln_lab.ops.gated_residual import launch
 
+    route = "cupy" if device == "cuda" else "torch"
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, 3, (37,), generator=g).to(device)
-    torch.library.opcheck(row_order_op, (idx, 3, 16))
+    torch.library.opcheck(row_order_launch.op, (idx, 3, 16, torch.empty(3 + 1 + 37, dtype=torch.int32,
+                                                                         device=device)))
     order = row_order(idx, 3, 16)
     x, y, dout = (torch.randn(37, 16, generator=g).bfloat16().to(device) for _ in range(3))
     gate = torch.randn(3, 16, generator=g).bfloat16().float().to(device)
-    torch.library.opcheck(gated_residual_fwd, (x.requires_grad_(True), gate.requires_grad_(True), y, idx,
-                                               torch.bfloat16, order))
-    torch.library.opcheck(gated_residual_bwd, (dout, gate.detach(), y, idx, torch.bfloat16, order))
+    torch.library.opcheck(launch.forward.op, (x.requires_grad_(True), gate.requires_grad_(True), y, idx,
+                                              torch.bfloat16, route, torch.empty_like(x)))
+    d_table = torch.empty(3, 16, dtype=torch.float32, device=device)
+    torch.library.opcheck(launch.backward.op, (dout, gate.detach(), y, idx, order, torch.bfloat16, route,
+                                               torch.empty_like(y), d_table, 0))
+    grads = []
+    for given in (None, order):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, gate, y)]
+        gated_residual(*leaves[:2], leaves[2], idx, row_order=given).backward(dout)
+        grads.append([leaf.grad for leaf in leaves])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 def test_row_order_and_the_ops_refuse_a_wrong_order():
@@ -70,9 +92,9 @@ def test_row_order_kernel_is_the_torch_order(S, T):
         row_index[3], row_index[7] = T + 5, -2  # outside the table: sorted with table row 0
         if T > 1:
             row_index[row_index == T - 1] = 0  # a table row without rows
-    order = tensors.row_order(row_index, make_plan(H, 8, T))
+    order = kernel_order(row_index, T)
     assert torch.equal(order, order_torch(row_index, T))
-    assert torch.equal(tensors.row_order(row_index, make_plan(H, 8, T)), order)
+    assert torch.equal(kernel_order(row_index, T), order)
     assert torch.equal(row_order(row_index, T, H), order)  # the op's CUDA kernel
 
 
@@ -81,7 +103,7 @@ def test_the_order_check_catches_an_unstable_order():
     """The comparison above tells a stable order from an unstable one: an order with two positions of one table
     row swapped (planted) is a valid sort by table row, yet differs from the reference."""
     row_index = torch.tensor([2, 0, 2, 1, 0], device="cuda")
-    order = tensors.row_order(row_index, make_plan(H, 8, 3))
+    order = kernel_order(row_index, 3)
     planted = order.clone()
     planted[4:6] = planted[4:6].flip(0)  # the two positions of table row 0, swapped
     assert torch.equal(order, order_torch(row_index, 3)) and not torch.equal(planted, order_torch(row_index, 3))
@@ -105,14 +127,14 @@ def test_sorted_passes_over_several_sequences(B, S):
     R = 9
     x, y, dy, d_res, idx, table, nw = _batch(B, S, R)
     shift, scale, gate = table[:, :H], table[:, H:2 * H], table[:, 2 * H:3 * H]
-    out, rstd = tensors.modulated_rms_norm_fwd(x, nw, shift, scale, idx, 1e-5)
-    dx, d_nw, d_shift, d_scale = tensors.modulated_rms_norm_bwd(dy, x, nw, shift, scale, idx, rstd, d_residual=d_res)
-    d_gate, d_y = tensors.gated_residual_bwd(dy, gate, y, idx)
+    out, rstd = norm_fwd(x, nw, shift, scale, idx, 1e-5)
+    dx, d_nw, d_shift, d_scale = norm_bwd(dy, x, nw, shift, scale, idx, rstd, d_residual=d_res)
+    d_gate, d_y = gr_bwd(dy, gate, y, idx)
     for b in range(B):
-        _, rstd_b = tensors.modulated_rms_norm_fwd(x[b], nw, shift, scale, idx, 1e-5)
-        dx_b = tensors.modulated_rms_norm_bwd(dy[b], x[b], nw, shift, scale, idx, rstd_b, d_residual=d_res[b])[0]
+        _, rstd_b = norm_fwd(x[b], nw, shift, scale, idx, 1e-5)
+        dx_b = norm_bwd(dy[b], x[b], nw, shift, scale, idx, rstd_b, d_residual=d_res[b])[0]
         assert torch.equal(dx_b, dx[b])
-        assert torch.equal(tensors.gated_residual_bwd(dy[b], gate, y[b], idx)[1], d_y[b])
+        assert torch.equal(gr_bwd(dy[b], gate, y[b], idx)[1], d_y[b])
     assert not d_shift[R - 1].any() and not d_scale[R - 1].any() and not d_gate[R - 1].any()
     x64, nw64 = x.double().requires_grad_(True), nw.double().requires_grad_(True)
     sh64, sc64 = shift.double().requires_grad_(True), scale.double().requires_grad_(True)
@@ -136,9 +158,9 @@ def test_sorted_passes_poison_only_through_table_row_0():
     idx = idx.clone()
     idx[11] = R + 4
     shift, scale, gate = table[:, :H], table[:, H:2 * H], table[:, 2 * H:3 * H]
-    out, rstd = tensors.modulated_rms_norm_fwd(x, nw, shift, scale, idx, 1e-5)
-    dx, d_nw, d_shift, d_scale = tensors.modulated_rms_norm_bwd(dy, x, nw, shift, scale, idx, rstd)
-    d_gate, d_y = tensors.gated_residual_bwd(dy, gate, y, idx)
+    out, rstd = norm_fwd(x, nw, shift, scale, idx, 1e-5)
+    dx, d_nw, d_shift, d_scale = norm_bwd(dy, x, nw, shift, scale, idx, rstd)
+    d_gate, d_y = gr_bwd(dy, gate, y, idx)
     assert dx[0, 11].isnan().all() and d_y[0, 11].isnan().all() and not dx[0, 10].isnan().any()
     for grad in (d_shift, d_scale, d_gate):
         assert grad[0].isnan().all() and not grad[1:].isnan().any()
@@ -183,9 +205,9 @@ def test_sorted_passes_with_ranges_across_many_table_rows():
     idx = torch.full((4097,), R - 1, device="cuda")
     idx[torch.randperm(4097, device="cuda")[:R - 2]] = torch.arange(R - 2, device="cuda")  # rows 0..27: one each
     shift, scale, gate = table[:, :H], table[:, H:2 * H], table[:, 2 * H:3 * H]
-    out, rstd = tensors.modulated_rms_norm_fwd(x, nw, shift, scale, idx, 1e-5)
-    dx, d_nw, d_shift, d_scale = tensors.modulated_rms_norm_bwd(dy, x, nw, shift, scale, idx, rstd)
-    d_gate, _ = tensors.gated_residual_bwd(dy, gate, y, idx)
+    out, rstd = norm_fwd(x, nw, shift, scale, idx, 1e-5)
+    dx, d_nw, d_shift, d_scale = norm_bwd(dy, x, nw, shift, scale, idx, rstd)
+    d_gate, _ = gr_bwd(dy, gate, y, idx)
     x64, nw64 = x.double().requires_grad_(True), nw.double().requires_grad_(True)
     sh64, sc64 = shift.double().requires_grad_(True), scale.double().requires_grad_(True)
     normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * nw64
