@@ -146,7 +146,7 @@ def test_cuda_adaln_gradients_at_least_as_accurate_as_diffusers_and_repeatable()
 
 @pytest.mark.gpu
 def test_cuda_compile_and_cuda_graph_replay_match_eager():
-    """torch.compile(fullgraph=True) traces the custom ops (aot_eager: the same kernels, so the same bits), and
+    """torch.compile(fullgraph=True) traces the ops' launch ops (aot_eager: the same kernels, so the same bits), and
     one CUDA graph of forward + backward replays to eager's output and gradients bit for bit."""
     leaves, row_index, dy = _path_case(9, 1000, H=256, D=128)
     leaves, row_index, dy = [t.cuda() for t in leaves], row_index.cuda(), dy.cuda()

@@ -75,7 +75,7 @@ def _cast(args, x_dtype, param_dtype, temb_dtype):
 
 
 # (x, norm_out's parameters, temb): what MiniMaxH3Transformer3DModel hands norm_out (see
-# adaln_lab/ops/checks.py and test_every_dtype_the_diffusers_model_runs_is_accepted)
+# adaln_lab/core/checks.py and test_every_dtype_the_diffusers_model_runs_is_accepted)
 DIFFUSERS_MIXES = [
     (BF16, BF16, F32),   # from_pretrained(torch_dtype=bf16): time_embedder kept float32
     (F16, F16, F32),     # from_pretrained(torch_dtype=fp16)
@@ -200,22 +200,27 @@ def test_cuda_tensors_without_cupy_name_the_cuda_extra(monkeypatch):
     from adaln_lab.core import support
 
     x = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16, shape=(4, 64))
-    monkeypatch.setattr(support, "_cupy_missing", lambda: True)
+    monkeypatch.setattr(support, "CUPY_FOUND", False)
     error = support.rows(x, 3)
     assert isinstance(error, ImportError) and "pip install 'adaln_lab[cuda]'" in str(error)
-    monkeypatch.setattr(support, "_cupy_missing", lambda: False)
+    with pytest.raises(ImportError, match=r"pip install 'adaln_lab\[cuda\]'"):
+        support.route("modulated_rms_norm", "cupy", x, error)
+    monkeypatch.setattr(support, "CUPY_FOUND", True)
     assert support.rows(x, 3) is None
 
 
 def test_the_cupy_lookup_traces_under_torch_compile_fullgraph(monkeypatch):
-    """The kernel rule's CuPy lookup inside a fullgraph compile, before and after an eager call made it: no graph
-    break (importlib's find_spec cannot be traced; the GPU test of the compiled op failed on it)."""
+    """The kernel rule's CuPy lookup inside a fullgraph compile: no graph break (importlib's find_spec cannot be
+    traced; the GPU test of the compiled op failed on it). The lookup is made once, when the rule's module loads,
+    and the rule traced reads it: the answer for CUDA tensors with and without CuPy."""
+    import types
+
     from adaln_lab.core import support
 
-    monkeypatch.setattr(support, "_CUPY_MISSING", {})
-    compiled = torch.compile(lambda t: t + int(support._cupy_missing()), fullgraph=True, backend="eager")
-    assert compiled(torch.zeros(1)).item() == 0.0
-    eager = support._cupy_missing()
-    assert support._CUPY_MISSING == {"missing": eager}
-    torch._dynamo.reset()
-    assert compiled(torch.zeros(1)).item() == float(eager)
+    assert support.CUPY_FOUND == (importlib.util.find_spec("cupy") is not None)
+    x = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16, shape=(4, 64))
+    compiled = torch.compile(lambda t: t + float(support.rows(x, 3) is None), fullgraph=True, backend="eager")
+    for found in (False, True):
+        monkeypatch.setattr(support, "CUPY_FOUND", found)
+        torch._dynamo.reset()
+        assert compiled(torch.zeros(1)).item() == float(found)

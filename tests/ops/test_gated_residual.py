@@ -1,11 +1,13 @@
-"""`adaln_lab.gated_residual`: diffusers' `x + gate[i] * y` bit for bit on the CPU, its custom ops, dx = dout
-itself, d_y torch's own bf16 product, d_gate an exact float64 sum per table row; GPU: gated_residual.cu."""
+"""`adaln_lab.gated_residual`: diffusers' `x + gate[i] * y` bit for bit on the CPU, its launch ops (opcheck, the
+column the backward writes), dx = dout itself, d_y torch's own bf16 product, d_gate an exact float64 sum per table
+row, torch.compile and compiled autograd, `backend=`; GPU: gated_residual.cu, fallbacks (warned)."""
 
 import pytest
 import torch
 
-from adaln_lab import gated_residual, modulation_table
-from adaln_lab.ops.gated_residual import gated_residual_bwd, gated_residual_fwd
+from adaln_lab import gated_residual, modulation_table, row_order
+from adaln_lab.ops import KernelFallbackWarning
+from adaln_lab.ops.gated_residual import launch
 from adaln_lab.reference import block as br
 
 from .test_modulated_rms_norm import DTYPES, _rel_l2  # one dtype table, one error measure
@@ -49,6 +51,12 @@ def _grads(fn, leaves, row_index, dout, **kw):
     return out.detach(), [t.grad for t in leaves]
 
 
+def _launch_forward(x, gate, y, row_index, table_dtype, route="torch"):
+    """out written by the forward launch op into an output allocated as the op's node allocates it."""
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, torch.promote_types(table_dtype, y.dtype)),
+                      device=x.device)
+    launch.forward(x, gate, y, row_index, table_dtype, route, out)
+    return out
 
 
 @pytest.mark.parametrize("dtype,table_dtype", DTYPES)
@@ -59,6 +67,7 @@ def test_forward_is_diffusers_bit_for_bit(dtype, table_dtype, lead):
     want = _diffusers(x, gate, y, row_index, table_dtype)
     assert out.dtype == want.dtype == torch.promote_types(dtype, table_dtype) and out.shape == x.shape
     assert torch.equal(out, want)
+    assert torch.equal(_launch_forward(x, gate, y, row_index, table_dtype), want)
     assert torch.equal(gated_residual(x, gate, y, row_index), _call(x, gate, y, row_index, dtype))  # default: x's
 
 
@@ -128,14 +137,76 @@ OPCHECK_CASES = {"bf16": dict(), "fp32": dict(dtype=torch.float32, table_dtype=t
                  "leading dims": dict(lead=(2,)), "one row": dict(S=1), "no rows": dict(S=0)}
 
 
+def _opcheck_launch_ops(x, gate, y, row_index, dout, table_dtype, route):
+    """torch.library.opcheck on the two launch ops (outputs allocated as the op's node allocates them), the
+    backward with and without the row order, writing d_gate into chunk 5 of a (R, 6H) table gradient."""
+    out = _launch_forward(x, gate, y, row_index, table_dtype, route)
+    torch.library.opcheck(launch.forward.op, (x, gate, y, row_index, table_dtype, route, torch.empty_like(out)))
+    R, h = gate.shape
+    d_table = torch.empty(R, 6 * h, dtype=torch.float32, device=x.device)
+    for order in (None, row_order(row_index, R, h)):
+        torch.library.opcheck(launch.backward.op, (dout.to(out.dtype), gate, y, row_index, order, table_dtype, route,
+                                                   torch.empty_like(y), d_table, 5 * h))
+
+
 @pytest.mark.parametrize("case", OPCHECK_CASES)
 def test_opcheck(case):
     kwargs = OPCHECK_CASES[case]
     x, gate, y, row_index, dout = _case(**kwargs)
-    table_dtype = kwargs.get("table_dtype", torch.bfloat16)
-    leaves = [t.detach().requires_grad_(True) for t in (x, gate, y)]
-    torch.library.opcheck(gated_residual_fwd, (*leaves, row_index, table_dtype))
-    torch.library.opcheck(gated_residual_bwd, (dout, gate, y, row_index, table_dtype))
+    _opcheck_launch_ops(x, gate, y, row_index, dout, kwargs.get("table_dtype", torch.bfloat16), "torch")
+
+
+@pytest.mark.parametrize("column", [0, 3])
+def test_backward_launch_writes_d_gate_into_its_column_only(column):
+    """The backward launch op: d_y as the op's, d_gate (the op's exact sum) in columns [column, column + H) of a
+    (R, 6H) table gradient (a block's chunk `column`), every other column untouched."""
+    x, gate, y, row_index, dout = _case(S=50, seed=6)
+    _, (dx, d_gate, d_y) = _grads(_call, (x, gate, y), row_index, dout)
+    got_d_y, d_table = torch.empty_like(y), torch.full((R, 6 * H), float("nan"))
+    launch.backward(dout, gate, y, row_index, None, torch.bfloat16, "torch", got_d_y, d_table, column * H)
+    assert torch.equal(got_d_y, d_y) and torch.equal(d_table[:, column * H:(column + 1) * H], d_gate)
+    assert torch.cat([d_table[:, :column * H], d_table[:, (column + 1) * H:]], dim=1).isnan().all()
+
+
+def test_compiled_autograd_and_checkpointing_give_the_eager_bits():
+    """The op's one autograd node under compiled autograd (its backward traced) and torch.utils.checkpoint
+    (reentrant or not): eager's bits."""
+    compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
+    from torch._dynamo.utils import counters
+    from torch.utils.checkpoint import checkpoint
+
+    x, gate, y, row_index, dout = _case(S=33, lead=(2,), seed=8)
+    leaves = (x, gate, y)
+    want_out, want = _grads(_call, leaves, row_index, dout)
+    runs = [_grads(lambda *a, r=r: checkpoint(_call, *a, use_reentrant=r), leaves, row_index, dout)
+            for r in (False, True)]
+    traced_leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
+    out = _call(*traced_leaves, row_index)
+    captures = counters["compiled_autograd"]["captures"]
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        out.backward(dout)
+    assert counters["compiled_autograd"]["captures"] == captures + 1  # the backward was traced
+    runs.append((out.detach(), [t.grad for t in traced_leaves]))
+    for got_out, got in runs:
+        assert torch.equal(got_out, want_out)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_backend_option():
+    """backend "torch" is "auto"'s CPU route, bit for bit (no warning on the CPU); "cupy" refuses CPU tensors naming
+    why; anything else is refused naming the option."""
+    import warnings
+
+    x, gate, y, row_index, dout = _case(S=21, seed=7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KernelFallbackWarning)
+        auto = _grads(gated_residual, (x, gate, y), row_index, dout)
+    torch_ = _grads(lambda *a: gated_residual(*a, backend="torch"), (x, gate, y), row_index, dout)
+    assert torch.equal(auto[0], torch_[0]) and all(torch.equal(a, b) for a, b in zip(auto[1], torch_[1]))
+    with pytest.raises(ValueError, match="the CUDA kernels need CUDA tensors, but x is on cpu"):
+        gated_residual(x, gate, y, row_index, backend="cupy")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        gated_residual(x, gate, y, row_index, backend="cuda")
 
 
 def test_compile_fullgraph_matches_eager():
@@ -192,8 +263,14 @@ def test_cuda_matches_diffusers_bitwise(lead):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,table_dtype", DTYPES[1:])
 def test_cuda_falls_back_to_torch_for_other_dtypes(dtype, table_dtype):
+    """backend "auto" warns KernelFallbackWarning naming the reason and runs the torch code (the CPU's gradients);
+    backend "cupy" refuses the same inputs."""
     x, gate, y, row_index, dout = _case(dtype=dtype, table_dtype=table_dtype, device="cuda", H_=GH, D_=GD)
-    out, grads = _grads(_call, (x, gate, y), row_index, dout, table_dtype=table_dtype)
+    with pytest.warns(KernelFallbackWarning, match="gated_residual: the CUDA kernels cannot take these inputs "
+                                                   r"\(the CUDA kernels need .* bfloat16"):
+        out, grads = _grads(_call, (x, gate, y), row_index, dout, table_dtype=table_dtype)
+    with pytest.raises(TypeError, match="bfloat16"):
+        gated_residual(x, gate, y, row_index, table_dtype=table_dtype, backend="cupy")
     assert torch.equal(out, _diffusers(x, gate, y, row_index, table_dtype))
     cpu = _grads(_call, [t.cpu() for t in (x, gate, y)], row_index.cpu(), dout.cpu(), table_dtype=table_dtype)[1]
     for a, b in zip(grads, cpu):
@@ -202,7 +279,13 @@ def test_cuda_falls_back_to_torch_for_other_dtypes(dtype, table_dtype):
 
 @pytest.mark.gpu
 def test_cuda_opcheck():
+    """The launch ops on the kernels' route: opcheck, and the backward writing the op's own bits into chunk 5's
+    columns of a (R, 6H) float32 table gradient (the reduce's row stride 6H), no other column touched."""
     x, gate, y, row_index, dout = _case(S=100, lead=(2,), device="cuda", H_=GH, D_=GD)
-    leaves = [t.detach().requires_grad_(True) for t in (x, gate, y)]
-    torch.library.opcheck(gated_residual_fwd, (*leaves, row_index, torch.bfloat16))
-    torch.library.opcheck(gated_residual_bwd, (dout, gate, y, row_index, torch.bfloat16))
+    _opcheck_launch_ops(x, gate, y, row_index, dout, torch.bfloat16, "cupy")
+    out, (dx, d_gate, d_y) = _grads(_call, (x, gate, y), row_index, dout)
+    assert torch.equal(_launch_forward(x, gate, y, row_index, torch.bfloat16, "cupy"), out)
+    got_d_y, d_table = torch.empty_like(y), torch.full((R, 6 * GH), float("nan"), device="cuda")
+    launch.backward(dout, gate, y, row_index, None, torch.bfloat16, "cupy", got_d_y, d_table, 5 * GH)
+    assert torch.equal(got_d_y, d_y) and torch.equal(d_table[:, 5 * GH:], d_gate)
+    assert d_table[:, :5 * GH].isnan().all()

@@ -1,15 +1,19 @@
 """`adaln_lab.modulated_rms_norm`: diffusers' `norm(x) * (1 + scale[i]) + shift[i]` bit for bit on the CPU, its
-custom ops, an exact backward (rows independent, parameter sums repeatable, at least as accurate as diffusers'
-against float64); GPU: norm_out's kernels on the table rows, fallbacks, the same gradient checks."""
+launch ops (`launch.forward` / `launch.backward`: opcheck, the columns the backward writes), an exact backward
+(rows independent, parameter sums repeatable, at least as accurate as diffusers' against float64), torch.compile
+and compiled autograd, `backend=`; GPU: norm_out's kernels on the table rows, fallbacks (warned), the same
+gradient checks."""
 
 import math
 
 import pytest
 import torch
 
-from adaln_lab import modulated_rms_norm, modulation_table
-from adaln_lab.ops.modulated_rms_norm import modulated_rms_norm_bwd, modulated_rms_norm_fwd
+from adaln_lab import modulated_rms_norm, modulation_table, row_order
+from adaln_lab.ops import KernelFallbackWarning
+from adaln_lab.ops.modulated_rms_norm import launch, modulated_rms_norm_and_residual
 from adaln_lab.reference import block as br
+from adaln_lab.reference.backward import compute_dtype
 
 H, D, T = 32, 16, 3
 R = 3 * T
@@ -60,6 +64,22 @@ def _rel_l2(value, ref):
     return float((value.double() - ref).norm() / ref.norm())
 
 
+def _launch_forward(x, norm_weight, shift, scale, row_index, table_dtype, route="torch"):
+    """(out, rstd) written by the forward launch op into outputs allocated as the op's Function allocates them."""
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, table_dtype), device=x.device)
+    rstd = torch.empty(x.numel() // x.shape[-1], dtype=compute_dtype(x), device=x.device)
+    launch.forward(x, norm_weight, shift, scale, row_index, EPS, table_dtype, route, None, 0, out, rstd)
+    return out, rstd
+
+
+def _saved_rstd(out, rows):
+    """The rstd the op's autograd node saved for its backward (the one floating (rows,) tensor it saved)."""
+    saved = [t for t in out.grad_fn.saved_tensors
+             if t is not None and t.is_floating_point() and t.shape == (rows,)]
+    assert len(saved) == 1
+    return saved[0]
+
+
 # (x dtype, table dtype): bf16 blocks, fp32 model, bf16 stream over an fp32 projection and the other way round
 DTYPES = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.float32, torch.bfloat16),
           (torch.bfloat16, torch.float32), (torch.float16, torch.float16)]
@@ -73,9 +93,13 @@ def test_forward_is_diffusers_bit_for_bit(dtype, table_dtype, lead):
     want = _diffusers(x, norm_weight, shift, scale, row_index, table_dtype)
     assert out.dtype == want.dtype == torch.promote_types(dtype, table_dtype) and out.shape == x.shape
     assert torch.equal(out, want)
-    out_, rstd = modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, EPS, table_dtype)
-    assert rstd.shape == (x.numel() // H,) and rstd.dtype == torch.promote_types(dtype, torch.float32)
-    assert torch.equal(rstd, torch.rsqrt(x.to(rstd.dtype).pow(2).mean(-1) + EPS).reshape(-1))
+    launched, rstd = _launch_forward(x, norm_weight, shift, scale, row_index, table_dtype)
+    assert torch.equal(launched, want)
+    expected_rstd = torch.rsqrt(x.to(rstd.dtype).pow(2).mean(-1) + EPS).reshape(-1)
+    assert torch.equal(rstd, expected_rstd)
+    saved = _saved_rstd(_call(x.detach().requires_grad_(True), norm_weight, shift, scale, row_index, table_dtype),
+                        x.numel() // H)  # what the op's node allocates, the launch op writes and the backward reads
+    assert saved.dtype == torch.promote_types(dtype, torch.float32) and torch.equal(saved, expected_rstd)
 
 
 def test_table_dtype_defaults_to_x_dtype_and_a_plain_bf16_table_works():
@@ -114,16 +138,26 @@ def test_dx_of_a_row_depends_on_that_row_only_and_parameter_gradients_repeat():
         assert torch.equal(sub_out, out[rows]) and torch.equal(sub[0], grads[0][rows])
 
 
-def test_backward_op_formulas_by_hand():
-    """One row per table row, H = 4: dx, d_norm_weight, d_shift, d_scale against the formulas of the docstring."""
+@pytest.mark.parametrize("column", [0, 2])
+def test_backward_op_formulas_by_hand(column):
+    """One row per table row, H = 4: dx, d_norm_weight, d_shift, d_scale of the backward launch op against the
+    formulas of the docstring; d_shift | d_scale land in the columns [column, column + 2H) of a (R, 6H) table
+    gradient (a block's chunks, in chunk `column` on), every other column untouched."""
     x = torch.tensor([[1.0, -2.0, 0.5, 3.0], [0.25, 0.0, -1.0, 2.0]])
     norm_weight = torch.tensor([1.0, 0.5, 2.0, 1.5])
     shift = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.0, -0.5, 0.5, 1.0]])
     scale = torch.tensor([[0.5, -0.25, 0.0, 1.0], [2.0, 0.0, -0.5, 0.25]])
     row_index = torch.tensor([1, 0])
     dy = torch.tensor([[1.0, 2.0, -1.0, 0.5], [-0.5, 1.0, 1.0, 2.0]])
-    _, rstd = modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, EPS, torch.float32)
-    dx, d_nw, d_shift, d_scale = modulated_rms_norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd)
+    _, rstd = _launch_forward(x, norm_weight, shift, scale, row_index, torch.float32)
+    h = x.shape[-1]
+    dx, d_nw = torch.empty_like(x), torch.empty_like(norm_weight)
+    d_table = torch.full((2, 6 * h), float("nan"))
+    launch.backward(dy, x, norm_weight, shift, scale, row_index, rstd, None, None, "torch", dx, d_nw, d_table,
+                    column * h)
+    d_shift, d_scale = d_table[:, column * h:(column + 1) * h], d_table[:, (column + 1) * h:(column + 2) * h]
+    untouched = torch.cat([d_table[:, :column * h], d_table[:, (column + 2) * h:]], dim=1)
+    assert untouched.isnan().all()
     x64 = x.double().requires_grad_(True)
     leaves = [t.double().requires_grad_(True) for t in (norm_weight, shift, scale)]
     br.golden_modulated_rms_norm(x64, *leaves, row_index, EPS).backward(dy.double())
@@ -148,15 +182,28 @@ OPCHECK_CASES = {
 }
 
 
+def _opcheck_launch_ops(x, norm_weight, shift, scale, row_index, dy, table_dtype, route):
+    """torch.library.opcheck on the two launch ops (each writing outputs allocated as the op's node does), the
+    backward with and without the residual's gradient and the row order."""
+    _, rstd = _launch_forward(x, norm_weight, shift, scale, row_index, table_dtype, route)
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, table_dtype), device=x.device)
+    torch.library.opcheck(launch.forward.op, (x, norm_weight, shift, scale, row_index, EPS, table_dtype, route, None,
+                                              0, out, torch.empty_like(rstd)))
+    R, h = shift.shape
+    dx, d_norm_weight = torch.empty_like(x), torch.empty_like(norm_weight)
+    d_table = torch.empty(R, 6 * h, dtype=torch.float32, device=x.device)
+    dy = dy.to(out.dtype)
+    for d_residual, order in ((None, None), (torch.ones_like(x), row_order(row_index, R, h))):
+        torch.library.opcheck(launch.backward.op, (dy, x, norm_weight, shift, scale, row_index, rstd, d_residual,
+                                                   order, route, dx, d_norm_weight, d_table, 2 * h))
+
+
 @pytest.mark.parametrize("case", OPCHECK_CASES)
 def test_opcheck(case):
     kwargs = OPCHECK_CASES[case]
     x, norm_weight, shift, scale, row_index, dy = _case(**kwargs)
-    table_dtype = kwargs.get("table_dtype", torch.bfloat16)
-    leaves = [t.detach().requires_grad_(True) for t in (x, norm_weight, shift, scale)]
-    torch.library.opcheck(modulated_rms_norm_fwd, (*leaves, row_index, EPS, table_dtype))
-    _, rstd = modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, EPS, table_dtype)
-    torch.library.opcheck(modulated_rms_norm_bwd, (dy, x, norm_weight, shift, scale, row_index, rstd))
+    _opcheck_launch_ops(x, norm_weight, shift, scale, row_index, dy, kwargs.get("table_dtype", torch.bfloat16),
+                        "torch")
 
 
 def test_compile_fullgraph_matches_eager():
@@ -165,6 +212,55 @@ def test_compile_fullgraph_matches_eager():
     eager_out, eager = _grads(_call, (x, norm_weight, shift, scale), row_index, dy)
     out, traced = _grads(compiled, (x, norm_weight, shift, scale), row_index, dy)
     assert torch.equal(out, eager_out) and all(torch.equal(a, b) for a, b in zip(eager, traced))
+
+
+def _norm_and_residual(x, norm_weight, shift, scale, row_index):
+    out, x_again = modulated_rms_norm_and_residual(x, norm_weight, shift, scale, row_index, EPS)
+    return out + x_again * 2  # x's second gradient reaches the node through the handed-on x
+
+
+@pytest.mark.parametrize("fn", [_call, _norm_and_residual], ids=["norm", "norm_and_residual"])
+def test_compiled_autograd_and_checkpointing_give_the_eager_bits(fn):
+    """The op's one autograd node under compiled autograd (its backward traced, the launch op an opaque node) and
+    under torch.utils.checkpoint (the forward run again in the backward, reentrant or not): eager's bits."""
+    compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
+    from torch._dynamo.utils import counters
+    from torch.utils.checkpoint import checkpoint
+
+    x, norm_weight, shift, scale, row_index, dy = _case(S=33, lead=(2,), seed=3)
+    leaves = (x, norm_weight, shift, scale)
+    want_out, want = _grads(fn, leaves, row_index, dy)
+    runs = [_grads(lambda *a, r=r: checkpoint(fn, *a, use_reentrant=r), leaves, row_index, dy) for r in (False, True)]
+    traced_leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
+    out = fn(*traced_leaves, row_index)
+    captures = counters["compiled_autograd"]["captures"]
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        out.backward(dy.to(out.dtype))
+    assert counters["compiled_autograd"]["captures"] == captures + 1  # the backward was traced
+    runs.append((out.detach(), [t.grad for t in traced_leaves]))
+    for got_out, got in runs:
+        assert torch.equal(got_out, want_out)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_backend_option():
+    """backend "torch" is "auto"'s CPU route, bit for bit; "cupy" refuses CPU tensors naming why; anything else is
+    refused naming the option. On the CPU "auto" runs the torch code without a warning."""
+    import warnings
+
+    x, norm_weight, shift, scale, row_index, dy = _case(S=21, seed=7)
+    leaves = (x, norm_weight, shift, scale)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KernelFallbackWarning)
+        auto = _grads(modulated_rms_norm, leaves, row_index, dy)
+    torch_ = _grads(lambda *a: modulated_rms_norm(*a, backend="torch"), leaves, row_index, dy)
+    assert torch.equal(auto[0], torch_[0]) and all(torch.equal(a, b) for a, b in zip(auto[1], torch_[1]))
+    with pytest.raises(ValueError, match="the CUDA kernels need CUDA tensors, but x is on cpu"):
+        modulated_rms_norm(x, norm_weight, shift, scale, row_index, backend="cupy")
+    with pytest.raises(ValueError, match="the CUDA kernels need CUDA tensors, but x is on cpu"):
+        modulated_rms_norm_and_residual(x, norm_weight, shift, scale, row_index, backend="cupy")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        modulated_rms_norm(x, norm_weight, shift, scale, row_index, backend="cuda")
 
 
 def test_bad_inputs_are_refused_naming_the_argument():
@@ -210,9 +306,15 @@ def test_cuda_forward_against_diffusers(lead):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,table_dtype", DTYPES[1:])
 def test_cuda_falls_back_to_torch_for_other_dtypes(dtype, table_dtype):
+    """backend "auto" warns KernelFallbackWarning naming the reason and runs the torch code (the CPU's gradients);
+    backend "cupy" refuses the same inputs."""
     x, norm_weight, shift, scale, row_index, dy = _case(dtype=dtype, table_dtype=table_dtype, device="cuda",
                                                         H_=GH, D_=GD)
-    out, grads = _grads(_call, (x, norm_weight, shift, scale), row_index, dy, table_dtype=table_dtype)
+    with pytest.warns(KernelFallbackWarning, match="modulated_rms_norm: the CUDA kernels cannot take these inputs "
+                                                   r"\(the CUDA kernels need .* bfloat16"):
+        out, grads = _grads(_call, (x, norm_weight, shift, scale), row_index, dy, table_dtype=table_dtype)
+    with pytest.raises(TypeError, match="bfloat16"):
+        modulated_rms_norm(x, norm_weight, shift, scale, row_index, EPS, table_dtype=table_dtype, backend="cupy")
     assert torch.equal(out, _diffusers(x, norm_weight, shift, scale, row_index, table_dtype))
     cpu = _grads(_call, [t.cpu() for t in (x, norm_weight, shift, scale)], row_index.cpu(), dy.cpu(),
                  table_dtype=table_dtype)[1]
@@ -238,8 +340,17 @@ def test_cuda_gradients_against_float64_repeatable_and_row_invariant():
 
 @pytest.mark.gpu
 def test_cuda_opcheck():
+    """The launch ops on the kernels' route: opcheck, and the backward writing the op's own bits into the columns
+    [2H, 4H) of a (R, 6H) float32 table gradient (the reduce's row stride 6H), no other column touched."""
     x, norm_weight, shift, scale, row_index, dy = _case(S=100, lead=(2,), device="cuda", H_=GH, D_=GD)
-    leaves = [t.detach().requires_grad_(True) for t in (x, norm_weight, shift, scale)]
-    torch.library.opcheck(modulated_rms_norm_fwd, (*leaves, row_index, EPS, torch.bfloat16))
-    _, rstd = modulated_rms_norm_fwd(x, norm_weight, shift, scale, row_index, EPS, torch.bfloat16)
-    torch.library.opcheck(modulated_rms_norm_bwd, (dy, x, norm_weight, shift, scale, row_index, rstd))
+    _opcheck_launch_ops(x, norm_weight, shift, scale, row_index, dy, torch.bfloat16, "cupy")
+    out, grads = _grads(_call, (x, norm_weight, shift, scale), row_index, dy)
+    launched, rstd = _launch_forward(x, norm_weight, shift, scale, row_index, torch.bfloat16, "cupy")
+    assert torch.equal(launched, out)
+    dx, d_norm_weight = torch.empty_like(x), torch.empty_like(norm_weight)
+    d_table = torch.full((R, 6 * GH), float("nan"), device="cuda")
+    launch.backward(dy, x, norm_weight, shift, scale, row_index, rstd, None, None, "cupy", dx, d_norm_weight,
+                    d_table, 2 * GH)
+    assert torch.equal(dx, grads[0]) and torch.equal(d_norm_weight, grads[1])
+    assert torch.equal(d_table[:, 2 * GH:3 * GH], grads[2]) and torch.equal(d_table[:, 3 * GH:4 * GH], grads[3])
+    assert d_table[:, :2 * GH].isnan().all() and d_table[:, 4 * GH:].isnan().all()

@@ -1,19 +1,27 @@
-"""`adaln_lab.ops.table_gradient`: a block's row ops write their chunks' gradients into one table gradient, which
-norm1's op returns. Every gradient is bitwise what the same ops give through autograd's chunk views (the ops
-composed one by one, `_chunked`), for a full backward and for passes that stop short: a loss on norm1's output
-alone, on norm2's alone, two passes over one graph, a pass that wants only the attention's parameter and then a
-full one. On the CPU (the torch code) and, on a GPU, the kernels (their reduces writing with the table's stride);
-a recorder checks on the CPU that the kernels' writes land in the chunks' columns."""
+"""`adaln_lab.core.table_gradient`: a block's row ops hand the table from op to op (a "link" output each), and in
+the backward the (T, 18H) table gradient goes back the same way, each op writing its chunks' columns, the first op
+of the pass making the buffer (`for_op`, zeroing the chunks of the ops that did not run). Every gradient is bitwise
+what the same ops give through autograd's chunk views (the ops composed one by one, `_chunked`), for a full backward
+and for passes that stop short: a loss on norm1's output alone, on norm2's alone, two passes over one graph, a pass
+that wants only the attention's parameter and then a full one; eager, compiled (fullgraph), under compiled autograd,
+activation checkpointing and concurrent passes. Planted faults (a buffer not zeroed, kept from pass to pass, shared
+by concurrent passes, a chunk written into the wrong columns) are caught. On the CPU (the torch code) and, on a
+GPU, the kernels (their reduces writing with the table's stride); a recorder checks on the CPU that the kernels'
+writes land in the chunks' columns and that the norms read the row tables the table kernel writes."""
+
+import threading
 
 import pytest
 import torch
 
 from adaln_lab import block_adaln_path, gated_residual, gated_residual_norm
+from adaln_lab.core import launchers, support, table_gradient, tensors
+from adaln_lab.core.table_gradient import CHUNKS, GATE_MLP, GATE_MSA, SHIFT_MLP, SHIFT_MSA
+from adaln_lab.ops.gated_residual import launch as gated_residual_launch
 from adaln_lab.ops.modulated_rms_norm import modulated_rms_norm_and_residual
-from adaln_lab.core import launchers, tensors
 from adaln_lab.ops.modulation_table import modulation_table
-from adaln_lab.ops.table_gradient import GATE_MLP, GATE_MSA, SHIFT_MSA, TableGradient
-from adaln_lab.reference.block import CHUNKS, table_chunks
+from adaln_lab.reference.block import CHUNKS as REFERENCE_CHUNKS
+from adaln_lab.reference.block import table_chunks
 
 from ..core.test_launchers import Recorder
 
@@ -34,7 +42,7 @@ def _case(device, seed=0):
 
 
 def _chunked(x, temb, weight, bias, n1, n2, row_index, attn, ff, eps1, eps2, adapt_table=None):
-    """The block as its public ops with autograd's chunk views of the table (no TableGradient)."""
+    """The block as its public ops with autograd's chunk views of the table (no table gradient handed on)."""
     table = modulation_table(temb, weight, bias)
     if adapt_table is not None:
         table = adapt_table(table)
@@ -94,15 +102,15 @@ def _assert_same(a, b):
     assert torch.equal(a, b), (a - b).abs().max()
 
 
-def _check(device, sequence):
-    ours = _run(block_adaln_path, SEQUENCES[sequence], device)
+def _check(device, sequence, path=block_adaln_path, same=_assert_same):
+    ours = _run(path, SEQUENCES[sequence], device)
     theirs = _run(_chunked, SEQUENCES[sequence], device)
     _assert_same(ours[0], theirs[0])
     for mine, other in zip(ours[1], theirs[1]):
         for a, b in zip(mine or (), other or ()):
-            _assert_same(a, b)
+            same(a, b)
     for a, b in zip(ours[2], theirs[2]):
-        _assert_same(a, b)
+        same(a, b)
 
 
 @pytest.mark.parametrize("sequence", SEQUENCES)
@@ -116,54 +124,95 @@ def test_cuda_gradients_are_the_chunk_views_bits(sequence):
     _check("cuda", sequence)
 
 
-def test_columns_pointer_and_take():
-    table = torch.zeros(T, 18 * H)
-    grad = TableGradient(table, H)
-    grad.write(GATE_MSA, torch.full((3 * T, H), 2.0), torch.full((3 * T, H), 3.0), torch.full((3 * T, H), 4.0))
-    address, stride = grad.pointer(GATE_MLP, 1)
-    assert stride == 6 * H and address == grad.columns(GATE_MLP, 1).data_ptr()
-    grad.columns(GATE_MLP, 1).fill_(5.0)
-    taken = grad.take().view(3 * T, 6 * H)
-    expected = [0.0, 0.0, 2.0, 3.0, 4.0, 5.0]  # shift_msa and scale_msa were not written: zeros
-    for chunk, value in enumerate(expected):
-        assert torch.equal(taken[:, chunk * H:(chunk + 1) * H], torch.full((3 * T, H), value)), CHUNKS[chunk]
-    with pytest.raises(RuntimeError, match="before any columns"):
-        grad.take()  # taken: the next pass starts a new buffer
-    assert (CHUNKS[SHIFT_MSA], CHUNKS[GATE_MSA], CHUNKS[GATE_MLP]) == ("shift_msa", "gate_msa", "gate_mlp")
+def test_for_op_columns_and_standalone():
+    """for_op: the link's gradient itself where the ops after this one made the buffer, else a new (T, 18H) buffer
+    of the table's dtype and device whose chunks from `end` on are zeros; columns: the (3T, 6H - first * H) view from
+    chunk `first` on, row stride 6H; standalone: an op's own (R, width) buffer."""
+    meta = (torch.Size((T, 18 * H)), torch.float32, torch.device("cpu"))
+    link = torch.full((T, 18 * H), 7.0)
+    assert table_gradient.for_op(link, meta, H, 2) is link
+    for end in range(1, len(CHUNKS) + 1):
+        buffer = table_gradient.for_op(None, meta, H, end)
+        assert buffer.shape == (T, 18 * H) and buffer.dtype == torch.float32
+        rows = buffer.view(3 * T, 6 * H)
+        assert not rows[:, end * H:].any()  # the chunks of the ops after this one: zeros
+    buffer = torch.arange(T * 18 * H, dtype=torch.float32).view(T, 18 * H)
+    for first in range(len(CHUNKS)):
+        view = table_gradient.columns(buffer, H, first)
+        assert view.shape == (3 * T, (6 - first) * H) and view.stride() == (6 * H, 1)
+        assert view.data_ptr() == buffer.data_ptr() + 4 * first * H
+        assert torch.equal(view, buffer.view(3 * T, 6 * H)[:, first * H:])
+    own = table_gradient.standalone(3 * T, 2 * H, torch.bfloat16, torch.device("cpu"))
+    assert own.shape == (3 * T, 2 * H) and own.dtype == torch.bfloat16
+    assert CHUNKS == REFERENCE_CHUNKS
+    assert (CHUNKS[SHIFT_MSA], CHUNKS[GATE_MSA], CHUNKS[SHIFT_MLP], CHUNKS[GATE_MLP]) == (
+        "shift_msa", "gate_msa", "shift_mlp", "gate_mlp")
 
 
-def test_a_planted_stale_column_is_caught(monkeypatch):
-    """The checker itself: a TableGradient that keeps its buffer from one pass to the next (passes told apart by
-    nothing, the buffer not forgotten when taken) hands "full then norm1 alone" the first pass's columns where the
-    second must have zeros."""
-    from adaln_lab.ops import table_gradient
+def test_a_planted_unzeroed_buffer_is_caught(monkeypatch):
+    """The checker itself: a for_op that does not zero the chunks of the ops that did not run (its new buffer NaN,
+    as uninitialised memory may be) hands "norm1 alone" and "norm2 alone" garbage in those chunks; a full pass,
+    where the first op to run writes the last chunk, needs no zeros and still passes."""
+    def no_zeroing(d_link, table, hidden_size, end):
+        if d_link is not None:
+            return d_link
+        shape, dtype, device = table
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
-    def take_keeping_the_buffer(self):
-        buffer, written = self._passes[0]
-        rows = buffer.view(-1, self.row_stride)
-        for chunk in set(range(len(CHUNKS))) - written:
-            rows[:, chunk * self.H:(chunk + 1) * self.H].zero_()
-        return buffer
+    monkeypatch.setattr(table_gradient, "for_op", no_zeroing)
+    _check("cpu", "full")
+    for sequence in ("norm1 alone", "norm2 alone"):
+        with pytest.raises(AssertionError):
+            _check("cpu", sequence)
 
-    monkeypatch.setattr(table_gradient, "_task_id", lambda: 0)
-    monkeypatch.setattr(TableGradient, "take", take_keeping_the_buffer)
+
+def test_a_planted_stale_buffer_is_caught(monkeypatch):
+    """The checker itself: a for_op that keeps one buffer from one pass to the next and zeroes it only when made
+    hands "full then norm1 alone" the first pass's columns where the second must have zeros."""
+    kept = {}
+
+    def stale(d_link, table, hidden_size, end):
+        if d_link is not None:
+            return d_link
+        if "buffer" not in kept:
+            kept["buffer"] = torch.zeros(table[0], dtype=table[1], device=table[2])
+        return kept["buffer"]
+
+    monkeypatch.setattr(table_gradient, "for_op", stale)
     _check("cpu", "norm1 alone")  # one pass: no stale state to find
+    kept.clear()
     with pytest.raises(AssertionError):
         _check("cpu", "full then norm1 alone")
 
 
-def test_the_kernels_read_the_row_tables_and_write_the_chunks_columns(monkeypatch):
-    """The CUDA glue on CPU tensors with a recorder for each kernel: the forward's norms read the row tables the
-    table kernel writes; the three row ops' reduces get the table gradient's columns of their chunks with the row
-    stride 6H, and table_bwd reads that buffer."""
+def _plant_wrong_column(monkeypatch):
+    """A gated residual's backward launch writing d_gate one chunk to the left where it writes into a block's table
+    gradient (column > 0; the standalone ops, column 0, untouched): gate_msa's and gate_mlp's columns are left
+    unwritten."""
+    original = gated_residual_launch.backward
+
+    def one_chunk_left(dout, gate, y, row_index, order, table_dtype, route, d_y, d_table, column):
+        shifted = column - gate.shape[1] if column > 0 else column
+        original(dout, gate, y, row_index, order, table_dtype, route, d_y, d_table, shifted)
+
+    monkeypatch.setattr(gated_residual_launch, "backward", one_chunk_left)
+
+
+def test_a_planted_wrong_column_is_caught(monkeypatch):
+    _check("cpu", "full")
+    _plant_wrong_column(monkeypatch)
+    with pytest.raises(AssertionError):
+        _check("cpu", "full")
+
+
+def _recorded_block(monkeypatch):
+    """The CUDA glue on CPU tensors with a recorder for each kernel (a block at H 1024, backend "cupy"): the
+    (name, arguments) of the forward's launches and of the backward's."""
     recorded = []
     monkeypatch.setattr(launchers, "kernels",
                         lambda device, plan: {n: Recorder(n, recorded) for n in launchers.SIGNATURES})
     monkeypatch.setattr(launchers, "bind", lambda device: None)
     monkeypatch.setattr(tensors, "current_stream", lambda device: 0)
-    monkeypatch.setattr(tensors, "current_device", lambda: -1)  # a CPU tensor's get_device()
-    from adaln_lab.core import support
-
     monkeypatch.setattr(support, "_not_cuda", lambda name, t: None)
     tensors.context.cache_clear()
     try:
@@ -181,7 +230,10 @@ def test_the_kernels_read_the_row_tables_and_write_the_chunks_columns(monkeypatc
         out.backward(torch.ones_like(out))
     finally:
         tensors.context.cache_clear()
-    calls = [(c[0], c[4]) for c in recorded]
+    return H_, forward, [(c[0], c[4]) for c in recorded]
+
+
+def _check_recorded(H_, forward, calls):
     # the forward: the table kernel's bf16 output is the two row tables, which norm1 and norm2 read
     launched = dict(forward)
     rows_bf16 = launched["table_bf16"][3]
@@ -198,19 +250,27 @@ def test_the_kernels_read_the_row_tables_and_write_the_chunks_columns(monkeypatc
             found[(args[4] - d_table) // (f32 * H_)] = args[-1]
         else:  # d_gate 2nd, d_stride last
             found[(args[1] - d_table) // (f32 * H_)] = args[-1]
+    assert len(writes) == 4  # norm1's, gated_residual_norm's two (norm, gate), gated_residual's
     assert found == {chunk: 6 * H_ for chunk in range(len(CHUNKS))}  # all six chunks, each with the row stride 6H
-    # the four row passes' partials lie in the same allocation, after the table gradient, one region each, and each
-    # reduce reads what its row pass wrote
+    # each of the four row passes' partials is what its reduce reads
     partials_at = {"norm_modulate_bwd_sorted_bf16": 8, "norm_modulate_bwd_residual_sorted_bf16": 9,
                    "gated_residual_bwd_sorted_bf16": 6}
-    passes = [(name, args[partials_at[name]]) for name, args in calls if name in partials_at]
+    passes = [args[partials_at[name]] for name, args in calls if name in partials_at]
     reads = [args[0] for name, args in calls if name in ("reduce_partials_sorted_bf16", "gated_residual_reduce_sorted")]
-    assert [address for _, address in passes] == reads and len(set(reads)) == 4
-    norm_floats, gate_floats = tensors.row_workspaces(x, 3 * T)
-    regions = sorted((address, f32 * (gate_floats if name.startswith("gated") else norm_floats))
-                     for name, address in passes)
-    assert regions[0][0] == d_table + f32 * T * 18 * H_
-    assert all(a + size == b for (a, size), (b, _) in zip(regions, regions[1:]))  # back to back, none overlapping
+    assert len(passes) == 4 and passes == reads
+
+
+def test_the_kernels_read_the_row_tables_and_write_the_chunks_columns(monkeypatch):
+    """The CUDA glue on CPU tensors with a recorder for each kernel: the forward's norms read the row tables the
+    table kernel writes; the three row ops' reduces get the table gradient's columns of their chunks with the row
+    stride 6H, and table_bwd reads that buffer."""
+    _check_recorded(*_recorded_block(monkeypatch))
+
+
+def test_a_planted_wrong_column_is_caught_in_the_kernels_arguments(monkeypatch):
+    _plant_wrong_column(monkeypatch)
+    with pytest.raises(AssertionError):
+        _check_recorded(*_recorded_block(monkeypatch))
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -230,9 +290,12 @@ def test_activation_checkpointing_gives_the_same_bits(reentrant):
 
 
 def test_compiled_autograd_gives_the_same_bits():
-    """An eager forward whose backward compiled autograd traces: the ops then return their chunks' gradients as
-    table-shaped tensors (no writes into the table gradient while traced), and every gradient is the plain run's."""
+    """An eager forward whose backward compiled autograd traces: the buffer goes from op to op as a traced value
+    (the launch ops opaque nodes writing its columns), and every gradient is the plain run's."""
     compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
+    from torch._dynamo.utils import counters
+
+    captures = counters["compiled_autograd"]["captures"]
 
     def traced(out, dy, seen, leaves):
         with compiled_autograd._enable(torch.compile(backend="eager")):
@@ -240,8 +303,23 @@ def test_compiled_autograd_gives_the_same_bits():
 
     plain = _run(block_adaln_path, [_full], "cpu")
     again = _run(block_adaln_path, [traced], "cpu")
+    assert counters["compiled_autograd"]["captures"] > captures  # the backward was traced
     for a, b in zip(plain[2], again[2]):
         _assert_same(a, b)
+
+
+@pytest.mark.parametrize("sequence", ["full", "norm1 alone", "norm2 alone", "full then norm1 alone"])
+def test_compiled_block_gives_the_chunk_views_bits(sequence):
+    """torch.compile(fullgraph=True) of the block (aot_eager: the same launch ops): the table gradient of each pass
+    is the chunk views' bits, the passes that stop short included. (The compiled graph is one autograd node: a leaf
+    it does not reach in a pass, norm2's weight for a loss on norm1's output, gets zeros where eager gives None.)"""
+    def same_or_zeros(a, b):
+        if (a is None) != (b is None):
+            assert not (b if a is None else a).any()
+            return
+        _assert_same(a, b)
+
+    _check("cpu", sequence, torch.compile(block_adaln_path, fullgraph=True, backend="aot_eager"), same_or_zeros)
 
 
 def test_lora_adapt_table_gets_its_gradient():
@@ -271,44 +349,68 @@ def test_lora_adapt_table_gets_its_gradient():
 
 
 def test_concurrent_passes_over_one_graph_keep_their_own_buffers():
-    """Two threads taking gradients of one graph at once (retain_graph): each pass has its own buffer, so every pass
-    gives the single-threaded bits."""
+    """Two threads taking gradients of one graph at once (retain_graph), each with an upstream gradient of its own:
+    each pass has its own buffer, so every pass gives the single-threaded bits."""
     _concurrent_passes()
 
 
 def test_a_planted_shared_buffer_is_caught(monkeypatch):
-    """The checker itself: with every pass given the same key (one buffer shared by the two threads' passes) the
-    concurrent passes fail, by wrong bits or by a take that finds no buffer."""
-    from adaln_lab.ops import table_gradient
+    """The checker itself: a for_op that hands every pass one buffer (zeroing the right chunks, so one pass after
+    another still gets the right bits) fails the concurrent passes: one thread's columns in another's gradient."""
+    kept = {}
 
-    monkeypatch.setattr(table_gradient, "_task_id", lambda: 0)
+    def shared(d_link, table, hidden_size, end):
+        if d_link is not None:
+            return d_link
+        if "buffer" not in kept:
+            kept["buffer"] = torch.empty(table[0], dtype=table[1], device=table[2])
+        kept["buffer"].view(-1, len(CHUNKS) * hidden_size)[:, end * hidden_size:].zero_()
+        return kept["buffer"]
+
+    monkeypatch.setattr(table_gradient, "for_op", shared)
+    _check("cpu", "full then norm1 alone")  # one pass after another: the right bits
     with pytest.raises(AssertionError):
         _concurrent_passes()
 
 
-def _concurrent_passes():
-    import threading
-
+def _concurrent_passes(rounds=10):
+    """Two threads, `rounds` passes each over one graph, thread i with upstream gradient dys[i]. A barrier in the
+    backward (a hook on the gradient of ff's input: after gated_residual's backward wrote its chunk, before the
+    ops before it run) holds each pass until the other thread's pass reaches it, so the two overlap every round."""
     leaves, row_index, dy = _case("cpu")
     leaves = [t.requires_grad_(True) for t in leaves]
     x, temb, weight, bias, n1, n2, p = leaves
-    out = block_adaln_path(x, temb, weight, bias, n1, n2, row_index, lambda h: h * p, lambda h: h * 0.5, EPS1, EPS2)
-    expected = torch.autograd.grad(out, leaves[:6], dy, retain_graph=True)
-    found, errors = [], []
+    barrier, together = threading.Barrier(2, timeout=60), {"on": False}
 
-    def passes():
+    def meet(grad):
+        if together["on"]:
+            barrier.wait()
+
+    def ff(h):
+        h.register_hook(meet)
+        return h * 0.5
+
+    out = block_adaln_path(x, temb, weight, bias, n1, n2, row_index, lambda h: h * p, ff, EPS1, EPS2)
+    dys = (dy, torch.randn(dy.shape, generator=torch.Generator().manual_seed(11)).bfloat16())
+    expected = [torch.autograd.grad(out, leaves[:6], d, retain_graph=True) for d in dys]
+    found, errors = ([], []), []
+
+    def passes(i):
         try:
-            for _ in range(20):
-                found.append(torch.autograd.grad(out, leaves[:6], dy, retain_graph=True))
+            for _ in range(rounds):
+                found[i].append(torch.autograd.grad(out, leaves[:6], dys[i], retain_graph=True))
         except Exception as error:  # noqa: BLE001 - reported below
             errors.append(error)
+            barrier.abort()
 
-    threads = [threading.Thread(target=passes) for _ in range(2)]
+    together["on"] = True
+    threads = [threading.Thread(target=passes, args=(i,)) for i in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert not errors and len(found) == 40
-    for grads in found:
-        for a, b in zip(grads, expected):
-            _assert_same(a, b)
+    assert not errors and [len(f) for f in found] == [rounds, rounds]
+    for i in range(2):
+        for grads in found[i]:
+            for a, b in zip(grads, expected[i]):
+                _assert_same(a, b)
