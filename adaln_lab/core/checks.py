@@ -184,11 +184,21 @@ def check_option(name: str, value, choices: tuple) -> None:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
+def check_devices(op: str, first: str, tensors: dict) -> None:
+    """Raise ValueError naming the argument unless every tensor in `tensors` is on the device of `tensors[first]`."""
+    device = tensors[first].device
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"{op}: {name} is on {t.device} but {first} is on {device}: all inputs must share one "
+                             "device")
+
+
 def check_rows(op: str, x: torch.Tensor, row_index: torch.Tensor, *, y: torch.Tensor | None = None,
-               norm_weight: torch.Tensor | None = None, **tables: torch.Tensor) -> None:
+               norm_weight: torch.Tensor | None = None, norm_name: str = "norm_weight",
+               **tables: torch.Tensor) -> None:
     """Raise ValueError / TypeError naming the argument unless x (..., S, H), row_index (S,) int64, each
     table argument (R, H) (one R for all) and, where given, y (x's shape, floating point) and norm_weight
-    (H,) fit."""
+    (H,) floating point (named `norm_name` in the messages) fit, all on x's device."""
     if x.dim() < 2:
         raise ValueError(f"{op} needs x of shape (..., S, H), got {tuple(x.shape)}")
     S, H = x.shape[-2], x.shape[-1]
@@ -207,11 +217,13 @@ def check_rows(op: str, x: torch.Tensor, row_index: torch.Tensor, *, y: torch.Te
     if y is not None and y.shape != x.shape:
         raise ValueError(f"{op} needs y of x's shape {tuple(x.shape)}, got {tuple(y.shape)}")
     if norm_weight is not None and norm_weight.shape != (H,):
-        raise ValueError(f"{op} needs norm_weight of shape (H,) = ({H},), H = {H} being x's last dimension (x has "
+        raise ValueError(f"{op} needs {norm_name} of shape (H,) = ({H},), H = {H} being x's last dimension (x has "
                          f"shape {tuple(x.shape)}), got {tuple(norm_weight.shape)}")
-    for name, t in (("x", x), *tables.items(), *((("y", y),) if y is not None else ())):
-        if not t.dtype.is_floating_point:
+    floats = {"x": x, **tables, "y": y, norm_name: norm_weight}
+    for name, t in floats.items():
+        if t is not None and not t.dtype.is_floating_point:
             raise TypeError(f"{op} needs a floating-point {name}, got {t.dtype}")
+    check_devices(op, "x", {**floats, "row_index": row_index})
 
 
 def check_order(op: str, order: torch.Tensor | None, row_index: torch.Tensor, table_rows: int) -> None:
@@ -238,3 +250,4 @@ def check_table_inputs(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     for name, t in (("temb", temb), ("weight", weight), ("bias", bias)):
         if not t.dtype.is_floating_point:
             raise TypeError(f"modulation_table needs a floating-point {name}, got {t.dtype}")
+    check_devices("modulation_table", "temb", {"temb": temb, "weight": weight, "bias": bias})
