@@ -1,9 +1,10 @@
 """The one rule for what the CUDA kernels of `kernels_cu/` (and their Numba twin) take, one message per reason.
 
 Every function returns the error to raise (TypeError for a dtype, ValueError for a device or a shape, ImportError
-on CUDA tensors without CuPy, the cuda extra), naming the argument, or None when the kernels take the inputs. Inputs are already validated (shapes agree): these
-rules only say what the kernels cannot do. Who asks: the ops' "auto" dispatch (kernels where they run, torch
-code otherwise), backend "cupy" (raises the error), the custom ops, `adaln_lab.core.dlpack`, the modules.
+on CUDA tensors without CuPy, the cuda extra), naming the argument, or None when the kernels take the inputs. Inputs
+are already validated (shapes agree): these rules only say what the kernels cannot do. `route` turns an answer into
+the route of one public call ("cupy", or "torch" with a `KernelFallbackWarning` on CUDA; backend "cupy" raises). Who
+asks: the ops' public functions (once per call, the route saved for the backward), `adaln_lab.dlpack`, the modules.
 
     final_adaln_out(x, norm_weight, temb, weight, bias)   norm_out's kernels (bf16, fp32 temb, plan shapes)
     table(temb, weight, bias)                               table.cu / table_bwd.cu for an (N, D) projection
@@ -31,7 +32,14 @@ STATIC_SHARED_MAX = 48 * 1024  # bytes of static shared memory one CUDA block ma
 
 # Whether CuPy is installed: one look at the import path when this module loads (no import, well under a
 # millisecond), kept as a constant that torch.compile reads (dynamo cannot trace importlib's lookup).
-CUPY_FOUND = importlib.util.find_spec("cupy") is not None
+def _cupy_found() -> bool:
+    try:
+        return importlib.util.find_spec("cupy") is not None
+    except ImportError:  # an import hook that refuses the name, as a missing package
+        return False
+
+
+CUPY_FOUND = _cupy_found()
 
 
 def _not_cuda(name: str, t: torch.Tensor) -> Exception | None:

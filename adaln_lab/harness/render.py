@@ -1,4 +1,4 @@
-"""A markdown summary of a report JSON (`report` or `block-report`): the README's tables are its output.
+"""A markdown summary of a report JSON (`report` or `block-report`): the report's tables are its output.
 
 `markdown(report)` prints, in this order:
 

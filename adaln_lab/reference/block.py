@@ -16,7 +16,7 @@ modality m of timestep t, each chunk a (3T, H) view with row stride 6H. Broadcas
 index of x uses table row row_index[s].
 
 - `replay_*`: diffusers' very ops in its order and dtypes (each product and sum rounded to the stream
-  dtype); the custom ops' CPU forwards are these functions.
+  dtype); the ops' torch route (their launch ops' "torch" bodies) runs these functions.
 - `golden_*`: the same functions in float64 on the upcast inputs, rounding nowhere; differentiable, the
   accuracy reference for gradients.
 """

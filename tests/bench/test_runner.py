@@ -100,7 +100,7 @@ def test_a_dry_run_prints_each_steps_commands_and_writes_nothing(capsys, tmp_pat
     assert any(line.startswith("  python3 -m adaln_lab.bench.compare_trees --old . --old-commit ") for line in lines)
     assert any("--tool racecheck" in line and "python3 -m adaln_lab.bench.sanitize_calls" in line for line in lines)
     assert not any("--tool memcheck" in line for line in lines)
-    assert any(line.startswith("  script=$PWD/adaln_lab/bench/host_breakdown.py; for round in 1 2 3") for line in lines)
+    assert any(line.startswith("  script=$PWD/adaln_lab/bench/host_breakdown.py; for round in $(seq 3)") for line in lines)
     assert lines[-1].endswith("0 step(s) failed or skipped (dry run: nothing ran)")
 
 

@@ -55,7 +55,7 @@ class ModulatedRMSNorm(torch.autograd.Function):
         launch.forward(x, norm_weight, shift, scale, row_index, eps, table_dtype, route, row_tables,
                        int(chunk == table_gradient.SHIFT_MLP), out, rstd)
         ctx.set_materialize_grads(False)
-        ctx.route, ctx.chunk = route, chunk
+        ctx.route, ctx.chunk, ctx.out_dtype = route, chunk, out.dtype
         ctx.table = None if table is None else (table.shape, table.dtype, table.device)
         ctx.save_for_backward(x, norm_weight, shift, scale, row_index, rstd, order)
         return out, (x if residual else None), (None if table is None else table.detach())
@@ -68,7 +68,7 @@ class ModulatedRMSNorm(torch.autograd.Function):
         if ctx.route == "cupy":
             support.check_saved("modulated_rms_norm", x, norm_weight=norm_weight)
         if d_out is None:
-            d_out = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, scale.dtype), device=x.device)
+            d_out = torch.zeros(x.shape, dtype=ctx.out_dtype, device=x.device)
         d_residual = None if d_x is None else tensors.as_dtype(d_x, x.dtype).contiguous()
         if ctx.table is None:
             dtype = torch.float32 if ctx.route == "cupy" else torch.promote_types(shift.dtype, scale.dtype)

@@ -18,9 +18,9 @@ derivative in float64 backward (d_weight = d_table^T @ silu(temb), d_bias = colu
 do not depend on T) and table_bwd.cu. `table_backend="torch"` keeps F.linear (cuBLAS: diffusers' own bits on the
 same GPU) for the forward.
 
-Gradients: d_temb (T, D) in temb's dtype, d_weight (N, D) and d_bias (N,) in the parameters' dtypes. (In a block's
-eager path the row ops write their chunks' gradients into one float32 table gradient instead:
-`adaln_lab.ops.table_gradient`.)
+Gradients: d_temb (T, D) in temb's dtype, d_weight (N, D) and d_bias (N,) in the parameters' dtypes. (In a block the
+row ops write their chunks' gradients into one float32 table gradient, which reaches the table as its gradient:
+`adaln_lab.core.table_gradient`.)
 """
 
 from __future__ import annotations
