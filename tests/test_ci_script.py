@@ -14,6 +14,8 @@ import pytest
 
 from tests.paths import ROOT
 
+pytestmark = pytest.mark.integration  # .ci/run in processes of its own
+
 CI_RUN = ROOT / ".ci" / "run"
 CHAINING = ("&&", "||", ";", "&")
 GUARD = "python3 -c "  # the virtualenv check, the script's first python3 command

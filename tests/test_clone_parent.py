@@ -7,6 +7,9 @@ import subprocess
 import sys
 
 from tests.paths import ROOT
+import pytest
+
+pytestmark = pytest.mark.integration  # python started from the clone's parent
 
 
 def _env():

@@ -3,7 +3,11 @@
 import subprocess
 import sys
 
+import pytest
+
 from .paths import ROOT
+
+pytestmark = pytest.mark.integration  # a pytest run of its own
 
 
 def test_the_test_command_lists_no_skipped_gpu_tests():

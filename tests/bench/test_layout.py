@@ -14,6 +14,9 @@ from adaln_lab.bench import manifest
 from adaln_lab.bench.steps import STEPS
 
 from ..paths import ROOT
+import pytest
+
+pytestmark = pytest.mark.integration  # every step module imported
 
 PACKAGE = ROOT / "adaln_lab" / "bench"
 TOOLS = sorted((ROOT / "bench" / "tools").glob("*.py"))

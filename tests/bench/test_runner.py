@@ -20,6 +20,8 @@ from adaln_lab.bench.steps import STEPS, UPSTREAM_TEST, sanitizer_verdict
 
 from ..paths import ROOT
 
+pytestmark = pytest.mark.integration  # the evidence runner's processes
+
 NO_GPU = {"torch": torch.__version__, "gpus": 0, "gpu": "none", "driver": "none"}
 
 

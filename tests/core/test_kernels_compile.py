@@ -12,6 +12,8 @@ from adaln_lab.core.plan import plan
 
 from ..paths import ROOT
 
+pytestmark = pytest.mark.integration  # NVRTC compiles of the whole unit
+
 core = pytest.importorskip("cuda.core", reason="the test extra brings cuda-core and the NVRTC wheel")
 
 SHAPES = [(5376, 2688, 3), (264, 64, 1), (1024, 256, 8), (5376, 2688, 8),

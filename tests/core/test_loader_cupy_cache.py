@@ -35,6 +35,8 @@ from ..paths import ROOT
 
 from .loader_state import fresh_loader  # noqa: F401,E402  (autouse: a loader that compiled nothing)
 
+pytestmark = pytest.mark.integration  # CuPy's cache, across processes of their own
+
 PLAN = plan(264, 64, 3)
 
 
@@ -258,6 +260,7 @@ print(json.dumps({"digest": digest.hexdigest(), "cache_dir": loader.cache_dir(),
 # a read-only directory for root too: CuPy's write into the cache (a temporary file there) is refused
 _WRITES_FAIL = """
 import tempfile
+
 _real = tempfile.NamedTemporaryFile
 def _refuse(*args, **kwargs):
     if os.path.abspath(str(kwargs.get("dir"))) == os.path.abspath(os.environ["CUPY_CACHE_DIR"]):

@@ -11,6 +11,8 @@ import torch
 from adaln_lab.__main__ import main
 from adaln_lab.harness import block_report as br
 
+pytestmark = pytest.mark.integration  # the block report CLI end to end
+
 
 def test_inputs_shapes_and_indices():
     inputs = br.make_block(1, 50, H=16, D=8, T=4)
@@ -96,6 +98,7 @@ sys.modules["diffusers"] = None  # import diffusers now raises ImportError, as a
 from adaln_lab.harness import block_report as br
 br.QUICK_SIZES, br.HOST_SAMPLES, br.WARMUP, br.ITERS = (33,), 3, 1, 3  # the run's cost, not what it does
 from adaln_lab.__main__ import main
+
 sys.exit(main(["block-report", "--quick", "--device", "cpu", "--candidates", "diffusers,adaln_lab",
               "--out", sys.argv[1]]))
 """

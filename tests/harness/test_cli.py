@@ -13,6 +13,8 @@ import pytest
 from adaln_lab import __main__ as cli
 from adaln_lab.harness import block_report, report
 
+pytestmark = pytest.mark.integration  # the CLI end to end
+
 CANNED = {"kind": "adaln_lab_report", "memory_floor": {}, "results": {"plain": {}}, "environment": {"device": "cpu"},
           "adaln_lab_commit": "abc1234", "copy_TBps": 0.01}
 

@@ -10,6 +10,8 @@ import pytest
 
 from ..paths import DATA
 
+pytestmark = pytest.mark.integration  # the report CLI end to end
+
 one_worker = pytest.mark.xdist_group("harness_report")  # the tests of the module fixture `quick_run`: built once
 SEED = DATA / "seed_prior_art_b200.json"
 RENAMED = {"rl_kernel_commit": "adaln_lab_commit"}

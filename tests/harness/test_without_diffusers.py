@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.integration  # processes without diffusers
+
 
 def test_a_diffusers_class_asked_for_without_diffusers_names_itself(monkeypatch):
     from adaln_lab.testing import tiny_h3_model

@@ -12,6 +12,8 @@ import pytest
 
 from ..paths import NOTEBOOKS, ROOT
 
+pytestmark = pytest.mark.integration  # processes without the extras
+
 tomllib = pytest.importorskip("tomllib", reason="Python >= 3.11 reads TOML")
 nbformat = pytest.importorskip("nbformat", reason="the test extra brings nbformat")
 
@@ -67,6 +69,7 @@ sys.meta_path.insert(0, Blocker())
 import adaln_lab, adaln_lab.nn, adaln_lab.harness.report, adaln_lab.lab.errors
 from adaln_lab import final_adaln_out
 from adaln_lab.harness.inputs import make
+
 out = final_adaln_out(*make(1, 5, H=64, D=32, T=3).args)
 assert out.shape == (5, 64), out.shape
 print("ok without the cuda extra")

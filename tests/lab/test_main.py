@@ -11,6 +11,8 @@ from adaln_lab.lab.__main__ import main
 
 from ..paths import EVIDENCE, needs_evidence
 
+pytestmark = pytest.mark.integration  # the lab CLI end to end
+
 
 def test_cli_quick_writes_the_asked_files_and_says_so_on_stdout(tmp_path, capsys):
     out = tmp_path / "new" / "dir"  # created

@@ -4,6 +4,8 @@ import pytest
 
 from adaln_lab.lab import notebooks
 
+pytestmark = pytest.mark.integration  # the notebook runner's processes
+
 
 def test_help_says_what_write_does_and_that_nothing_is_written_without_it(capsys):
     with pytest.raises(SystemExit) as exit_:

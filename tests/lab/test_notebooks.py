@@ -38,6 +38,8 @@ from adaln_lab.lab import errors, evidence, latency_sweep as latency, tables, wa
 from adaln_lab.lab import notebooks as run_notebooks  # noqa: E402
 from adaln_lab.reference import replay  # noqa: E402
 
+pytestmark = pytest.mark.integration  # the notebooks executed in a kernel of their own
+
 one_worker = pytest.mark.xdist_group("notebooks")  # the tests of the module fixture `executed`: notebooks run once
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 PROGRESS = re.compile(r"\d+%\||\d+/\d+ \[|it/s|call/s|step/s|\d+/\d+ \w+ in [\d.]+ s")  # bars, and lines of a log
@@ -75,13 +77,29 @@ def _text(notebook) -> str:
 
 
 @pytest.fixture(scope="module")
-def executed(tmp_path_factory):
-    """{stem: (executed notebook, seconds)} against the committed evidence, each notebook run once,
-    in a kernel that sees no GPU (MODE "auto" -> evidence, as in CI, also on a GPU machine)."""
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("CUDA_VISIBLE_DEVICES", "")
-        _svg_figures(env, tmp_path_factory.mktemp("ipython"))
-        return {path.stem: _execute(path) for path in NOTEBOOKS}
+def executed(tmp_path_factory, worker_id):
+    """{stem: (executed notebook, seconds)} against the committed evidence, each notebook run once per test session
+    (the first pytest-xdist worker to get here runs them under a file lock and leaves them in the session's temporary
+    folder; the others read them), in a kernel that sees no GPU (MODE "auto" -> evidence, as in CI, also on a GPU
+    machine)."""
+    import nbformat
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = (base if worker_id == "master" else base.parent) / "executed_notebooks"
+    shared.mkdir(exist_ok=True)
+    with FileLock(str(shared / "lock")):
+        if not (shared / "seconds.json").is_file():
+            with pytest.MonkeyPatch.context() as env:
+                env.setenv("CUDA_VISIBLE_DEVICES", "")
+                _svg_figures(env, tmp_path_factory.mktemp("ipython"))
+                seconds = {}
+                for path in NOTEBOOKS:
+                    notebook, seconds[path.stem] = _execute(path)
+                    nbformat.write(notebook, shared / path.name)
+            (shared / "seconds.json").write_text(json.dumps(seconds))
+        seconds = json.loads((shared / "seconds.json").read_text())
+    return {path.stem: (nbformat.read(shared / path.name, as_version=4), seconds[path.stem]) for path in NOTEBOOKS}
 
 
 def _check_clean(notebook, machines=()):

@@ -20,6 +20,8 @@ from adaln_lab import block_adaln_path, final_adaln_out
 from adaln_lab.harness.block_protocol import rowwise_attn, rowwise_ff
 from adaln_lab.ops import KernelFallbackWarning
 
+pytestmark = pytest.mark.integration  # gloo ranks in processes of their own
+
 WORLDS = (2, 4)
 
 

@@ -30,6 +30,8 @@ from adaln_lab.ops import KernelFallbackWarning
 
 from .test_patch import ALL_PARTS, SMALL, SMALL_ROWS, TINY, TINY_ROWS, adaln_keys, make_inputs, make_model, upstreams
 
+pytestmark = pytest.mark.integration  # gloo ranks in processes of their own
+
 BATCHED = ("hidden_states", "audio_hidden_states", "encoder_hidden_states")
 
 

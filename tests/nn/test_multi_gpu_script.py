@@ -11,6 +11,8 @@ import pytest
 
 from ..paths import ROOT
 
+pytestmark = pytest.mark.integration  # gloo ranks in processes of their own
+
 pytest.importorskip("diffusers", reason="the test extra brings diffusers 0.42")
 
 MODULE = [sys.executable, "-m", "adaln_lab.bench.multi_gpu"]  # from the checkout's root: its adaln_lab

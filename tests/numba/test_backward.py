@@ -24,6 +24,8 @@ from adaln_lab.ops.final_adaln_out.twin import backward as numba_backward
 from .bounds import (DEVICE, EPS, HALF_BF16, NAMES, Depths, assert_within, error_bounds, golden_tolerances,
                      launch_backward, make_case, same_bits, saved_tensors, simulating)
 
+pytestmark = pytest.mark.integration  # the Numba twin in numba's CUDA simulator (a few thousand threads a second)
+
 TINY = {"H": 64, "D": 32, "T": 3}  # the simulator runs a few thousand threads a second: keep grids tiny
 ROW_TIMESTEPS = [2, 0, 1, 2, 0, 1]  # 6 rows: S = 3 twice over (test_leading_dims_use_index_r_mod_S)
 

@@ -9,6 +9,8 @@ from adaln_lab.harness.inputs import make
 from adaln_lab.ops.final_adaln_out.twin import forward as numba_forward
 from adaln_lab.reference import replay
 
+pytestmark = pytest.mark.integration  # the Numba twin in numba's CUDA simulator (a few thousand threads a second)
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TINY = {"H": 32, "D": 16, "T": 2}  # the simulator runs ~6,000 threads a second: keep grids tiny
 

@@ -34,6 +34,8 @@ from adaln_lab.reference import replay
 
 from .bounds import NAMES, Case, assert_within, golden_tolerances, same_bits
 
+pytestmark = pytest.mark.integration  # the Numba twin in numba's CUDA simulator (a few thousand threads a second)
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TINY = {"H": 32, "D": 16, "T": 2}  # one table block of 512 threads: ~2.5 s a table in the simulator
 EPS = 1e-5
