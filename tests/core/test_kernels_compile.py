@@ -34,7 +34,7 @@ def _arch_cases():
         yield pytest.param(shape, "sm_100", id=f"{shape}-sm_100", marks=marks)
 
 
-@pytest.mark.parametrize("shape, arch", _arch_cases())
+@pytest.mark.parametrize("shape, arch", list(_arch_cases()))
 def test_every_kernel_compiles(shape, arch):
     text = loader.source(plan(*shape))
     code = compile_unit(text, arch).code
