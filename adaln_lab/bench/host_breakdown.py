@@ -140,6 +140,7 @@ def primitives(n: int) -> None:
     from adaln_lab.core.plan import plan as make_plan
     from adaln_lab.core import support
     from adaln_lab.core.autocast import autocast_params
+    from adaln_lab.core.library import eager
     from adaln_lab.core.checks import validate
 
     inputs = make(3, n, "cuda")
@@ -168,7 +169,7 @@ def primitives(n: int) -> None:
         "checks.validate(...)": lambda: validate(x, nw, temb, w, b, idx, 1e-5, check_indices=False),
         "support.final_adaln_out(...)": lambda: support.final_adaln_out(x, nw, temb, w, b),
         "autocast_params(...)": lambda: autocast_params(x, nw, w, b),
-        "torch.compiler.is_compiling()": torch.compiler.is_compiling,
+        "library.eager() (the eager / compiled test)": eager,
         "identity Function forward (5 leaves)": lambda: Identity.apply(*leaves),
         "identity Function forward+backward (grads reset)": lambda: (reset(leaves), Identity.apply(*leaves).backward(ones)),
         "saving Function forward+backward (saves 5, grads reset)": lambda: (reset(leaves),
