@@ -110,13 +110,19 @@ def layout(sizes: dict) -> tuple[dict, int]:
     return offsets, max(total, ALIGN)
 
 
-@lru_cache(maxsize=4096)
 def forward_workspace(T: int, H: int, rows: int) -> tuple[dict, int]:
     """norm_out's forward workspace: `table` (T, 2H) bf16, `table_f32` (T, 2H) fp32 and `rstd` (rows,) fp32 laid out
-    one after another: (byte offsets (shared: not to be modified), total bytes). Integer arithmetic alone, so that
-    torch.compile traces it on symbolic sizes (dynamo looks through the cache; the op's Function allocates the
-    workspace in eager and compiled code alike)."""
+    one after another: (byte offsets, total bytes). Integer arithmetic alone, no cache, so that torch.compile traces
+    it on symbolic sizes (the op's Function allocates the workspace in eager and compiled code alike)."""
     return layout({"table": T * 2 * H * 2, "table_f32": T * 2 * H * 4, "rstd": rows * 4})
+
+
+def check_table(D: int, T: int, N: int) -> None:
+    """The table kernels' limits for temb (T, D) and N columns (check_shapes' on D and T; N divisible by 8): a clear
+    error naming the argument otherwise. No cache: torch.compile traces it where an op decides its route."""
+    check_shapes(8, D, T)
+    if N % 8 or N < 8:
+        raise ValueError(f"the CUDA kernels need the table's columns (weight.shape[0]) divisible by 8, got {N}")
 
 
 def supported(H: int, D: int, T: int) -> bool:
@@ -322,8 +328,8 @@ def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = Fal
     used only for its row kernels passes D = 8 (adaln_lab/core/tensors.py).
     """
     check_shapes(H, D, T)
-    if table_n and (table_n % 8 or table_n < 8):
-        raise ValueError(f"the CUDA kernels need the table's columns (weight.shape[0]) divisible by 8, got {table_n}")
+    if table_n:
+        check_table(D, T, table_n)
     if table_row_tables and not (table_f32_rounded and row_tables_fit(table_n)):
         raise ValueError(f"row tables need a block's table (columns 18H with H divisible by 8, table_f32_rounded), "
                          f"got {table_n} columns")

@@ -22,7 +22,7 @@ import torch
 
 from .library import eager
 from .warnings import KernelFallbackWarning
-from .plan import ROWS_MAX, T_MAX, check_shapes, plan as make_plan
+from .plan import ROWS_MAX, T_MAX, check_shapes, check_table, plan as make_plan
 
 _BF16 = torch.bfloat16
 _F32 = torch.float32
@@ -90,7 +90,7 @@ def table(temb, weight, bias) -> Exception | None:
     if error is not None:
         return error
     try:
-        make_plan(8, temb.shape[1], temb.shape[0], table_n=weight.shape[0], table_f32_rounded=True)
+        check_table(temb.shape[1], temb.shape[0], weight.shape[0])
     except ValueError as err:
         return err
     return None
