@@ -89,17 +89,21 @@ def forward(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tensor, weig
                     table_written=table_backend == "torch")
 
 
+def kernels_of(x: torch.Tensor, temb: torch.Tensor):
+    """(plan, its Rows, the compiled kernels) of norm_out on x (..., S, H) and temb (T, D), x's device bound."""
+    device = x.get_device()
+    plan, rows, k = tensors.context(device, x.shape[-1], temb.shape[1], temb.shape[0], x.numel() // x.shape[-1])
+    launchers.bind(device)
+    return plan, rows, k
+
+
 def kernels_forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: float, out: int, table: int,
                     table_f32: int, rstd: int, stream: int, table_written: bool = False) -> None:
     """table.cu (unless `table_written`: the bf16 table and table_f32 already at their addresses), then
     norm_modulate.cu, on `stream`, writing out, table, table_f32 and rstd at the given addresses (the op's
     workspace, or `adaln_lab.dlpack`'s arrays)."""
     x, norm_weight, weight, bias = (tensors.aligned(t) for t in (x, norm_weight, weight, bias))
-    H = x.shape[-1]
-    T, D = temb.shape
-    device = x.get_device()
-    plan, rows, k = tensors.context(device, H, D, T, x.numel() // H)
-    launchers.bind(device)
+    plan, rows, k = kernels_of(x, temb)
     if not table_written:
         launchers.launch_table(k, plan, stream, temb.data_ptr(), weight.data_ptr(), bias.data_ptr(), table, table_f32)
     launchers.launch_norm_modulate(k, plan, rows, stream, x.data_ptr(), norm_weight.data_ptr(), table,
@@ -141,11 +145,7 @@ def kernels_backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f
     from the forward's table_f32 and rstd at their addresses; workspace: None (one torch allocation here), or a
     tensor of at least the plan's `bwd_bytes`."""
     dy, x, norm_weight, weight = (tensors.aligned(t) for t in (dy, x, norm_weight, weight))
-    H = x.shape[-1]
-    T, D = temb.shape
-    device = x.get_device()
-    plan, rows, k = tensors.context(device, H, D, T, x.numel() // H)
-    launchers.bind(device)
+    plan, rows, k = kernels_of(x, temb)
     if workspace is None:
         workspace = torch.empty(rows.bwd_bytes, dtype=torch.uint8, device=x.device)
     dx, d_norm_weight, d_temb, d_weight, d_bias = outputs
