@@ -23,6 +23,7 @@ import time
 import torch
 
 from adaln_lab import final_adaln_out
+from adaln_lab.bench.host_breakdown import Identity
 from adaln_lab.harness.inputs import make
 from adaln_lab.reference import replay
 
@@ -33,16 +34,6 @@ def sync():
 
 
 DEVICE = "cuda"
-
-
-class Identity(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, *leaves):
-        return leaves[0].clone()
-
-    @staticmethod
-    def backward(ctx, dy):
-        return (dy,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
 
 def phases(fn, leaves, idx, ones, samples=100, warmup=20) -> dict:
