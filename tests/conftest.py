@@ -37,6 +37,16 @@ def pytest_addoption(parser):
                      help="also run the tests marked slow (or set ADALN_LAB_SLOW=1)")
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one CPU thread for the test: many tiny calls, whose OpenMP barriers spin for ages on a busy 2-core
+    machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _run_slow(config) -> bool:
     return config.getoption("--runslow") or os.environ.get("ADALN_LAB_SLOW", "") == "1"
 

@@ -64,15 +64,6 @@ def test_every_adaln_gradient_at_least_as_accurate_as_diffusers_against_float64(
         assert ours_err[name] <= theirs_err[name], (name, ours_err[name] / theirs_err[name])
 
 
-@pytest.fixture
-def one_thread():
-    """torch on one CPU thread: hundreds of small calls, whose OpenMP barriers spin for ages on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_invariance_protocol_on_one_blocks_adaln_path(one_thread):
     """The seed's protocol (quick sizes) on block_adaln_path with row-wise attention / FFN: no row differs."""
     report = assert_batch_invariant(protocol_candidate(), device="cpu", quick=True)

@@ -43,15 +43,6 @@ def _inputs(case, seed, shape=None, device="cpu"):
     return args, tuple(d.to(device) for d in upstream(tuple(o.cpu() for o in outs), seed))
 
 
-@pytest.fixture
-def one_thread():
-    """torch on one CPU thread: many tiny calls, whose OpenMP barriers spin for ages on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ---------------------------------------------------------------- (1) eager == torch.compile(fullgraph=True)
 
 
