@@ -92,6 +92,12 @@ def gamma(k: int, dtype: torch.dtype) -> float:
     return ku / (1.0 - ku)
 
 
+def rel_l2(value: torch.Tensor, ref: torch.Tensor) -> float:
+    """||value - ref|| / ||ref|| in float64: one error measure for the ops' accuracy comparisons."""
+    ref = ref.double()
+    return float((value.double() - ref).norm() / ref.norm())
+
+
 def ulp(magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The spacing of dtype's numbers in the binade of each |magnitude| (float64; subnormal spacing below the
     smallest normal and at zero)."""
@@ -799,3 +805,26 @@ def call_with(case: OpCase, args: dict):
           "gated_residual_norm": gated_residual_norm}[case.name]
     names = _NORM if case.name == "modulated_rms_norm_and_residual" else _PAIR
     return fn(*(args[n] for n in names), args["eps"], row_order=order, backend=backend)
+
+
+def assert_eager_bits_under_compiled_autograd_and_checkpointing(fn, leaves, row_index, upstream, grads) -> None:
+    """fn(*leaves, row_index) under torch.utils.checkpoint (the forward run again in the backward, reentrant or not)
+    and under compiled autograd (its backward traced, the launch ops opaque nodes) gives eager's bits, output and
+    gradients. grads(fn, leaves, row_index, upstream) -> (output, the leaves' gradients), the eager run."""
+    compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
+    from torch._dynamo.utils import counters
+    from torch.utils.checkpoint import checkpoint
+
+    want_out, want = grads(fn, leaves, row_index, upstream)
+    runs = [grads(lambda *a, r=r: checkpoint(fn, *a, use_reentrant=r), leaves, row_index, upstream)
+            for r in (False, True)]
+    traced_leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
+    out = fn(*traced_leaves, row_index)
+    captures = counters["compiled_autograd"]["captures"]
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        out.backward(upstream.to(out.dtype))
+    assert counters["compiled_autograd"]["captures"] == captures + 1  # the backward was traced
+    runs.append((out.detach(), [t.grad for t in traced_leaves]))
+    for got_out, got in runs:
+        assert torch.equal(got_out, want_out)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))

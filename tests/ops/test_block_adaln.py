@@ -16,6 +16,8 @@ from adaln_lab.core import support
 from adaln_lab.reference import block as br
 from adaln_lab.testing import assert_batch_invariant
 
+from .contract import rel_l2
+
 LEAVES = ("x", "temb", "weight", "bias", "norm1_weight", "norm2_weight")
 
 
@@ -35,10 +37,6 @@ def _path_grads(fn, leaves, row_index, dy, **kw):
     return out.detach(), [t.grad for t in leaves]
 
 
-def _rel_l2(value, ref):
-    return float((value.double() - ref).norm() / ref.norm())
-
-
 def accuracy_sums(device, seeds, S, H):
     """Summed over seeds, each gradient's relative L2 error against the pure float64 golden: (ours, diffusers')."""
     ours_err, theirs_err = dict.fromkeys(LEAVES, 0.0), dict.fromkeys(LEAVES, 0.0)
@@ -49,8 +47,8 @@ def accuracy_sums(device, seeds, S, H):
         ref, theirs = _path_grads(br.replay_block_adaln, leaves, row_index, dy)
         _, golden = _path_grads(br.golden_block_adaln, [t.double() for t in leaves], row_index, dy.double())
         for name, a, b, gold in zip(LEAVES, ours, theirs, golden):
-            ours_err[name] += _rel_l2(a, gold)
-            theirs_err[name] += _rel_l2(b, gold)
+            ours_err[name] += rel_l2(a, gold)
+            theirs_err[name] += rel_l2(b, gold)
     return ours_err, theirs_err
 
 

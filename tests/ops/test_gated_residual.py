@@ -10,7 +10,8 @@ from adaln_lab.ops import KernelFallbackWarning
 from adaln_lab.ops.gated_residual import launch
 from adaln_lab.reference import block as br
 
-from .test_modulated_rms_norm import DTYPES, _rel_l2  # one dtype table, one error measure
+from .contract import assert_eager_bits_under_compiled_autograd_and_checkpointing, rel_l2
+from .test_modulated_rms_norm import DTYPES  # one dtype table
 
 H, D, T = 32, 16, 3
 R = 3 * T
@@ -84,7 +85,7 @@ def test_gradients_dx_is_dout_dy_is_torchs_and_d_gate_exact(lead):
         0, row_index.repeat(x.numel() // H // 300), (dout.double() * y.double()).reshape(-1, H))
     assert torch.equal(d_gate, exact.float())  # one rounding of the exact sum
     _, theirs = _grads(_diffusers, (x, gate, y), row_index, dout)
-    assert _rel_l2(d_gate, exact) <= _rel_l2(theirs[1], exact)
+    assert rel_l2(d_gate, exact) <= rel_l2(theirs[1], exact)
 
 
 @pytest.mark.parametrize("S", [64, 1024])
@@ -94,7 +95,7 @@ def test_every_gradient_at_least_as_accurate_as_diffusers(S):
     _, theirs = _grads(_diffusers, (x, gate, y), row_index, dout)
     _, golden = _grads(_golden, [t.double() for t in (x, gate, y)], row_index, dout.double())
     for name, got, theirs_, gold in zip(("dx", "d_gate", "d_y"), ours, theirs, golden):
-        assert _rel_l2(got, gold) <= _rel_l2(theirs_, gold), name
+        assert rel_l2(got, gold) <= rel_l2(theirs_, gold), name
 
 
 def test_rows_are_independent_and_gradients_repeat():
@@ -171,25 +172,8 @@ def test_backward_launch_writes_d_gate_into_its_column_only(column):
 def test_compiled_autograd_and_checkpointing_give_the_eager_bits():
     """The op's one autograd node under compiled autograd (its backward traced) and torch.utils.checkpoint
     (reentrant or not): eager's bits."""
-    compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
-    from torch._dynamo.utils import counters
-    from torch.utils.checkpoint import checkpoint
-
     x, gate, y, row_index, dout = _case(S=33, lead=(2,), seed=8)
-    leaves = (x, gate, y)
-    want_out, want = _grads(_call, leaves, row_index, dout)
-    runs = [_grads(lambda *a, r=r: checkpoint(_call, *a, use_reentrant=r), leaves, row_index, dout)
-            for r in (False, True)]
-    traced_leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
-    out = _call(*traced_leaves, row_index)
-    captures = counters["compiled_autograd"]["captures"]
-    with compiled_autograd._enable(torch.compile(backend="eager")):
-        out.backward(dout)
-    assert counters["compiled_autograd"]["captures"] == captures + 1  # the backward was traced
-    runs.append((out.detach(), [t.grad for t in traced_leaves]))
-    for got_out, got in runs:
-        assert torch.equal(got_out, want_out)
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert_eager_bits_under_compiled_autograd_and_checkpointing(_call, (x, gate, y), row_index, dout, _grads)
 
 
 def test_backend_option():
@@ -252,7 +236,7 @@ def test_cuda_matches_diffusers_bitwise(lead):
     _, theirs = _grads(_diffusers, (x, gate, y), row_index, dout)
     _, golden = _grads(_golden, [t.double() for t in (x, gate, y)], row_index, dout.double())
     for name, got, theirs_, gold in zip(("dx", "d_gate", "d_y"), (dx, d_gate, d_y), theirs, golden):
-        assert _rel_l2(got, gold) <= _rel_l2(theirs_, gold), name
+        assert rel_l2(got, gold) <= rel_l2(theirs_, gold), name
     rows = torch.randperm(2049, device="cuda")[:500]
     sub_out, sub = _grads(_call, (x[:, rows] if lead else x[rows], gate, y[:, rows] if lead else y[rows]),
                           row_index[rows], dout[:, rows] if lead else dout[rows])

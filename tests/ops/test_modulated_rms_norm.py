@@ -15,6 +15,8 @@ from adaln_lab.ops.modulated_rms_norm import launch, modulated_rms_norm_and_resi
 from adaln_lab.reference import block as br
 from adaln_lab.reference.backward import compute_dtype
 
+from .contract import assert_eager_bits_under_compiled_autograd_and_checkpointing, rel_l2
+
 H, D, T = 32, 16, 3
 R = 3 * T
 EPS = 1e-5
@@ -57,11 +59,6 @@ def _grads(fn, leaves, row_index, dy, **kw):
     out = fn(*leaves, row_index, **kw)
     out.backward(dy.to(out.dtype))
     return out.detach(), [t.grad for t in leaves]
-
-
-def _rel_l2(value, ref):
-    ref = ref.double()
-    return float((value.double() - ref).norm() / ref.norm())
 
 
 def _launch_forward(x, norm_weight, shift, scale, row_index, table_dtype, route="torch"):
@@ -120,9 +117,9 @@ def test_gradients_exact_and_at_least_as_accurate_as_diffusers(S):
     _, theirs = _grads(_diffusers, leaves, row_index, dy)
     _, golden = _grads(_golden, [t.double() for t in leaves], row_index, dy.double())
     for name, got, theirs_, gold in zip(("dx", "d_norm_weight", "d_shift", "d_scale"), ours, theirs, golden):
-        err = _rel_l2(got, gold)
-        assert err <= _rel_l2(theirs_, gold), name
-        floor = _rel_l2(gold.to(got.dtype), gold)
+        err = rel_l2(got, gold)
+        assert err <= rel_l2(theirs_, gold), name
+        floor = rel_l2(gold.to(got.dtype), gold)
         assert err <= 1.1 * floor + 1e-6, (name, err, floor)
     assert [g.dtype for g in ours] == [torch.bfloat16, torch.bfloat16, torch.float32, torch.float32]
 
@@ -223,24 +220,9 @@ def _norm_and_residual(x, norm_weight, shift, scale, row_index):
 def test_compiled_autograd_and_checkpointing_give_the_eager_bits(fn):
     """The op's one autograd node under compiled autograd (its backward traced, the launch op an opaque node) and
     under torch.utils.checkpoint (the forward run again in the backward, reentrant or not): eager's bits."""
-    compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
-    from torch._dynamo.utils import counters
-    from torch.utils.checkpoint import checkpoint
-
     x, norm_weight, shift, scale, row_index, dy = _case(S=33, lead=(2,), seed=3)
-    leaves = (x, norm_weight, shift, scale)
-    want_out, want = _grads(fn, leaves, row_index, dy)
-    runs = [_grads(lambda *a, r=r: checkpoint(fn, *a, use_reentrant=r), leaves, row_index, dy) for r in (False, True)]
-    traced_leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
-    out = fn(*traced_leaves, row_index)
-    captures = counters["compiled_autograd"]["captures"]
-    with compiled_autograd._enable(torch.compile(backend="eager")):
-        out.backward(dy.to(out.dtype))
-    assert counters["compiled_autograd"]["captures"] == captures + 1  # the backward was traced
-    runs.append((out.detach(), [t.grad for t in traced_leaves]))
-    for got_out, got in runs:
-        assert torch.equal(got_out, want_out)
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert_eager_bits_under_compiled_autograd_and_checkpointing(fn, (x, norm_weight, shift, scale), row_index, dy,
+                                                                _grads)
 
 
 def test_backend_option():
@@ -332,7 +314,7 @@ def test_cuda_gradients_against_float64_repeatable_and_row_invariant():
     _, theirs = _grads(_diffusers, leaves, row_index, dy)
     _, golden = _grads(_golden, [t.double() for t in leaves], row_index, dy.double())
     for name, got, theirs_, gold in zip(("dx", "d_norm_weight", "d_shift", "d_scale"), ours, theirs, golden):
-        assert _rel_l2(got, gold) <= _rel_l2(theirs_, gold), name
+        assert rel_l2(got, gold) <= rel_l2(theirs_, gold), name
     rows = torch.randperm(4097, device="cuda")[:1000]
     sub_out, sub = _grads(_call, (x[rows], norm_weight, shift, scale), row_index[rows], dy[rows])
     assert torch.equal(sub_out, out[rows]) and torch.equal(sub[0], ours[0][rows])
