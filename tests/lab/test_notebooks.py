@@ -2,17 +2,16 @@
 is shown no GPU, also on a GPU machine), says where its figures come from, shows no progress bars,
 and prints the H200 report's own numbers.
 
-Two runs: against the committed evidence (bench/results/<machine>: report.json, and lab_*.json once the
-H200 run of `python -m adaln_lab.lab` is committed; until then the notebooks compute a small CPU
-version live and say so), and against a synthetic evidence directory holding complete lab_*.json
-files (torch.compile, adaln_lab_numba, CUDA-graph times and a kernel profile included), so the
-reading path of H200 data runs here too. Every notebook reads report.json: while the evidence folder
-waits for its GPU run, the tests that execute them skip, naming the missing file.
-
-A third run reads a folder of `python -m adaln_lab.lab --out DIR --quick` (ADALN_LAB_EVIDENCE_DIR=DIR), which
-holds no report.json: the report's parts say "not measured in this run"; then with a CPU run's report there
-(no forward_parity_vs_diffusers, no CUDA-graph times, no torch_compile). Each run's kernel also renders its
-figures as SVG with their text, so the tests read that every figure names the machine of its data.
+Three runs, each notebook executed once in each: against the committed evidence (bench/results/<machine>:
+report.json, and lab_*.json once the GPU run of `python -m adaln_lab.lab` is committed; until then the notebooks
+compute a small CPU version live and say so); against a synthetic evidence directory holding complete lab_*.json
+files (torch.compile, adaln_lab_numba, CUDA-graph times and a kernel profile included) beside a CPU run's
+report.json (no forward_parity_vs_diffusers, no CUDA-graph times, no torch_compile), so the reading paths of GPU
+lab data and of a CPU report run here too; and on a folder of `python -m adaln_lab.lab --out DIR --quick`
+(ADALN_LAB_EVIDENCE_DIR=DIR), which holds no report.json: the report's parts say "not measured in this run".
+Every notebook reads report.json: while the evidence folder waits for its GPU run, the tests that execute them
+skip, naming the missing file. Each run's kernel also renders its figures as SVG with their text, so the tests
+read that every figure names the machine of its data.
 
 One pytest-xdist worker runs the tests of the committed evidence (`xdist_group`): those notebooks execute once.
 """
@@ -201,12 +200,26 @@ def test_the_error_notebook_says_why_lab_and_report_figures_differ_and_counts_ou
 
 # --- the same notebooks on complete (synthetic) lab files --------------------------------------------
 
+def _cpu_report(report: dict) -> dict:
+    """`report` as a CPU run writes it: no GPU, no forward_parity_vs_diffusers, no CUDA-graph times, no
+    torch_compile (it runs on CUDA only)."""
+    report = json.loads(json.dumps(report))
+    report["environment"].update(gpu=None, cpu="x86_64", device="cpu")
+    plain = report["results"]["plain"]
+    plain.pop("torch_compile", None)
+    plain["adaln_lab"].pop("forward_parity_vs_diffusers", None)
+    for entry in plain.values():
+        for a in entry["accuracy_latency"].values():
+            a.update(fwd_us_graph=None, fwd_bwd_us_graph=None)
+    return report
+
+
 def _synthetic_evidence(directory: Path) -> None:
-    """report.json and sweep.json copied; lab_*.json made on the CPU at tiny sizes with the GPU-only
-    parts filled in: a 'torch_compile' (the replay, named so), an 'adaln_lab_numba' row, CUDA-graph
-    times (half the eager ones) and a kernel profile."""
-    for name in ("report.json", "sweep.json"):
-        shutil.copy(EVIDENCE / name, directory / name)
+    """report.json as a CPU run writes it (`_cpu_report`: the committed evidence run reads the GPU one), sweep.json
+    copied; lab_*.json made on the CPU at tiny sizes with the GPU-only parts filled in: a 'torch_compile' (the
+    replay, named so), an 'adaln_lab_numba' row, CUDA-graph times (half the eager ones) and a kernel profile."""
+    (directory / "report.json").write_text(json.dumps(_cpu_report(evidence.load_report(EVIDENCE))))
+    shutil.copy(EVIDENCE / "sweep.json", directory / "sweep.json")
     shape = {"H": 64, "D": 32, "T": 3}
     named = walkthrough.candidates_here("cpu", ("diffusers", "adaln_lab"))[0]
     named.insert(1, Named("torch_compile", "the replay, standing in for torch.compile", replay))
@@ -257,23 +270,11 @@ def test_notebooks_read_complete_lab_files(tmp_path, monkeypatch):
         assert "NOT GPU" not in texts[path.stem], path.stem
     assert "profiled inside forward+backward calls" in texts["latency_analysis"]  # the kernel profile was read
     assert "torch_compile" in texts["error_analysis"] and "adaln_lab_numba" in texts["invariance_walkthrough"]
+    # a CPU run's report.json: the parity it lacks is said, not shown as a figure
+    assert f"adaln_lab's forward against diffusers': {evidence.NOT_MEASURED}" in texts["error_analysis"]
 
 
 # --- the notebooks on a folder of `python -m adaln_lab.lab --out DIR --quick` -------------------------------
-
-def _cpu_report(report: dict) -> dict:
-    """`report` as a CPU run writes it: no GPU, no forward_parity_vs_diffusers, no CUDA-graph times, no
-    torch_compile (it runs on CUDA only)."""
-    report = json.loads(json.dumps(report))
-    report["environment"].update(gpu=None, cpu="x86_64", device="cpu")
-    plain = report["results"]["plain"]
-    plain.pop("torch_compile", None)
-    plain["adaln_lab"].pop("forward_parity_vs_diffusers", None)
-    for entry in plain.values():
-        for a in entry["accuracy_latency"].values():
-            a.update(fwd_us_graph=None, fwd_bwd_us_graph=None)
-    return report
-
 
 @needs_evidence("report.json")
 def test_notebooks_read_a_quick_lab_folder(tmp_path, monkeypatch):
@@ -293,9 +294,3 @@ def test_notebooks_read_a_quick_lab_folder(tmp_path, monkeypatch):
         text = _text(notebook)
         assert f": {evidence.NOT_MEASURED} (no report.json" in text
         assert "NOT GPU" not in text  # the folder's lab files are read, not recomputed
-    (tmp_path / "report.json").write_text(json.dumps(_cpu_report(evidence.load_report(EVIDENCE))))
-    for stem in ("error_analysis", "latency_analysis"):  # a CPU report: the parity and graph times it lacks
-        notebook, _ = _execute(NOTEBOOK_DIR / f"{stem}.ipynb")
-        _check_clean(notebook, ("CPU (", CPU))
-        if stem == "error_analysis":
-            assert f"adaln_lab's forward against diffusers': {evidence.NOT_MEASURED}" in _text(notebook)

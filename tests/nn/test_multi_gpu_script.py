@@ -38,9 +38,13 @@ def test_the_multi_gpu_script_on_two_cpu_ranks(tmp_path):
     assert (tmp_path / "multi_gpu.json.ranks" / "rank1.json").is_file()  # what each rank finished, kept
 
 
-def test_the_multi_gpu_script_refuses_an_unknown_run_and_no_ranks(tmp_path):
+def test_the_multi_gpu_script_refuses_an_unknown_run_and_no_ranks(tmp_path, capsys):
+    from adaln_lab.bench.multi_gpu import main  # in this process: argparse refuses before any rank starts
+
     for args, says in ((["--runs", "fsdp,tensor"], "--runs: unknown ['tensor']"),
                        (["--world", "0"], "--world must be >= 1, got 0")):
-        done = subprocess.run([*MODULE, "--device", "cpu", *args, "--out", str(tmp_path / "x.json")],
-                              capture_output=True, text=True, timeout=120, cwd=ROOT)
-        assert done.returncode == 2 and says in done.stderr, done.stderr[-500:]
+        with pytest.raises(SystemExit) as done:
+            main(["--device", "cpu", *args, "--out", str(tmp_path / "x.json")])
+        stderr = capsys.readouterr().err
+        assert done.value.code == 2 and says in stderr, stderr[-500:]
+    assert not (tmp_path / "x.json").exists()
