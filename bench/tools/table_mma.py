@@ -7,7 +7,7 @@ Checks, every T (the seed protocol's temb, weight and bias, `adaln_lab.harness.i
 - the bf16 table bitwise against F.linear's (cuBLAS: diffusers' own table) and the shipped kernel's;
 - T-invariance: rows computed alone (T = 1) and in windows of 3 at another tile position, bitwise the batch's;
 - column slices (offsets multiples of 8) computed alone, bitwise the full table's columns; a second run bitwise.
-Times: CUDA events, medians of batches, three weight copies rotated (174 MB, past the 50 MB L2), the device copy
+Times: CUDA-graph replays between CUDA events (GPU time, no host), medians, three weight copies rotated (174 MB, past the 50 MB L2), the device copy
 bandwidth measured in the same run; floor = (weight + outputs) bytes at that bandwidth.
 
     python3 bench/tools/table_mma.py [--out FILE.json] [--quick]
@@ -109,14 +109,24 @@ def checks(mma, T: int) -> dict:
 
 
 def median_us(fn, copies, batches=9, per_batch=12) -> float:
-    for k in range(3):
-        fn(k % len(copies))
+    """GPU time of one call: `per_batch` calls (weight copies rotated) captured in a CUDA graph, replayed `batches`
+    times between CUDA events; the median over replays, per call."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for k in range(3):
+            fn(k % len(copies))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for k in range(per_batch):
+            fn(k % len(copies))
+    graph.replay()
     times = []
     for _ in range(batches):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for k in range(per_batch):
-            fn(k % len(copies))
+        graph.replay()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1000 / per_batch)
