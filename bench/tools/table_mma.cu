@@ -2,8 +2,10 @@
 //
 //   table[t, j] = bias[j] + sum_k act[t, k] * weight[j, k],  act = bf16(silu(temb)) (silu_bf16, once per call)
 //
-// Math and order: one warp owns 16 MT consecutive rows j and 8 NT consecutive timesteps t; it walks k in steps of
-// 32 from 0 to D, two mma.sync.m16n8k16 (bf16 in, fp32 accumulate) per step and m-tile, always in that order. Within
+// Math and order: the S = ceil(D / 32) steps of 32 k split into KS = 8 chunks, chunk c the steps
+// [c S / 8, (c + 1) S / 8) (integer division: fixed by D alone). A block of 8 warps owns 16 MT consecutive rows j and
+// 8 NT consecutive timesteps t; warp c walks chunk c, two mma.sync.m16n8k16 (bf16 in, fp32 accumulate, from 0) per
+// step and m-tile, in step order; warp 0 then adds the chunks in order, ((c0 + c1) + c2) + ... + c7, and the bias. Within
 // a step, lane l (g = l / 4, q = l % 4) loads the 16 bytes at k + 8q of weight rows j0 + g and j0 + g + 8 and of act
 // row t0 + g; the first mma takes elements 0-3 of each lane's 8, the second 4-7 (a fixed permutation of k inside the
 // step, the same for weight and act). So every (t, j) sum has the same terms in the same instructions whatever T, N,
@@ -14,8 +16,8 @@
 // the sum, table the sum rounded to bf16 once.
 // Tails: k past D, rows past N and timesteps past T load zeros (adding exact zero products changes no sum) and store
 // nothing. D divisible by 8.
-// Grid: (ceil(T / 8 NT), ceil(N / (16 MT WARPS))): the t-blocks of one weight tile are neighbours, so a large T
-// reads the weight from DRAM about once.
+// Grid: (ceil(T / 8 NT), ceil(N / 16 MT)): the t-blocks of one weight tile are neighbours, so a large T reads the
+// weight from DRAM about once.
 
 typedef unsigned short bf16_t;
 
@@ -45,7 +47,7 @@ __device__ __forceinline__ uint4 load16(const bf16_t* p, bool ok) {
     return ok ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0, 0, 0, 0);
 }
 
-#define WARPS 4
+#define KS 8  // chunks of k, one warp each
 
 template <int MT, int NT, int P>
 __device__ __forceinline__ void table_tile(const bf16_t* __restrict__ act, const bf16_t* __restrict__ weight,
@@ -53,8 +55,7 @@ __device__ __forceinline__ void table_tile(const bf16_t* __restrict__ act, const
                                            float* __restrict__ table_f32, int T, int N, int D) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
     const int t0 = blockIdx.x * 8 * NT;
-    const int j0 = (blockIdx.y * WARPS + warp) * 16 * MT;
-    if (j0 >= N) return;
+    const int j0 = blockIdx.y * 16 * MT;
     const bf16_t* wrow[MT][2];
     bool wok[MT][2];
 #pragma unroll
@@ -81,7 +82,8 @@ __device__ __forceinline__ void table_tile(const bf16_t* __restrict__ act, const
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.0f;
 
-    const int steps = (D + 31) / 32;
+    const int all_steps = (D + 31) / 32;
+    const int first = warp * all_steps / KS, steps = (warp + 1) * all_steps / KS;  // this warp's chunk: [first, steps)
     uint4 wbuf[P][MT][2], abuf[P][NT];
     auto issue = [&](uint4 w[MT][2], uint4 a[NT], int s) {
         const int k = 32 * s;
@@ -94,8 +96,8 @@ __device__ __forceinline__ void table_tile(const bf16_t* __restrict__ act, const
         for (int n = 0; n < NT; ++n) a[n] = load16(arow[n] + k, kin && aok[n]);
     };
 #pragma unroll
-    for (int p = 0; p < P; ++p) issue(wbuf[p], abuf[p], p);
-    for (int s0 = 0; s0 < steps; s0 += P) {
+    for (int p = 0; p < P; ++p) issue(wbuf[p], abuf[p], first + p);
+    for (int s0 = first; s0 < steps; s0 += P) {
 #pragma unroll
         for (int p = 0; p < P; ++p) {
             if (s0 + p >= steps) break;
@@ -114,6 +116,26 @@ __device__ __forceinline__ void table_tile(const bf16_t* __restrict__ act, const
                 }
         }
     }
+    // the chunks in order: warps 1..7 leave theirs in shared memory, warp 0 adds them to its own
+    __shared__ float parts[KS - 1][MT * NT * 4][32];
+    if (warp > 0) {
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) parts[warp - 1][(m * NT + n) * 4 + e][lane] = acc[m][n][e];
+    }
+    __syncthreads();
+    if (warp > 0) return;
+#pragma unroll 1
+    for (int w = 0; w < KS - 1; ++w)
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[m][n][e] += parts[w][(m * NT + n) * 4 + e][lane];
     // c0, c1: row j0 + 16m + g, timesteps t0 + 8n + 2q + {0, 1}; c2, c3: row + 8, the same timesteps
 #pragma unroll
     for (int m = 0; m < MT; ++m)
@@ -136,7 +158,7 @@ __device__ __forceinline__ void table_tile(const bf16_t* __restrict__ act, const
 }
 
 template <int MT, int NT, int P>
-__global__ void __launch_bounds__(32 * WARPS) table_mma(const bf16_t* __restrict__ act, const bf16_t* __restrict__ weight,
+__global__ void __launch_bounds__(32 * KS) table_mma(const bf16_t* __restrict__ act, const bf16_t* __restrict__ weight,
                                                         const bf16_t* __restrict__ bias, bf16_t* __restrict__ table,
                                                         float* __restrict__ table_f32, int T, int N, int D) {
     table_tile<MT, NT, P>(act, weight, bias, table, table_f32, T, N, D);

@@ -29,12 +29,12 @@ from adaln_lab.core import tensors
 from adaln_lab.harness.inputs import make
 
 HERE = pathlib.Path(__file__).parent
-VARIANTS = {(1, 1, 4), (2, 1, 4), (1, 1, 8), (1, 2, 4), (2, 2, 4), (2, 4, 3), (1, 4, 4), (2, 8, 2), (1, 8, 2)}
+VARIANTS = {(1, 1, 4), (2, 1, 4), (1, 1, 2), (1, 2, 4), (2, 2, 4), (2, 4, 3), (1, 4, 4), (1, 8, 2), (1, 8, 3)}
 TS = (1, 3, 8, 10, 16, 32, 64, 256, 1024)
 
 
 def default_variant(T: int) -> tuple:
-    return (1, 1, 4) if T <= 8 else (1, 2, 4) if T <= 16 else (2, 4, 3) if T <= 32 else (2, 8, 2)
+    return (1, 1, 4) if T <= 8 else (1, 2, 4) if T <= 16 else (1, 4, 4) if T <= 32 else (1, 8, 2)
 
 
 class Mma:
@@ -56,8 +56,8 @@ class Mma:
                 self.silu((min(132 * 4, -(-T * D // 256)),), (256,), (ptr(temb), ptr(act), numpy.int32(T * D)))
             table = torch.empty(T, N, dtype=torch.bfloat16, device=temb.device)
             table_f32 = torch.empty(T, N, dtype=torch.float32, device=temb.device)
-            grid = (-(-T // (8 * n)), -(-N // (16 * m * 4)))
-            self.kernels[(m, n, p)](grid, (128,), (ptr(act), ptr(weight), ptr(bias), ptr(table), ptr(table_f32),
+            grid = (-(-T // (8 * n)), -(-N // (16 * m)))
+            self.kernels[(m, n, p)](grid, (256,), (ptr(act), ptr(weight), ptr(bias), ptr(table), ptr(table_f32),
                                                    numpy.int32(T), numpy.int32(N), numpy.int32(D)))
         return table, table_f32, act
 
