@@ -283,7 +283,8 @@ class Plan:
                     TABLE_ROWS_PER_WARP=self.table_rows_per_warp, TABLE_AHEAD=t["TABLE_AHEAD"],
                     TABLE_MIN_BLOCKS=t["TABLE_MIN_BLOCKS"], TABLE_PERSISTENT=int(self.table_persistent),
                     FWD_ROW_LIST_MAX=t["FWD_ROW_LIST_MAX"], ROW_LIST_MAX=t["ROW_LIST_MAX"],
-                    TB_THREADS=t["TB_THREADS"], TB_ROWS=self.tb_rows, TB_EARLY=t["TB_EARLY"], TB_COLUMNS=TB_COLUMNS,
+                    TB_THREADS=t["TB_THREADS"], TB_ROWS=self.tb_rows, TB_SPLIT=int(self.tb_split),
+                    TB_EARLY=t["TB_EARLY"], TB_COLUMNS=TB_COLUMNS,
                     ROW_ORDER_THREADS=ROW_ORDER_THREADS, ROW_ORDER_KEYS_MAX=ROW_ORDER_KEYS_MAX,
                     GR_THREADS=self.gr_threads, SUM_GROUPS=t["SUM_GROUPS"], RP_T=self.rp_t, TABLE_N=self.columns,
                     TABLE_F32_ROUNDED=int(self.table_f32_rounded), TABLE_ROW_TABLES=int(self.table_row_tables))
