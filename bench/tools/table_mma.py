@@ -1,17 +1,18 @@
-"""The table on tensor cores (table_mma.cu beside this file), checked and timed against the shipped table kernel and
-cuBLAS's F.linear, for T from 1 to 1024, at norm_out's width (H 5376, D 2688: N = 2H = 10752 columns).
+"""A candidate table kernel on tensor cores (table_mma.cu beside it) against the shipped table kernel and cuBLAS, T 1 to 1024."""
 
-Checks, every T (the seed protocol's temb, weight and bias, `adaln_lab.harness.inputs.make`):
-- error of table_f32 against the float64 golden of bf16(silu(temb)) @ weight^T + bias, as a share of the
-  conditioning sum_k |act w| (the fp32 accumulation bound's scale), beside the shipped kernel's (T <= 9);
-- the bf16 table bitwise against F.linear's (cuBLAS: diffusers' own table) and the shipped kernel's;
-- T-invariance: rows computed alone (T = 1) and in windows of 3 at another tile position, bitwise the batch's;
-- column slices (offsets multiples of 8) computed alone, bitwise the full table's columns; a second run bitwise.
-Times: CUDA-graph replays between CUDA events (GPU time, no host), medians, three weight copies rotated (174 MB, past the 50 MB L2), the device copy
-bandwidth measured in the same run; floor = (weight + outputs) bytes at that bandwidth.
-
-    python3 bench/tools/table_mma.py [--out FILE.json] [--quick]
-"""
+# The table on tensor cores (table_mma.cu beside this file), checked and timed against the shipped table kernel and
+# cuBLAS's F.linear, for T from 1 to 1024, at norm_out's width (H 5376, D 2688: N = 2H = 10752 columns).
+#
+# Checks, every T (the seed protocol's temb, weight and bias, `adaln_lab.harness.inputs.make`):
+# - error of table_f32 against the float64 golden of bf16(silu(temb)) @ weight^T + bias, as a share of the
+#   conditioning sum_k |act w| (the fp32 accumulation bound's scale), beside the shipped kernel's (T <= 9);
+# - the bf16 table bitwise against F.linear's (cuBLAS: diffusers' own table) and the shipped kernel's;
+# - T-invariance: rows computed alone (T = 1) and in windows of 3 at another tile position, bitwise the batch's;
+# - column slices (offsets multiples of 8) computed alone, bitwise the full table's columns; a second run bitwise.
+# Times: CUDA-graph replays between CUDA events (GPU time, no host), medians, three weight copies rotated (174 MB,
+# past the 50 MB L2), the device copy bandwidth measured in the same run; floor = (weight + outputs) bytes at it.
+#
+#     python3 bench/tools/table_mma.py [--out FILE.json] [--quick]
 
 from __future__ import annotations
 
@@ -160,7 +161,7 @@ def timings(mma, T: int, bw: float) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=pathlib.Path)
     parser.add_argument("--quick", action="store_true", help="T 1, 3, 8, 64 only")
     args = parser.parse_args(argv)
