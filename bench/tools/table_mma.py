@@ -1,4 +1,4 @@
-"""A candidate table kernel on tensor cores (table_mma.cu beside it) against the shipped table kernel and cuBLAS, T 1 to 1024."""
+"""A candidate table kernel on tensor cores (table_mma.cu) against the shipped one and cuBLAS, T 1 to 1024."""
 
 # The table on tensor cores (table_mma.cu beside this file), checked and timed against the shipped table kernel and
 # cuBLAS's F.linear, for T from 1 to 1024, at norm_out's width (H 5376, D 2688: N = 2H = 10752 columns).
