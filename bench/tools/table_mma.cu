@@ -6,9 +6,8 @@
 // [c S / 8, (c + 1) S / 8) (integer division: fixed by D alone). A block of 8 warps owns 16 MT consecutive rows j and
 // 8 NT consecutive timesteps t; warp c walks chunk c, two mma.sync.m16n8k16 (bf16 in, fp32 accumulate, from 0) per
 // step and m-tile, in step order; warp 0 then adds the chunks in order, ((c0 + c1) + c2) + ... + c7, and the bias.
-// Within
-// a step, lane l (g = l / 4, q = l % 4) loads the 16 bytes at k + 8q of weight rows j0 + g and j0 + g + 8 and of act
-// row t0 + g; the first mma takes elements 0-3 of each lane's 8, the second 4-7 (a fixed permutation of k inside the
+// Within a step, lane l (g = l / 4, q = l % 4) loads the 16 bytes at k + 8q of weight rows j0 + g and j0 + g + 8
+// and of act row t0 + g; the first mma takes elements 0-3 of each lane's 8, the second 4-7 (a fixed permutation of k inside the
 // step, the same for weight and act). So every (t, j) sum has the same terms in the same instructions whatever T, N,
 // the tile it lands in or the grid: the order depends on D alone (T-invariant rows, column-slice invariant columns),
 // as long as the tensor core adds each output element the same way at every position of its tile (checked on the
