@@ -2,16 +2,16 @@
 //
 //   table[t, j] = bias[j] + sum_k act[t, k] * weight[j, k],  act = bf16(silu(temb)) (silu_bf16, once per call)
 //
-// Math and order: the S = ceil(D / 32) steps of 32 k split into KS = 8 chunks, chunk c the steps
-// [c S / 8, (c + 1) S / 8) (integer division: fixed by D alone). A block of 8 warps owns 16 MT consecutive rows j and
-// 8 NT consecutive timesteps t; warp c walks chunk c, two mma.sync.m16n8k16 (bf16 in, fp32 accumulate, from 0) per
-// step and m-tile, in step order; warp 0 then adds the chunks in order, ((c0 + c1) + c2) + ... + c7, and the bias.
-// Within a step, lane l (g = l / 4, q = l % 4) loads the 16 bytes at k + 8q of weight rows j0 + g and j0 + g + 8
-// and of act row t0 + g; the first mma takes elements 0-3 of each lane's 8, the second 4-7 (a fixed permutation of k inside the
-// step, the same for weight and act). So every (t, j) sum has the same terms in the same instructions whatever T, N,
-// the tile it lands in or the grid: the order depends on D alone (T-invariant rows, column-slice invariant columns),
-// as long as the tensor core adds each output element the same way at every position of its tile (checked on the
-// GPU: rows computed alone against rows computed in a batch of 1024).
+// Math and order: the S = ceil(D / 32) steps of 32 k split into KS = 8 chunks, chunk c the steps [c S / 8, (c + 1) S /
+// 8) (integer division: fixed by D alone). A block of 8 warps owns 16 MT consecutive rows j and 8 NT consecutive
+// timesteps t; warp c walks chunk c, two mma.sync.m16n8k16 (bf16 in, fp32 accumulate, from 0) per step and m-tile, in
+// step order; warp 0 then adds the chunks in order, ((c0 + c1) + c2) + ... + c7, and the bias. Within a step, lane l (g
+// = l / 4, q = l % 4) loads the 16 bytes at k + 8q of weight rows j0 + g and j0 + g + 8 and of act row t0 + g; the
+// first mma takes elements 0-3 of each lane's 8, the second 4-7 (a fixed permutation of k inside the step, the same for
+// weight and act). So every (t, j) sum has the same terms in the same instructions whatever T, N, the tile it lands in
+// or the grid: the order depends on D alone (T-invariant rows, column-slice invariant columns), as long as the tensor
+// core adds each output element the same way at every position of its tile (checked on the GPU: rows computed alone
+// against rows computed in a batch of 1024).
 // Rounding: fp32 accumulation inside the tensor core (its own order and alignment), bias added in fp32, table_f32
 // the sum, table the sum rounded to bf16 once.
 // Tails: k past D, rows past N and timesteps past T load zeros (adding exact zero products changes no sum) and store
