@@ -1,0 +1,120 @@
+"""Exact sums of float32 terms, rounded once: the order-free cross-row sums of the exact-gradient contract.
+
+    state = ExactSum(shape, device)            # zero
+    state.add(terms)                           # terms (n, *shape) float32: adds the n terms of every element
+    state.merge(other)                         # another part's state, in any order
+    state.value(torch.float32 | torch.bfloat16) -> (*shape,) the exact sum, rounded once to nearest even
+
+Why: integer addition is associative, so a sum kept as integers has one value for every order of its terms, every
+split into parts and every order of merging the parts (micro-batches, ranks); float addition has not.
+
+Representation: a finite float32 is m 2^e with |m| < 2^24 and e >= -149 (its subnormal quantum). Scaled by 2^149 it
+is an integer below 2^277; the state keeps that integer per element as LIMBS signed int64 limbs of LIMB_BITS bits
+(limb k weighs 2^(32 k - 149)). A term lands in two neighbouring limbs (its 24-bit mantissa shifted by up to 31);
+after each `add` or `merge` the carries move up so that limbs 0 .. LIMBS - 2 lie in [0, 2^32) and the top limb holds
+the sign. Bounds: one `add` takes at most MAX_TERMS terms per element (no limb can overflow before its carry); the
+top limb keeps sums up to 2^(32 LIMBS - 149 - 1) = 2^170 in magnitude, far past float32's 2^128 times 2^31 terms.
+Non-finite terms raise ValueError (never a wrong sum).
+
+Rounding (`value`): the integer is rounded once to the dtype's precision (24 bits for float32, 8 for bfloat16; their
+common least normal exponent -126 sets the subnormal quantum), ties to even; past the largest finite value, inf.
+The CPU reference rounds element by element in Python integers: meant for the AdaLN sums (a table gradient, norm
+weights, bias: thousands of elements), not for large tensors. A sum that is exactly zero is +0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+LIMB_BITS = 32
+LIMBS = 10
+E_MIN = -149            # float32's subnormal quantum 2^-149: the state counts in units of it
+MAX_TERMS = 2 ** 30     # terms per element in one `add`: each limb gains < 2^32 a term, kept below 2^62
+_PRECISION = {torch.float32: 24, torch.bfloat16: 8}  # significand bits; both have float32's exponent range
+_EMIN_NORMAL = -126
+
+
+def decompose(terms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m, shift) int64 with terms = m 2^(shift + E_MIN) exactly, |m| < 2^24, 0 <= shift < 277 (terms float32)."""
+    mantissa, exponent = torch.frexp(terms)             # terms = mantissa 2^exponent, 0.5 <= |mantissa| < 1
+    m = (mantissa * 2.0 ** 24).to(torch.int64)          # exact: 24 significant bits
+    e = exponent.to(torch.int64) - 24
+    under = (E_MIN - e).clamp(min=0)                     # a subnormal: its low bits are zero, shift them out
+    return m >> under, e + under - E_MIN
+
+
+class ExactSum:
+    """The exact sum of float32 terms per element of `shape` (module docstring): add, merge, value."""
+
+    def __init__(self, shape, device=None):
+        self.limbs = torch.zeros((LIMBS, *shape), dtype=torch.int64, device=device)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.limbs.shape[1:]
+
+    def add(self, terms: torch.Tensor) -> "ExactSum":
+        """Add terms (n, *shape) float32: the n terms of every element (0 <= n <= MAX_TERMS)."""
+        if terms.dtype != torch.float32 or terms.shape[1:] != self.shape:
+            raise ValueError(f"terms must be float32 of shape (n, {', '.join(map(str, self.shape))}), got "
+                             f"{terms.dtype} {tuple(terms.shape)}")
+        if terms.shape[0] > MAX_TERMS:
+            raise ValueError(f"at most {MAX_TERMS} terms per element in one add, got {terms.shape[0]}")
+        if not bool(torch.isfinite(terms).all()):
+            raise ValueError("the terms must be finite: an exact sum of inf or NaN does not exist")
+        m, shift = decompose(terms)
+        value = m << (shift % LIMB_BITS)                 # |value| < 2^55
+        low = shift // LIMB_BITS
+        self.limbs.scatter_add_(0, low, value & (2 ** LIMB_BITS - 1))
+        self.limbs.scatter_add_(0, low + 1, value >> LIMB_BITS)  # floor: value = high 2^32 + low part
+        return self._carry()
+
+    def merge(self, other: "ExactSum") -> "ExactSum":
+        """Add another state of the same shape (one part's sum): the same result in any order of merging."""
+        if other.shape != self.shape:
+            raise ValueError(f"cannot merge a state of shape {tuple(other.shape)} into {tuple(self.shape)}")
+        self.limbs += other.limbs.to(self.limbs.device)
+        return self._carry()
+
+    def _carry(self) -> "ExactSum":
+        for k in range(LIMBS - 1):
+            carry = self.limbs[k] >> LIMB_BITS
+            self.limbs[k] -= carry << LIMB_BITS
+            self.limbs[k + 1] += carry
+        return self
+
+    def integers(self) -> list[int]:
+        """The exact sums in units of 2^E_MIN, as Python integers in element order."""
+        limbs = self.limbs.reshape(LIMBS, -1).cpu().tolist()
+        return [sum(limbs[k][i] << (LIMB_BITS * k) for k in range(LIMBS)) for i in range(len(limbs[0]))]
+
+    def value(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The exact sums rounded once to `dtype` (float32 or bfloat16), to nearest, ties to even."""
+        if dtype not in _PRECISION:
+            raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+        values = [round_scaled(n, E_MIN, _PRECISION[dtype]) for n in self.integers()]
+        return torch.tensor(values, dtype=torch.float64).to(dtype).reshape(self.shape).to(self.limbs.device)
+
+
+def round_scaled(n: int, scale: int, precision: int) -> float:
+    """n 2^scale rounded to `precision` significant bits (subnormals below 2^-126 in steps of 2^(-126 - precision +
+    1)), to nearest, ties to even; inf past the format's largest finite value (float32's exponent range)."""
+    if n == 0:
+        return 0.0
+    a = abs(n)
+    top = a.bit_length() - 1 + scale                     # the exponent of the leading bit
+    quantum = max(top, _EMIN_NORMAL) - (precision - 1)   # the exponent of the last kept bit
+    drop = quantum - scale
+    if drop > 0:
+        kept, rest = a >> drop, a & ((1 << drop) - 1)
+        half = 1 << (drop - 1)
+        if rest > half or (rest == half and kept & 1):
+            kept += 1
+    else:
+        kept, quantum = a, scale
+    largest = (2 ** precision - 1) * 2.0 ** (128 - precision)
+    result = math.ldexp(kept, quantum)                   # exact: kept has at most precision + 1 bits
+    result = math.inf if result > largest else result
+    return -result if n < 0 else result

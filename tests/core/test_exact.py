@@ -1,0 +1,112 @@
+"""adaln_lab.core.exact: the exact sum of float32 terms, rounded once, against Python's exact fractions and an
+independent nearest-even choice between float neighbours; the same bits for every order, split and merge order; a
+planted float32 accumulation fails the same check; non-finite terms and overfull adds refused."""
+
+import math
+import random
+from fractions import Fraction
+
+import pytest
+import torch
+
+from adaln_lab.core import exact
+from adaln_lab.core.exact import ExactSum
+
+
+def terms(n: int, cols: int, seed: int) -> torch.Tensor:
+    """float32 terms spread over the whole exponent range (subnormals, huge values, exact cancellations)."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(n, cols, generator=g)
+    scale = torch.randint(-140, 100, (n, cols), generator=g).float()
+    t = (base * torch.exp2(scale)).float()
+    t[: n // 4] = torch.randn(n // 4, cols, generator=g)  # ordinary magnitudes
+    t[n // 4: n // 4 + 2] = torch.tensor(2.0 ** -149)      # the least subnormal
+    t[-2:] = -t[:2]                                        # cancels the first two exactly
+    return t
+
+
+def nearest_even(x: Fraction, dtype) -> float:
+    """The finite `dtype` value nearest to x, ties to the even significand, chosen by exact comparisons among the
+    neighbours (bit patterns +-1) of x's float64 rounded to dtype (independent of exact.round_scaled)."""
+    bits = torch.tensor(float(x), dtype=torch.float64).to(dtype).view(INTS[dtype])
+    candidates = [(bits + step).view(dtype) for step in (-1, 0, 1)]
+    finite = [c for c in candidates if bool(torch.isfinite(c))]
+    best = min(finite, key=lambda c: (abs(Fraction(c.item()) - x), int(c.view(INTS[dtype]).item()) & 1))
+    return best.item()
+
+
+INTS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+
+
+def exact_sums(t: torch.Tensor) -> list[Fraction]:
+    columns = t.double().T.tolist()
+    return [sum((Fraction(v) for v in col), Fraction(0)) for col in columns]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_value_is_the_exact_sum_rounded_once(seed, dtype):
+    t = terms(200, 24, seed)
+    got = ExactSum((24,)).add(t).value(dtype)
+    for c, x in enumerate(exact_sums(t)):
+        assert got[c].item() == nearest_even(x, dtype), (c, float(x))
+
+
+def test_ties_round_to_even_and_overflow_is_inf():
+    one, ulp = 1.0, 2.0 ** -23
+    cases = torch.tensor([[one, one + ulp, 3.0e38], [ulp / 2, ulp / 2, 3.0e38]], dtype=torch.float32)
+    got = ExactSum((3,)).add(cases).value()
+    assert got[0].item() == one                  # 1 + ulp/2: a tie, down to the even 1
+    assert got[1].item() == one + 2 * ulp        # (1 + ulp) + ulp/2: a tie, up to the even 1 + 2 ulp
+    assert got[2].item() == math.inf             # 6e38 past float32's largest
+    assert exact.round_scaled(-(1 << 200), 0, 24) == -math.inf
+
+
+def test_same_bits_for_every_order_split_and_merge_order():
+    t = terms(301, 16, 7)
+    whole = ExactSum((16,)).add(t)
+    rng = random.Random(0)
+    for parts in (2, 3, 8):
+        order = list(range(t.shape[0]))
+        rng.shuffle(order)
+        shuffled = t[order]
+        cuts = sorted(rng.sample(range(1, t.shape[0]), parts - 1))
+        states = [ExactSum((16,)).add(piece) for piece in torch.tensor_split(shuffled, cuts)]
+        rng.shuffle(states)
+        merged = ExactSum((16,))
+        for state in states:
+            merged.merge(state)
+        assert torch.equal(merged.limbs, whole.limbs)
+        assert torch.equal(merged.value(), whole.value())
+
+
+def test_a_planted_float32_accumulation_fails_the_same_check():
+    t = terms(301, 16, 7)
+    planted_whole = t.sum(0)
+    halves = [t[:150].sum(0), t[150:].sum(0)]
+    planted_split = halves[0] + halves[1]
+    assert not torch.equal(planted_whole, planted_split)  # what the split check catches
+    assert torch.equal(ExactSum((16,)).add(t[:150]).merge(ExactSum((16,)).add(t[150:])).value(),
+                       ExactSum((16,)).add(t).value())
+
+
+def test_refuses_non_finite_terms_wrong_shapes_and_dtypes():
+    state = ExactSum((2,))
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="finite"):
+            state.add(torch.tensor([[1.0, bad]]))
+    with pytest.raises(ValueError, match=r"float32 of shape \(n, 2\)"):
+        state.add(torch.zeros(3, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="cannot merge"):
+        state.merge(ExactSum((3,)))
+    with pytest.raises(ValueError, match="bfloat16"):
+        state.value(torch.float16)
+    assert torch.equal(state.limbs, torch.zeros_like(state.limbs))  # nothing added by a refused call
+
+
+def test_rounds_once_where_rounding_through_float64_would_round_twice():
+    """1 + 2^-8 + 2^-60: float64 rounds it to 1 + 2^-8, a bfloat16 tie, which goes down to 1; the exact sum is just
+    above the tie and goes up to 1 + 2^-7."""
+    t = torch.tensor([[1.0], [2.0 ** -8], [2.0 ** -60]])
+    assert t.double().sum(0).to(torch.bfloat16).item() == 1.0
+    assert ExactSum((1,)).add(t).value(torch.bfloat16).item() == 1 + 2.0 ** -7
