@@ -2,6 +2,7 @@
 
     state = ExactSum(shape, device)            # zero
     state.add(terms)                           # terms (n, *shape) float32: adds the n terms of every element
+    state.add(terms, index)                    # terms (n, *shape[1:]), index (n,) int64: term i into row index[i]
     state.merge(other)                         # another part's state, in any order
     state.value(torch.float32 | torch.bfloat16) -> (*shape,) the exact sum, rounded once to nearest even
 
@@ -55,20 +56,31 @@ class ExactSum:
     def shape(self) -> torch.Size:
         return self.limbs.shape[1:]
 
-    def add(self, terms: torch.Tensor) -> "ExactSum":
-        """Add terms (n, *shape) float32: the n terms of every element (0 <= n <= MAX_TERMS)."""
-        if terms.dtype != torch.float32 or terms.shape[1:] != self.shape:
-            raise ValueError(f"terms must be float32 of shape (n, {', '.join(map(str, self.shape))}), got "
+    def add(self, terms: torch.Tensor, index: torch.Tensor | None = None) -> "ExactSum":
+        """Add terms (n, *shape) float32: the n terms of every element (0 <= n <= MAX_TERMS); with index (n,) int64
+        in [0, shape[0]), terms (n, *shape[1:]): term i goes to row index[i] (a table row's sum over its rows)."""
+        rows = self.shape if index is None else self.shape[1:]
+        if terms.dtype != torch.float32 or terms.shape[1:] != rows:
+            raise ValueError(f"terms must be float32 of shape (n, {', '.join(map(str, rows))}), got "
                              f"{terms.dtype} {tuple(terms.shape)}")
+        if index is not None and (index.shape != terms.shape[:1] or index.dtype != torch.int64
+                                  or bool(((index < 0) | (index >= self.shape[0])).any())):
+            raise ValueError(f"index must be int64 of shape ({terms.shape[0]},) in [0, {self.shape[0]})")
         if terms.shape[0] > MAX_TERMS:
             raise ValueError(f"at most {MAX_TERMS} terms per element in one add, got {terms.shape[0]}")
         if not bool(torch.isfinite(terms).all()):
             raise ValueError("the terms must be finite: an exact sum of inf or NaN does not exist")
         m, shift = decompose(terms)
         value = m << (shift % LIMB_BITS)                 # |value| < 2^55
-        low = shift // LIMB_BITS
-        self.limbs.scatter_add_(0, low, value & (2 ** LIMB_BITS - 1))
-        self.limbs.scatter_add_(0, low + 1, value >> LIMB_BITS)  # floor: value = high 2^32 + low part
+        limb = shift // LIMB_BITS
+        flat = self.limbs.view(LIMBS * (1 if index is None else self.shape[0]), *rows)
+        if index is not None:  # limb k of row r at k * R + r
+            limb = limb * self.shape[0] + index.view(-1, *([1] * len(rows)))
+            step = self.shape[0]
+        else:
+            step = 1
+        flat.scatter_add_(0, limb, value & (2 ** LIMB_BITS - 1))
+        flat.scatter_add_(0, limb + step, value >> LIMB_BITS)  # floor: value = high 2^32 + low part
         return self._carry()
 
     def merge(self, other: "ExactSum") -> "ExactSum":

@@ -110,3 +110,20 @@ def test_rounds_once_where_rounding_through_float64_would_round_twice():
     t = torch.tensor([[1.0], [2.0 ** -8], [2.0 ** -60]])
     assert t.double().sum(0).to(torch.bfloat16).item() == 1.0
     assert ExactSum((1,)).add(t).value(torch.bfloat16).item() == 1 + 2.0 ** -7
+
+
+def test_grouped_sums_are_each_groups_exact_sum_in_any_row_order():
+    """add(terms, index): row i's terms go to group index[i] (a timestep's table-gradient row), the same as summing
+    each group alone; the rows' order and their split do not matter."""
+    t = terms(120, 8, 3)
+    index = torch.randint(0, 5, (120,), generator=torch.Generator().manual_seed(3))
+    grouped = ExactSum((5, 8)).add(t, index)
+    for r in range(5):
+        alone = ExactSum((8,)).add(t[index == r])
+        assert torch.equal(grouped.limbs[:, r], alone.limbs)
+    order = torch.randperm(120, generator=torch.Generator().manual_seed(4))
+    parts = ExactSum((5, 8)).add(t[order[:50]], index[order[:50]]).merge(
+        ExactSum((5, 8)).add(t[order[50:]], index[order[50:]]))
+    assert torch.equal(parts.limbs, grouped.limbs)
+    with pytest.raises(ValueError, match=r"index must be int64 of shape \(120,\) in \[0, 5\)"):
+        ExactSum((5, 8)).add(t, index + 1)
