@@ -122,12 +122,15 @@ __device__ __forceinline__ void table_bwd_tile(const float* __restrict__ d_table
     }
 }
 
+// One kernel or its two halves, as the plan launches them (plan.tb_split: ADALN_TB_SPLIT), so that the unit compiles
+// only the one it runs (the fused kernel unrolled over a large T took most of the unit's compile time).
+#if !ADALN_TB_SPLIT
 extern "C" __global__ void __launch_bounds__(ADALN_TB_THREADS, 2)
 table_bwd_bf16(const float* __restrict__ d_table, const float* __restrict__ temb, const bf16_t* __restrict__ weight,
                bf16_t* __restrict__ d_weight, float* __restrict__ dact_partials, bf16_t* __restrict__ d_bias) {
     table_bwd_tile<true, true>(d_table, temb, weight, d_weight, dact_partials, d_bias);
 }
-
+#else
 extern "C" __global__ void __launch_bounds__(ADALN_TB_THREADS, 2)
 table_bwd_d_weight_bf16(const float* __restrict__ d_table, const float* __restrict__ temb,
                         const bf16_t* __restrict__ weight, bf16_t* __restrict__ d_weight,
@@ -141,6 +144,7 @@ table_bwd_dact_bf16(const float* __restrict__ d_table, const float* __restrict__
                     float* __restrict__ dact_partials, bf16_t* __restrict__ d_bias) {
     table_bwd_tile<false, true>(d_table, temb, weight, d_weight, dact_partials, d_bias);
 }
+#endif
 
 extern "C" __global__ void __launch_bounds__(32 * ADALN_SUM_GROUPS)
 table_bwd_reduce(const float* __restrict__ dact_partials, const float* __restrict__ temb,

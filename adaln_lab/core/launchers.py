@@ -177,7 +177,7 @@ def launch_table(k: dict, plan: Plan, stream: int, temb: int, weight: int, bias:
                  table_f32: int) -> None:
     """table (T, N) bf16 (a block's two row tables (2, 3T, 2H) where plan.table_row_tables) and table_f32 (T, N)
     fp32 = linear(bf16(silu(temb)), weight, bias), N = plan.columns."""
-    k["table_bf16"]((plan.table_grid, 1, 1), (plan.table_threads, 1, 1), 0, stream,
+    k["table_bf16"]((*plan.table_grid, 1), (plan.table_threads, 1, 1), 0, stream,
                     temb, weight, bias, table, table_f32)
 
 

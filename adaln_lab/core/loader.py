@@ -41,6 +41,16 @@ KERNELS = ("table_bf16", "norm_modulate_bf16", "norm_modulate_rowwise_bf16", "no
            "reduce_partials_sorted_bf16", "table_bwd_bf16", "table_bwd_d_weight_bf16", "table_bwd_dact_bf16",
            "table_bwd_reduce", "gated_residual_fwd_bf16", "gated_residual_bwd_sorted_bf16",
            "gated_residual_reduce_sorted", "gated_residual_norm_bf16")
+TB_FUSED, TB_HALVES = ("table_bwd_bf16",), ("table_bwd_d_weight_bf16", "table_bwd_dact_bf16")
+
+
+def kernels_of(plan: Plan) -> tuple:
+    """The entry points the unit of `plan` defines: KERNELS less table_bwd.cu's one kernel or its two halves, the
+    pair the plan does not launch (plan.tb_split; the unit compiles only the one it runs)."""
+    left_out = TB_FUSED if plan.tb_split else TB_HALVES
+    return tuple(name for name in KERNELS if name not in left_out)
+
+
 DEFAULT_CACHE_DIR = os.path.expanduser("~/.cupy/kernel_cache")  # CuPy's default
 # driver statuses of an unusable image: INVALID_IMAGE, NO_BINARY_FOR_GPU, INVALID_PTX, UNSUPPORTED_PTX_VERSION,
 BAD_BINARY_STATUSES = frozenset({200, 209, 218, 222, 300, 302, 303, 500})  # INVALID_SOURCE, SHARED_OBJECT_*, NOT_FOUND
@@ -134,7 +144,7 @@ def _compile(device_index: int, plan: Plan) -> dict:
 
     with cupy.cuda.Device(device_index):
         raw = cupy.RawModule(code=source(plan), options=COMPILE_OPTIONS)
-        kernels = {name: raw.get_function(name) for name in KERNELS}  # the first one compiles (or loads)
+        kernels = {name: raw.get_function(name) for name in kernels_of(plan)}  # the first one compiles (or loads)
         # opt in: static plus dynamic shared memory may pass 48 KiB
         if plan.fwd_staged:
             kernels["norm_modulate_bf16"].max_dynamic_shared_size_bytes = plan.fwd_smem
