@@ -388,6 +388,6 @@ def test_candidate_resolves_on_cuda_and_is_backend_numba():
     inputs = make(3, 257, "cuda")
     with torch.no_grad():
         out = named.fn(*inputs.args)
-        ref = final_adaln_out(*inputs.args, EPS, backend="cupy")
+        ref = final_adaln_out(*inputs.args, EPS, backend="numba")  # its own table: v25's GEMV (not table.cu's mma)
     torch.cuda.synchronize()
     assert same_bits(out, ref)

@@ -31,7 +31,7 @@ def forward(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, route:
     if route != "cupy" or table_backend == "torch":
         table.copy_(replay_table(temb, weight, bias))
         return
-    temb = support.kernel_temb(temb, weight).contiguous()
+    temb = tensors.aligned(support.kernel_temb(temb, weight))  # table.cu loads temb 16 bytes at a time
     weight, bias = tensors.aligned(weight), tensors.aligned(bias)
     plan, k, stream = tensors.table_setup(temb, weight.shape[0])
     launchers.launch_table(k, plan, stream, temb.data_ptr(), weight.data_ptr(), bias.data_ptr(),
