@@ -1,5 +1,9 @@
 // table.cu: the modulation table  table[t, j] = bias[j] + sum_k bf16(silu(temb[t, k])) * weight[j, k], on tensor cores
 //
+// Two kernels: table_act writes act = bf16(silu(temb)) (T, D) once (the activations every block of table_bf16 reads:
+// 2 bytes an element instead of 4 and no SiLU per block), then table_bf16, launched right after it with programmatic
+// dependent launch (its first weight loads are issued before it waits for act).
+//
 // Computes, for all T timesteps at once, table (T, N) bf16 (diffusers' rounding: the SiLU output is rounded to bf16
 // once, the fp32 dot product plus bias is rounded to bf16 once) and table_f32 (T, N) fp32: the same sums unrounded
 // (final_adaln_out's backward uses them), or, with ADALN_TABLE_F32_ROUNDED, the bf16 values in fp32 (the blocks'
@@ -24,9 +28,10 @@
 //
 // Work: a block of ADALN_TABLE_CHUNKS warps owns 16 MT consecutive rows j and 8 NT consecutive timesteps t; warp c
 // computes chunk c of every sum of the tile, loading its weight rows straight into registers (ADALN_TABLE_AHEAD steps
-// in flight) and the SiLU of its temb values one step ahead; warps 1.. leave their chunk sums in shared memory and
+// in flight, and as many of its act values); warps 1.. leave their chunk sums in shared memory and
 // warp 0 adds them. Grid (ceil(T / 8 NT), ceil(N / 16 MT)): the t-blocks of one weight tile are neighbours. Rows past
 // N and timesteps past T load zeros (exact zero products change no sum) and store nothing. D divisible by 8.
+// table_act: plan.table_act_grid blocks of 256 threads, 8 elements a thread.
 // Run: adaln_lab.core.tensors.table(temb, weight, bias) on CUDA tensors.
 
 #define TABLE_MT ADALN_TABLE_MT
@@ -42,20 +47,21 @@ __device__ __forceinline__ void mma_bf16_16816(float c[4], unsigned a0, unsigned
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// the 8 temb values of one lane's step, as 8 bf16(silu(.)) packed in k order
-struct TembStep {
-    float4 lo, hi;
-    __device__ __forceinline__ void load(const float* p, bool ok) {
-        lo = ok ? __ldg(reinterpret_cast<const float4*>(p)) : make_float4(0.f, 0.f, 0.f, 0.f);
-        hi = ok ? __ldg(reinterpret_cast<const float4*>(p) + 1) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    __device__ __forceinline__ uint4 act() const {  // silu(0) = 0: a zero load stays a zero activation
-        return make_uint4(float2_to_bf16x2(silu(lo.x), silu(lo.y)), float2_to_bf16x2(silu(lo.z), silu(lo.w)),
-                          float2_to_bf16x2(silu(hi.x), silu(hi.y)), float2_to_bf16x2(silu(hi.z), silu(hi.w)));
-    }
-};
+extern "C" __global__ void __launch_bounds__(256)
+table_act(const float* __restrict__ temb, bf16_t* __restrict__ act) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");  // table_bf16, launched after it with PDL, may start
+#endif
+    const int i = blockIdx.x * 256 + threadIdx.x;  // 8 elements each: T * D / 8 of them (D divisible by 8)
+    if (i >= ADALN_T * ADALN_D / 8) return;
+    const float4 lo = reinterpret_cast<const float4*>(temb)[2 * i];
+    const float4 hi = reinterpret_cast<const float4*>(temb)[2 * i + 1];
+    reinterpret_cast<uint4*>(act)[i] =
+        make_uint4(float2_to_bf16x2(silu(lo.x), silu(lo.y)), float2_to_bf16x2(silu(lo.z), silu(lo.w)),
+                   float2_to_bf16x2(silu(hi.x), silu(hi.y)), float2_to_bf16x2(silu(hi.z), silu(hi.w)));
+}
 
-__device__ __forceinline__ uint4 load_weight16(const bf16_t* p, bool ok) {
+__device__ __forceinline__ uint4 load16(const bf16_t* p, bool ok) {
     return ok ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0, 0, 0, 0);
 }
 
@@ -74,7 +80,7 @@ __device__ __forceinline__ void store_sum(float sum, int t, int j, bf16_t* __res
 }
 
 extern "C" __global__ void __launch_bounds__(32 * TABLE_CHUNKS)
-table_bf16(const float* __restrict__ temb, const bf16_t* __restrict__ weight, const bf16_t* __restrict__ bias,
+table_bf16(const bf16_t* __restrict__ act, const bf16_t* __restrict__ weight, const bf16_t* __restrict__ bias,
            bf16_t* __restrict__ table, float* __restrict__ table_f32) {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;");  // a kernel launched after it with PDL may start
@@ -91,13 +97,13 @@ table_bf16(const float* __restrict__ temb, const bf16_t* __restrict__ weight, co
             wok[m][h] = j < ADALN_TABLE_N;
             wrow[m][h] = weight + (size_t)(j < ADALN_TABLE_N ? j : 0) * ADALN_D + 8 * q;
         }
-    const float* trow[TABLE_NT];
-    bool tok[TABLE_NT];
+    const bf16_t* arow[TABLE_NT];
+    bool aok[TABLE_NT];
 #pragma unroll
     for (int n = 0; n < TABLE_NT; ++n) {
         const int t = t0 + 8 * n + g;
-        tok[n] = t < ADALN_T;
-        trow[n] = temb + (size_t)(t < ADALN_T ? t : 0) * ADALN_D + 8 * q;
+        aok[n] = t < ADALN_T;
+        arow[n] = act + (size_t)(t < ADALN_T ? t : 0) * ADALN_D + 8 * q;
     }
     constexpr int STEPS = (ADALN_D + 31) / 32;
     const int first = warp * STEPS / TABLE_CHUNKS, end = (warp + 1) * STEPS / TABLE_CHUNKS;  // this warp's chunk
@@ -110,18 +116,21 @@ table_bf16(const float* __restrict__ temb, const bf16_t* __restrict__ weight, co
         for (int n = 0; n < TABLE_NT; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.0f;
-    uint4 wbuf[TABLE_P][TABLE_MT][2];  // the weight of steps s .. s + P - 1, in use order
-    auto issue = [&](uint4 w[TABLE_MT][2], int s) {
+    uint4 wbuf[TABLE_P][TABLE_MT][2], abuf[TABLE_P][TABLE_NT];  // steps s .. s + P - 1, in use order
+#pragma unroll
+    for (int p = 0; p < TABLE_P; ++p)  // the weight first: it does not wait for table_act
 #pragma unroll
         for (int m = 0; m < TABLE_MT; ++m)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) w[m][h] = load_weight16(wrow[m][h] + 32 * s, in_d(s) && wok[m][h]);
-    };
+            for (int h = 0; h < 2; ++h)
+                wbuf[p][m][h] = load16(wrow[m][h] + 32 * (first + p), in_d(first + p) && wok[m][h]);
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // table_act's act is written (a no-op without PDL)
+#endif
 #pragma unroll
-    for (int p = 0; p < TABLE_P; ++p) issue(wbuf[p], first + p);
-    TembStep next[TABLE_NT];
+    for (int p = 0; p < TABLE_P; ++p)
 #pragma unroll
-    for (int n = 0; n < TABLE_NT; ++n) next[n].load(trow[n] + 32 * first, in_d(first) && tok[n]);
+        for (int n = 0; n < TABLE_NT; ++n) abuf[p][n] = load16(arow[n] + 32 * (first + p), in_d(first + p) && aok[n]);
 
     for (int s0 = first; s0 < end; s0 += TABLE_P) {
 #pragma unroll
@@ -130,12 +139,16 @@ table_bf16(const float* __restrict__ temb, const bf16_t* __restrict__ weight, co
             if (s >= end) break;
             uint4 w[TABLE_MT][2], a[TABLE_NT];
 #pragma unroll
-            for (int m = 0; m < TABLE_MT; ++m) w[m][0] = wbuf[p][m][0], w[m][1] = wbuf[p][m][1];
-            issue(wbuf[p], s + TABLE_P);
+            for (int m = 0; m < TABLE_MT; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    w[m][h] = wbuf[p][m][h];
+                    wbuf[p][m][h] = load16(wrow[m][h] + 32 * (s + TABLE_P), in_d(s + TABLE_P) && wok[m][h]);
+                }
 #pragma unroll
             for (int n = 0; n < TABLE_NT; ++n) {
-                a[n] = next[n].act();
-                next[n].load(trow[n] + 32 * (s + 1), in_d(s + 1) && tok[n]);
+                a[n] = abuf[p][n];
+                abuf[p][n] = load16(arow[n] + 32 * (s + TABLE_P), in_d(s + TABLE_P) && aok[n]);
             }
 #pragma unroll
             for (int m = 0; m < TABLE_MT; ++m)

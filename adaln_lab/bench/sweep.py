@@ -55,6 +55,7 @@ class Op:
         self.d_w, self.d_b = torch.empty_like(i.weight), torch.empty_like(i.bias)
         o, b = self.r.fwd_offsets, self.fwd_ws.data_ptr()
         self.table, self.table_f32, self.rstd = b + o["table"], b + o["table_f32"], b + o["rstd"]
+        self.act = torch.empty(i.temb.shape, dtype=torch.bfloat16, device=dev)  # table.cu's scratch
 
     @property
     def s(self) -> int:
@@ -64,7 +65,7 @@ class Op:
     def table_step(self):
         i = self.i
         launchers.launch_table(self.k, self.p, self.s, i.temb.data_ptr(), i.weight.data_ptr(), i.bias.data_ptr(),
-                               self.table, self.table_f32)
+                               self.table, self.table_f32, self.act.data_ptr())
 
     def rows_step(self, after_table=False):
         i = self.i

@@ -282,6 +282,11 @@ class Plan:
                     TABLE_F32_ROUNDED=int(self.table_f32_rounded), TABLE_ROW_TABLES=int(self.table_row_tables))
 
     @cached_property
+    def table_act_grid(self) -> int:
+        """table.cu's table_act: blocks of 256 threads, 8 of the T * D activations a thread."""
+        return math.ceil(self.T * self.D / 8 / 256)
+
+    @cached_property
     def columns(self) -> int:
         """N, the table's columns: 2H (norm_out) unless the plan was made with table_n."""
         return self.table_n or 2 * self.H

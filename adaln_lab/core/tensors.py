@@ -83,8 +83,10 @@ def table(temb, weight, bias):
     out = torch.empty(T, 2 * H, dtype=torch.bfloat16, device=temb.device)
     out_f32 = torch.empty(T, 2 * H, dtype=torch.float32, device=temb.device)
     launchers.bind(temb.device.index)
+    act = torch.empty(T, D, dtype=torch.bfloat16, device=temb.device)
     launchers.launch_table(launchers.kernels(temb.device.index, plan), plan, current_stream(temb.device.index),
-                           temb.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(), out_f32.data_ptr())
+                           temb.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(), out_f32.data_ptr(),
+                           act.data_ptr())
     return out, out_f32
 
 
