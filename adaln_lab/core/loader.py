@@ -44,7 +44,7 @@ KERNELS = ("table_act", "table_bf16", "norm_modulate_bf16", "norm_modulate_rowwi
 TB_FUSED, TB_HALVES = ("table_bwd_bf16",), ("table_bwd_d_weight_bf16", "table_bwd_dact_bf16")
 
 
-def kernels_of(plan: Plan) -> tuple:
+def entry_points(plan: Plan) -> tuple:
     """The entry points the unit of `plan` defines: KERNELS less table_bwd.cu's one kernel or its two halves, the
     pair the plan does not launch (plan.tb_split; the unit compiles only the one it runs)."""
     left_out = TB_FUSED if plan.tb_split else TB_HALVES
@@ -144,7 +144,7 @@ def _compile(device_index: int, plan: Plan) -> dict:
 
     with cupy.cuda.Device(device_index):
         raw = cupy.RawModule(code=source(plan), options=COMPILE_OPTIONS)
-        kernels = {name: raw.get_function(name) for name in kernels_of(plan)}  # the first one compiles (or loads)
+        kernels = {name: raw.get_function(name) for name in entry_points(plan)}  # the first one compiles (or loads)
         # opt in: static plus dynamic shared memory may pass 48 KiB
         if plan.fwd_staged:
             kernels["norm_modulate_bf16"].max_dynamic_shared_size_bytes = plan.fwd_smem
