@@ -8,8 +8,8 @@ float64 parameters) holding values of weight's dtype; table_bf16: None, or (rout
 output, (2, 3T, 2H) for a block's table of N = 18H columns (the norms' two row tables: `core.plan.row_tables_fit`),
 else (T, N).
 
-route "cupy": table.cu (a fixed-order GEMV: each row independent of T) and table_bwd.cu (temb widened to float32
-where it has weight's dtype: `core.support.kernel_temb`); route "torch": diffusers' table upcast, and the exact
+route "cupy": table.cu (tensor cores in an order fixed by D: each row independent of T) and table_bwd.cu (temb
+widened to float32 where it has weight's dtype: `core.support.kernel_temb`); route "torch": diffusers' table upcast, and the exact
 derivative in float64 (`reference.backward.modulation_table_backward`), one rounding per output.
 """
 
