@@ -9,8 +9,8 @@ output, (2, 3T, 2H) for a block's table of N = 18H columns (the norms' two row t
 else (T, N).
 
 route "cupy": table.cu (tensor cores in an order fixed by D: each row independent of T) and table_bwd.cu (temb
-widened to float32 where it has weight's dtype: `core.support.kernel_temb`); route "torch": diffusers' table upcast, and the exact
-derivative in float64 (`reference.backward.modulation_table_backward`), one rounding per output.
+widened to float32 where it has weight's dtype: `core.support.kernel_temb`); route "torch": diffusers' table upcast,
+and the exact derivative in float64 (`reference.backward.modulation_table_backward`), one rounding per output.
 """
 
 from __future__ import annotations
