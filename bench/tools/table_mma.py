@@ -9,7 +9,7 @@
 # - column slices (offsets multiples of 16) computed alone, bitwise; other tile shapes (TILES), bitwise and timed;
 #   a second run bitwise.
 # Times: CUDA-graph replays between CUDA events (GPU time, no host), medians, three weight copies rotated (174 MB,
-# past the 50 MB L2), the device copy bandwidth measured in the same run; floor = (weight + outputs) bytes at it.
+# past the 50 MB L2), the report's copy bandwidth measured in the same run; floor = (weight + outputs) bytes at it.
 #
 #     python3 bench/tools/table_mma.py [--out FILE.json] [--quick]
 
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from adaln_lab.core import launchers, plan as plan_module, tensors
 from adaln_lab.harness.inputs import make
+from adaln_lab.harness.latency import copy_bandwidth
 
 TILES = ((1, 1, 4), (2, 1, 2), (4, 1, 2), (2, 4, 3))  # other tile shapes (MT, NT, AHEAD), at T = 3 and 10 only (each
 TILE_TS = (3, 10)                                      # one a compile of the whole unit)
@@ -113,13 +114,6 @@ def median_us(fn, copies, batches=9, per_batch=12) -> float:
     return statistics.median(times)
 
 
-def copy_tbps() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    us = median_us(lambda k: b.copy_(a), [0])
-    return 2 * a.numel() / us / 1e6
-
-
 def timings(T: int, bw: float) -> dict:
     i = make(0, 1, "cuda", T=T)
     copies = [(i.weight.clone(), i.bias.clone()) for _ in range(3)]
@@ -146,7 +140,7 @@ def main(argv=None) -> int:
         c = checks(T)
         print(json.dumps(c), flush=True)
         result["checks"].append(c)
-    bw = copy_tbps()
+    bw = copy_bandwidth(torch.device("cuda"), 1 << 30)  # the report's copy bandwidth
     result["copy_TBps"] = bw
     print(f"copy {bw:.2f} TB/s", flush=True)
     for T in ts:
