@@ -46,6 +46,7 @@ TUNING = {
     "TB_SPLIT_ROWS": 256,       # table_bwd.cu: weight rows j per block of its two halves (T >= TB_SPLIT_MIN_T)
     "TB_EARLY": 4,              # table_bwd.cu: weight rows a warp loads before its block's prologue
     "TB_SPLIT_MIN_T": 5,        # table_bwd.cu: from this many table rows T on, d_weight and dact run as two kernels
+    "TB_ACC_MAX": 80,           # table_bwd.cu: most per-timestep accumulators of a thread (T x tb_vec columns)
     "SUM_GROUPS": 16,           # adaln_common.cuh: row groups of an ordered column sum
     "RP_T_MAX": 12,             # reduce_partials.cu: most timesteps summed in one pass (8 KiB of shared memory each)
     "GR_THREADS_MAX": 256,      # gated_residual.cu: block size cap (H = 5376: 3 column tiles of 224 threads)
@@ -57,7 +58,6 @@ H_MAX = 50176                      # the largest H whose backward stage (an x an
 T_MAX = 32                         # table_bwd.cu keeps per-timestep arrays in registers, unrolled over T
 ROWS_MAX = 2 ** 31 - 2 ** 15      # rows and S travel as int32; a range's end (p0 + rows per range) must fit too,
                                   # and row_order.cu's last chunk end (up to S + 16383: chunks rounded up to 16)
-TB_COLUMNS = 256                   # table_bwd.cu: columns k of one block (32 lanes x 8)
 ROW_ORDER_THREADS = 1024           # row_order.cu: its one block (32 warps: one per lane of the scan of their totals)
 TWIN_TABLE_THREADS = 512           # the Numba twin's table (its own GEMV order, ops/final_adaln_out/twin): block size,
 TWIN_TABLE_ROWS_PER_WARP = 2       # and rows j of one warp's task (a row's sum is one warp's: the bits do not depend on it)
@@ -250,9 +250,23 @@ class Plan:
         return t["TB_SPLIT_ROWS"] if self.tb_split else t["TB_ROWS"]
 
     @cached_property
+    def tb_vec(self) -> int:
+        """table_bwd.cu: columns k of a lane, 8, 4 or 2: the most with T x tb_vec <= TB_ACC_MAX accumulators
+        (each half keeps T x tb_vec; the one kernel, below TB_SPLIT_MIN_T, twice that), at least 2. At T = 16 and
+        8 columns a lane, 128 accumulators spilled (table_bwd_dact 357 us, NOTES v27); every column's sums are the
+        same whatever a lane covers, so the bits do not depend on it."""
+        acc = dict(self.tuning)["TB_ACC_MAX"]
+        return next((v for v in (8, 4) if self.T * v <= acc), 2)
+
+    @cached_property
+    def tb_columns(self) -> int:
+        """table_bwd.cu: columns k of one block, a vector of tb_vec for each of the 32 lanes."""
+        return 32 * self.tb_vec
+
+    @cached_property
     def tb_grid(self) -> tuple[int, int]:
-        """table_bwd.cu's grid: (D tiles of TB_COLUMNS columns, row blocks of tb_rows weight rows)."""
-        return math.ceil(self.D / TB_COLUMNS), math.ceil(self.columns / self.tb_rows)
+        """table_bwd.cu's grid: (D tiles of tb_columns columns, row blocks of tb_rows weight rows)."""
+        return math.ceil(self.D / self.tb_columns), math.ceil(self.columns / self.tb_rows)
 
     @cached_property
     def blocks_j(self) -> int:
@@ -276,7 +290,7 @@ class Plan:
                     TABLE_AHEAD=self.table_tile[2],
                     FWD_ROW_LIST_MAX=t["FWD_ROW_LIST_MAX"], ROW_LIST_MAX=t["ROW_LIST_MAX"],
                     TB_THREADS=t["TB_THREADS"], TB_ROWS=self.tb_rows, TB_SPLIT=int(self.tb_split),
-                    TB_EARLY=t["TB_EARLY"], TB_COLUMNS=TB_COLUMNS,
+                    TB_EARLY=t["TB_EARLY"], TB_COLUMNS=self.tb_columns, TB_VEC=self.tb_vec,
                     ROW_ORDER_THREADS=ROW_ORDER_THREADS, ROW_ORDER_KEYS_MAX=ROW_ORDER_KEYS_MAX,
                     GR_THREADS=self.gr_threads, SUM_GROUPS=t["SUM_GROUPS"], RP_T=self.rp_t, TABLE_N=self.columns,
                     TABLE_F32_ROUNDED=int(self.table_f32_rounded), TABLE_ROW_TABLES=int(self.table_row_tables))

@@ -255,6 +255,31 @@ def test_split_and_fused_table_backward_agree_bit_for_bit(monkeypatch, rows):
     assert torch.allclose(results[True][1].double(), exact, rtol=2 ** -8, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [3, 17])
+def test_every_lane_width_of_the_table_backward_gives_the_same_bits(monkeypatch, rows):
+    """table_bwd.cu's columns per lane (plan.tb_vec: 8, 4 or 2, by TB_ACC_MAX) are speed only: each column's sums
+    have the same terms in the same order, so d_weight, d_temb and d_bias are the same bits for every width, in
+    the one kernel (T = 3) and its halves (T = 17); D = 264 not a multiple of the 64- or 128-column tiles."""
+    from adaln_lab.core import launchers, plan as plan_module
+
+    g = torch.Generator("cuda").manual_seed(rows)
+    N, D_ = 18 * H + 72, 264
+    temb = torch.randn(rows, D_, device="cuda", generator=g)
+    weight = (torch.randn(N, D_, device="cuda", generator=g) * 0.02).bfloat16()
+    d_table = torch.randn(rows, N, device="cuda", generator=g)
+    results = {}
+    try:
+        for vec in (8, 4, 2):
+            monkeypatch.setitem(plan_module.TUNING, "TB_ACC_MAX", rows * vec if vec > 2 else 0)
+            launchers.forget_compiled()
+            assert plan_module.plan(8, D_, rows, table_n=N, table_f32_rounded=True).tb_vec == vec
+            results[vec] = table_bwd(d_table, temb, weight)
+    finally:
+        monkeypatch.undo()
+        launchers.forget_compiled()
+    assert all(torch.equal(a, b) for vec in (4, 2) for a, b in zip(results[8], results[vec]))
+
+
 @pytest.mark.parametrize("T_", [3, 9, 17])
 def test_every_table_tile_gives_the_same_bits_and_rows_alone_their_batchs(monkeypatch, T_):
     """table.cu's tile shapes (TABLE_TILES: 16 MT rows x 8 NT timesteps, AHEAD steps in flight) are speed only:
