@@ -10,8 +10,9 @@
 //
 // table_bwd_bf16 geometry (adaln_lab/plan.py; table_bwd_d_weight_bf16 and table_bwd_dact_bf16, its halves,
 // take the same): block = ADALN_TB_THREADS (W = ADALN_TB_THREADS / 32
-// warps), grid = plan.tb_grid = (D tiles of 256 columns, ceil(N / ADALN_TB_ROWS) row blocks). Lane l
-// covers the 8 columns k of vector blockIdx.x * 32 + l, warp w the ADALN_TB_ROWS / W consecutive rows j
+// warps), grid = plan.tb_grid = (D tiles of ADALN_TB_COLUMNS = 32 x V columns, ceil(N / ADALN_TB_ROWS) row blocks),
+// V = ADALN_TB_VEC (plan.tb_vec: 8, 4 or 2 by T, so that T x V accumulators stay in registers). Lane l
+// covers the V columns k of vector blockIdx.x * 32 + l, warp w the ADALN_TB_ROWS / W consecutive rows j
 // from blockIdx.y * ADALN_TB_ROWS + w * ADALN_TB_ROWS / W. Each thread sums its rows in order; the W
 // warps' sums are added in warp order (any block size: threads stride over the tile's 256 columns)
 // and stored to dact_partials[blockIdx.y, t, k].
@@ -23,14 +24,48 @@
 #define TB_ROWS_PER_WARP (ADALN_TB_ROWS / TB_WARPS)
 #define TB_EARLY (ADALN_TB_EARLY < TB_ROWS_PER_WARP ? ADALN_TB_EARLY : TB_ROWS_PER_WARP)
 static_assert(ADALN_TB_ROWS % TB_WARPS == 0, "ADALN_TB_ROWS must split evenly over the warps");
-static_assert(ADALN_TB_COLUMNS == 32 * ADALN_VEC, "a D tile is one 8-wide vector per lane");
+#define TB_VEC ADALN_TB_VEC
+static_assert(ADALN_TB_COLUMNS == 32 * TB_VEC, "a D tile is one V-wide vector per lane");
+static_assert(TB_VEC == 8 || TB_VEC == 4 || TB_VEC == 2, "a lane loads 16, 8 or 4 bytes of a weight row");
+static_assert(ADALN_D % TB_VEC == 0, "D is a whole number of lane vectors");
+
+// V bf16 of a weight row, loaded in one instruction; unpacked to floats; V floats stored as bf16
+struct tb_raw { unsigned w[TB_VEC / 2]; };
+__device__ __forceinline__ tb_raw tb_load(const bf16_t* p) {
+    tb_raw r;
+    if constexpr (TB_VEC == 8) {
+        const uint4 v = *reinterpret_cast<const uint4*>(p);
+        r.w[0] = v.x; r.w[1] = v.y; r.w[2] = v.z; r.w[3] = v.w;
+    } else if constexpr (TB_VEC == 4) {
+        const uint2 v = *reinterpret_cast<const uint2*>(p);
+        r.w[0] = v.x; r.w[1] = v.y;
+    } else {
+        r.w[0] = *reinterpret_cast<const unsigned*>(p);
+    }
+    return r;
+}
+__device__ __forceinline__ void tb_unpack(const tb_raw& raw, float v[TB_VEC]) {
+#pragma unroll
+    for (int i = 0; i < TB_VEC / 2; ++i) {
+        v[2 * i] = __uint_as_float(raw.w[i] << 16);
+        v[2 * i + 1] = __uint_as_float(raw.w[i] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ void tb_store(bf16_t* p, const float v[TB_VEC]) {
+    unsigned w[TB_VEC / 2];
+#pragma unroll
+    for (int i = 0; i < TB_VEC / 2; ++i) w[i] = float2_to_bf16x2(v[2 * i], v[2 * i + 1]);
+    if constexpr (TB_VEC == 8) *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+    else if constexpr (TB_VEC == 4) *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+    else *reinterpret_cast<unsigned*>(p) = w[0];
+}
 
 // One block's tile: D_WEIGHT stores d_weight's rows, DACT stores the block's dact_partials. Both in
 // one kernel (table_bwd_bf16) or one each (table_bwd_d_weight_bf16, table_bwd_dact_bf16, from
-// plan.tb_split's T on: the fused kernel keeps 2 x 8 x T fp32 accumulators per thread, capped at 128 registers
+// plan.tb_split's T on: the fused kernel keeps 2 x V x T fp32 accumulators per thread, capped at 128 registers
 // for two blocks per SM (ptxas: no spill at T = 3, 12 bytes at T = 4), the halves 128 each; the split measured
-// faster at T = 9, bench/NOTES.md v4). Every sum has the same terms in the same order either way, so the bits
-// do not depend on it.
+// faster at T = 9, bench/NOTES.md v4; each half V x T, which plan.tb_vec keeps <= TB_ACC_MAX). Every sum has the
+// same terms in the same order either way, and whatever V is, so the bits do not depend on them.
 // The block's d_table slice (T x ADALN_TB_ROWS fp32) is staged in shared memory first; a warp whose rows all
 // exist issues its first ADALN_TB_EARLY weight loads before that (they do not need it).
 template <bool D_WEIGHT, bool DACT>
@@ -43,14 +78,14 @@ __device__ __forceinline__ void table_bwd_tile(const float* __restrict__ d_table
     const int kv = blockIdx.x * 32 + lane;
     const int k0 = blockIdx.x * ADALN_TB_COLUMNS;
     const int j0 = blockIdx.y * ADALN_TB_ROWS;
-    const bool valid = kv < ADALN_NVEC_D;
+    const bool valid = kv < ADALN_D / TB_VEC;
     const int r0 = warp * TB_ROWS_PER_WARP;
     const int nrows = valid ? min(TB_ROWS_PER_WARP, ADALN_TABLE_N - (j0 + r0)) : 0;
     const bool full = nrows == TB_ROWS_PER_WARP;  // every row of the warp exists: no bound checks between the loads
-    uint4 early[TB_EARLY > 0 ? TB_EARLY : 1];       // a full warp's first weight rows, loaded before the prologue
+    tb_raw early[TB_EARLY > 0 ? TB_EARLY : 1];      // a full warp's first weight rows, loaded before the prologue
     if (DACT && full) {
 #pragma unroll
-        for (int i = 0; i < TB_EARLY; ++i) early[i] = load_raw8(weight + (size_t)(j0 + r0 + i) * ADALN_D + kv * ADALN_VEC);
+        for (int i = 0; i < TB_EARLY; ++i) early[i] = tb_load(weight + (size_t)(j0 + r0 + i) * ADALN_D + kv * TB_VEC);
     }
     for (int i = threadIdx.x; i < ADALN_T * ADALN_TB_ROWS; i += ADALN_TB_THREADS) {
         const int t = i / ADALN_TB_ROWS, r = i % ADALN_TB_ROWS;
@@ -65,37 +100,37 @@ __device__ __forceinline__ void table_bwd_tile(const float* __restrict__ d_table
             d_bias[j0 + r] = float_to_bf16((float)s);
         }
     }
-    float act[D_WEIGHT ? ADALN_T : 1][ADALN_VEC], dact[DACT ? ADALN_T : 1][ADALN_VEC];
+    float act[D_WEIGHT ? ADALN_T : 1][TB_VEC], dact[DACT ? ADALN_T : 1][TB_VEC];
 #pragma unroll
     for (int t = 0; t < ADALN_T; ++t)
 #pragma unroll
-        for (int e = 0; e < ADALN_VEC; ++e) {
-            if constexpr (D_WEIGHT) act[t][e] = valid ? silu(temb[t * ADALN_D + kv * ADALN_VEC + e]) : 0.0f;
+        for (int e = 0; e < TB_VEC; ++e) {
+            if constexpr (D_WEIGHT) act[t][e] = valid ? silu(temb[t * ADALN_D + kv * TB_VEC + e]) : 0.0f;
             if constexpr (DACT) dact[t][e] = 0.0f;
         }
-    auto row = [&](int i, const uint4* loaded) {  // row j = j0 + r0 + i of the tile (its weight `loaded` early)
+    auto row = [&](int i, const tb_raw* loaded) {  // row j = j0 + r0 + i of the tile (its weight `loaded` early)
         const int j = j0 + r0 + i;
         float g[ADALN_T];
 #pragma unroll
         for (int t = 0; t < ADALN_T; ++t) g[t] = g_tile[t][r0 + i];
         if constexpr (DACT) {
-            float w[ADALN_VEC];
-            unpack8(loaded != nullptr ? *loaded : load_raw8(weight + (size_t)j * ADALN_D + kv * ADALN_VEC), w);
+            float w[TB_VEC];
+            tb_unpack(loaded != nullptr ? *loaded : tb_load(weight + (size_t)j * ADALN_D + kv * TB_VEC), w);
 #pragma unroll
-            for (int e = 0; e < ADALN_VEC; ++e)
+            for (int e = 0; e < TB_VEC; ++e)
 #pragma unroll
                 for (int t = 0; t < ADALN_T; ++t) dact[t][e] = fmaf(g[t], w[e], dact[t][e]);
         }
         if constexpr (D_WEIGHT) {
-            float dw[ADALN_VEC];
+            float dw[TB_VEC];
 #pragma unroll
-            for (int e = 0; e < ADALN_VEC; ++e) {
+            for (int e = 0; e < TB_VEC; ++e) {
                 float s = 0.0f;
 #pragma unroll
                 for (int t = 0; t < ADALN_T; ++t) s = fmaf(g[t], act[t][e], s);
                 dw[e] = s;
             }
-            store8(d_weight + (size_t)j * ADALN_D + kv * ADALN_VEC, dw);
+            tb_store(d_weight + (size_t)j * ADALN_D + kv * TB_VEC, dw);
         }
     };
     if (full) {
@@ -109,7 +144,7 @@ __device__ __forceinline__ void table_bwd_tile(const float* __restrict__ d_table
 #pragma unroll
         for (int t = 0; t < ADALN_T; ++t) {
 #pragma unroll
-            for (int e = 0; e < ADALN_VEC; ++e) combine[warp][lane * ADALN_VEC + e] = dact[t][e];
+            for (int e = 0; e < TB_VEC; ++e) combine[warp][lane * TB_VEC + e] = dact[t][e];
             __syncthreads();
             for (int c = threadIdx.x; c < ADALN_TB_COLUMNS; c += ADALN_TB_THREADS) {
                 float s = 0.0f;

@@ -4,7 +4,7 @@ racecheck, initcheck, synccheck; `python3 -m adaln_lab.bench.sanitize_calls` run
 - `final_adaln_out` (backend "cupy"), forward+backward: (H, D, T) = (264, 64, 3), (1024, 256, 1) and the
   real (5376, 2688, 3), at 0, 1, 7 and 300 rows (300 not at the real size), plus x (2, 7, H) (leading dims);
 - the blocks' kernels through the ops' launch ops (route "cupy"): modulation_table (H 264, D 64, T 3, N = 18H; the
-  table also on 2 persistent blocks), modulated_rms_norm (with and without d_residual), gated_residual and
+  table also on three other tile shapes, the same bits), modulated_rms_norm (with and without d_residual), gated_residual and
   gated_residual_norm on R = 3T table rows (strided shift / scale / gate slices of the table; and as a block calls
   them: the table kernel's row tables read, a table gradient written at the chunks' columns, row stride 6H) at 0, 1,
   7 and 300 rows.
@@ -50,15 +50,16 @@ def op_calls() -> None:
     print("final_adaln_out: done")
 
 
-def persistent_table(table_fwd, temb, weight, bias, table) -> None:
-    """table.cu's persistent schedule (the real block's; small tables take a task per warp) on 2 blocks."""
+def other_table_tiles(table_fwd, temb, weight, bias, table) -> None:
+    """table.cu on every other tile shape (64-row and 32-timestep tiles, tails in both): the same bits."""
     from adaln_lab.core import launchers, plan as plan_module
 
     saved = dict(plan_module.TUNING)
     try:
-        plan_module.TUNING.update(TABLE_BLOCKS=2, TABLE_PERSISTENT_MIN_ROUNDS=1)
-        launchers.forget_compiled()
-        assert torch.equal(table_fwd(temb, weight, bias)[0], table), "the persistent schedule changed the table"
+        for tile in ((32, 4, 1, 2), (32, 2, 4, 3), (32, 1, 2, 4)):
+            plan_module.TUNING.update(TABLE_TILES=(tile,))
+            launchers.forget_compiled()
+            assert torch.equal(table_fwd(temb, weight, bias)[0], table), f"the tile {tile} changed the table"
     finally:
         plan_module.TUNING.clear()
         plan_module.TUNING.update(saved)
@@ -141,7 +142,7 @@ def block_calls() -> None:
     weight, bias = randn(18 * H, D, scale=0.02, dtype=torch.bfloat16), randn(18 * H, scale=0.1, dtype=torch.bfloat16)
     table, row_tables = calls.table_fwd(temb, weight, bias)
     _finite(table, *calls.table_bwd(randn(T, 18 * H), temb, weight))
-    persistent_table(calls.table_fwd, temb, weight, bias, table)
+    other_table_tiles(calls.table_fwd, temb, weight, bias, table)
     rows6 = table.view(R, 6 * H)
     shift, scale, gate = rows6[:, 3 * H:4 * H], rows6[:, 4 * H:5 * H], rows6[:, 2 * H:3 * H]
     norm_weight = (1 + 0.1 * randn(H)).to(torch.bfloat16)

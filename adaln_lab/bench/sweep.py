@@ -26,10 +26,8 @@ CONFIGS = {  # TUNING overrides, each against the first (bench/NOTES.md v20, v21
     "default": {},
     "staged": dict(FWD_WARP_VECTORS_MAX=0),          # the staged row-block forward (v8 to v19)
     "no_pdl": dict(FWD_PDL=0),                       # the row-per-warp forward launched plainly after the table (v20)
-    "table_r1": dict(TABLE_SMALL_ROWS_PER_WARP=1),
-    "table_r3": dict(TABLE_SMALL_ROWS_PER_WARP=3),
-    "table_r4": dict(TABLE_SMALL_ROWS_PER_WARP=4),   # norm_out's table at 4 rows per warp task (v8 to v19)
-    "table256": dict(TABLE_THREADS=256),
+    "table_4x4": dict(TABLE_TILES=((32, 4, 1, 2),)),  # norm_out's table (T = 3) on 64-row tiles
+    "table_ahead4": dict(TABLE_TILES=((32, 1, 1, 4),)),  # four weight steps in flight instead of two
     "tb512x256": dict(TB_THREADS=512, TB_ROWS=256),
     "bwd_s3": dict(BWD_STAGES=3),
 }
@@ -57,6 +55,7 @@ class Op:
         self.d_w, self.d_b = torch.empty_like(i.weight), torch.empty_like(i.bias)
         o, b = self.r.fwd_offsets, self.fwd_ws.data_ptr()
         self.table, self.table_f32, self.rstd = b + o["table"], b + o["table_f32"], b + o["rstd"]
+        self.act = torch.empty(i.temb.shape, dtype=torch.bfloat16, device=dev)  # table.cu's scratch
 
     @property
     def s(self) -> int:
@@ -66,7 +65,7 @@ class Op:
     def table_step(self):
         i = self.i
         launchers.launch_table(self.k, self.p, self.s, i.temb.data_ptr(), i.weight.data_ptr(), i.bias.data_ptr(),
-                               self.table, self.table_f32)
+                               self.table, self.table_f32, self.act.data_ptr())
 
     def rows_step(self, after_table=False):
         i = self.i

@@ -23,6 +23,7 @@ from .plan import ROW_ORDER_THREADS, Plan, Rows
 
 _PACK = {"p": "Q", "i": "i4x", "f": "f4x"}  # argument kinds as 8-byte slots: pointer, int32, float32
 SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
+    "table_act": "pp",
     "table_bf16": "ppppp",
     "norm_modulate_bf16": "ppppppifii",
     "norm_modulate_rowwise_bf16": "ppppppifii",
@@ -174,11 +175,13 @@ def kernels(device_index: int, plan: Plan) -> dict:
 
 
 def launch_table(k: dict, plan: Plan, stream: int, temb: int, weight: int, bias: int, table: int,
-                 table_f32: int) -> None:
+                 table_f32: int, act: int) -> None:
     """table (T, N) bf16 (a block's two row tables (2, 3T, 2H) where plan.table_row_tables) and table_f32 (T, N)
-    fp32 = linear(bf16(silu(temb)), weight, bias), N = plan.columns."""
-    k["table_bf16"]((plan.table_grid, 1, 1), (plan.table_threads, 1, 1), 0, stream,
-                    temb, weight, bias, table, table_f32)
+    fp32 = linear(bf16(silu(temb)), weight, bias), N = plan.columns; act (T, D) bf16 scratch: bf16(silu(temb)),
+    written by table_act, then read by table_bf16 (launched with PDL: its weight loads start before act is done)."""
+    k["table_act"]((plan.table_act_grid, 1, 1), (256, 1, 1), 0, stream, temb, act)
+    k["table_bf16"].after_previous((*plan.table_grid, 1), (plan.table_threads, 1, 1), 0, stream,
+                                   act, weight, bias, table, table_f32)
 
 
 def launch_norm_modulate(k: dict, plan: Plan, rows: Rows, stream: int, x: int, norm_weight: int, table: int,

@@ -9,8 +9,7 @@ Rules (bench/NOTES.md has the measurements behind each number):
 - A row's reductions use the tree of its row kernel's block (`fwd_threads`, `fwd_vpt` and
   `bwd_threads`, `bwd_vpt`), a function of H alone; which rows share a block never changes a bit.
 
-Shapes the CUDA path supports: H and D divisible by 8, H <= `H_MAX`, T <= `T_MAX`, T * D <= `TD_MAX`,
-at most 2^31 - 2^12 rows.
+Shapes the CUDA path supports: H and D divisible by 8, H <= `H_MAX`, T <= `T_MAX`, at most 2^31 - 2^12 rows.
 """
 
 from __future__ import annotations
@@ -22,15 +21,11 @@ from functools import cached_property, lru_cache
 # Constants of the kernels: the one place they live. Changing one changes the compiled unit
 # (its text carries the values), and `launchers.forget_compiled()` forgets every derived plan and kernel.
 TUNING = {
-    "TABLE_THREADS": 512,       # table.cu: block size
-    "TABLE_ROWS_PER_WARP": 4,   # table.cu: output rows j per warp task of the persistent schedule, their weight rows
-                                # loaded side by side
-    "TABLE_SMALL_ROWS_PER_WARP": 2,  # table.cu: the same for the one-task-per-warp schedule (a small table: norm_out's)
-    "TABLE_AHEAD": 2,           # table.cu: weight steps (a task's rows x 16 B per lane) in flight per lane
-    "TABLE_MIN_BLOCKS": 1,      # table.cu: __launch_bounds__ blocks per SM (a register cap for the compiler)
-    "TABLE_BLOCKS": 132,        # table.cu: blocks of its persistent schedule (a constant, not the SM count: each
-                                # block loops over warp tasks; a row's sum is one warp's whatever the grid)
-    "TABLE_PERSISTENT_MIN_ROUNDS": 8,  # table.cu: persistent from this many TABLE_BLOCKS of one-task blocks on
+    "TABLE_CHUNKS": 8,          # table.cu: k in this many chunks of steps, one warp each, added in order: part of
+                                # every table sum's order (changing it changes bits; fixed by D alone, never by T)
+    "TABLE_TILES": ((8, 1, 1, 2), (16, 2, 2, 4), (32, 2, 4, 3)),  # table.cu: (up to T, MT, NT, AHEAD): a block's
+                                # tile of 16 MT rows j and 8 NT timesteps, AHEAD weight steps in flight per lane; the
+                                # first row whose T fits (speed only: every tile gives the same bits, NOTES v26)
     "FWD_THREADS_MAX": 256,     # norm_modulate.cu: row block size cap (H = 5376: 224 threads x 3 vectors)
     "FWD_RANGES": 264,          # norm_modulate.cu: row ranges of the staged kernel (a constant, not the SM count)
     "FWD_MIN_ROWS": 8,          # norm_modulate.cu: fewest rows of one range (the table staging is per range)
@@ -51,6 +46,7 @@ TUNING = {
     "TB_SPLIT_ROWS": 256,       # table_bwd.cu: weight rows j per block of its two halves (T >= TB_SPLIT_MIN_T)
     "TB_EARLY": 4,              # table_bwd.cu: weight rows a warp loads before its block's prologue
     "TB_SPLIT_MIN_T": 5,        # table_bwd.cu: from this many table rows T on, d_weight and dact run as two kernels
+    "TB_ACC_MAX": 80,           # table_bwd.cu: most per-timestep accumulators of a thread (T x tb_vec columns)
     "SUM_GROUPS": 16,           # adaln_common.cuh: row groups of an ordered column sum
     "RP_T_MAX": 12,             # reduce_partials.cu: most timesteps summed in one pass (8 KiB of shared memory each)
     "GR_THREADS_MAX": 256,      # gated_residual.cu: block size cap (H = 5376: 3 column tiles of 224 threads)
@@ -59,12 +55,12 @@ SMEM_BLOCK_MAX = 227 * 1024       # dynamic + static shared memory one block may
 BWD_STAGE_BUDGET = 200 * 1024     # dynamic shared memory of the backward's stages (static scratch beside it)
 H_MAX = 50176                      # the largest H whose backward stage (an x and a dy row, padded to the
                                    # row block) fits BWD_STAGE_BUDGET: tests/core/test_kernels_compile.py checks it
-TD_MAX = 24576                     # table.cu keeps T * D bf16 activations in 48 KiB of static shared memory
-T_MAX = 32                         # table.cu / table_bwd.cu keep per-timestep arrays in registers, unrolled over T
+T_MAX = 32                         # table_bwd.cu keeps per-timestep arrays in registers, unrolled over T
 ROWS_MAX = 2 ** 31 - 2 ** 15      # rows and S travel as int32; a range's end (p0 + rows per range) must fit too,
                                   # and row_order.cu's last chunk end (up to S + 16383: chunks rounded up to 16)
-TB_COLUMNS = 256                   # table_bwd.cu: columns k of one block (32 lanes x 8)
 ROW_ORDER_THREADS = 1024           # row_order.cu: its one block (32 warps: one per lane of the scan of their totals)
+TWIN_TABLE_THREADS = 512           # the Numba twin's table (its own GEMV order, ops/final_adaln_out/twin): block size,
+TWIN_TABLE_ROWS_PER_WARP = 2       # and rows j of one warp's task (a row's sum is one warp's: the bits do not depend on it)
 ROW_ORDER_KEYS_MAX = 65536         # row_order.cu: most positions whose keys it stages in shared memory (bytes)
 
 
@@ -94,8 +90,6 @@ def check_shapes(H: int, D: int, T: int) -> None:
         raise ValueError(f"the CUDA kernels need H (x.shape[-1]) <= {H_MAX}, got {H}; use backend='torch'")
     if T > T_MAX:
         raise ValueError(f"the CUDA kernels need T (temb.shape[0]) <= {T_MAX}, got {T}; use backend='torch'")
-    if T * D > TD_MAX:
-        raise ValueError(f"the CUDA kernels need T * D <= {TD_MAX} (temb is {T} x {D}); use backend='torch'")
 
 
 ALIGN = 256  # bytes: every piece of a workspace starts on this boundary
@@ -170,10 +164,9 @@ class Plan:
     bwd_vpt: int
     bwd_stages: int
     bwd_res_stages: int      # norm_modulate_bwd_residual_sorted_bf16: rows in flight (three inputs each); 0: unused
-    table_grid: int
-    table_threads: int
-    table_persistent: bool   # table.cu's schedule: TABLE_BLOCKS blocks looping over tasks, or a task per warp
-    table_rows_per_warp: int  # table.cu: rows of one warp task (TABLE_ROWS_PER_WARP or TABLE_SMALL_ROWS_PER_WARP)
+    table_grid: tuple[int, int]  # table.cu: (t-blocks of 8 NT timesteps, j-blocks of 16 MT rows)
+    table_threads: int           # table.cu: 32 x TABLE_CHUNKS
+    table_tile: tuple[int, int, int]  # table.cu: (MT, NT, AHEAD), from TABLE_TILES by T
     tb_threads: int
     sum_groups: int
     gr_threads: int
@@ -257,9 +250,23 @@ class Plan:
         return t["TB_SPLIT_ROWS"] if self.tb_split else t["TB_ROWS"]
 
     @cached_property
+    def tb_vec(self) -> int:
+        """table_bwd.cu: columns k of a lane, 8, 4 or 2: the most with T x tb_vec <= TB_ACC_MAX accumulators
+        (each half keeps T x tb_vec; the one kernel, below TB_SPLIT_MIN_T, twice that), at least 2. At T = 16 and
+        8 columns a lane, 128 accumulators spilled (table_bwd_dact 357 us, NOTES v27); every column's sums are the
+        same whatever a lane covers, so the bits do not depend on it."""
+        acc = dict(self.tuning)["TB_ACC_MAX"]
+        return next((v for v in (8, 4) if self.T * v <= acc), 2)
+
+    @cached_property
+    def tb_columns(self) -> int:
+        """table_bwd.cu: columns k of one block, a vector of tb_vec for each of the 32 lanes."""
+        return 32 * self.tb_vec
+
+    @cached_property
     def tb_grid(self) -> tuple[int, int]:
-        """table_bwd.cu's grid: (D tiles of TB_COLUMNS columns, row blocks of tb_rows weight rows)."""
-        return math.ceil(self.D / TB_COLUMNS), math.ceil(self.columns / self.tb_rows)
+        """table_bwd.cu's grid: (D tiles of tb_columns columns, row blocks of tb_rows weight rows)."""
+        return math.ceil(self.D / self.tb_columns), math.ceil(self.columns / self.tb_rows)
 
     @cached_property
     def blocks_j(self) -> int:
@@ -279,15 +286,19 @@ class Plan:
                     FWD_STAGES=max(self.fwd_stages, 1), FWD_WARP=int(self.fwd_warp),
                     FWD_WARP_THREADS=t["FWD_WARP_THREADS"], BWD_THREADS=self.bwd_threads, BWD_VPT=self.bwd_vpt,
                     BWD_STAGES=self.bwd_stages, BWD_RES_STAGES=max(self.bwd_res_stages, 1),
-                    TABLE_THREADS=t["TABLE_THREADS"],
-                    TABLE_ROWS_PER_WARP=self.table_rows_per_warp, TABLE_AHEAD=t["TABLE_AHEAD"],
-                    TABLE_MIN_BLOCKS=t["TABLE_MIN_BLOCKS"], TABLE_PERSISTENT=int(self.table_persistent),
+                    TABLE_CHUNKS=t["TABLE_CHUNKS"], TABLE_MT=self.table_tile[0], TABLE_NT=self.table_tile[1],
+                    TABLE_AHEAD=self.table_tile[2],
                     FWD_ROW_LIST_MAX=t["FWD_ROW_LIST_MAX"], ROW_LIST_MAX=t["ROW_LIST_MAX"],
                     TB_THREADS=t["TB_THREADS"], TB_ROWS=self.tb_rows, TB_SPLIT=int(self.tb_split),
-                    TB_EARLY=t["TB_EARLY"], TB_COLUMNS=TB_COLUMNS,
+                    TB_EARLY=t["TB_EARLY"], TB_COLUMNS=self.tb_columns, TB_VEC=self.tb_vec,
                     ROW_ORDER_THREADS=ROW_ORDER_THREADS, ROW_ORDER_KEYS_MAX=ROW_ORDER_KEYS_MAX,
                     GR_THREADS=self.gr_threads, SUM_GROUPS=t["SUM_GROUPS"], RP_T=self.rp_t, TABLE_N=self.columns,
                     TABLE_F32_ROUNDED=int(self.table_f32_rounded), TABLE_ROW_TABLES=int(self.table_row_tables))
+
+    @cached_property
+    def table_act_grid(self) -> int:
+        """table.cu's table_act: blocks of 256 threads, 8 of the T * D activations a thread."""
+        return math.ceil(self.T * self.D / 8 / 256)
 
     @cached_property
     def columns(self) -> int:
@@ -355,15 +366,11 @@ def plan(H: int, D: int, T: int, table_n: int = 0, table_f32_rounded: bool = Fal
     bwd_res_stages = min(t["BWD_STAGES"], BWD_STAGE_BUDGET // (3 * bwd_threads * bwd_vpt * 16))
     if bwd_stages < 1:
         raise ValueError(f"the CUDA kernels need H (x.shape[-1]) <= {H_MAX}, got {H}; use backend='torch'")
-    rows_per_block = t["TABLE_THREADS"] // 32 * t["TABLE_ROWS_PER_WARP"]
-    table_persistent = (0 < t["TABLE_BLOCKS"]
-                        and t["TABLE_BLOCKS"] * t["TABLE_PERSISTENT_MIN_ROUNDS"] <= math.ceil(N / rows_per_block))
-    table_rows_per_warp = t["TABLE_ROWS_PER_WARP"] if table_persistent else t["TABLE_SMALL_ROWS_PER_WARP"]
-    table_blocks = math.ceil(N / (t["TABLE_THREADS"] // 32 * table_rows_per_warp))  # one task per warp
+    table_tile = next((tile[1:] for tile in t["TABLE_TILES"] if T <= tile[0]), t["TABLE_TILES"][-1][1:])
     return Plan(H=H, D=D, T=T, fwd_threads=fwd_threads, fwd_vpt=fwd_vpt, fwd_stages=fwd_stages,
                 bwd_threads=bwd_threads, bwd_vpt=bwd_vpt, bwd_stages=bwd_stages, bwd_res_stages=bwd_res_stages,
-                table_grid=t["TABLE_BLOCKS"] if table_persistent else table_blocks, table_threads=t["TABLE_THREADS"],
-                table_persistent=table_persistent, table_rows_per_warp=table_rows_per_warp,
+                table_grid=(math.ceil(T / (8 * table_tile[1])), math.ceil(N / (16 * table_tile[0]))),
+                table_threads=32 * t["TABLE_CHUNKS"], table_tile=table_tile,
                 tb_threads=t["TB_THREADS"],
                 sum_groups=t["SUM_GROUPS"], gr_threads=gr_geometry(H, t["GR_THREADS_MAX"]),
                 tuning=tuple(sorted(t.items())), table_n=table_n,

@@ -22,7 +22,7 @@ import torch
 
 from .library import eager
 from .warnings import KernelFallbackWarning
-from .plan import ROWS_MAX, T_MAX, check_shapes, check_table, plan as make_plan
+from .plan import ROWS_MAX, T_MAX, TWIN_TABLE_THREADS, check_shapes, check_table
 
 _BF16 = torch.bfloat16
 _F32 = torch.float32
@@ -141,10 +141,9 @@ def kernel_temb(temb: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def twin_td_max(H: int, D: int, T: int) -> int:
     """The largest T * D the twin's table kernel takes: it keeps bf16(silu(temb)) as T * D fp32 values in
-    static shared memory beside its (warps, 32) fp32 butterfly slots, within 48 KiB (11776 at the plan's
-    512 threads), where table.cu keeps them as bf16 (plan.TD_MAX)."""
-    threads = make_plan(H, D, T).table_threads
-    return (STATIC_SHARED_MAX - threads * 4) // 4
+    static shared memory beside its (warps, 32) fp32 butterfly slots, within 48 KiB (11776 at its 512 threads,
+    plan.TWIN_TABLE_THREADS)."""
+    return (STATIC_SHARED_MAX - TWIN_TABLE_THREADS * 4) // 4
 
 
 def numba_final_adaln_out(x, norm_weight, temb, weight, bias=None, *, simulating: bool = False

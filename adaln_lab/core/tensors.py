@@ -56,7 +56,8 @@ def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:
-    """t contiguous and starting on a 16-byte boundary (the kernels load 8 bf16 at a time); a copy only if not."""
+    """t contiguous and starting on a 16-byte boundary (the kernels load 16 bytes at a time: 8 bf16, 4 fp32); a copy
+    only if not."""
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
@@ -77,12 +78,15 @@ def table(temb, weight, bias):
     """table (T, 2H) bf16 and table_f32 (T, 2H) fp32 by kernels_cu/table.cu (one kernel, for tests and tools)."""
     T, D = temb.shape
     H = weight.shape[0] // 2
+    temb = aligned(temb)
     plan = make_plan(H, D, T)
     out = torch.empty(T, 2 * H, dtype=torch.bfloat16, device=temb.device)
     out_f32 = torch.empty(T, 2 * H, dtype=torch.float32, device=temb.device)
     launchers.bind(temb.device.index)
+    act = torch.empty(T, D, dtype=torch.bfloat16, device=temb.device)
     launchers.launch_table(launchers.kernels(temb.device.index, plan), plan, current_stream(temb.device.index),
-                           temb.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(), out_f32.data_ptr())
+                           temb.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(), out_f32.data_ptr(),
+                           act.data_ptr())
     return out, out_f32
 
 

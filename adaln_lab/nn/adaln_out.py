@@ -62,7 +62,7 @@ class AdaLNOut(nn.Module):
         eps: RMSNorm epsilon (diffusers passes the model's `final_norm_eps`).
         backend: "auto" (CUDA kernels for CUDA tensors, the diffusers replay otherwise), "torch" or
             "cupy"; see `final_adaln_out`.
-        table_backend: "cuda" (fixed-order GEMV, T-invariant table rows) or "torch" (`F.linear`).
+        table_backend: "cuda" (fixed-order table on tensor cores, T-invariant table rows) or "torch" (`F.linear`).
 
     forward(hidden_states (..., S, H), temb (T, D), timestep_indices (S,) int64) -> (..., S, H) in
     hidden_states' dtype. See the module docstring for a temb that is not float32.

@@ -10,8 +10,8 @@ nn.Linear) computes, for its input act = silu(temb).to(weight's dtype), (T, D):
 
 Merged adapters live inside base_layer.weight (the base alone then, as PEFT); with adapters disabled the base
 alone. `adapted_table` computes the same on adaln_lab's table: the base by the ops (on the CUDA kernels: the
-fixed-order GEMV, T-invariant rows), then each adapter's term one table row at a time (every lora_A / lora_B
-call sees a single row, so a row's bits never depend on T or on the other timesteps), added with PEFT's
+fixed-order table on tensor cores, T-invariant rows), then each adapter's term one table row at a time (every
+lora_A / lora_B call sees a single row, so a row's bits never depend on T or on the other timesteps), added with PEFT's
 rounding points: each sum is rounded to PEFT's dtype at that point (the promoted dtype; bf16 when base and
 adapter are bf16, nothing when the adapter is float32 as PEFT's `autocast_adapter_dtype` makes it), then to
 the weight's dtype. The roundings are straight-through for autograd, so the table's gradient reaches the base

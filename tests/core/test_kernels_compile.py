@@ -51,8 +51,8 @@ def test_compile_error_names_the_real_file_and_line(tmp_path, monkeypatch):
     broken = tmp_path / "kernels_cu"
     shutil.copytree(loader.kernel_dir(), broken)
     lines = (broken / "table_bwd.cu").read_text().splitlines()
-    target = next(i for i, line in enumerate(lines) if "store8(d_weight" in line)
-    lines[target] = lines[target].replace("store8(", "store_eight(")
+    target = next(i for i, line in enumerate(lines) if "tb_store(d_weight" in line)
+    lines[target] = lines[target].replace("tb_store(", "tb_store_eight(")
     (broken / "table_bwd.cu").write_text("\n".join(lines) + "\n")
     monkeypatch.setattr(loader, "kernel_dir", lambda: broken)
     loader.clear_caches()

@@ -91,11 +91,15 @@ def test_forward_and_backward_launch_each_kernel_once_on_live_buffers(calls, row
     dy = upstream(1, i.x)
     grads = forward.backward(i, dy)
     names = [c[0] for c in calls]
-    assert names == ["table_bf16", "norm_modulate_warp_bf16", "norm_modulate_bwd_bf16", "reduce_partials_bf16",
-                     "table_bwd_bf16", "table_bwd_reduce"]
+    assert names == ["table_act", "table_bf16", "norm_modulate_warp_bf16", "norm_modulate_bwd_bf16",
+                     "reduce_partials_bf16", "table_bwd_bf16", "table_bwd_reduce"]
     assert _streams(calls) == {STREAM}
     plan, r = forward.plan, forward.rows
-    assert PROGRAMMATIC == ([1] if plan.fwd_pdl else [])  # with PDL the row kernel may start as the table ends
+    # the table kernel may start as table_act ends, and with PDL the row kernel as the table ends
+    assert PROGRAMMATIC == ([1, 2] if plan.fwd_pdl else [1])  # indices of the calls
+    assert calls[0][1] == (plan.table_act_grid, 1, 1) and calls[1][1] == (*plan.table_grid, 1)
+    act = calls[0][4][1]  # table.cu's scratch (T, D) bf16, allocated for the table kernels alone
+    calls = calls[1:]
     assert calls[1][1] == (-(-rows // plan.fwd_warp_rows), 1, 1) and calls[1][2] == (32 * plan.fwd_warp_rows, 1, 1)
     assert calls[2][1] == (r.bwd_ranges, 1, 1)
     assert calls[3][1] == (-(-plan.H // 32), 1, 1) and calls[4][1] == plan.tb_grid + (1,)
@@ -109,7 +113,7 @@ def test_forward_and_backward_launch_each_kernel_once_on_live_buffers(calls, row
     base = min(workspace_pointers)
     for name, _, _, _, args, _ in calls:
         for kind, a in zip(launchers.SIGNATURES[name], args):
-            if kind == "p" and (a or name != "table_bwd_bf16"):
+            if kind == "p" and (a or name != "table_bwd_bf16") and a != act:
                 assert _inside(a, live) or 0 <= a - base < r.bwd_bytes, (name, a)
     # the backward's workspace pieces are where the plan lays them out (d_scale: the second half of d_table's rows)
     d_scale = base + r.bwd_offsets["d_table"] + 4 * plan.H
@@ -118,7 +122,7 @@ def test_forward_and_backward_launch_each_kernel_once_on_live_buffers(calls, row
     fws, o, b = forward.workspace.data_ptr(), r.fwd_offsets, r.bwd_offsets
     p = {name: t.data_ptr() for name, t in zip(("x", "norm_weight", "temb", "weight", "bias", "idx"), i.args)}
     expected = {
-        "table_bf16": [p["temb"], p["weight"], p["bias"], fws + o["table"], fws + o["table_f32"]],
+        "table_bf16": [act, p["weight"], p["bias"], fws + o["table"], fws + o["table_f32"]],
         "norm_modulate_warp_bf16": [p["x"], p["norm_weight"], fws + o["table"], p["idx"], out.data_ptr(),
                                     fws + o["rstd"]],
         "norm_modulate_bwd_bf16": [dy.data_ptr(), p["x"], fws + o["rstd"], p["norm_weight"], fws + o["table_f32"],
@@ -169,11 +173,11 @@ def test_empty_batch_launches_no_row_kernel_and_zeroes_the_partials(calls):
     assert forward.out.shape == (0, 264)
     forward.backward(i, torch.empty_like(forward.out))
     names = [c[0] for c in calls]
-    assert names == ["table_bf16", "memset", "reduce_partials_bf16", "table_bwd_bf16", "table_bwd_reduce"]
-    memset = calls[1]
+    assert names == ["table_act", "table_bf16", "memset", "reduce_partials_bf16", "table_bwd_bf16", "table_bwd_reduce"]
+    memset = calls[2]
     assert memset[2] == 2 * 2 * 264 * 4  # one range of (T, 2, H) fp32 zeros
     assert _streams(calls) == {STREAM}
-    assert calls[2][4][7] == 1  # reduce_partials sums that one range (its nblocks argument)
+    assert calls[3][4][7] == 1  # reduce_partials sums that one range (its nblocks argument)
 
 
 def test_the_row_kernel_waits_on_the_table_kernel_only_when_it_follows_it(calls, monkeypatch):
@@ -186,9 +190,10 @@ def test_the_row_kernel_waits_on_the_table_kernel_only_when_it_follows_it(calls,
         i = make(1, 9, "cpu", H=64, D=32, T=2)
         assert plan_module.plan(64, 32, 2).fwd_pdl
         Forward(i, "cuda")
-        assert [c[0] for c in calls] == ["table_bf16", "norm_modulate_warp_bf16"] and PROGRAMMATIC == [1]
+        assert [c[0] for c in calls] == ["table_act", "table_bf16", "norm_modulate_warp_bf16"]
+        assert PROGRAMMATIC == [1, 2]  # the table after table_act, the rows after the table
         Forward(i, "torch")
-        assert [c[0] for c in calls][2:] == ["norm_modulate_warp_bf16"] and PROGRAMMATIC == [1]
+        assert [c[0] for c in calls][3:] == ["norm_modulate_warp_bf16"] and PROGRAMMATIC == [1, 2]
     finally:  # no plan built under the override outlives the test
         monkeypatch.undo()
         plan_module.clear_caches()

@@ -255,12 +255,37 @@ def test_split_and_fused_table_backward_agree_bit_for_bit(monkeypatch, rows):
     assert torch.allclose(results[True][1].double(), exact, rtol=2 ** -8, atol=1e-6)
 
 
-@pytest.mark.parametrize("T_", [3, 9])
-def test_persistent_and_one_task_tables_agree_bit_for_bit(monkeypatch, T_):
-    """table.cu's two schedules (plan.table_persistent: TABLE_BLOCKS blocks looping over interleaved warp tasks
-    with weight loads in flight across tasks, or a task per warp) give every table row the same bits: a row is
-    one warp's sum either way. N not a multiple of the 64 rows of a block (a ragged last task), D not a multiple
-    of 256 (lanes with fewer steps)."""
+@pytest.mark.parametrize("rows", [3, 17])
+def test_every_lane_width_of_the_table_backward_gives_the_same_bits(monkeypatch, rows):
+    """table_bwd.cu's columns per lane (plan.tb_vec: 8, 4 or 2, by TB_ACC_MAX) are speed only: each column's sums
+    have the same terms in the same order, so d_weight, d_temb and d_bias are the same bits for every width, in
+    the one kernel (T = 3) and its halves (T = 17); D = 264 not a multiple of the 64- or 128-column tiles."""
+    from adaln_lab.core import launchers, plan as plan_module
+
+    g = torch.Generator("cuda").manual_seed(rows)
+    N, D_ = 18 * H + 72, 264
+    temb = torch.randn(rows, D_, device="cuda", generator=g)
+    weight = (torch.randn(N, D_, device="cuda", generator=g) * 0.02).bfloat16()
+    d_table = torch.randn(rows, N, device="cuda", generator=g)
+    results = {}
+    try:
+        for vec in (8, 4, 2):
+            monkeypatch.setitem(plan_module.TUNING, "TB_ACC_MAX", rows * vec if vec > 2 else 0)
+            launchers.forget_compiled()
+            assert plan_module.plan(8, D_, rows, table_n=N, table_f32_rounded=True).tb_vec == vec
+            results[vec] = table_bwd(d_table, temb, weight)
+    finally:
+        monkeypatch.undo()
+        launchers.forget_compiled()
+    assert all(torch.equal(a, b) for vec in (4, 2) for a, b in zip(results[8], results[vec]))
+
+
+@pytest.mark.parametrize("T_", [3, 9, 17])
+def test_every_table_tile_gives_the_same_bits_and_rows_alone_their_batchs(monkeypatch, T_):
+    """table.cu's tile shapes (TABLE_TILES: 16 MT rows x 8 NT timesteps, AHEAD steps in flight) are speed only:
+    every shape gives every table element the same bits, and a timestep computed alone (T = 1, at another
+    position of its tile) or a slice of the columns computed alone gives the batch's bits. N not a multiple of
+    any tile's rows (ragged last tiles), D = 264 not a multiple of the 32 k of a step (lanes past D in the last)."""
     from adaln_lab.core import launchers, plan as plan_module
 
     g = torch.Generator("cuda").manual_seed(T_)
@@ -270,19 +295,24 @@ def test_persistent_and_one_task_tables_agree_bit_for_bit(monkeypatch, T_):
     bias = (torch.randn(N, device="cuda", generator=g) * 0.1).bfloat16()
     tables = {}
     try:
-        for blocks, rounds in ((3, 1), (0, 1)):  # 3 persistent blocks of 16 warps, then a task per warp
-            monkeypatch.setitem(plan_module.TUNING, "TABLE_BLOCKS", blocks)
-            monkeypatch.setitem(plan_module.TUNING, "TABLE_PERSISTENT_MIN_ROUNDS", rounds)
+        for tile in ((32, 1, 1, 2), (32, 2, 2, 4), (32, 2, 4, 3), (32, 4, 1, 2), (32, 1, 4, 1)):
+            monkeypatch.setitem(plan_module.TUNING, "TABLE_TILES", (tile,))
             launchers.forget_compiled()
-            persistent = plan_module.plan(8, D_, T_, table_n=N, table_f32_rounded=True).table_persistent
-            assert persistent == (blocks > 0)  # the schedule asked for is the one taken
-            tables[persistent] = table_fwd(temb, weight, bias)
+            assert plan_module.plan(8, D_, T_, table_n=N, table_f32_rounded=True).table_tile == tile[1:]
+            tables[tile] = table_fwd(temb, weight, bias)
     finally:
         monkeypatch.undo()
         launchers.forget_compiled()
-    assert torch.equal(tables[True], tables[False])
+    first = next(iter(tables.values()))
+    assert all(torch.equal(t, first) for t in tables.values())
+    for t in range(T_):  # alone, and in a window of two at the other position of a pair
+        assert torch.equal(table_fwd(temb[t:t + 1], weight, bias), first[t:t + 1])
+        if t + 2 <= T_:
+            assert torch.equal(table_fwd(temb[t:t + 2], weight, bias), first[t:t + 2])
+    for a, b in ((8, 40), (72, 18 * H), (N - 24, N)):  # column slices alone
+        assert torch.equal(table_fwd(temb, weight[a:b].contiguous(), bias[a:b].contiguous()), first[:, a:b])
     exact = F.linear(F.silu(temb.double()).bfloat16().double(), weight.double(), bias.double())
-    assert torch.allclose(tables[True].double(), exact, rtol=2 ** -7, atol=1e-3)
+    assert torch.allclose(first.double(), exact, rtol=2 ** -7, atol=1e-3)
 
 
 def test_modulated_norm_is_norm_outs_kernels():

@@ -102,10 +102,14 @@ def kernels_forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: f
     """table.cu (unless `table_written`: the bf16 table and table_f32 already at their addresses), then
     norm_modulate.cu, on `stream`, writing out, table, table_f32 and rstd at the given addresses (the op's
     workspace, or `adaln_lab.dlpack`'s arrays)."""
-    x, norm_weight, weight, bias = (tensors.aligned(t) for t in (x, norm_weight, weight, bias))
+    x, norm_weight, temb, weight, bias = (tensors.aligned(t) for t in (x, norm_weight, temb, weight, bias))
     plan, rows, k = kernels_of(x, temb)
     if not table_written:
-        launchers.launch_table(k, plan, stream, temb.data_ptr(), weight.data_ptr(), bias.data_ptr(), table, table_f32)
+        act = torch.empty(temb.shape, dtype=torch.bfloat16, device=temb.device)  # table.cu's scratch: silu once
+        if stream != tensors.current_stream(temb.get_device()):  # dlpack's stream: torch reuses act only after it
+            act.record_stream(torch.cuda.ExternalStream(stream, device=temb.device))
+        launchers.launch_table(k, plan, stream, temb.data_ptr(), weight.data_ptr(), bias.data_ptr(), table, table_f32,
+                               act.data_ptr())
     launchers.launch_norm_modulate(k, plan, rows, stream, x.data_ptr(), norm_weight.data_ptr(), table,
                                    timestep_indices.data_ptr(), out, rstd, x.shape[-2], eps,
                                    after_table=not table_written)

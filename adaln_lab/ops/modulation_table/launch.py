@@ -8,9 +8,9 @@ float64 parameters) holding values of weight's dtype; table_bf16: None, or (rout
 output, (2, 3T, 2H) for a block's table of N = 18H columns (the norms' two row tables: `core.plan.row_tables_fit`),
 else (T, N).
 
-route "cupy": table.cu (a fixed-order GEMV: each row independent of T) and table_bwd.cu (temb widened to float32
-where it has weight's dtype: `core.support.kernel_temb`); route "torch": diffusers' table upcast, and the exact
-derivative in float64 (`reference.backward.modulation_table_backward`), one rounding per output.
+route "cupy": table.cu (tensor cores in an order fixed by D: each row independent of T) and table_bwd.cu (temb
+widened to float32 where it has weight's dtype: `core.support.kernel_temb`); route "torch": diffusers' table upcast,
+and the exact derivative in float64 (`reference.backward.modulation_table_backward`), one rounding per output.
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ def forward(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, route:
     if route != "cupy" or table_backend == "torch":
         table.copy_(replay_table(temb, weight, bias))
         return
-    temb = support.kernel_temb(temb, weight).contiguous()
+    temb = tensors.aligned(support.kernel_temb(temb, weight))  # table.cu loads temb 16 bytes at a time
     weight, bias = tensors.aligned(weight), tensors.aligned(bias)
     plan, k, stream = tensors.table_setup(temb, weight.shape[0])
+    act = torch.empty(temb.shape, dtype=torch.bfloat16, device=temb.device)  # table.cu's scratch: silu once
     launchers.launch_table(k, plan, stream, temb.data_ptr(), weight.data_ptr(), bias.data_ptr(),
-                           table_bf16.data_ptr(), table.data_ptr())
+                           table_bf16.data_ptr(), table.data_ptr(), act.data_ptr())
 
 
 @library_op("adaln_lab::modulation_table_bwd", mutates_args=("d_temb", "d_weight", "d_bias"))

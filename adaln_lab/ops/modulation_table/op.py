@@ -9,14 +9,14 @@ their slices back to the projection's dtype (exact) and replay diffusers' ops, s
 diffusers', while their gradients reach the table in float32 and autograd adds them in float32 (the six
 chunks are disjoint column ranges, so the adds are exact); diffusers instead sums them in bf16.
 
-One way through: `modulation_table` checks the inputs and decides the route once (`core.support.route`: the
-kernels for bf16 weight and bias, fp32 (or bf16, widened exactly) temb and shapes the plan takes; otherwise the
-torch code, with a warning on CUDA); the one autograd node `ModulationTable` allocates the table and calls the launch
-ops (`launch`), in eager and compiled code alike. The torch code replays diffusers forward and takes the exact
+One way through: `modulation_table` checks the inputs and decides the route once (`core.support.route`: the kernels
+for bf16 weight and bias, fp32 (or bf16, widened exactly) temb and shapes the plan takes; otherwise the torch code,
+with a warning on CUDA); the one autograd node `ModulationTable` allocates the table and calls the launch ops
+(`launch`), in eager and compiled code alike. The torch code replays diffusers forward and takes the exact
 derivative in float64 backward (d_weight = d_table^T @ silu(temb), d_bias = column sums of d_table, d_temb =
-(d_table @ weight) * silu'(temb), the SiLU output unrounded); the kernels are table.cu (a fixed-order GEMV whose rows
-do not depend on T) and table_bwd.cu. `table_backend="torch"` keeps F.linear (cuBLAS: diffusers' own bits on the
-same GPU) for the forward.
+(d_table @ weight) * silu'(temb), the SiLU output unrounded); the kernels are table.cu (tensor cores in an order
+fixed by D, whose rows do not depend on T) and table_bwd.cu. `table_backend="torch"` keeps F.linear (cuBLAS:
+diffusers' own bits on the same GPU) for the forward.
 
 Gradients: d_temb (T, D) in temb's dtype, d_weight (N, D) and d_bias (N,) in the parameters' dtypes. (In a block the
 row ops write their chunks' gradients into one float32 table gradient, which reaches the table as its gradient:
@@ -86,7 +86,7 @@ def modulation_table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         temb: (T, D) timestep embeddings, any float dtype (float32 in the MiniMax-H3 checkpoint).
         weight: (N, D) projection weight (N = 18H for a block's `adaln_proj.linear`).
         bias: (N,) projection bias.
-        table_backend: "cuda" (kernels_cu's fixed-order GEMV on CUDA where it runs) or "torch" (F.linear).
+        table_backend: "cuda" (kernels_cu's fixed-order table on tensor cores where it runs) or "torch" (F.linear).
         backend: "auto" (the kernels where they run, the torch code elsewhere), "cupy" (refuse inputs the kernels
             cannot take, naming the reason) or "torch".
 

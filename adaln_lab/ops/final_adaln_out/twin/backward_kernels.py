@@ -21,7 +21,7 @@ import math
 from functools import lru_cache
 
 from .forward import cuda, device_functions
-from ....core.plan import TB_COLUMNS, Plan
+from ....core.plan import Plan
 
 VEC = 8  # ADALN_VEC (adaln_common.cuh): bf16 values of one 16-byte vector
 
@@ -244,8 +244,8 @@ def reduce_partials_kernel(plan: Plan):
 
 @lru_cache(maxsize=None)
 def table_bwd_kernel(plan: Plan):
-    """Twin of table_bwd_bf16: lane l covers the 8 columns of vector blockIdx.x * 32 + l of a 256-column
-    tile, warp w the TB_ROWS / W consecutive rows j from blockIdx.y * TB_ROWS + w * TB_ROWS / W, in
+    """Twin of table_bwd_bf16: lane l covers the V = plan.tb_vec columns of vector blockIdx.x * 32 + l of a
+    plan.tb_columns-column tile, warp w the TB_ROWS / W consecutive rows j from blockIdx.y * TB_ROWS + w * TB_ROWS / W, in
     order; d_weight[j, k] = bf16(fma over t in order of d_table[t, j] * silu(temb[t, k])) (SiLU
     unrounded); dact over the warp's rows by fma in row order; the W warps' dact added in warp order
     (threads striding over the tile's columns) into dact_partials[blockIdx.y, t, k].
@@ -262,15 +262,16 @@ def table_bwd_kernel(plan: Plan):
     threads, tb_rows = plan.tb_threads, plan.tb_rows
     nwarps = threads // 32
     rows_per_warp = tb_rows // nwarps
-    nvec_d = D // VEC
-    assert tb_rows % nwarps == 0 and TB_COLUMNS == 32 * VEC  # the kernel's static_asserts
+    V, TB_COLUMNS = plan.tb_vec, plan.tb_columns
+    nvec_d = D // V
+    assert tb_rows % nwarps == 0 and TB_COLUMNS == 32 * V and D % V == 0  # the kernel's static_asserts
 
     @nc.jit(**_register_limit(threads))
     def kernel(d_table, temb, weight, d_weight, dact_partials):
         combine = nc.shared.array((nwarps, TB_COLUMNS), float32)
-        act = nc.local.array((T, VEC), float32)
-        dact = nc.local.array((T, VEC), float32)
-        wv = nc.local.array(VEC, float32)
+        act = nc.local.array((T, V), float32)
+        dact = nc.local.array((T, V), float32)
+        wv = nc.local.array(V, float32)
         gt = nc.local.array(T, float32)
         tid = nc.threadIdx.x
         lane, warp = tid % 32, tid // 32
@@ -278,26 +279,26 @@ def table_bwd_kernel(plan: Plan):
         k0 = nc.blockIdx.x * TB_COLUMNS
         valid = kv < nvec_d
         for t in range(T):
-            for e in range(VEC):
-                act[t, e] = silu(temb[t, kv * VEC + e]) if valid else float32(0.0)
+            for e in range(V):
+                act[t, e] = silu(temb[t, kv * V + e]) if valid else float32(0.0)
                 dact[t, e] = float32(0.0)
         for i in range(rows_per_warp):
             j = nc.blockIdx.y * tb_rows + warp * rows_per_warp + i
             if not valid or j >= 2 * H:
                 break
-            for e in range(VEC):
-                wv[e] = bf16_to_float(weight[j, kv * VEC + e])
+            for e in range(V):
+                wv[e] = bf16_to_float(weight[j, kv * V + e])
             for t in range(T):
                 gt[t] = d_table[t, j]
-            for e in range(VEC):
+            for e in range(V):
                 s = float32(0.0)
                 for t in range(T):
                     s = nc.fma(gt[t], act[t, e], s)
                     dact[t, e] = nc.fma(gt[t], wv[e], dact[t, e])
-                d_weight[j, kv * VEC + e] = float_to_bf16(s)
+                d_weight[j, kv * V + e] = float_to_bf16(s)
         for t in range(T):
-            for e in range(VEC):
-                combine[warp, lane * VEC + e] = dact[t, e]
+            for e in range(V):
+                combine[warp, lane * V + e] = dact[t, e]
             nc.syncthreads()
             for c in range(tid, TB_COLUMNS, threads):
                 s = float32(0.0)

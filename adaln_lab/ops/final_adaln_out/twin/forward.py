@@ -1,8 +1,9 @@
 """The Numba-CUDA twin of kernels_cu/table.cu and kernels_cu/norm_modulate.cu, for reading and exploring.
 
-Same launch geometry (from `adaln_lab.core.plan`: the plan of the shape), same reduction
-order, same rounding points, written in Python. On a GPU its table, output and rstd are meant to equal the
-CUDA C++ kernels' bit for bit (tests/numba/test_forward.py checks it there). Under numba's CUDA
+norm_modulate: the same launch geometry (from `adaln_lab.core.plan`: the plan of the shape), reduction order and
+rounding points, written in Python; on a GPU its output and rstd equal the CUDA C++ kernel's bit for bit given the
+same table (tests/numba/test_forward.py checks it there). The table: the same rounding points and a fixed order of
+its own, the fp32 GEMV of table.cu up to v25, since the shipped table.cu sums on tensor cores (`table_kernel`). Under numba's CUDA
 simulator (NUMBA_ENABLE_CUDASIM=1, a CPU) it runs too, on tiny shapes: warp shuffles do not exist
 there, so the twin writes every warp butterfly as shared-memory steps with the very association
 of `warp_sum_lane0` (lane l adds lane l + offset for offset 16, 8, 4, 2, 1; lane 0's sum is kept).
@@ -23,6 +24,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from ....core.plan import TWIN_TABLE_ROWS_PER_WARP as TABLE_ROWS_PER_WARP, TWIN_TABLE_THREADS as TABLE_THREADS
 from ....core.plan import plan as make_plan
 
 
@@ -91,21 +93,18 @@ def device_functions():
 
 @lru_cache(maxsize=None)
 def table_kernel(H: int, D: int, T: int):
-    """Twin of table_bf16 (kernels_cu/table.cu): plan.table_grid blocks of table_threads / 32 warps, tasks of
-    plan.table_rows_per_warp rows, lane-strided k. The kernel's two schedules: a task per warp (task b * warps + w) or,
-    with plan.table_persistent, tasks w * grid + b + round * grid * warps; every warp runs the same number of
-    rounds (its block syncs in warp_sum_lane0), a task past the last does nothing. The kernel's weight loads in
-    flight change when loads are issued, not the sums."""
+    """The twin's table: the fixed-order fp32 GEMV of table.cu up to v25 (bench/NOTES.md v26), not the shipped
+    kernel's order. table.cu now sums on tensor cores (mma.sync), whose internal order numba cannot express; so the
+    twin keeps its own fixed order: warp tasks of TABLE_ROWS_PER_WARP rows j, lane l summing the 8-wide k-vectors l,
+    l + 32, ... in order (fma over the 8 elements in k order), then the warp butterfly, then the bias. Like the
+    kernel's, a row's sum depends on D alone (T-invariant rows). Tests compare the twin's rows and backward with the
+    kernels' given the same table (tests/numba), and its table with the float64 golden."""
     cuda()
     from numba import float32
 
     bf16_to_float, float_to_bf16, round_bf16, warp_sum_lane0, silu = device_functions()
-    plan = make_plan(H, D, T)
-    threads, rows_per_warp = plan.table_threads, plan.table_rows_per_warp
+    threads, rows_per_warp = TABLE_THREADS, TABLE_ROWS_PER_WARP
     nvec_d, act_size, warps_per_block = D // 8, T * D, threads // 32  # shared sizes: constants
-    tasks = -(-2 * H // rows_per_warp)  # a task: rows_per_warp consecutive rows j, one warp's
-    persistent, stride = plan.table_persistent, plan.table_grid * warps_per_block
-    rounds = -(-tasks // stride)
 
     @nc.jit
     def kernel(temb, weight, bias, table, table_f32):
@@ -116,24 +115,22 @@ def table_kernel(H: int, D: int, T: int):
             act[i] = round_bf16(float32(silu(temb[i // D, i % D])))
         nc.syncthreads()
         lane, warp = tid % 32, tid // 32
-        start = warp * nc.gridDim.x + nc.blockIdx.x if persistent else nc.blockIdx.x * warps_per_block + warp
-        for round_ in range(rounds):
-            first = (start + round_ * stride) * rows_per_warp
-            for r in range(rows_per_warp):
-                j = first + r
-                for t in range(T):
-                    acc = float32(0.0)  # k-vectors lane, lane + 32, ... in order, 8 elements each in order
-                    if j < 2 * H:
-                        for kv in range(lane, nvec_d, 32):
-                            for e in range(8):
-                                k = kv * 8 + e
-                                acc = nc.fma(bf16_to_float(weight[j, k]), act[t * D + k], acc)
-                    lanes[warp, lane] = acc
-                    total = warp_sum_lane0(lanes[warp], lane)
-                    if lane == 0 and j < 2 * H:
-                        value = total + bf16_to_float(bias[j])
-                        table_f32[t, j] = value
-                        table[t, j] = float_to_bf16(value)
+        first = (nc.blockIdx.x * warps_per_block + warp) * rows_per_warp  # one task per warp
+        for r in range(rows_per_warp):
+            j = first + r
+            for t in range(T):
+                acc = float32(0.0)  # k-vectors lane, lane + 32, ... in order, 8 elements each in order
+                if j < 2 * H:
+                    for kv in range(lane, nvec_d, 32):
+                        for e in range(8):
+                            k = kv * 8 + e
+                            acc = nc.fma(bf16_to_float(weight[j, k]), act[t * D + k], acc)
+                lanes[warp, lane] = acc
+                total = warp_sum_lane0(lanes[warp], lane)
+                if lane == 0 and j < 2 * H:
+                    value = total + bf16_to_float(bias[j])
+                    table_f32[t, j] = value
+                    table[t, j] = float_to_bf16(value)
 
     return kernel
 
@@ -214,8 +211,8 @@ def table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, strea
     kernel = table_kernel(H, D, T)
     out = torch.empty(T, 2 * H, dtype=torch.bfloat16, device=temb.device)
     out_f32 = torch.empty(T, 2 * H, dtype=torch.float32, device=temb.device)
-    plan = make_plan(H, D, T)
-    kernel[plan.table_grid, plan.table_threads, stream](plain(temb), bits(weight), bits(bias), bits(out), plain(out_f32))
+    grid = -(-2 * H // (TABLE_THREADS // 32 * TABLE_ROWS_PER_WARP))
+    kernel[grid, TABLE_THREADS, stream](plain(temb), bits(weight), bits(bias), bits(out), plain(out_f32))
     return out, out_f32
 
 
