@@ -25,6 +25,7 @@
 #define TB_EARLY (ADALN_TB_EARLY < TB_ROWS_PER_WARP ? ADALN_TB_EARLY : TB_ROWS_PER_WARP)
 static_assert(ADALN_TB_ROWS % TB_WARPS == 0, "ADALN_TB_ROWS must split evenly over the warps");
 #define TB_VEC ADALN_TB_VEC
+#define TB_TP ((ADALN_T + 3) / 4 * 4)  // a row's T d_table values in shared memory, padded to whole float4
 static_assert(ADALN_TB_COLUMNS == 32 * TB_VEC, "a D tile is one V-wide vector per lane");
 static_assert(TB_VEC == 8 || TB_VEC == 4 || TB_VEC == 2, "a lane loads 16, 8 or 4 bytes of a weight row");
 static_assert(ADALN_D % TB_VEC == 0, "D is a whole number of lane vectors");
@@ -66,14 +67,16 @@ __device__ __forceinline__ void tb_store(bf16_t* p, const float v[TB_VEC]) {
 // for two blocks per SM (ptxas: no spill at T = 3, 12 bytes at T = 4), the halves 128 each; the split measured
 // faster at T = 9, bench/NOTES.md v4; each half V x T, which plan.tb_vec keeps <= TB_ACC_MAX). Every sum has the
 // same terms in the same order either way, and whatever V is, so the bits do not depend on them.
-// The block's d_table slice (T x ADALN_TB_ROWS fp32) is staged in shared memory first; a warp whose rows all
-// exist issues its first ADALN_TB_EARLY weight loads before that (they do not need it).
+// The block's d_table slice (T x ADALN_TB_ROWS fp32) is staged in shared memory first, transposed (a row's T
+// values side by side, padded to TB_TP, read 4 at a time: at T = 32 and V = 2 a row's 32 scalar reads cost as
+// much as its 64 fma, NOTES v27); a warp whose rows all exist issues its first ADALN_TB_EARLY weight loads
+// before that (they do not need it).
 template <bool D_WEIGHT, bool DACT>
 __device__ __forceinline__ void table_bwd_tile(const float* __restrict__ d_table, const float* __restrict__ temb,
                                                const bf16_t* __restrict__ weight, bf16_t* __restrict__ d_weight,
                                                float* __restrict__ dact_partials, bf16_t* __restrict__ d_bias) {
     __shared__ float combine[DACT ? TB_WARPS : 1][ADALN_TB_COLUMNS];
-    __shared__ float g_tile[ADALN_T][ADALN_TB_ROWS];
+    __shared__ __align__(16) float g_tile[ADALN_TB_ROWS][TB_TP];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kv = blockIdx.x * 32 + lane;
     const int k0 = blockIdx.x * ADALN_TB_COLUMNS;
@@ -87,16 +90,16 @@ __device__ __forceinline__ void table_bwd_tile(const float* __restrict__ d_table
 #pragma unroll
         for (int i = 0; i < TB_EARLY; ++i) early[i] = tb_load(weight + (size_t)(j0 + r0 + i) * ADALN_D + kv * TB_VEC);
     }
-    for (int i = threadIdx.x; i < ADALN_T * ADALN_TB_ROWS; i += ADALN_TB_THREADS) {
+    for (int i = threadIdx.x; i < TB_TP * ADALN_TB_ROWS; i += ADALN_TB_THREADS) {  // the padding zeroed
         const int t = i / ADALN_TB_ROWS, r = i % ADALN_TB_ROWS;
-        g_tile[t][r] = j0 + r < ADALN_TABLE_N ? d_table[t * ADALN_TABLE_N + j0 + r] : 0.0f;
+        g_tile[r][t] = t < ADALN_T && j0 + r < ADALN_TABLE_N ? d_table[t * ADALN_TABLE_N + j0 + r] : 0.0f;
     }
     __syncthreads();
     if (D_WEIGHT && d_bias != nullptr && blockIdx.x == 0) {
         for (int r = threadIdx.x; r < ADALN_TB_ROWS && j0 + r < ADALN_TABLE_N; r += ADALN_TB_THREADS) {
             double s = 0.0;
 #pragma unroll
-            for (int t = 0; t < ADALN_T; ++t) s += (double)g_tile[t][r];
+            for (int t = 0; t < ADALN_T; ++t) s += (double)g_tile[r][t];
             d_bias[j0 + r] = float_to_bf16((float)s);
         }
     }
@@ -110,9 +113,12 @@ __device__ __forceinline__ void table_bwd_tile(const float* __restrict__ d_table
         }
     auto row = [&](int i, const tb_raw* loaded) {  // row j = j0 + r0 + i of the tile (its weight `loaded` early)
         const int j = j0 + r0 + i;
-        float g[ADALN_T];
+        float g[TB_TP];
 #pragma unroll
-        for (int t = 0; t < ADALN_T; ++t) g[t] = g_tile[t][r0 + i];
+        for (int q = 0; q < TB_TP / 4; ++q) {
+            const float4 v = reinterpret_cast<const float4*>(g_tile[r0 + i])[q];
+            g[4 * q] = v.x, g[4 * q + 1] = v.y, g[4 * q + 2] = v.z, g[4 * q + 3] = v.w;
+        }
         if constexpr (DACT) {
             float w[TB_VEC];
             tb_unpack(loaded != nullptr ? *loaded : tb_load(weight + (size_t)j * ADALN_D + kv * TB_VEC), w);

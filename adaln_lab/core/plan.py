@@ -46,7 +46,7 @@ TUNING = {
     "TB_SPLIT_ROWS": 256,       # table_bwd.cu: weight rows j per block of its two halves (T >= TB_SPLIT_MIN_T)
     "TB_EARLY": 4,              # table_bwd.cu: weight rows a warp loads before its block's prologue
     "TB_SPLIT_MIN_T": 5,        # table_bwd.cu: from this many table rows T on, d_weight and dact run as two kernels
-    "TB_ACC_MAX": 80,           # table_bwd.cu: most per-timestep accumulators of a thread (T x tb_vec columns)
+    "TB_ACC_MAX": 72,           # table_bwd.cu: most per-timestep accumulators of a thread (T x tb_vec columns)
     "SUM_GROUPS": 16,           # adaln_common.cuh: row groups of an ordered column sum
     "RP_T_MAX": 12,             # reduce_partials.cu: most timesteps summed in one pass (8 KiB of shared memory each)
     "GR_THREADS_MAX": 256,      # gated_residual.cu: block size cap (H = 5376: 3 column tiles of 224 threads)
@@ -252,9 +252,9 @@ class Plan:
     @cached_property
     def tb_vec(self) -> int:
         """table_bwd.cu: columns k of a lane, 8, 4 or 2: the most with T x tb_vec <= TB_ACC_MAX accumulators
-        (each half keeps T x tb_vec; the one kernel, below TB_SPLIT_MIN_T, twice that), at least 2. At T = 16 and
-        8 columns a lane, 128 accumulators spilled (table_bwd_dact 357 us, NOTES v27); every column's sums are the
-        same whatever a lane covers, so the bits do not depend on it."""
+        (each half keeps T x tb_vec; the one kernel, below TB_SPLIT_MIN_T, twice that), at least 2. With 8 columns
+        a lane ptxas spilled from T = 10 on (table_bwd_dact 357 us at T = 16, NOTES v27); every column's sums are
+        the same whatever a lane covers, so the bits do not depend on it."""
         acc = dict(self.tuning)["TB_ACC_MAX"]
         return next((v for v in (8, 4) if self.T * v <= acc), 2)
 

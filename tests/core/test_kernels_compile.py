@@ -20,9 +20,21 @@ SHAPES = [(5376, 2688, 3), (264, 64, 1), (1024, 256, plan_module.T_MAX), (5376, 
           (8, 256, 3, 18 * 1024, True, True)]  # the third: the largest T; the last: a block's table writing row tables
 
 
-def compile_unit(text: str, arch: str):
-    program = core.Program(text, "c++", core.ProgramOptions(arch=arch, std="c++17"))
-    return program.compile("cubin")
+def compile_unit(text: str, arch: str, log=None):
+    program = core.Program(text, "c++", core.ProgramOptions(arch=arch, std="c++17", ptxas_options=["-v"]))
+    return program.compile("cubin", logs=log)
+
+
+def spills(log: str) -> dict:
+    """{kernel: spill store bytes} from ptxas -v's log."""
+    out, name = {}, None
+    for line in log.splitlines():
+        found = re.search(r"Compiling entry function '(\w+)'", line)
+        name = found.group(1) if found else name
+        found = re.search(r"(\d+) bytes spill stores", line)
+        if found and name:
+            out[name] = int(found.group(1))
+    return out
 
 
 def _arch_cases():
@@ -36,13 +48,18 @@ def _arch_cases():
 
 @pytest.mark.parametrize("shape, arch", list(_arch_cases()))
 def test_every_kernel_compiles(shape, arch):
-    """Each plan's unit compiles, within two minutes here (a user's first call waits for it)."""
+    """Each plan's unit compiles, within two minutes here (a user's first call waits for it), and table_bwd's
+    kernels keep their T x tb_vec accumulators in registers (no spill; 8 columns a lane at T = 16 spilled)."""
+    import io
     import time
 
     text = loader.source(plan(*shape))
     t0 = time.perf_counter()
-    code = compile_unit(text, arch).code
+    log = io.StringIO()
+    code = compile_unit(text, arch, log).code
     assert len(code) > 1000 and time.perf_counter() - t0 < 120
+    table_bwd = {k: v for k, v in spills(log.getvalue()).items() if k.startswith("table_bwd")}
+    assert table_bwd and not any(table_bwd.values()), table_bwd
     for name in loader.KERNELS:  # every entry point is in the unit, extern "C" (unmangled)
         assert f" {name}(" in text.replace("\n", " ")
 
