@@ -300,8 +300,18 @@ def launch_backward(k: dict, plan: Plan, rows: Rows, stream: int, *, dy: int, x:
     """
     o = rows.bwd_offsets
     row_partials, d_table = workspace + o["row_partials"], workspace + o["d_table"]
-    launch_row_pass(k, plan, rows, stream, dy, x, rstd, norm_weight, table_f32, timestep_indices, dx, row_partials, S)
-    launch_reduce_partials(k, plan, rows, stream, row_partials, norm_weight, table_f32, d_table, d_norm_weight, d_bias)
+    if plan.bwd_sorted:  # the rows in timestep order (plan.bwd_sorted): bwd_ranges + T partial slots
+        order = workspace + o["row_order"]  # T + 1 + rows int32: with no rows an order of no positions (zero sums)
+        launch_row_order(k, plan, stream, timestep_indices, order, S if rows.rows else 0)
+        launch_sorted_row_pass(k, plan, rows, stream, dy, x, rstd, norm_weight, table_f32, timestep_indices, order,
+                               dx, row_partials, S)
+        launch_reduce_sorted_partials(k, plan, rows, stream, row_partials, norm_weight, table_f32, d_table,
+                                      d_table + 4 * plan.H, d_norm_weight, d_bias, order, S, 2 * plan.H, 2 * plan.H)
+    else:
+        launch_row_pass(k, plan, rows, stream, dy, x, rstd, norm_weight, table_f32, timestep_indices, dx,
+                        row_partials, S)
+        launch_reduce_partials(k, plan, rows, stream, row_partials, norm_weight, table_f32, d_table, d_norm_weight,
+                               d_bias)
     launch_table_bwd(k, plan, stream, d_table, temb, weight, d_weight, workspace + o["dact_partials"], d_temb)
 
 

@@ -41,6 +41,7 @@ TUNING = {
     "BWD_RANGES": 132,          # norm_modulate_bwd.cu: row ranges (a constant, not the SM count)
     "BWD_STAGES": 4,            # norm_modulate_bwd.cu: rows of x and dy in flight (cp.async)
     "ROW_LIST_MAX": 2048,       # norm_modulate_bwd.cu: most rows of one range
+    "BWD_SORTED_MIN_T": 10,     # norm_out's backward from this many timesteps on: the sorted row pass (plan.bwd_sorted)
     "TB_THREADS": 256,          # table_bwd.cu: block size
     "TB_ROWS": 512,             # table_bwd.cu: weight rows j per block (table_bwd_bf16, one kernel)
     "TB_SPLIT_ROWS": 256,       # table_bwd.cu: weight rows j per block of its two halves (T >= TB_SPLIT_MIN_T)
@@ -135,8 +136,9 @@ class Rows:
 
     fwd_offsets / fwd_bytes: one forward workspace holding `table` (T, 2H) bf16, `table_f32` (T, 2H)
     fp32 and `rstd` (rows,) fp32. bwd_offsets / bwd_bytes: one backward workspace holding
-    `row_partials` (bwd_ranges, T, 2, H) fp32, `d_table` (T, 2H) fp32, `dact_partials`
-    (blocks_j, T, D) fp32.
+    `row_partials` (bwd_ranges, T, 2, H) fp32 (where plan.bwd_sorted: (bwd_ranges + T, 2, H), the sorted
+    passes' slots), `d_table` (T, 2H) fp32, `dact_partials` (blocks_j, T, D) fp32, and where plan.bwd_sorted
+    `row_order` (T + 1 + rows,) int32 (row_order.cu's layout for S <= rows positions).
     """
 
     rows: int
@@ -250,6 +252,16 @@ class Plan:
         return t["TB_SPLIT_ROWS"] if self.tb_split else t["TB_ROWS"]
 
     @cached_property
+    def bwd_sorted(self) -> bool:
+        """norm_out's backward (launchers.launch_backward) over the rows in timestep order, from BWD_SORTED_MIN_T
+        timesteps on: row_order.cu, then the blocks' sorted row pass and its reduce, whose partial sums take
+        bwd_ranges + T slots of (2, H) instead of bwd_ranges x T (181 MB at T 32 and 8192 rows; with
+        norm_modulate_bwd and reduce_partials 437 of the 921 us of fwd+bwd, NOTES v27). dx is the same bits
+        either way; the parameter gradients are sums over other row ranges (other bits, the same bound). Below it
+        the unsorted pass (no row_order launch; its bits kept since 8c7a04a)."""
+        return self.T >= dict(self.tuning)["BWD_SORTED_MIN_T"]
+
+    @cached_property
     def tb_vec(self) -> int:
         """table_bwd.cu: columns k of a lane, 8, 4 or 2: the most with T x tb_vec <= TB_ACC_MAX accumulators
         (each half keeps T x tb_vec; the one kernel, below TB_SPLIT_MIN_T, twice that), at least 2. With 8 columns
@@ -316,8 +328,11 @@ def _rows(plan: Plan, rows: int) -> Rows:
     bwd_ranges = math.ceil(rows / bwd_per) if rows else 0
     T, H, D = plan.T, plan.H, plan.D
     fwd_offsets, fwd_bytes = forward_workspace(T, H, rows)
-    bwd_offsets, bwd_bytes = layout({"row_partials": max(bwd_ranges, 1) * T * 2 * H * 4, "d_table": T * 2 * H * 4,
-                                     "dact_partials": plan.blocks_j * T * D * 4})
+    slots = max(bwd_ranges, 1) + T if plan.bwd_sorted else max(bwd_ranges, 1) * T
+    parts = {"row_partials": slots * 2 * H * 4, "d_table": T * 2 * H * 4, "dact_partials": plan.blocks_j * T * D * 4}
+    if plan.bwd_sorted:
+        parts["row_order"] = (T + 1 + rows) * 4
+    bwd_offsets, bwd_bytes = layout(parts)
     return Rows(rows, fwd_per, math.ceil(rows / fwd_per) if rows else 0, bwd_per, bwd_ranges,
                 fwd_offsets, fwd_bytes, bwd_offsets, bwd_bytes)
 

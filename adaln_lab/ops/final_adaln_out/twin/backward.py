@@ -10,6 +10,10 @@ order and the same rounding points as the CUDA C++ kernels, launched in the orde
     table_bwd           grid plan.tb_grid, block plan.tb_threads            -> d_weight, dact_partials
     table_bwd_reduce    grid (ceil(D / 32), T), block (32, plan.sum_groups) -> d_temb
 
+This is the unsorted row pass, which launch_backward runs below plan.bwd_sorted's BWD_SORTED_MIN_T timesteps; from
+there on the kernels take the rows in timestep order (row_order.cu and the blocks' sorted pass), which the twin does
+not mirror: its dx is the same bits, its parameter sums another association.
+
 The kernels are `adaln_lab.ops.final_adaln_out.twin.backward_kernels`, whose docstring says what is the kernels' and
 what is not (the fma contractions, the loads and the warp shuffles); this module allocates the outputs and launches.
 
