@@ -99,9 +99,10 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
             difference of backend "cupy": CuPy compiles the kernels with -ftz=true, so fp32 subnormals
             flush to zero; a row of bf16-subnormal x (|x| < 2^-126) loses its normalised value (its
             output is the shift alone) where torch keeps it (tests/ops/test_final_adaln_out_fuzz.py pins this).
-        table_backend: cupy and numba backends only: "cuda" computes the table with the
-            fixed-order GEMV of kernels_cu (numba: its twin; T-invariant rows), "torch" with F.linear
-            (bitwise diffusers' table on the same GPU, but cuBLAS's reduction order).
+        table_backend: cupy and numba backends only: "cuda" computes the table with kernels_cu's
+            table.cu on tensor cores, in an order fixed by D (T-invariant rows; numba: the twin's own
+            fixed-order GEMV), "torch" with F.linear (bitwise diffusers' table on the same GPU, but
+            cuBLAS's reduction order).
         check_indices: check that every timestep index lies in [0, T) and raise IndexError if not.
             Default (None): check on the CPU, where it is free, but not on CUDA, where it would
             wait for the GPU (one host synchronisation per call, and no CUDA-graph capture).
