@@ -164,14 +164,15 @@ __device__ __forceinline__ void table_bwd_tile(const float* __restrict__ d_table
 }
 
 // One kernel or its two halves, as the plan launches them (plan.tb_split: ADALN_TB_SPLIT), so that the unit compiles
-// only the one it runs (the fused kernel unrolled over a large T took most of the unit's compile time).
+// only the one it runs (the fused kernel unrolled over a large T took most of the unit's compile time). From
+// plan.tb_mma's T on (ADALN_TB_MMA) the halves are table_bwd_mma.cu's, on tensor cores.
 #if !ADALN_TB_SPLIT
 extern "C" __global__ void __launch_bounds__(ADALN_TB_THREADS, 2)
 table_bwd_bf16(const float* __restrict__ d_table, const float* __restrict__ temb, const bf16_t* __restrict__ weight,
                bf16_t* __restrict__ d_weight, float* __restrict__ dact_partials, bf16_t* __restrict__ d_bias) {
     table_bwd_tile<true, true>(d_table, temb, weight, d_weight, dact_partials, d_bias);
 }
-#else
+#elif !ADALN_TB_MMA
 extern "C" __global__ void __launch_bounds__(ADALN_TB_THREADS, 2)
 table_bwd_d_weight_bf16(const float* __restrict__ d_table, const float* __restrict__ temb,
                         const bf16_t* __restrict__ weight, bf16_t* __restrict__ d_weight,

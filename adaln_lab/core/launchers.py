@@ -282,9 +282,13 @@ def launch_table_bwd(k: dict, plan: Plan, stream: int, d_table: int, temb: int, 
     """d_weight and d_temb (and d_bias (N,) bf16 = the t-sum of d_table, if given) from d_table: table_bwd_bf16
     (or, where plan.tb_split, its two halves table_bwd_d_weight_bf16 and table_bwd_dact_bf16: the same sums),
     then table_bwd_reduce's ordered sum."""
-    grid, block = (plan.d_tiles, plan.blocks_j, 1), (plan.tb_threads, 1, 1)
-    for name in loader.TB_HALVES if plan.tb_split else loader.TB_FUSED:
-        k[name](grid, block, 0, stream, d_table, temb, weight, d_weight, dact_partials, d_bias)
+    if plan.tb_mma:  # the halves on tensor cores (table_bwd_mma.cu): blocks of 128 threads, grids of their own
+        for name, grid in zip(loader.TB_HALVES, plan.tbm_grids):
+            k[name](grid + (1,), (128, 1, 1), 0, stream, d_table, temb, weight, d_weight, dact_partials, d_bias)
+    else:
+        grid, block = (plan.d_tiles, plan.blocks_j, 1), (plan.tb_threads, 1, 1)
+        for name in loader.TB_HALVES if plan.tb_split else loader.TB_FUSED:
+            k[name](grid, block, 0, stream, d_table, temb, weight, d_weight, dact_partials, d_bias)
     k["table_bwd_reduce"]((-(-plan.D // 32), plan.T, 1), (32, plan.sum_groups, 1), 0, stream,
                           dact_partials, temb, d_temb, plan.blocks_j)
 

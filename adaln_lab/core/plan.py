@@ -35,8 +35,7 @@ TUNING = {
     "FWD_WARP_VECTORS_MAX": 24,  # norm_modulate.cu: a row per warp where a lane's share of a row (fwd_threads / 32
                                 # x fwd_vpt vectors) is at most this many (0: never)
     "FWD_WARP_THREADS": 256,    # norm_modulate.cu: block size of the row-per-warp kernel
-    "FWD_PDL": 1,               # norm_modulate.cu: the row-per-warp kernel launched right after the table kernel with
-                                # programmatic dependent launch (its x loads overlap the table's tail)
+    "FWD_PDL": 1,               # norm_modulate.cu: the row-per-warp kernel launched with PDL (overlaps the table)
     "BWD_THREADS_MAX": 1024,    # norm_modulate_bwd.cu: row block size cap (H = 5376: 672 threads x 1 vector)
     "BWD_RANGES": 132,          # norm_modulate_bwd.cu: row ranges (a constant, not the SM count)
     "BWD_STAGES": 4,            # norm_modulate_bwd.cu: rows of x and dy in flight (cp.async)
@@ -47,6 +46,7 @@ TUNING = {
     "TB_SPLIT_ROWS": 256,       # table_bwd.cu: weight rows j per block of its two halves (T >= TB_SPLIT_MIN_T)
     "TB_EARLY": 4,              # table_bwd.cu: weight rows a warp loads before its block's prologue
     "TB_SPLIT_MIN_T": 5,        # table_bwd.cu: from this many table rows T on, d_weight and dact run as two kernels
+    "TB_MMA_MIN_T": 10,         # table_bwd: from this many table rows T on, its halves on tensor cores (plan.tb_mma)
     "TB_ACC_MAX": 72,           # table_bwd.cu: most per-timestep accumulators of a thread (T x tb_vec columns)
     "SUM_GROUPS": 16,           # adaln_common.cuh: row groups of an ordered column sum
     "RP_T_MAX": 12,             # reduce_partials.cu: most timesteps summed in one pass (8 KiB of shared memory each)
@@ -54,9 +54,8 @@ TUNING = {
 }
 SMEM_BLOCK_MAX = 227 * 1024       # dynamic + static shared memory one block may opt in to (sm_90, sm_100)
 BWD_STAGE_BUDGET = 200 * 1024     # dynamic shared memory of the backward's stages (static scratch beside it)
-H_MAX = 50176                      # the largest H whose backward stage (an x and a dy row, padded to the
-                                   # row block) fits BWD_STAGE_BUDGET: tests/core/test_kernels_compile.py checks it
-T_MAX = 32                         # table_bwd.cu keeps per-timestep arrays in registers, unrolled over T
+H_MAX = 50176                      # the largest H whose backward stage (x and dy rows) fits BWD_STAGE_BUDGET (tested)
+T_MAX = 32                         # the T the GPU tests cover (row_order.cu's T x 4 KiB of shared memory: <= 40)
 ROWS_MAX = 2 ** 31 - 2 ** 15      # rows and S travel as int32; a range's end (p0 + rows per range) must fit too,
                                   # and row_order.cu's last chunk end (up to S + 16383: chunks rounded up to 16)
 ROW_ORDER_THREADS = 1024           # row_order.cu: its one block (32 warps: one per lane of the scan of their totals)
@@ -129,16 +128,14 @@ def supported(H: int, D: int, T: int) -> bool:
     return True
 
 
-
 @dataclass(frozen=True)
 class Rows:
     """The parts of a plan that depend on the number of rows (x.numel() / H): row ranges and workspaces.
 
-    fwd_offsets / fwd_bytes: one forward workspace holding `table` (T, 2H) bf16, `table_f32` (T, 2H)
-    fp32 and `rstd` (rows,) fp32. bwd_offsets / bwd_bytes: one backward workspace holding
-    `row_partials` (bwd_ranges, T, 2, H) fp32 (where plan.bwd_sorted: (bwd_ranges + T, 2, H), the sorted
-    passes' slots), `d_table` (T, 2H) fp32, `dact_partials` (blocks_j, T, D) fp32, and where plan.bwd_sorted
-    `row_order` (T + 1 + rows,) int32 (row_order.cu's layout for S <= rows positions).
+    fwd_offsets / fwd_bytes: one forward workspace holding `table` (T, 2H) bf16, `table_f32` (T, 2H) fp32 and
+    `rstd` (rows,) fp32. bwd_offsets / bwd_bytes: one backward workspace holding `row_partials` (bwd_ranges, T, 2,
+    H) fp32 (plan.bwd_sorted: (bwd_ranges + T, 2, H)), `d_table` (T, 2H) fp32, `dact_partials` (blocks_j, T, D)
+    fp32, and where plan.bwd_sorted `row_order` (T + 1 + rows,) int32 (row_order.cu's layout, S <= rows).
     """
 
     rows: int
@@ -238,35 +235,38 @@ class Plan:
 
     @cached_property
     def tb_split(self) -> bool:
-        """table_bwd.cu: d_weight and dact in two kernels (on the same row blocks the same sums, the same bits;
-        they take TB_SPLIT_ROWS rows per block, the one kernel TB_ROWS) from TB_SPLIT_MIN_T on. The
-        fused kernel keeps 2 x 8 x T fp32 accumulators per thread (ptxas: 118 registers at T = 3, 255 at
-        T = 9, one block per SM); 5 comes from that count; at T = 9 the split measured 34 us faster (NOTES v4)."""
+        """table_bwd.cu: d_weight and dact in two kernels from TB_SPLIT_MIN_T on (the same sums; the fused
+        kernel's 2 x 8 x T accumulators took 255 registers at T = 9, where the split was 34 us faster, NOTES v4)."""
         return self.T >= dict(self.tuning)["TB_SPLIT_MIN_T"]
 
     @cached_property
     def tb_rows(self) -> int:
-        """table_bwd.cu: weight rows j per block: TB_ROWS for the one kernel, TB_SPLIT_ROWS for its halves
-        (bench/NOTES.md v6)."""
+        """table_bwd.cu: weight rows j per block: TB_ROWS (the one kernel), TB_SPLIT_ROWS (its halves; NOTES v6)."""
         t = dict(self.tuning)
         return t["TB_SPLIT_ROWS"] if self.tb_split else t["TB_ROWS"]
 
     @cached_property
     def bwd_sorted(self) -> bool:
-        """norm_out's backward (launchers.launch_backward) over the rows in timestep order, from BWD_SORTED_MIN_T
-        timesteps on: row_order.cu, then the blocks' sorted row pass and its reduce, whose partial sums take
-        bwd_ranges + T slots of (2, H) instead of bwd_ranges x T (181 MB at T 32 and 8192 rows; with
-        norm_modulate_bwd and reduce_partials 437 of the 921 us of fwd+bwd, NOTES v27). dx is the same bits
-        either way; the parameter gradients are sums over other row ranges (other bits, the same bound). Below it
-        the unsorted pass (no row_order launch; its bits kept since 8c7a04a)."""
+        """norm_out's backward over the rows in timestep order from BWD_SORTED_MIN_T on (row_order.cu, the blocks'
+        sorted pass and reduce: bwd_ranges + T partial slots, not bwd_ranges x T, NOTES v28); the same dx bits."""
         return self.T >= dict(self.tuning)["BWD_SORTED_MIN_T"]
 
     @cached_property
+    def tb_mma(self) -> bool:
+        """table_bwd's halves on tensor cores (table_bwd_mma.cu) from TB_MMA_MIN_T on (on CUDA cores: 343 of
+        norm_out's 628 us of fwd+bwd at T = 32, NOTES v28)."""
+        t = dict(self.tuning)
+        return self.T >= max(t["TB_MMA_MIN_T"], t["TB_SPLIT_MIN_T"])
+
+    @cached_property
+    def tbm_grids(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """table_bwd_mma.cu's grids: d_weight's (D tiles of 64, N tiles of 64), dact's (D tiles of 64, blocks_j)."""
+        return (math.ceil(self.D / 64), math.ceil(self.columns / 64)), (math.ceil(self.D / 64), self.blocks_j)
+
+    @cached_property
     def tb_vec(self) -> int:
-        """table_bwd.cu: columns k of a lane, 8, 4 or 2: the most with T x tb_vec <= TB_ACC_MAX accumulators
-        (each half keeps T x tb_vec; the one kernel, below TB_SPLIT_MIN_T, twice that), at least 2. With 8 columns
-        a lane ptxas spilled from T = 10 on (table_bwd_dact 357 us at T = 16, NOTES v27); every column's sums are
-        the same whatever a lane covers, so the bits do not depend on it."""
+        """table_bwd.cu: columns k of a lane, the most of 8, 4 (else 2) with T x tb_vec <= TB_ACC_MAX accumulators
+        a half (8 spilled from T = 10, NOTES v27); the same sums, so the same bits, at every width."""
         acc = dict(self.tuning)["TB_ACC_MAX"]
         return next((v for v in (8, 4) if self.T * v <= acc), 2)
 
@@ -303,6 +303,7 @@ class Plan:
                     FWD_ROW_LIST_MAX=t["FWD_ROW_LIST_MAX"], ROW_LIST_MAX=t["ROW_LIST_MAX"],
                     TB_THREADS=t["TB_THREADS"], TB_ROWS=self.tb_rows, TB_SPLIT=int(self.tb_split),
                     TB_EARLY=t["TB_EARLY"], TB_COLUMNS=self.tb_columns, TB_VEC=self.tb_vec,
+                    TB_MMA=int(self.tb_mma),
                     ROW_ORDER_THREADS=ROW_ORDER_THREADS, ROW_ORDER_KEYS_MAX=ROW_ORDER_KEYS_MAX,
                     GR_THREADS=self.gr_threads, SUM_GROUPS=t["SUM_GROUPS"], RP_T=self.rp_t, TABLE_N=self.columns,
                     TABLE_F32_ROUNDED=int(self.table_f32_rounded), TABLE_ROW_TABLES=int(self.table_row_tables))

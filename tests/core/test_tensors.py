@@ -269,6 +269,7 @@ def test_every_lane_width_of_the_table_backward_gives_the_same_bits(monkeypatch,
     d_table = torch.randn(rows, N, device="cuda", generator=g)
     results = {}
     try:
+        monkeypatch.setitem(plan_module.TUNING, "TB_MMA_MIN_T", 1000)  # the CUDA-core halves, not table_bwd_mma.cu
         for vec in (8, 4, 2):
             monkeypatch.setitem(plan_module.TUNING, "TB_ACC_MAX", rows * vec if vec > 2 else 0)
             launchers.forget_compiled()
@@ -278,6 +279,43 @@ def test_every_lane_width_of_the_table_backward_gives_the_same_bits(monkeypatch,
         monkeypatch.undo()
         launchers.forget_compiled()
     assert all(torch.equal(a, b) for vec in (4, 2) for a, b in zip(results[8], results[vec]))
+
+
+@pytest.mark.parametrize("rows", [12, 32])
+def test_table_backward_on_tensor_cores_within_its_derived_bounds_and_dact_rows_t_invariant(rows):
+    """table_bwd_mma.cu (plan.tb_mma, from TB_MMA_MIN_T table rows) against float64, within the bounds its sums
+    allow: the fp32 SiLU within 2^-21 of silu; each product exact but for the split's dropped terms (<= 3 x 2^-24
+    of it); each mma's sum within 2^-22 of the sum of |terms| it has added (6 mma a k step for d_weight over
+    ceil(T / 16) steps, 3 a step for dact over TB_SPLIT_ROWS / 16 steps a row block, the blocks added in double);
+    then d_weight's bf16 rounding (2^-9). d_bias is table_bwd.cu's double sum: its rounding alone. A timestep's
+    d_temb is the same bits in another batch of T >= TB_MMA_MIN_T rows (dact's rows are independent). N not a
+    multiple of 64, D = 264 not a multiple of the 64-column tiles."""
+    from adaln_lab.core import plan as plan_module
+
+    g = torch.Generator("cuda").manual_seed(rows)
+    N, D_ = 18 * H + 48, 264
+    temb = torch.randn(rows, D_, device="cuda", generator=g)
+    weight = (torch.randn(N, D_, device="cuda", generator=g) * 0.02).bfloat16()
+    d_table = torch.randn(rows, N, device="cuda", generator=g)
+    p = plan_module.plan(8, D_, rows, table_n=N, table_f32_rounded=True)
+    assert p.tb_mma and p.blocks_j == -(-N // plan_module.TUNING["TB_SPLIT_ROWS"])
+    d_temb, d_weight, d_bias = table_bwd(d_table, temb, weight)
+    act, gd, wd = F.silu(temb.double()), d_table.double(), weight.double()
+    exact_w, terms_w = gd.T @ act, gd.abs().T @ act.abs()
+    err_w = (2 ** -21 + 3 * 2 ** -24 + 6 * -(-rows // 16) * 2 ** -22) * terms_w  # 2^-21: fp32 SiLU, a few ulps
+    assert bool(((d_weight.double() - exact_w).abs() <= 2 ** -9 * (exact_w.abs() + err_w) + err_w).all())
+    assert torch.equal(d_bias, gd.sum(0).float().bfloat16())
+    s = torch.sigmoid(temb.double())
+    slope = s * (1 + temb.double() * (1 - s))  # silu'
+    exact_t, terms_t = (gd @ wd) * slope, (gd.abs() @ wd.abs()) * slope.abs()
+    steps = plan_module.TUNING["TB_SPLIT_ROWS"] // 16
+    assert bool(((d_temb.double() - exact_t).abs() <= (3 * 2 ** -24 + 3 * steps * 2 ** -22) * terms_t + 1e-30).all())
+    if rows + 4 <= plan_module.T_MAX:  # the same rows with 4 more after them
+        more = table_bwd(torch.cat([d_table, torch.randn(4, N, device="cuda", generator=g)]),
+                         torch.cat([temb, torch.randn(4, D_, device="cuda", generator=g)]), weight)[0]
+        assert torch.equal(more[:rows], d_temb)
+    else:  # the rows without the first 3
+        assert torch.equal(table_bwd(d_table[3:].contiguous(), temb[3:].contiguous(), weight)[0], d_temb[3:])
 
 
 @pytest.mark.parametrize("T_", [3, 9, 17])

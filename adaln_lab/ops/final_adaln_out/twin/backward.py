@@ -12,7 +12,8 @@ order and the same rounding points as the CUDA C++ kernels, launched in the orde
 
 This is the unsorted row pass, which launch_backward runs below plan.bwd_sorted's BWD_SORTED_MIN_T timesteps; from
 there on the kernels take the rows in timestep order (row_order.cu and the blocks' sorted pass), which the twin does
-not mirror: its dx is the same bits, its parameter sums another association.
+not mirror: its dx is the same bits, its parameter sums another association. Nor does it mirror table_bwd's halves
+on tensor cores (table_bwd_mma.cu, from plan.tb_mma's T on): its table_bwd is table_bwd.cu's CUDA-core order.
 
 The kernels are `adaln_lab.ops.final_adaln_out.twin.backward_kernels`, whose docstring says what is the kernels' and
 what is not (the fma contractions, the loads and the warp shuffles); this module allocates the outputs and launches.
