@@ -6,13 +6,13 @@
 // in table_bwd.cu.
 //
 // Products on tensor cores (mma.sync m16n8k16: bf16 in, fp32 sums): an fp32 operand v is split into three bf16
-// terms, v = v0 + v1 + v2 exactly (v0 = bf16(v), v1 = bf16(v - v0), v2 = bf16(v - v0 - v1): 24 bits; a subnormal
-// remainder flushes to zero, as every fp32 subnormal here); the weight is bf16 already. d_weight takes the six
-// products of terms i + j <= 2 (the three left out are below 2^-24 of the product), dact the three of d_table's
-// terms with the weight. Every mma adds into the sums in one fixed order: the k steps in order, inside a step
-// d_weight's (2, 0), (0, 2), (1, 1), (1, 0), (0, 1), (0, 0) and dact's 2, 1, 0. So a sum has the same instructions
-// whatever the grid: the bits depend on the shapes alone, and a timestep's dact row on its own d_table row alone
-// (rows T-invariant among the T this path takes).
+// terms, v = v0 + v1 + v2 exactly (v0 = bf16(v), v1 = bf16(v - v0), v2 = bf16(v - v0 - v1): 24 bits, for |v| >=
+// 2^-110 and below bf16's largest finite value rounded up, 3.39e38, where v0 is inf and the sums NaN); the weight is
+// bf16. d_weight takes the six products of terms i + j <= 2 (the three left out are below 2^-24 of the product),
+// dact the three of d_table's terms with the weight. Every mma adds into the sums in one fixed order: the k steps in
+// order, inside a step d_weight's (2, 0), (0, 2), (1, 1), (1, 0), (0, 1), (0, 0) and dact's 2, 1, 0. So a sum has
+// the same instructions whatever the grid: the bits depend on the shapes alone, and a timestep's dact row on its own
+// d_table row alone (rows T-invariant among the T this path takes).
 // The k order inside a step of 16: lane l (g = l / 4, q = l % 4) holds k values 4q .. 4q + 3 of its rows (A registers
 // 0 and 2 take 4q, 4q + 1 and 4q + 2, 4q + 3; B registers 0 and 1 the same): one fixed permutation of the 16, the
 // same for both operands.
@@ -32,7 +32,7 @@
 #define TBM_THREADS 128
 #define TBM_TILE 64  // rows j (d_weight) or columns k (both) of one block
 #define TBM_MT ((ADALN_T + 15) / 16 < 4 ? (ADALN_T + 15) / 16 : 4)  // dact: m-tiles of 16 timesteps a pass (<= 4)
-static_assert(ADALN_TABLE_N % 16 == 0 && ADALN_TB_ROWS % 16 == 0, "dact's k steps of 16 rows");
+static_assert(ADALN_TABLE_N % 16 == 0 && ADALN_TB_ROWS % 16 == 0, "dact's k steps of 16 rows (plan.tb_mma)");
 
 // v = v0 + v1 + v2, each bf16 (module comment)
 __device__ __forceinline__ void split3(float v, float p[3]) {

@@ -255,8 +255,8 @@ class Plan:
     def tb_mma(self) -> bool:
         """table_bwd's halves on tensor cores (table_bwd_mma.cu) from TB_MMA_MIN_T on (on CUDA cores: 343 of
         norm_out's 628 us of fwd+bwd at T = 32, NOTES v28)."""
-        t = dict(self.tuning)
-        return self.T >= max(t["TB_MMA_MIN_T"], t["TB_SPLIT_MIN_T"])
+        t = dict(self.tuning)  # dact's k steps take 16 rows: N % 16 (else the CUDA-core halves)
+        return self.T >= max(t["TB_MMA_MIN_T"], t["TB_SPLIT_MIN_T"]) and self.columns % 16 == 0
 
     @cached_property
     def tbm_grids(self) -> tuple[tuple[int, int], tuple[int, int]]:

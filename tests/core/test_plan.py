@@ -41,6 +41,9 @@ def test_geometry_is_a_function_of_the_shapes_only():
     # table_bwd.cu's lane width keeps T x tb_vec accumulators in registers: 8 columns up to T 9, 4 to 18, then 2
     assert [plan(5376, 2688, T).tb_vec for T in (1, 9, 10, 18, 19, 32)] == [8, 8, 4, 4, 2, 2]
     assert plan(5376, 2688, 32).tb_grid == (42, 42) and plan(5376, 2688, 3).tb_grid == (11, 21)
+    # table_bwd_mma.cu from 10 table rows, where N is a multiple of 16 (its dact steps take 16 weight rows)
+    assert plan(5376, 2688, 10).tb_mma and not plan(5376, 2688, 9).tb_mma
+    assert not plan(8, 264, 12, table_n=24).tb_mma and plan(8, 264, 12, table_n=32).tb_mma
     # nothing in the launch path asks the device for its SM count: adaln_lab/core/ (plan, loader, launchers, the
     # torch glue) and the ops that launch through it
     package = Path(plan_module.__file__).resolve().parents[1]

@@ -52,7 +52,7 @@ def backward(d_table: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, ro
     wide = support.kernel_temb(temb, weight).contiguous()
     T, D = wide.shape
     plan, k, stream = tensors.table_setup(wide, weight.shape[0])
-    d_table, weight = tensors.as_dtype(d_table, torch.float32).contiguous(), tensors.aligned(weight)
+    d_table, weight = tensors.aligned(tensors.as_dtype(d_table, torch.float32)), tensors.aligned(weight)
     d_wide = d_temb if d_temb.dtype == torch.float32 else torch.empty_like(wide)
     dact_partials = torch.empty(plan.blocks_j, T, D, dtype=torch.float32, device=wide.device)
     launchers.launch_table_bwd(k, plan, stream, d_table.data_ptr(), wide.data_ptr(), weight.data_ptr(),
