@@ -61,7 +61,7 @@ ROWS_MAX = 2 ** 31 - 2 ** 15      # rows and S travel as int32; a range's end (p
                                   # and row_order.cu's last chunk end (up to S + 16383: chunks rounded up to 16)
 ROW_ORDER_THREADS = 1024           # row_order.cu: its one block (32 warps: one per lane of the scan of their totals)
 TWIN_TABLE_THREADS = 512           # the Numba twin's table (its own GEMV order, ops/final_adaln_out/twin): block size,
-TWIN_TABLE_ROWS_PER_WARP = 2       # and rows j of one warp's task (a row's sum is one warp's: the bits do not depend on it)
+TWIN_TABLE_ROWS_PER_WARP = 2       # and rows j of one warp's task (a row's sum is one warp's: bits do not depend on it)
 ROW_ORDER_KEYS_MAX = 65536         # row_order.cu: most positions whose keys it stages in shared memory (bytes)
 
 
@@ -255,7 +255,7 @@ class Plan:
     def bwd_sorted(self) -> bool:
         """norm_out's backward (launchers.launch_backward) over the rows in timestep order, from BWD_SORTED_MIN_T
         timesteps on: row_order.cu, then the blocks' sorted row pass and its reduce, whose partial sums take
-        bwd_ranges + T slots of (2, H) instead of bwd_ranges x T (181 MB at T 32 and 8192 rows; with
+        bwd_ranges + T slots of (2, H) instead of bwd_ranges x T (7 MB, not 180, at T 32 and 8192 rows; with
         norm_modulate_bwd and reduce_partials 437 of the 921 us of fwd+bwd, NOTES v27). dx is the same bits
         either way; the parameter gradients are sums over other row ranges (other bits, the same bound). Below it
         the unsorted pass (no row_order launch; its bits kept since 8c7a04a)."""
@@ -263,11 +263,11 @@ class Plan:
 
     @cached_property
     def tb_vec(self) -> int:
-        """table_bwd.cu: columns k of a lane, 8, 4 or 2: the most with T x tb_vec <= TB_ACC_MAX accumulators
-        (each half keeps T x tb_vec; the one kernel, below TB_SPLIT_MIN_T, twice that), at least 2. With 8 columns
+        """table_bwd.cu: columns k of a lane, 8, 4 or 2: the most with T x tb_vec <= TB_ACC_MAX accumulators a
+        half (the one kernel, below TB_SPLIT_MIN_T, keeps both: half as many columns), at least 2. With 8 columns
         a lane ptxas spilled from T = 10 on (table_bwd_dact 357 us at T = 16, NOTES v27); every column's sums are
         the same whatever a lane covers, so the bits do not depend on it."""
-        acc = dict(self.tuning)["TB_ACC_MAX"]
+        acc = dict(self.tuning)["TB_ACC_MAX"] // (1 if self.tb_split else 2)
         return next((v for v in (8, 4) if self.T * v <= acc), 2)
 
     @cached_property
