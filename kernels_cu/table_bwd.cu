@@ -14,7 +14,7 @@
 // V = ADALN_TB_VEC (plan.tb_vec: 8, 4 or 2 by T, so that T x V accumulators stay in registers). Lane l
 // covers the V columns k of vector blockIdx.x * 32 + l, warp w the ADALN_TB_ROWS / W consecutive rows j
 // from blockIdx.y * ADALN_TB_ROWS + w * ADALN_TB_ROWS / W. Each thread sums its rows in order; the W
-// warps' sums are added in warp order (any block size: threads stride over the tile's 256 columns)
+// warps' sums are added in warp order (any block size: threads stride over the tile's 32 V columns)
 // and stored to dact_partials[blockIdx.y, t, k].
 // table_bwd_reduce geometry: block (32, ADALN_SUM_GROUPS), grid = (ceil(D / 32), T): one (t, k) per
 // threadIdx.x, ordered_column_sum over the row blocks (adaln_common.cuh), in double.

@@ -1,13 +1,15 @@
 """The workload the evidence runner's `sanitize` step runs under each compute-sanitizer tool (memcheck,
-racecheck, initcheck, synccheck; `python3 -m adaln_lab.bench.sanitize_calls` runs it plainly): every CUDA kernel of adaln_lab at small shapes, 0 and 1 rows included.
+racecheck, initcheck, synccheck; `python3 -m adaln_lab.bench.sanitize_calls` runs it plainly): every CUDA kernel
+of adaln_lab at small shapes, 0 and 1 rows included.
 
-- `final_adaln_out` (backend "cupy"), forward+backward: (H, D, T) = (264, 64, 3), (1024, 256, 1) and the
-  real (5376, 2688, 3), at 0, 1, 7 and 300 rows (300 not at the real size), plus x (2, 7, H) (leading dims);
+- `final_adaln_out` (backend "cupy"), forward+backward: (H, D, T) = (264, 64, 3), (1024, 256, 1), the real
+  (5376, 2688, 3), (1024, 256, 12) and (264, 64, 32) (the sorted backward, table_bwd's narrower lanes), at 0, 1, 7
+  and 300 rows (300 not at the real size), plus x (2, 7, H) (leading dims);
 - the blocks' kernels through the ops' launch ops (route "cupy"): modulation_table (H 264, D 64, T 3, N = 18H; the
-  table also on three other tile shapes, the same bits), modulated_rms_norm (with and without d_residual), gated_residual and
-  gated_residual_norm on R = 3T table rows (strided shift / scale / gate slices of the table; and as a block calls
-  them: the table kernel's row tables read, a table gradient written at the chunks' columns, row stride 6H) at 0, 1,
-  7 and 300 rows.
+  table also on three other tile shapes, the same bits), modulated_rms_norm (with and without d_residual),
+  gated_residual and gated_residual_norm on R = 3T table rows (strided shift / scale / gate slices of the table; and
+  as a block calls them: the table kernel's row tables read, a table gradient written at the chunks' columns, row
+  stride 6H) at 0, 1, 7 and 300 rows.
 Every result is checked finite (and, for 0 rows, the parameter gradients exactly zero), so a workload that
 computes garbage fails here too. Prints one line per part and "small calls done".
 """
@@ -17,7 +19,9 @@ import torch
 from adaln_lab import final_adaln_out
 from adaln_lab.harness.inputs import make, upstream
 
-OP_SHAPES = (dict(H=264, D=64, T=3), dict(H=1024, D=256, T=1), dict(H=5376, D=2688, T=3))
+# the last two: norm_out's sorted backward (T >= 10) and table_bwd's narrower lanes (4 columns at T 12, 2 at T 32)
+OP_SHAPES = (dict(H=264, D=64, T=3), dict(H=1024, D=256, T=1), dict(H=5376, D=2688, T=3),
+             dict(H=1024, D=256, T=12), dict(H=264, D=64, T=32))
 ROWS = (0, 1, 7, 300)
 
 

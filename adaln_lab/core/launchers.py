@@ -209,7 +209,9 @@ def launch_norm_modulate(k: dict, plan: Plan, rows: Rows, stream: int, x: int, n
 def launch_row_pass(k: dict, plan: Plan, rows: Rows, stream: int, dy: int, x: int, rstd: int, norm_weight: int,
                     table_f32: int, timestep_indices: int, dx: int, row_partials: int, S: int) -> None:
     """dx and row_partials (bwd_ranges, T, 2, H) fp32 (norm_out's pass per timestep); with no rows, one range
-    of zero partials instead. table_f32: (T, 2H) shift | scale."""
+    of zero partials instead. table_f32: (T, 2H) shift | scale. Not where plan.bwd_sorted: its workspace holds
+    bwd_ranges + T slots (launch_sorted_row_pass)."""
+    assert not plan.bwd_sorted, "plan.bwd_sorted: launch_sorted_row_pass"
     stride = 2 * plan.H
     if rows.rows:
         k["norm_modulate_bwd_bf16"]((rows.bwd_ranges, 1, 1), (plan.bwd_threads, 1, 1), plan.bwd_smem, stream,
@@ -272,6 +274,7 @@ def launch_reduce_partials(k: dict, plan: Plan, rows: Rows, stream: int, row_par
                            table_f32: int, d_table: int, d_norm_weight: int, d_bias: int) -> None:
     """d_table (T, 2H) fp32 = d_shift | d_scale, d_norm_weight and d_bias from the row partials, in a fixed
     order. table_f32 as launch_row_pass's."""
+    assert not plan.bwd_sorted, "plan.bwd_sorted: launch_reduce_sorted_partials"
     k["reduce_partials_bf16"]((-(-plan.H // 32), 1, 1), (32, plan.sum_groups, 1), plan.rp_smem, stream,
                               row_partials, norm_weight, table_f32, d_table, d_table + 4 * plan.H, d_norm_weight,
                               d_bias, max(rows.bwd_ranges, 1), 2 * plan.H, 2 * plan.H)
@@ -299,8 +302,8 @@ def launch_backward(k: dict, plan: Plan, rows: Rows, stream: int, *, dy: int, x:
     """dx and the four parameter gradients; every reduction in a fixed order (see kernels_cu/).
 
     `workspace` holds rows.bwd_bytes bytes laid out by `rows.bwd_offsets`. With no rows the row
-    pass launches nothing and row_partials is zeroed (one range of zeros), so every parameter
-    gradient is exactly zero.
+    pass launches nothing and every parameter gradient is exactly zero: the unsorted pass zeroes one
+    range of partials, the sorted one (plan.bwd_sorted) sorts no positions, so its reduce reads no slot.
     """
     o = rows.bwd_offsets
     row_partials, d_table = workspace + o["row_partials"], workspace + o["d_table"]

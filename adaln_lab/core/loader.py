@@ -36,7 +36,8 @@ KERNEL_FILES = ("adaln_common.cuh", "table.cu", "norm_modulate.cu", "row_order.c
                 "reduce_partials.cu", "table_bwd.cu", "table_bwd_mma.cu", "gated_residual.cu", "gated_residual_norm.cu")
 INCLUDE_LINE = '#include "adaln_common.cuh"'
 COMPILE_OPTIONS = ("--std=c++17",)
-KERNELS = ("table_act", "table_bf16", "norm_modulate_bf16", "norm_modulate_rowwise_bf16", "norm_modulate_warp_bf16", "norm_modulate_bwd_bf16", "row_order",
+KERNELS = ("table_act", "table_bf16", "norm_modulate_bf16", "norm_modulate_rowwise_bf16", "norm_modulate_warp_bf16",
+           "norm_modulate_bwd_bf16", "row_order",
            "norm_modulate_bwd_sorted_bf16", "norm_modulate_bwd_residual_sorted_bf16", "reduce_partials_bf16",
            "reduce_partials_sorted_bf16", "table_bwd_bf16", "table_bwd_d_weight_bf16", "table_bwd_dact_bf16",
            "table_bwd_reduce", "gated_residual_fwd_bf16", "gated_residual_bwd_sorted_bf16",

@@ -60,7 +60,7 @@ ROWS_MAX = 2 ** 31 - 2 ** 15      # rows and S travel as int32; a range's end (p
                                   # and row_order.cu's last chunk end (up to S + 16383: chunks rounded up to 16)
 ROW_ORDER_THREADS = 1024           # row_order.cu: its one block (32 warps: one per lane of the scan of their totals)
 TWIN_TABLE_THREADS = 512           # the Numba twin's table (its own GEMV order, ops/final_adaln_out/twin): block size,
-TWIN_TABLE_ROWS_PER_WARP = 2       # and rows j of one warp's task (a row's sum is one warp's: the bits do not depend on it)
+TWIN_TABLE_ROWS_PER_WARP = 2       # and rows j of one warp's task (a row's sum is one warp's: bits do not depend on it)
 ROW_ORDER_KEYS_MAX = 65536         # row_order.cu: most positions whose keys it stages in shared memory (bytes)
 
 
@@ -248,7 +248,7 @@ class Plan:
     @cached_property
     def bwd_sorted(self) -> bool:
         """norm_out's backward over the rows in timestep order from BWD_SORTED_MIN_T on (row_order.cu, the blocks'
-        sorted pass and reduce: bwd_ranges + T partial slots, not bwd_ranges x T, NOTES v28); the same dx bits."""
+        sorted pass and reduce: bwd_ranges + T partial slots, 7 MB not 180 at T 32, NOTES v28); the same dx bits."""
         return self.T >= dict(self.tuning)["BWD_SORTED_MIN_T"]
 
     @cached_property
@@ -266,8 +266,8 @@ class Plan:
     @cached_property
     def tb_vec(self) -> int:
         """table_bwd.cu: columns k of a lane, the most of 8, 4 (else 2) with T x tb_vec <= TB_ACC_MAX accumulators
-        a half (8 spilled from T = 10, NOTES v27); the same sums, so the same bits, at every width."""
-        acc = dict(self.tuning)["TB_ACC_MAX"]
+        a half, half that in the one kernel (8 spilled from T = 10, NOTES v27); the same bits at every width."""
+        acc = dict(self.tuning)["TB_ACC_MAX"] // (1 if self.tb_split else 2)
         return next((v for v in (8, 4) if self.T * v <= acc), 2)
 
     @cached_property

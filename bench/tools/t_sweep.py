@@ -32,12 +32,18 @@ def kernel_us(fn, inputs, calls: int = 5) -> dict:
     """{kernel name: us per forward+backward}, eager, after three warm-up calls."""
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs.leaves]
     ones = torch.ones_like(inputs.x)
-    for _ in range(3):
+
+    def call():
+        for leaf in leaves:  # each call's gradients fresh: no accumulation kernels in the profile
+            leaf.grad = None
         fn(*leaves, inputs.timestep_indices).backward(ones)
+
+    for _ in range(3):
+        call()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
-            fn(*leaves, inputs.timestep_indices).backward(ones)
+            call()
         torch.cuda.synchronize()
     times = {e.key: e.device_time_total / calls for e in prof.key_averages() if e.device_time_total > 0}
     return dict(sorted(times.items(), key=lambda kv: -kv[1]))

@@ -132,7 +132,8 @@ def timings(T: int, bw: float, tile_ts=TILE_TS) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=pathlib.Path)
-    parser.add_argument("--quick", action="store_true", help="T 1, 3 and 10 only; other tiles checked at T 3, not timed")
+    parser.add_argument("--quick", action="store_true", help="T 1, 3 and 10 only; other tiles checked at T 3, "
+                        "not timed")
     args = parser.parse_args(argv)
     ts, check_tiles, time_tiles = ((1, 3, 10), (3,), ()) if args.quick else (TS, TILE_TS, TILE_TS)
     result = {"gpu": torch.cuda.get_device_name(), "checks": [], "times": []}

@@ -5,6 +5,8 @@ CI sees which kernels a forward and a backward launch, with which geometry, on w
 they get lies inside a live buffer of the right size (the kernels themselves run in
 tests/ops/test_final_adaln_out.py)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -150,6 +152,42 @@ def test_a_large_table_launches_table_bwd_as_two_halves_with_the_same_arguments(
     assert "table_bwd_bf16" not in names
     halves = calls[-3:-1]
     assert halves[0][1:] == halves[1][1:] and halves[0][1] == forward.plan.tb_grid + (1,)
+    assert _streams(calls) == {STREAM}
+
+
+@pytest.mark.parametrize("lead, rows", [((), 37), ((2,), 40), ((), 0)])
+def test_many_timesteps_launch_the_sorted_backward_on_its_workspace(calls, lead, rows):
+    """From BWD_SORTED_MIN_T timesteps on (plan.bwd_sorted), norm_out's backward sorts the rows (row_order on the S
+    indices, 0 with no rows), then the sorted pass and its reduce: each pointer the piece of the backward workspace
+    the plan lays out for it (row_order's offsets and order, bwd_ranges + T partial slots, d_scale half a row into
+    d_table), with leading dims (rows = 2 S) too."""
+    i = make(1, rows, "cpu", T=12)
+    if lead:
+        i = dataclasses.replace(i, x=i.x.reshape(2, rows // 2, -1), timestep_indices=i.timestep_indices[:rows // 2])
+    forward = Forward(i)
+    plan, r = forward.plan, forward.rows
+    assert plan.bwd_sorted and not plan_module.plan(5376, 2688, 9).bwd_sorted
+    dy = upstream(1, i.x)
+    calls.clear()
+    grads = forward.backward(i, dy)
+    names = [c[0] for c in calls]
+    sorted_pass = ["norm_modulate_bwd_sorted_bf16"] if rows else []  # nothing to pass over with no rows
+    assert names[:3] == ["row_order", *sorted_pass, "reduce_partials_sorted_bf16", "table_bwd_d_weight_bf16"][:3]
+    by = {c[0]: c for c in calls}
+    order_args, reduce_args = by["row_order"][4], by["reduce_partials_sorted_bf16"][4]
+    base = reduce_args[0] - r.bwd_offsets["row_partials"]
+    S = i.x.shape[-2]
+    assert order_args[1] == base + r.bwd_offsets["row_order"] and order_args[2] == order_args[1] + 4 * (plan.T + 1)
+    assert order_args[3] == (S if rows else 0) and r.bwd_offsets["row_order"] + 4 * (plan.T + 1 + rows) <= r.bwd_bytes
+    d_table = base + r.bwd_offsets["d_table"]
+    assert reduce_args[3:5] == (d_table, d_table + 4 * plan.H) and reduce_args[7] == order_args[1]
+    assert reduce_args[5:7] == (grads[1].data_ptr(), grads[4].data_ptr())
+    slots = launchers.sorted_slots(plan, r)
+    assert r.bwd_offsets["d_table"] >= r.bwd_offsets["row_partials"] + slots * 2 * plan.H * 4 or \
+        r.bwd_offsets["row_partials"] >= r.bwd_offsets["d_table"] + plan.T * 2 * plan.H * 4
+    if rows:
+        pass_args = by["norm_modulate_bwd_sorted_bf16"][4]
+        assert pass_args[6:9] == (order_args[1], grads[0].data_ptr(), base + r.bwd_offsets["row_partials"])
     assert _streams(calls) == {STREAM}
 
 

@@ -271,7 +271,8 @@ def test_every_lane_width_of_the_table_backward_gives_the_same_bits(monkeypatch,
     try:
         monkeypatch.setitem(plan_module.TUNING, "TB_MMA_MIN_T", 1000)  # the CUDA-core halves, not table_bwd_mma.cu
         for vec in (8, 4, 2):
-            monkeypatch.setitem(plan_module.TUNING, "TB_ACC_MAX", rows * vec if vec > 2 else 0)
+            fused = 2 if rows < plan_module.TUNING["TB_SPLIT_MIN_T"] else 1  # the one kernel keeps both halves'
+            monkeypatch.setitem(plan_module.TUNING, "TB_ACC_MAX", fused * rows * vec if vec > 2 else 0)
             launchers.forget_compiled()
             assert plan_module.plan(8, D_, rows, table_n=N, table_f32_rounded=True).tb_vec == vec
             results[vec] = table_bwd(d_table, temb, weight)

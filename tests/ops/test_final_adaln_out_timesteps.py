@@ -1,7 +1,7 @@
 """norm_out at many timesteps: from BWD_SORTED_MIN_T on its backward runs over the rows in timestep order
 (plan.bwd_sorted: row_order.cu, the blocks' sorted row pass and its reduce), against the unsorted pass (`gpu`).
-The shapes of tests/ops/test_final_adaln_out.py include T = 12 and 32 (parity, accuracy, invariance, empty batches,
-bad indices) for the rest."""
+The shapes of tests/ops/test_final_adaln_out.py include T = 12 and 32 for the rest (parity, accuracy, invariance,
+empty batches; bad indices in the forward)."""
 
 import dataclasses
 
@@ -26,8 +26,8 @@ def _grads(fn, inputs, dy):
 @pytest.mark.parametrize("lead", [(), (2,)], ids=["rows", "two_batches"])
 def test_sorted_and_unsorted_backward_give_dx_bitwise_and_parameter_sums_within_the_bounds(monkeypatch, lead):
     """plan.bwd_sorted (from BWD_SORTED_MIN_T timesteps on): the rows in timestep order give the unsorted pass's
-    output and dx bits (a row's dx never depends on the others), and parameter sums in another association, each
-    within the seed bounds of the float64 golden; with leading dims (rows = 2 S) as well."""
+    dx bits (a row's dx never depends on the others), and parameter sums in another association, each within the
+    seed bounds of the float64 golden; with leading dims (rows = 2 S) as well."""
     from adaln_lab.core import launchers, plan as plan_module
 
     inputs = make(2, 1500 if not lead else 750, "cuda", H=1024, D=256, T=12)
@@ -48,5 +48,4 @@ def test_sorted_and_unsorted_backward_give_dx_bitwise_and_parameter_sums_within_
     finally:
         monkeypatch.undo()
         launchers.forget_compiled()
-    (out_s, grads_s), (out_u, grads_u) = got[12], got[13]
-    assert torch.equal(out_s, out_u) and torch.equal(grads_s[0], grads_u[0])
+    assert torch.equal(got[12][1][0], got[13][1][0])  # dx (the forward is the same kernels either way)

@@ -10,8 +10,9 @@ bias, d_bias (2H,); timestep_indices (S,) int64; workspace (bytes,) uint8, `plan
 the bf16 table (T, 2H), table_f32 (T, 2H) (the table before its bf16 rounding) and rstd (rows,), which the forward
 writes and the backward reads. Inputs contiguous (the op's Function sees to it).
 
-route "cupy": kernels_cu on CUDA tensors (two launches forward, four backward, every reduction in a fixed order;
-the backward's workspace is one allocation of its own); route "numba": the Numba twin (`twin.op`), the same bits;
+route "cupy": kernels_cu on CUDA tensors (three launches forward, four to six backward by T, every reduction in a
+fixed order; the backward's workspace is one allocation of its own); route "numba": the Numba twin (`twin.op`): the
+same bits with table_backend "torch" for T below plan.bwd_sorted's, else the same dx (`twin.backward` says why);
 route "torch", and CPU tensors (`core.tensors.gpu`), the reference: the diffusers replay forward, the analytic
 backward of `reference.backward` (what `torch.library.opcheck` and the CPU tests exercise; the public op's own
 torch route is the replay under torch's autograd).

@@ -245,8 +245,8 @@ def reduce_partials_kernel(plan: Plan):
 @lru_cache(maxsize=None)
 def table_bwd_kernel(plan: Plan):
     """Twin of table_bwd_bf16: lane l covers the V = plan.tb_vec columns of vector blockIdx.x * 32 + l of a
-    plan.tb_columns-column tile, warp w the TB_ROWS / W consecutive rows j from blockIdx.y * TB_ROWS + w * TB_ROWS / W, in
-    order; d_weight[j, k] = bf16(fma over t in order of d_table[t, j] * silu(temb[t, k])) (SiLU
+    plan.tb_columns-column tile, warp w the TB_ROWS / W consecutive rows j from blockIdx.y * TB_ROWS + w * TB_ROWS /
+    W, in order; d_weight[j, k] = bf16(fma over t in order of d_table[t, j] * silu(temb[t, k])) (SiLU
     unrounded); dact over the warp's rows by fma in row order; the W warps' dact added in warp order
     (threads striding over the tile's columns) into dact_partials[blockIdx.y, t, k].
 

@@ -3,11 +3,11 @@
 norm_modulate: the same launch geometry (from `adaln_lab.core.plan`: the plan of the shape), reduction order and
 rounding points, written in Python; on a GPU its output and rstd equal the CUDA C++ kernel's bit for bit given the
 same table (tests/numba/test_forward.py checks it there). The table: the same rounding points and a fixed order of
-its own, the fp32 GEMV of table.cu up to v25, since the shipped table.cu sums on tensor cores (`table_kernel`). Under numba's CUDA
-simulator (NUMBA_ENABLE_CUDASIM=1, a CPU) it runs too, on tiny shapes: warp shuffles do not exist
-there, so the twin writes every warp butterfly as shared-memory steps with the very association
-of `warp_sum_lane0` (lane l adds lane l + offset for offset 16, 8, 4, 2, 1; lane 0's sum is kept).
-What the simulator cannot reproduce: `cuda.fma` rounds twice there, and rsqrt is 1/sqrt.
+its own, the fp32 GEMV of table.cu up to v25, since the shipped table.cu sums on tensor cores (`table_kernel`).
+Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, a CPU) it runs too, on tiny shapes: warp shuffles do not exist
+there, so the twin writes every warp butterfly as shared-memory steps with the very association of `warp_sum_lane0`
+(lane l adds lane l + offset for offset 16, 8, 4, 2, 1; lane 0's sum is kept). What the simulator cannot reproduce:
+`cuda.fma` rounds twice there, and rsqrt is 1/sqrt.
 
 numba-cuda 0.30.4 calls `numpy.row_stack` at its first launch, which numpy 2.5 removed; `cuda()`
 puts `numpy.vstack` in its place before importing `numba.cuda`, and only when first called.

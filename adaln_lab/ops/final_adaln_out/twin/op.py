@@ -14,8 +14,10 @@ launch_backward's order. Same contract as the cupy backend (`adaln_lab.ops.final
   d_weight (2H, D) bf16, d_bias (2H,) bf16, every reduction in the kernels' fixed order.
 - Saved for the backward: x, norm_weight, temb, weight, timestep_indices and the forward's table_f32
   (T, 2H) fp32 (the table before its bf16 rounding) and rstd (rows,) fp32, as the cupy backend saves them.
-- Rounding: the twin's, which is meant to be the CUDA kernels' bit for bit on a GPU
-  (tests/numba/test_op.py checks every output and gradient against backend="cupy" there).
+- Rounding: the twin's, meant to be the CUDA kernels' bit for bit on a GPU with table_backend "torch" and T below
+  plan.bwd_sorted's (tests/numba/test_op.py checks every output and gradient against backend="cupy" there); its
+  table (table_backend "cuda": a fixed-order GEMV, not table.cu's tensor cores) and, from that T, its parameter sums
+  (the unsorted row pass) are its own orders.
 - table_backend "cuda": the twin's fixed-order GEMV; "torch": F.linear, as the cupy backend.
 
 Where it runs:
