@@ -224,6 +224,15 @@ def test_table_backward_against_float64_and_repeatable():
     assert torch.allclose(d_temb.double(), t64.grad, rtol=1e-4, atol=1e-4)
 
 
+def table_bwd_case(rows: int, N: int = 18 * H + 72, D_: int = 264):
+    """(d_table (rows, N) fp32, temb (rows, D_) fp32, weight (N, D_) bf16) on the GPU, seeded by rows: N not a
+    multiple of the row blocks, D_ not of the column tiles."""
+    g = torch.Generator("cuda").manual_seed(rows)
+    temb = torch.randn(rows, D_, device="cuda", generator=g)
+    weight = (torch.randn(N, D_, device="cuda", generator=g) * 0.02).bfloat16()
+    return torch.randn(rows, N, device="cuda", generator=g), temb, weight
+
+
 @pytest.mark.parametrize("rows", [3, 9])
 def test_split_and_fused_table_backward_agree_bit_for_bit(monkeypatch, rows):
     """table_bwd_bf16 and its two halves (plan.tb_split, T >= TB_SPLIT_MIN_T) sum the same terms in the
@@ -233,11 +242,8 @@ def test_split_and_fused_table_backward_agree_bit_for_bit(monkeypatch, rows):
     difference left is the kernels'.)"""
     from adaln_lab.core import launchers, plan as plan_module
 
-    g = torch.Generator("cuda").manual_seed(rows)
-    N, D_ = 18 * H + 72, 264
-    temb = torch.randn(rows, D_, device="cuda", generator=g)
-    weight = (torch.randn(N, D_, device="cuda", generator=g) * 0.02).bfloat16()
-    d_table = torch.randn(rows, N, device="cuda", generator=g)
+    d_table, temb, weight = table_bwd_case(rows)
+    N, D_ = weight.shape
     results = {}
     try:
         for split_min_t in (rows, rows + 1):  # split, then fused
@@ -262,11 +268,8 @@ def test_every_lane_width_of_the_table_backward_gives_the_same_bits(monkeypatch,
     the one kernel (T = 3) and its halves (T = 17); D = 264 not a multiple of the 64- or 128-column tiles."""
     from adaln_lab.core import launchers, plan as plan_module
 
-    g = torch.Generator("cuda").manual_seed(rows)
-    N, D_ = 18 * H + 72, 264
-    temb = torch.randn(rows, D_, device="cuda", generator=g)
-    weight = (torch.randn(N, D_, device="cuda", generator=g) * 0.02).bfloat16()
-    d_table = torch.randn(rows, N, device="cuda", generator=g)
+    d_table, temb, weight = table_bwd_case(rows)
+    N, D_ = weight.shape
     results = {}
     try:
         monkeypatch.setitem(plan_module.TUNING, "TB_MMA_MIN_T", 1000)  # the CUDA-core halves, not table_bwd_mma.cu
