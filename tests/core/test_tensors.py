@@ -298,11 +298,9 @@ def test_table_backward_on_tensor_cores_within_its_derived_bounds_and_dact_rows_
     multiple of 64, D = 264 not a multiple of the 64-column tiles."""
     from adaln_lab.core import plan as plan_module
 
-    g = torch.Generator("cuda").manual_seed(rows)
-    N, D_ = 18 * H + 48, 264
-    temb = torch.randn(rows, D_, device="cuda", generator=g)
-    weight = (torch.randn(N, D_, device="cuda", generator=g) * 0.02).bfloat16()
-    d_table = torch.randn(rows, N, device="cuda", generator=g)
+    d_table, temb, weight = table_bwd_case(rows, N=18 * H + 48)
+    N, D_ = weight.shape
+    g = torch.Generator("cuda").manual_seed(rows + 1000)  # the other batch's extra rows
     p = plan_module.plan(8, D_, rows, table_n=N, table_f32_rounded=True)
     assert p.tb_mma and p.blocks_j == -(-N // plan_module.TUNING["TB_SPLIT_ROWS"])
     d_temb, d_weight, d_bias = table_bwd(d_table, temb, weight)
