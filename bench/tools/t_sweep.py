@@ -4,7 +4,8 @@
 # for each T of `--ts`:
 # - adaln_lab's CUDA-graph forward and forward+backward (`adaln_lab.harness.latency.graph_latency`: GPU time, no
 #   host), and whether the call left the kernels (a KernelFallbackWarning);
-# - the time of each kernel of one eager forward+backward (torch.profiler, mean of 5 calls), largest first;
+# - the time of each kernel of one eager forward+backward (`adaln_lab.lab.latency_sweep.kernel_profile`: mean of
+#   5 profiled calls), largest first;
 # - diffusers and torch.compile in the same run at the T of `--peer-ts` (each a minute or so of compiles), as ratios.
 #
 #     python3 bench/tools/t_sweep.py [--rows 8192] [--ts 1,3,8,10,16,32] [--peer-ts 1,32] [--out FILE.json]
@@ -17,36 +18,15 @@ import pathlib
 import warnings
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from adaln_lab.harness.candidates import adaln_lab_candidate, diffusers_candidate, torch_compile_candidate
 from adaln_lab.harness.inputs import make
 from adaln_lab.harness.latency import graph_latency
+from adaln_lab.lab.latency_sweep import kernel_profile
 
 
 def ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
-
-
-def kernel_us(fn, inputs, calls: int = 5) -> dict:
-    """{kernel name: us per forward+backward}, eager, after three warm-up calls."""
-    leaves = [t.detach().clone().requires_grad_(True) for t in inputs.leaves]
-    ones = torch.ones_like(inputs.x)
-
-    def call():
-        for leaf in leaves:  # each call's gradients fresh: no accumulation kernels in the profile
-            leaf.grad = None
-        fn(*leaves, inputs.timestep_indices).backward(ones)
-
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            call()
-        torch.cuda.synchronize()
-    times = {e.key: e.device_time_total / calls for e in prof.key_averages() if e.device_time_total > 0}
-    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
 def graph(fn, inputs) -> dict:
@@ -77,7 +57,7 @@ def main(argv=None) -> int:
                 row[name]["name"] = peer.name
                 mine, theirs = row["adaln_lab"]["fwd_bwd_us_graph"], row[name]["fwd_bwd_us_graph"]
                 row[f"{name}_over_adaln_lab"] = theirs / mine if mine and theirs else None
-        row["kernels_us"] = kernel_us(ours, inputs)
+        row["kernels_us"] = {k["name"]: k["us"] for k in kernel_profile(ours, inputs)}  # largest first
         print(json.dumps({k: v for k, v in row.items() if k != "kernels_us"}), flush=True)
         print("  " + "; ".join(f"{k[:48]} {v:.1f}" for k, v in list(row["kernels_us"].items())[:8]), flush=True)
         result["sweep"].append(row)

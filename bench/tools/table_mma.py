@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
-import statistics
-
 import contextlib
+import pathlib
 
 import torch
 import torch.nn.functional as F
 
+from adaln_lab.bench.timing import graph_us
 from adaln_lab.core import launchers, plan as plan_module, tensors
 from adaln_lab.harness.inputs import make
 from adaln_lab.harness.latency import copy_bandwidth
@@ -89,29 +88,10 @@ def checks(T: int, tile_ts=TILE_TS) -> dict:
     return out
 
 
-def median_us(fn, copies, batches=9, per_batch=12) -> float:
-    """GPU time of one call: `per_batch` calls (weight copies rotated) captured in a CUDA graph, replayed `batches`
-    times between CUDA events; the median over replays, per call."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for k in range(3):
-            fn(k % len(copies))
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for k in range(per_batch):
-            fn(k % len(copies))
-    graph.replay()
-    times = []
-    for _ in range(batches):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / per_batch)
-    return statistics.median(times)
+def median_us(fn, copies, per_batch=12) -> float:
+    """GPU time of one call: `per_batch` calls (weight copies rotated) captured in one CUDA graph, its replays timed
+    by `adaln_lab.bench.timing.graph_us` (medians of back-to-back replays between CUDA events), per call."""
+    return graph_us(lambda: [fn(k % len(copies)) for k in range(per_batch)]) / per_batch
 
 
 def timings(T: int, bw: float, tile_ts=TILE_TS) -> dict:
