@@ -37,6 +37,9 @@ SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
     "table_bwd_bf16": "pppppp",
     "table_bwd_d_weight_bf16": "pppppp",
     "table_bwd_dact_bf16": "pppppp",
+    "table_bwd_mma_terms": "pppp",
+    "table_bwd_mma_d_weight": "pp",
+    "table_bwd_mma_dact": "ppp",
     "table_bwd_reduce": "pppi",
     "gated_residual_fwd_bf16": "pppppiii",
     "gated_residual_bwd_sorted_bf16": "pppppppiiii",
@@ -283,13 +286,17 @@ def launch_reduce_partials(k: dict, plan: Plan, rows: Rows, stream: int, row_par
 def launch_table_bwd(k: dict, plan: Plan, stream: int, d_table: int, temb: int, weight: int, d_weight: int,
                      dact_partials: int, d_temb: int, d_bias: int = 0) -> None:
     """d_weight and d_temb (and d_bias (N,) bf16 = the t-sum of d_table, if given) from d_table: table_bwd_bf16
-    (or, where plan.tb_split, its two halves table_bwd_d_weight_bf16 and table_bwd_dact_bf16: the same sums),
-    then table_bwd_reduce's ordered sum."""
-    if plan.tb_mma:  # the halves on tensor cores (table_bwd_mma.cu): blocks of 128 threads, grids of their own
-        for name, grid in zip(loader.TB_HALVES, plan.tbm_grids):
-            k[name](grid + (1,), (128, 1, 1), 0, stream, d_table, temb, weight, d_weight, dact_partials, d_bias)
+    (or, where plan.tb_split, its two halves table_bwd_d_weight_bf16 and table_bwd_dact_bf16: the same sums; where
+    plan.tb_mma, table_bwd_mma.cu's terms and halves on tensor cores), then table_bwd_reduce's ordered sum.
+    dact_partials: table_bwd's workspace of plan.tb_bytes (the partials, then on tensor cores the terms)."""
+    if plan.tb_mma:  # on tensor cores (table_bwd_mma.cu): the terms once, then the halves; blocks of 128 threads
+        terms = dact_partials + plan.tb_terms_at
+        g = plan.tbm_grids
+        k["table_bwd_mma_terms"](g[0] + (1,), (128, 1, 1), 0, stream, d_table, temb, terms, d_bias)
+        k["table_bwd_mma_d_weight"](g[1] + (1,), (128, 1, 1), 0, stream, terms, d_weight)
+        k["table_bwd_mma_dact"](g[2] + (1,), (128, 1, 1), 0, stream, terms, weight, dact_partials)
     else:
-        grid, block = (plan.d_tiles, plan.blocks_j, 1), (plan.tb_threads, 1, 1)
+        grid, block = plan.tb_grid + (1,), (plan.tb_threads, 1, 1)
         for name in loader.TB_HALVES if plan.tb_split else loader.TB_FUSED:
             k[name](grid, block, 0, stream, d_table, temb, weight, d_weight, dact_partials, d_bias)
     k["table_bwd_reduce"]((-(-plan.D // 32), plan.T, 1), (32, plan.sum_groups, 1), 0, stream,

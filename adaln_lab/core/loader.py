@@ -40,15 +40,18 @@ KERNELS = ("table_act", "table_bf16", "norm_modulate_bf16", "norm_modulate_rowwi
            "norm_modulate_bwd_bf16", "row_order",
            "norm_modulate_bwd_sorted_bf16", "norm_modulate_bwd_residual_sorted_bf16", "reduce_partials_bf16",
            "reduce_partials_sorted_bf16", "table_bwd_bf16", "table_bwd_d_weight_bf16", "table_bwd_dact_bf16",
+           "table_bwd_mma_terms", "table_bwd_mma_d_weight", "table_bwd_mma_dact",
            "table_bwd_reduce", "gated_residual_fwd_bf16", "gated_residual_bwd_sorted_bf16",
            "gated_residual_reduce_sorted", "gated_residual_norm_bf16")
 TB_FUSED, TB_HALVES = ("table_bwd_bf16",), ("table_bwd_d_weight_bf16", "table_bwd_dact_bf16")
+TB_MMA = ("table_bwd_mma_terms", "table_bwd_mma_d_weight", "table_bwd_mma_dact")  # table_bwd_mma.cu (plan.tb_mma)
 
 
 def entry_points(plan: Plan) -> tuple:
-    """The entry points the unit of `plan` defines: KERNELS less table_bwd.cu's one kernel or its two halves, the
-    pair the plan does not launch (plan.tb_split; the unit compiles only the one it runs)."""
-    left_out = TB_FUSED if plan.tb_split else TB_HALVES
+    """The entry points the unit of `plan` defines: KERNELS less the table_bwd kernels the plan does not launch (the
+    unit compiles only those it runs): table_bwd.cu's one kernel or its two halves (plan.tb_split), or on tensor
+    cores table_bwd_mma.cu's three in their place (plan.tb_mma)."""
+    left_out = TB_FUSED + TB_HALVES if plan.tb_mma else (TB_FUSED if plan.tb_split else TB_HALVES) + TB_MMA
     return tuple(name for name in KERNELS if name not in left_out)
 
 

@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
+from .workspace import ALIGN, ROWS_MAX, Rows, forward_workspace, layout, rows_of  # noqa: F401 (also the plan's)
+
 # Constants of the kernels: the one place they live. Changing one changes the compiled unit
 # (its text carries the values), and `launchers.forget_compiled()` forgets every derived plan and kernel.
 TUNING = {
@@ -56,8 +58,6 @@ SMEM_BLOCK_MAX = 227 * 1024       # dynamic + static shared memory one block may
 BWD_STAGE_BUDGET = 200 * 1024     # dynamic shared memory of the backward's stages (static scratch beside it)
 H_MAX = 50176                      # the largest H whose backward stage (x and dy rows) fits BWD_STAGE_BUDGET (tested)
 T_MAX = 32                         # the T the GPU tests cover (row_order.cu's T x 4 KiB of shared memory: <= 40)
-ROWS_MAX = 2 ** 31 - 2 ** 15      # rows and S travel as int32; a range's end (p0 + rows per range) must fit too,
-                                  # and row_order.cu's last chunk end (up to S + 16383: chunks rounded up to 16)
 ROW_ORDER_THREADS = 1024           # row_order.cu: its one block (32 warps: one per lane of the scan of their totals)
 TWIN_TABLE_THREADS = 512           # the Numba twin's table (its own GEMV order, ops/final_adaln_out/twin): block size,
 TWIN_TABLE_ROWS_PER_WARP = 2       # and rows j of one warp's task (a row's sum is one warp's: bits do not depend on it)
@@ -92,25 +92,6 @@ def check_shapes(H: int, D: int, T: int) -> None:
         raise ValueError(f"the CUDA kernels need T (temb.shape[0]) <= {T_MAX}, got {T}; use backend='torch'")
 
 
-ALIGN = 256  # bytes: every piece of a workspace starts on this boundary
-
-
-def layout(sizes: dict) -> tuple[dict, int]:
-    """Byte offsets of named pieces laid out one after another (each ALIGN-aligned), and the total."""
-    offsets, total = {}, 0
-    for name, nbytes in sizes.items():
-        offsets[name] = total
-        total += -(-nbytes // ALIGN) * ALIGN
-    return offsets, max(total, ALIGN)
-
-
-def forward_workspace(T: int, H: int, rows: int) -> tuple[dict, int]:
-    """norm_out's forward workspace: `table` (T, 2H) bf16, `table_f32` (T, 2H) fp32 and `rstd` (rows,) fp32 laid out
-    one after another: (byte offsets, total bytes). Integer arithmetic alone, no cache, so that torch.compile traces
-    it on symbolic sizes (the op's Function allocates the workspace in eager and compiled code alike)."""
-    return layout({"table": T * 2 * H * 2, "table_f32": T * 2 * H * 4, "rstd": rows * 4})
-
-
 def check_table(D: int, T: int, N: int) -> None:
     """The table kernels' limits for temb (T, D) and N columns (check_shapes' on D and T; N divisible by 8): a clear
     error naming the argument otherwise. No cache: torch.compile traces it where an op decides its route."""
@@ -126,27 +107,6 @@ def supported(H: int, D: int, T: int) -> bool:
     except ValueError:
         return False
     return True
-
-
-@dataclass(frozen=True)
-class Rows:
-    """The parts of a plan that depend on the number of rows (x.numel() / H): row ranges and workspaces.
-
-    fwd_offsets / fwd_bytes: one forward workspace holding `table` (T, 2H) bf16, `table_f32` (T, 2H) fp32 and
-    `rstd` (rows,) fp32. bwd_offsets / bwd_bytes: one backward workspace holding `row_partials` (bwd_ranges, T, 2,
-    H) fp32 (plan.bwd_sorted: (bwd_ranges + T, 2, H)), `d_table` (T, 2H) fp32, `dact_partials` (blocks_j, T, D)
-    fp32, and where plan.bwd_sorted `row_order` (T + 1 + rows,) int32 (row_order.cu's layout, S <= rows).
-    """
-
-    rows: int
-    fwd_rows_per_range: int
-    fwd_ranges: int
-    bwd_rows_per_range: int
-    bwd_ranges: int
-    fwd_offsets: dict
-    fwd_bytes: int
-    bwd_offsets: dict
-    bwd_bytes: int
 
 
 @dataclass(frozen=True)
@@ -259,9 +219,23 @@ class Plan:
         return self.T >= max(t["TB_MMA_MIN_T"], t["TB_SPLIT_MIN_T"]) and self.columns % 16 == 0
 
     @cached_property
-    def tbm_grids(self) -> tuple[tuple[int, int], tuple[int, int]]:
-        """table_bwd_mma.cu's grids: d_weight's (D tiles of 64, N tiles of 64), dact's (D tiles of 64, blocks_j)."""
-        return (math.ceil(self.D / 64), math.ceil(self.columns / 64)), (math.ceil(self.D / 64), self.blocks_j)
+    def tbm_grids(self) -> tuple[tuple[int, int], ...]:
+        """table_bwd_mma.cu's grids: the terms' (columns N + D in blocks of 128, steps of 16 timesteps), d_weight's
+        (D tiles of 128, N tiles of 64), dact's (D tiles of 64, blocks_j)."""
+        N, D = self.columns, self.D
+        return ((math.ceil((N + D) / 128), math.ceil(self.T / 16)), (math.ceil(D / 128), math.ceil(N / 64)),
+                (math.ceil(D / 64), self.blocks_j))
+
+    @cached_property
+    def tb_terms_at(self) -> int:
+        """table_bwd's workspace (tb_bytes): dact_partials (blocks_j, T, D) fp32, then from this byte on, on tensor
+        cores (tb_mma), the operands' three bf16 terms (table_bwd_mma.cu): 2 x 3 x TP x N + 3 x TP x D, TP = T
+        rounded up to 16."""
+        return -(-self.blocks_j * self.T * self.D * 4 // ALIGN) * ALIGN
+
+    @cached_property
+    def tb_bytes(self) -> int:
+        return self.tb_terms_at + (6 * math.ceil(self.T / 16) * 16 * (2 * self.columns + self.D) if self.tb_mma else 0)
 
     @cached_property
     def tb_vec(self) -> int:
@@ -284,12 +258,8 @@ class Plan:
     def blocks_j(self) -> int:
         return self.tb_grid[1]
 
-    @cached_property
-    def d_tiles(self) -> int:
-        return self.tb_grid[0]
-
     def rows(self, rows: int) -> Rows:
-        return _rows(self, rows)
+        return rows_of(self, rows)
 
     def defines(self) -> dict:
         """Every macro of the compiled unit, by name without the ADALN_ prefix."""
@@ -317,25 +287,6 @@ class Plan:
     def columns(self) -> int:
         """N, the table's columns: 2H (norm_out) unless the plan was made with table_n."""
         return self.table_n or 2 * self.H
-
-
-@lru_cache(maxsize=4096)
-def _rows(plan: Plan, rows: int) -> Rows:
-    if rows > ROWS_MAX:
-        raise ValueError(f"the CUDA kernels take at most {ROWS_MAX} rows (x.numel() / H), got {rows}; split the batch")
-    t = dict(plan.tuning)
-    fwd_per = max(1, min(t["FWD_ROW_LIST_MAX"], max(t["FWD_MIN_ROWS"], math.ceil(rows / t["FWD_RANGES"]))))
-    bwd_per = max(1, min(t["ROW_LIST_MAX"], math.ceil(rows / t["BWD_RANGES"])))
-    bwd_ranges = math.ceil(rows / bwd_per) if rows else 0
-    T, H, D = plan.T, plan.H, plan.D
-    fwd_offsets, fwd_bytes = forward_workspace(T, H, rows)
-    slots = max(bwd_ranges, 1) + T if plan.bwd_sorted else max(bwd_ranges, 1) * T
-    parts = {"row_partials": slots * 2 * H * 4, "d_table": T * 2 * H * 4, "dact_partials": plan.blocks_j * T * D * 4}
-    if plan.bwd_sorted:
-        parts["row_order"] = (T + 1 + rows) * 4
-    bwd_offsets, bwd_bytes = layout(parts)
-    return Rows(rows, fwd_per, math.ceil(rows / fwd_per) if rows else 0, bwd_per, bwd_ranges,
-                fwd_offsets, fwd_bytes, bwd_offsets, bwd_bytes)
 
 
 def row_tables_fit(table_n: int) -> bool:
@@ -397,4 +348,4 @@ def clear_caches() -> None:
     """Forget every plan, e.g. after changing TUNING (adaln_lab/bench/sweep.py); `launchers.forget_compiled()`
     forgets them with the compiled modules and the caches built on both (`core.tensors.context`)."""
     plan.cache_clear()
-    _rows.cache_clear()
+    rows_of.cache_clear()

@@ -172,7 +172,7 @@ def test_many_timesteps_launch_the_sorted_backward_on_its_workspace(calls, lead,
     grads = forward.backward(i, dy)
     names = [c[0] for c in calls]
     sorted_pass = ["norm_modulate_bwd_sorted_bf16"] if rows else []  # nothing to pass over with no rows
-    assert names[:3] == ["row_order", *sorted_pass, "reduce_partials_sorted_bf16", "table_bwd_d_weight_bf16"][:3]
+    assert names[:3] == ["row_order", *sorted_pass, "reduce_partials_sorted_bf16", "table_bwd_mma_terms"][:3]
     by = {c[0]: c for c in calls}
     order_args, reduce_args = by["row_order"][4], by["reduce_partials_sorted_bf16"][4]
     base = reduce_args[0] - r.bwd_offsets["row_partials"]

@@ -265,7 +265,7 @@ def test_split_and_fused_table_backward_agree_bit_for_bit(monkeypatch, rows):
 def test_every_lane_width_of_the_table_backward_gives_the_same_bits(monkeypatch, rows):
     """table_bwd.cu's columns per lane (plan.tb_vec: 8, 4 or 2, by TB_ACC_MAX) are speed only: each column's sums
     have the same terms in the same order, so d_weight, d_temb and d_bias are the same bits for every width, in
-    the one kernel (T = 3) and its halves (T = 17); D = 264 not a multiple of the 64- or 128-column tiles."""
+    the one kernel (T = 3) and its halves (T = 17); D = 264 not a multiple of the 64-column tiles."""
     from adaln_lab.core import launchers, plan as plan_module
 
     d_table, temb, weight = table_bwd_case(rows)
@@ -295,7 +295,7 @@ def test_table_backward_on_tensor_cores_within_its_derived_bounds_and_dact_rows_
     block, the blocks added in double); d_weight is then rounded once to bf16, so it lies between the roundings of
     the exact value -+ that bound. d_bias is table_bwd.cu's double sum: its rounding alone. A timestep's
     d_temb is the same bits in another batch of T >= TB_MMA_MIN_T rows (dact's rows are independent). N not a
-    multiple of 64, D = 264 not a multiple of the 64-column tiles."""
+    multiple of 64, D = 264 not a multiple of the 64- or 128-column tiles."""
     from adaln_lab.core import plan as plan_module
 
     d_table, temb, weight = table_bwd_case(rows, N=18 * H + 48)

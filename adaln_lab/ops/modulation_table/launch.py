@@ -54,7 +54,7 @@ def backward(d_table: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, ro
     plan, k, stream = tensors.table_setup(wide, weight.shape[0])
     d_table, weight = tensors.aligned(tensors.as_dtype(d_table, torch.float32)), tensors.aligned(weight)
     d_wide = d_temb if d_temb.dtype == torch.float32 else torch.empty_like(wide)
-    dact_partials = torch.empty(plan.blocks_j, T, D, dtype=torch.float32, device=wide.device)
+    dact_partials = torch.empty(plan.tb_bytes, dtype=torch.uint8, device=wide.device)  # and table_bwd's terms
     launchers.launch_table_bwd(k, plan, stream, d_table.data_ptr(), wide.data_ptr(), weight.data_ptr(),
                                d_weight.data_ptr(), dact_partials.data_ptr(), d_wide.data_ptr(), d_bias.data_ptr())
     if d_wide is not d_temb:
