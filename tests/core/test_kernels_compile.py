@@ -10,7 +10,7 @@ import pytest
 from adaln_lab.core import loader, plan as plan_module
 from adaln_lab.core.plan import plan
 
-from ..paths import ROOT
+from ..paths import PACKAGE, ROOT
 
 pytestmark = pytest.mark.integration  # NVRTC compiles of the whole unit
 
@@ -108,8 +108,8 @@ def test_the_wheel_ships_the_kernels(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for name in loader.KERNEL_FILES:
         assert f"adaln_lab/kernels_cu/{name}" in names
-    for module in sorted((ROOT / "adaln_lab").rglob("*.py")):  # and every module of the package's tree
-        name = module.relative_to(ROOT).as_posix()
+    for module in sorted(PACKAGE.rglob("*.py")):  # and every module of the package's tree
+        name = module.relative_to(PACKAGE.parent).as_posix()
         assert "__pycache__" in name or name in names, name
 
 

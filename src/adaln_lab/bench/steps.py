@@ -58,8 +58,11 @@ def tests(ctx: Context) -> int:
 
 
 def base_tree(ctx: Context) -> int:
-    """0 when the step's tree to compare with (--base, else its default folder) holds adaln_lab/, else 2."""
-    if ctx.base is not None and (ctx.base / "adaln_lab" / "__init__.py").is_file():
+    """0 when the step's tree to compare with (--base, else its default folder) holds src/adaln_lab/ (or, flat,
+    adaln_lab/), else 2."""
+    from .compare_trees import holds_package
+
+    if ctx.base is not None and holds_package(ctx.base):
         return 0
     default = DEFAULT_BASE[ctx.step]
     ctx.say(f"{ctx.step}: no tree to compare with: give --base REV|DIR, or copy one along at {default}/")
@@ -194,28 +197,31 @@ def host(ctx: Context) -> int:
 
 
 def host_ab(ctx: Context) -> int:
-    """Rounds (--host-ab-rounds, default 3) alternating the base tree and this one: this checkout's host_breakdown.py, run from each tree
-    with that tree's adaln_lab first on the path, so both are timed by the same code in one run."""
+    """Rounds (--host-ab-rounds, default 3) alternating the base tree and this one: this checkout's
+    host_breakdown.py, run from each tree with the folder holding that tree's adaln_lab/ (TREE/src, or TREE for the
+    flat layout) first on the path, so both are timed by the same code in one run."""
     if base_tree(ctx):
         return 2
+    from .compare_trees import import_dir
     from .manifest import tree_commit
 
     commit, dirty = tree_commit(ctx.root)
-    script = str(ctx.root / "adaln_lab" / "bench" / "host_breakdown.py")
+    script = str(import_dir(ctx.root) / "adaln_lab" / "bench" / "host_breakdown.py")
     run_file = "import runpy, sys; runpy.run_path(sys.argv.pop(1), run_name='__main__')"
     base = ctx.word(str(ctx.base)).replace(BASE_MARK, "$BASE")
     trees = ((base, ctx.base, base_commit(ctx)), (".", ctx.root, commit + ("-dirty" if dirty else "")))
     rounds = ctx.options.host_ab_rounds
-    shown = (f"script=$PWD/adaln_lab/bench/host_breakdown.py; for round in $(seq {rounds}); do for tree in {base} .; do "
+    shown = (f"script=$PWD/{ctx.word(script)}; for round in $(seq {rounds}); do for tree in {base} .; do "
              'echo "== $tree $(cat $tree/COMMIT 2>/dev/null || git rev-parse --short HEAD)"; (cd $tree && '
-             f'PYTHONPATH=$PWD python3 -c "{run_file}" $script --no-profile) || exit 1; done; done > host_ab.txt 2>&1')
+             'PYTHONPATH=$(test -d src/adaln_lab && echo $PWD/src || echo $PWD) '
+             f'python3 -c "{run_file}" $script --no-profile) || exit 1; done; done > host_ab.txt 2>&1')
     if ctx.dry_run:
         ctx.say(f"  {shown}")
         return 0
     (ctx.out / "host_ab.txt").unlink(missing_ok=True)
     for _ in range(rounds):
         for label, tree, tree_commit_ in trees:
-            path = {"PYTHONPATH": os.pathsep.join(p for p in (str(tree), ctx.env.get("PYTHONPATH")) if p)}
+            path = {"PYTHONPATH": os.pathsep.join(p for p in (str(import_dir(tree)), ctx.env.get("PYTHONPATH")) if p)}
             rc = ctx.run(["host_ab.txt"], [PY, "-c", run_file, script, "--no-profile"], stdout="host_ab.txt",
                          stderr=STDOUT, cwd=tree, env=path, header=f"== {label} {tree_commit_}\n", append=True,
                          shown=shown)

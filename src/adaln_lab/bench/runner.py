@@ -8,9 +8,11 @@ the console's lines in OUT/bench_<steps>.log, and OUT packed into OUT/all.tgz (t
 --pack-dir gets a copy). Exit 0 when every step passed, 1 when any failed, was cut or was skipped, 2 for a mistake
 in the arguments (found before anything runs).
 
---base names the tree `compare` and `host-ab` compare this one with: a directory holding adaln_lab/ (by default
-.old_tree/ for compare and .ab_tree/ for host-ab, copied along with the checkout) or a commit git knows here,
-exported with `git archive` into a temporary folder (its COMMIT file names it) for the run.
+--base names the tree `compare` and `host-ab` compare this one with: a directory holding src/adaln_lab/, or
+adaln_lab/ for a tree of the flat layout before the move to src/ (by default .old_tree/ for compare and .ab_tree/
+for host-ab, copied along with the checkout), or a commit git knows here, exported with `git archive` into a
+temporary folder (its COMMIT file names it) for the run. Each tree's processes get the folder holding its
+adaln_lab/ on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ import time
 from pathlib import Path
 
 from . import manifest
+from .compare_trees import holds_package, import_dir
 from .context import Context, StepTimeout
 from .steps import DEFAULT_BASE, SANITIZE_TOOLS, STEPS, UPSTREAM_RUNS
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]  # the checkout: src/adaln_lab/bench/runner.py
 BUDGET = 570  # seconds: one invocation inside the lent machine's 600 s per command
 MIN_START = 20  # no step starts with less left of the budget
 
@@ -104,9 +107,9 @@ def resolve_base(value: str, root: Path, workdir: Path) -> tuple[Path, str | Non
     `workdir` with `git archive` (its COMMIT file names it). ValueError, naming --base, for anything else."""
     for candidate in (Path(value), root / value):
         if candidate.is_dir():
-            if not (candidate / "adaln_lab" / "__init__.py").is_file():
-                raise ValueError(f"--base {value}: the directory {candidate} holds no adaln_lab/ (a tree of this "
-                                 "project)")
+            if not holds_package(candidate):
+                raise ValueError(f"--base {value}: the directory {candidate} holds no src/adaln_lab/ or adaln_lab/ "
+                                 "(a tree of this project)")
             return candidate.resolve(), None
     if not (root / ".git").exists():
         raise ValueError(f"--base {value}: no such directory, and no .git in {root} to export a commit from")
@@ -126,8 +129,8 @@ def resolve_base(value: str, root: Path, workdir: Path) -> tuple[Path, str | Non
         else:
             tar.extractall(tree)
     (tree / "COMMIT").write_text(rev + "\n")
-    if not (tree / "adaln_lab" / "__init__.py").is_file():
-        raise ValueError(f"--base {value}: commit {rev} holds no adaln_lab/")
+    if not holds_package(tree):
+        raise ValueError(f"--base {value}: commit {rev} holds no src/adaln_lab/ or adaln_lab/")
     return tree, rev
 
 
@@ -155,7 +158,7 @@ def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
     """Runs the command line `argv` (default: sys.argv[1:]) for the checkout at `root`; returns the exit status."""
     args = parse(argv)
     if not (root / "pyproject.toml").is_file():
-        raise fail(f"the runner works in a checkout of adaln_lab (pyproject.toml beside adaln_lab/): {root} is none")
+        raise fail(f"the runner works in a checkout of adaln_lab (pyproject.toml beside src/): {root} is none")
     out = Path(args.out).resolve()
     if out.exists() and not out.is_dir():
         raise fail(f"--out {args.out}: exists and is not a directory")
@@ -183,10 +186,10 @@ class Run:
         self.start = time.monotonic()
         commit, dirty = manifest.tree_commit(root)
         self.commit = commit + ("-dirty" if dirty else "")
-        path = os.environ.get("PYTHONPATH", "")
+        path, package = os.environ.get("PYTHONPATH", ""), str(import_dir(root))  # root/src: this tree's adaln_lab
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1",
-                    "PYTHONPATH": path if str(root) in path.split(os.pathsep) else os.pathsep.join(
-                        p for p in (str(root), path) if p)}
+                    "PYTHONPATH": path if package in path.split(os.pathsep) else os.pathsep.join(
+                        p for p in (package, path) if p)}
         if commit != "unknown":
             self.env.setdefault("ADALN_LAB_COMMIT", commit)
         self.machine = manifest.machine(self.env)

@@ -39,7 +39,7 @@ from .protocol import FULL, QUICK, Protocol
 
 LIBRARIES = ("torch", "triton", "diffusers", "cupy-cuda13x", "numba-cuda", "numpy", "ml_dtypes",
              "liger-kernel", "vllm", "flashinfer-python", "sglang", "transformer_engine", "megatron-core")
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]  # the checkout: src/adaln_lab/harness/report.py
 GRAPH_KEYS = ("fwd_us_graph", "fwd_bwd_us_graph", "fwd_us_graph_error", "fwd_bwd_us_graph_error")
 CPU_FLOOR = ("null on a CPU: torch's CPU code does not stream memory at copy bandwidth, so a multiple of this "
              "floor would say nothing (the byte counts stand)")

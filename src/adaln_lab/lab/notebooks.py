@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
+NOTEBOOK_DIR = Path(__file__).resolve().parents[3] / "notebooks"  # the checkout's, beside src/
 
 
 def execute(path: str | Path, timeout: int = 1800, write: bool = False):

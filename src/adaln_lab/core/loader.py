@@ -61,11 +61,9 @@ BAD_BINARY_STATUSES = frozenset({200, 209, 218, 222, 300, 302, 303, 500})  # INV
 
 
 def kernel_dir() -> Path:
-    """kernels_cu/: inside the installed package, or beside it in a source checkout."""
-    packaged = Path(str(resources.files("adaln_lab") / "kernels_cu"))
-    if (packaged / KERNEL_FILES[0]).is_file():
-        return packaged
-    return Path(__file__).resolve().parents[2] / "kernels_cu"
+    """kernels_cu/, the package's data folder: src/adaln_lab/kernels_cu/ of the checkout (an editable install, or
+    src/ on the path), or the installed package's copy."""
+    return Path(str(resources.files("adaln_lab") / "kernels_cu"))
 
 
 @lru_cache(maxsize=None)

@@ -13,8 +13,9 @@ The inputs are the report's and the block report's, made by each tree's own harn
 Sizes: S = 4097 and 32768 at H 5376, D 2688, T 3 (--quick: the harness's QUICK sizes, H 256, D 128).
 The inputs' hashes are compared as well, so a difference in the data is told apart from one in the op.
 
-Each tree runs in its own process (PYTHONPATH = the tree, then the entries of this one's that hold no
-adaln_lab), which writes {name: sha256 of the tensor's bytes, dtype, shape}; this process compares them and
+Each tree runs in its own process (PYTHONPATH = the folder holding the tree's adaln_lab/: TREE/src, or TREE for
+a tree of the flat layout before the move to src/; then the entries of this one's that hold no adaln_lab), which
+writes {name: sha256 of the tensor's bytes, dtype, shape}; this process compares them and
 writes one JSON: both trees' commits, each tensor's verdict, `unequal`, `all_equal`. Exit 0 when every tensor
 is bitwise equal, 1 when any differs or is missing, 2 when a tree's process fails.
 
@@ -35,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout holding adaln_lab/
+ROOT = Path(__file__).resolve().parents[3]  # the checkout holding src/adaln_lab/
 SEED = 1                                   # the report's accuracy_seed; the block report's seed
 FULL = {"norm_out": {"sizes": (4097, 32768), "shape": {"H": 5376, "D": 2688, "T": 3}},
         "block": {"sizes": (4097, 32768), "shape": {"H": 5376, "D": 2688, "T": 3}}}
@@ -178,11 +179,24 @@ def tree_commit(tree: Path, given: str | None) -> str:
     return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
+def import_dir(tree: Path) -> Path:
+    """The folder holding a tree's adaln_lab/, which its processes get on PYTHONPATH: TREE/src (the src layout)
+    where that holds the package, else TREE itself (the flat layout of the commits before the move, 8c7a04a's)."""
+    src = tree / "src"
+    return src if (src / "adaln_lab" / "__init__.py").is_file() else tree
+
+
+def holds_package(tree: Path) -> bool:
+    """Whether `tree` is a tree of this project, of either layout (src/adaln_lab/ or adaln_lab/)."""
+    return (import_dir(tree) / "adaln_lab" / "__init__.py").is_file()
+
+
 def child_path(tree: Path) -> str:
-    """PYTHONPATH for a tree's process: the tree, then this process's entries that hold no adaln_lab."""
+    """PYTHONPATH for a tree's process: the folder holding its adaln_lab/, then this process's entries that hold
+    no adaln_lab."""
     keep = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
             if p and not (Path(p) / "adaln_lab" / "__init__.py").is_file()]
-    return os.pathsep.join([str(tree), *keep])
+    return os.pathsep.join([str(import_dir(tree)), *keep])
 
 
 def run_tree(tree: Path, args, workdir: Path, label: str) -> tuple[dict | None, str]:
@@ -196,8 +210,8 @@ def run_tree(tree: Path, args, workdir: Path, label: str) -> tuple[dict | None, 
     if run.returncode != 0 or not target.is_file():
         return None, f"exit {run.returncode}: {log}"
     result = json.loads(target.read_text())
-    if Path(result["adaln_lab_file"]).resolve().parents[1] != tree.resolve():
-        return None, f"imported adaln_lab from {result['adaln_lab_file']}, not from {tree}"
+    if Path(result["adaln_lab_file"]).resolve().parents[1] != import_dir(tree).resolve():
+        return None, f"imported adaln_lab from {result['adaln_lab_file']}, not from {import_dir(tree)}"
     return result, log
 
 
@@ -254,7 +268,8 @@ def parent(args) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--old", default=str(ROOT / ".old_tree"), help="the older tree (holds adaln_lab/)")
+    parser.add_argument("--old", default=str(ROOT / ".old_tree"),
+                        help="the older tree (holds src/adaln_lab/, or adaln_lab/ in the flat layout)")
     parser.add_argument("--new", default=str(ROOT), help="the tree to check (default: this checkout)")
     parser.add_argument("--old-commit", default=None, help="default: OLD/COMMIT, else git, else 'unknown'")
     parser.add_argument("--new-commit", default=None, help="default: NEW/COMMIT, else git, else 'unknown'")

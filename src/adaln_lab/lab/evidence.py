@@ -41,7 +41,7 @@ RELATIVE = Path("bench") / "results" / EVIDENCE_MACHINE
 def repo_root() -> Path:
     """The checkout holding `bench/results/<EVIDENCE_MACHINE>/report.json`: the package's own (editable install),
     else the current directory or one of its parents (a notebook runs in notebooks/)."""
-    here = Path(__file__).resolve().parents[2]
+    here = Path(__file__).resolve().parents[3]  # src/adaln_lab/lab/evidence.py -> the checkout
     for root in (here, Path.cwd(), *Path.cwd().parents):
         if (root / RELATIVE / "report.json").is_file():
             return root
