@@ -8,6 +8,8 @@
 - `slow` mark: a repeat that adds no coverage (another test already checks the same property); skipped unless
   `--runslow` is given or ADALN_LAB_SLOW=1 is set: `python3 -m pytest -q -n 2 --runslow -m slow` runs them.
   A skip rather than `-m "not slow"` in addopts, so that `-m gpu` keeps working as it is.
+- The package under test is this checkout's src/adaln_lab/ (installed editable, or src/ on PYTHONPATH): the tests
+  and the processes they start import it by name, so another install answering instead stops the run at once.
 - No GPU: NUMBA_ENABLE_CUDASIM=1 (set here, before anything imports numba), so the Numba twin's tests run in
   numba's CUDA simulator; tests that need it off start a fresh process without it.
 - pytest-xdist (`-n N`, scheduled `--dist worksteal` by pyproject's addopts: an idle worker takes queued tests from a
@@ -17,6 +19,7 @@
 """
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +33,18 @@ if _WORKERS and "OMP_NUM_THREADS" not in os.environ:  # a pytest-xdist worker: i
     torch.set_num_threads(int(_THREADS))
 if not HAS_CUDA:  # before any test module imports numba: without a GPU the Numba twin runs in numba's CUDA simulator
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+
+def pytest_configure(config):
+    import adaln_lab
+
+    from tests.paths import PACKAGE
+
+    found = getattr(adaln_lab, "__file__", None)
+    if found is None or Path(found).resolve() != (PACKAGE / "__init__.py").resolve():
+        raise pytest.UsageError(f"the tests import adaln_lab from {found or 'no file (a namespace package)'}, not "
+                                f"from this checkout's {PACKAGE}: install the checkout (pip install -e .) or put its "
+                                "src/ on PYTHONPATH")
 
 
 def pytest_addoption(parser):

@@ -7,7 +7,8 @@ import pytest
 
 from adaln_lab.lab.evidence import RELATIVE
 
-ROOT = Path(__file__).resolve().parent.parent  # the checkout: pyproject.toml, adaln_lab/, kernels_cu/, bench/
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: pyproject.toml, src/, bench/, docs/, notebooks/
+PACKAGE = ROOT / "src" / "adaln_lab"  # the package (src layout), its CUDA sources in kernels_cu/
 DATA = ROOT / "tests" / "data"
 # the committed GPU evidence (refilled from a GPU run), or ADALN_LAB_EVIDENCE_DIR as adaln_lab.lab.evidence reads it
 EVIDENCE = Path(os.environ.get("ADALN_LAB_EVIDENCE_DIR") or ROOT / RELATIVE)

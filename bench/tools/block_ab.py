@@ -32,14 +32,10 @@
 #   d_temb's bits): table_bwd with 128 weight rows per block for both kernels (v13's choice), 256 for the one
 #   kernel, or 512 threads and 256 rows (shipped since v14: 512 rows for table_bwd_bf16, 256 for its halves; a
 #   block's fixed work, d_table staging, SiLU of its columns, the dact combine, spread over more rows);
-# - table.cu (v16: a large table, at least TABLE_PERSISTENT_MIN_ROUNDS x TABLE_BLOCKS blocks of one task per warp,
-#   runs persistent blocks looping over warp tasks, TABLE_AHEAD weight steps in flight per lane, the first issued
-#   before the SiLU prologue; shipped: TABLE_BLOCKS 132 of 512 threads, AHEAD 2, from 8 rounds on, i.e. the H3
-#   block's 18H rows persistent, norm_out's 2H a task per warp as up to v15): `table_one_task` (every table a
-#   task per warp), `table_persistent_all` (every table persistent), `table_ahead1`, `table_ahead3`,
-#   `table_rows2` (2 rows per task, 4 steps ahead), `table_threads256` (264 blocks of 256 threads, two per SM),
-#   `table_blocks264` (that with 3 steps ahead). A table row's sums are one warp's whatever the block or grid,
-#   so all keep shipped's bits.
+# - table.cu (v26: tensor cores, a block of TABLE_CHUNKS warps per tile of 16 MT rows x 8 NT timesteps, AHEAD weight
+#   steps in flight; shipped: TABLE_TILES, (MT, NT, AHEAD) = (1, 1, 2) up to T = 8): `table_tile2x1`,
+#   `table_tile4x1` (32 and 64 rows a tile), `table_ahead4` (four steps in flight). Every tile shape gives every
+#   table element the same bits (the order is fixed by D alone), so all keep shipped's bits.
 # - table_bwd.cu (v16: a warp whose rows all exist issues its first TB_EARLY = 4 weight loads before the block's
 #   prologue, d_table staging and SiLU; the fused kernel capped at 128 registers, two blocks per SM): `tb_early0`
 #   (none early), `tb_early8`. The same sums, the same bits.
@@ -83,13 +79,9 @@ VARIANTS = {  # name: (TUNING knobs, {kernel file: (text, replacement)})
     "tb_threads512": ({"TB_THREADS": 512, "TB_ROWS": 256}, {}),
     "tb_early0": ({"TB_EARLY": 0}, {}),
     "tb_early8": ({"TB_EARLY": 8}, {}),
-    "table_one_task": ({"TABLE_PERSISTENT_MIN_ROUNDS": 10 ** 6}, {}),
-    "table_persistent_all": ({"TABLE_PERSISTENT_MIN_ROUNDS": 0}, {}),
-    "table_ahead1": ({"TABLE_AHEAD": 1}, {}),
-    "table_ahead3": ({"TABLE_AHEAD": 3}, {}),
-    "table_rows2": ({"TABLE_ROWS_PER_WARP": 2, "TABLE_AHEAD": 4}, {}),
-    "table_threads256": ({"TABLE_THREADS": 256, "TABLE_BLOCKS": 264, "TABLE_MIN_BLOCKS": 2}, {}),
-    "table_blocks264": ({"TABLE_THREADS": 256, "TABLE_BLOCKS": 264, "TABLE_MIN_BLOCKS": 2, "TABLE_AHEAD": 3}, {}),
+    "table_tile2x1": ({"TABLE_TILES": ((8, 2, 1, 2), (16, 2, 2, 4), (32, 2, 4, 3))}, {}),
+    "table_tile4x1": ({"TABLE_TILES": ((8, 4, 1, 2), (16, 2, 2, 4), (32, 2, 4, 3))}, {}),
+    "table_ahead4": ({"TABLE_TILES": ((8, 1, 1, 4), (16, 2, 2, 4), (32, 2, 4, 3))}, {}),
 }
 REORDERS = {"bwd264", "bwd264_s2", "tb_rows128", "tb_rows256", "tb_threads512"}
 RETREES = {"bwd_threads384", "bwd_threads256"}

@@ -79,13 +79,14 @@ def kernel_sequence(inputs, plan):
     fo, bo = rows.fwd_offsets, rows.bwd_offsets
     table, table_f32, rstd = (fwd_ws.data_ptr() + fo[name] for name in ("table", "table_f32", "rstd"))
     out, dx, dy = torch.empty_like(x), torch.empty_like(x), torch.ones_like(x)
+    act = torch.empty(temb.shape, dtype=torch.bfloat16, device=x.device)  # table.cu's scratch
     grads = [torch.empty_like(t) for t in (nw, temb, weight, bias)]
     d_nw, d_temb, d_weight, d_bias = (g.data_ptr() for g in grads)
     row_partials, d_table, dact = (bwd_ws.data_ptr() + bo[n] for n in ("row_partials", "d_table", "dact_partials"))
-    keep = (fwd_ws, bwd_ws, out, dx, dy, grads)
+    keep = (fwd_ws, bwd_ws, out, dx, dy, act, grads)
     return keep, {
         "table": lambda: launchers.launch_table(k, plan, stream(), temb.data_ptr(), weight.data_ptr(), bias.data_ptr(),
-                                                table, table_f32),
+                                                table, table_f32, act.data_ptr()),
         "norm_modulate": lambda: launchers.launch_norm_modulate(k, plan, rows, stream(), x.data_ptr(), nw.data_ptr(),
                                                                 table, idx.data_ptr(), out.data_ptr(), rstd, S, EPS),
         "row_pass": lambda: launchers.launch_row_pass(k, plan, rows, stream(), dy.data_ptr(), x.data_ptr(), rstd,

@@ -5,7 +5,7 @@
 # - host costs of the parts: validate, torch.empty, one kernel launch, an identity autograd.Function over the five
 #   leaves (returning the same gradient list each call, so AccumulateGrad copies: a higher floor than the report's
 #   `autograd_floor_host_us`, whose gradients are stolen);
-# - registers and spill bytes of every kernel. Per-kernel times: adaln_lab/bench/sweep.py.
+# - registers and spill bytes of every kernel. Per-kernel times: src/adaln_lab/bench/sweep.py.
 # Run (on a GPU): python3 bench/tools/profile_kernels.py > profile_kernels.json
 
 import json

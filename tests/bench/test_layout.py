@@ -13,12 +13,12 @@ from pathlib import Path
 from adaln_lab.bench import manifest
 from adaln_lab.bench.steps import STEPS
 
-from ..paths import ROOT
+from ..paths import PACKAGE as ADALN_LAB, ROOT
 import pytest
 
 pytestmark = pytest.mark.integration  # every step module imported
 
-PACKAGE = ROOT / "adaln_lab" / "bench"
+PACKAGE = ADALN_LAB / "bench"
 TOOLS = sorted((ROOT / "bench" / "tools").glob("*.py"))
 
 

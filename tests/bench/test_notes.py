@@ -4,8 +4,8 @@ that is gone.
 - Versions: the rows of its version table (`| version | change | prediction | outcome |`) and its headings that
   start with one (`## vN: ...`, `### vN: ...`) read v1, v2, ... in order, none missing or repeated; no other
   heading starts with a version.
-- Paths: a path (a token whose first part is a folder of the checkout, of adaln_lab/ or of bench/, e.g.
-  `adaln_lab/bench/sweep.py`, `results/h100/`) exists; `REV:path` (a file of git's history) exists at REV; a bare
+- Paths: a path (a token whose first part is a folder of the checkout, of src/, of src/adaln_lab/ or of bench/,
+  e.g. `adaln_lab/bench/sweep.py`, `results/h100/`) exists; `REV:path` (a file of git's history) exists at REV; a bare
   file name (`table_bwd.cu`, `block_profile_33e296a.txt`) is a file of the checkout or sits in the folder of a
   `REV:path` of the same paragraph. The trees the runner's steps copy along (.old_tree/, .ab_tree/, .dtests/) are
   names, not paths of the checkout.
@@ -21,15 +21,15 @@ import pytest
 
 from adaln_lab.bench.steps import DEFAULT_BASE
 
-from ..paths import ROOT
+from ..paths import PACKAGE, ROOT
 
 NOTES = ROOT / "bench" / "NOTES.md"
 README = ROOT / "bench" / "README.md"
-BASES = (ROOT, ROOT / "bench", ROOT / "adaln_lab")
+BASES = (ROOT, ROOT / "bench", ROOT / "src", PACKAGE)
 KNOWN = {p.name for base in BASES for p in base.iterdir() if p.is_dir()} | {"dev", "scripts"}
 COPIED = {*(name.strip("/") for name in DEFAULT_BASE.values()), ".dtests"}
 EXTENSIONS = r"(?:py|json|txt|cu|cuh|md|csv|sh|ipynb|tgz)"
-GIT_REF = re.compile(r"\b([0-9a-f]{7,40}):((?:adaln_lab|bench|tests|kernels_cu|notebooks|docs)/[\w./*-]*)")
+GIT_REF = re.compile(r"\b([0-9a-f]{7,40}):((?:src|adaln_lab|bench|tests|kernels_cu|notebooks|docs)/[\w./*-]*)")
 PATH = re.compile(r"(?<![\w./:<>-])(\.?[\w-]+/(?:[\w.*-]+/?)*)")
 BARE = re.compile(rf"(?<![\w./:*-])([\w*-]+\.{EXTENSIONS})(?![\w/])")
 VERSION_HEADING = re.compile(r"^#+ v(\d+)\b")

@@ -7,6 +7,7 @@ stand-in checkout (the runner's mechanics, not diffusers' tests), `compare` on t
 from __future__ import annotations
 
 import csv
+import os
 import subprocess
 import tarfile
 from datetime import datetime
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from adaln_lab.bench import manifest, runner
+from adaln_lab.bench.compare_trees import child_path, import_dir
 from adaln_lab.bench.steps import STEPS, UPSTREAM_TEST, sanitizer_verdict
 
 from ..paths import ROOT
@@ -74,7 +76,8 @@ def test_a_mistake_in_the_arguments_exits_2_in_one_line_naming_it_before_anythin
 def test_base_must_hold_a_tree_of_this_project(capsys, tmp_path):
     (tmp_path / "empty").mkdir()
     code, _, stderr = run(capsys, "compare", "--base", str(tmp_path / "empty"), "--out", str(tmp_path / "out"))
-    assert code == 2 and f"--base {tmp_path / 'empty'}: the directory" in stderr and "holds no adaln_lab/" in stderr
+    assert code == 2 and f"--base {tmp_path / 'empty'}: the directory" in stderr
+    assert "holds no src/adaln_lab/ or adaln_lab/" in stderr
 
 
 def test_base_as_a_commit_is_exported_with_git_archive(tmp_path):
@@ -84,12 +87,33 @@ def test_base_as_a_commit_is_exported_with_git_archive(tmp_path):
                           check=True).stdout.strip()
     tree, rev = runner.resolve_base("HEAD", ROOT, tmp_path)
     assert rev == head and (tree / "COMMIT").read_text().strip() == head
-    assert (tree / "adaln_lab" / "__init__.py").read_bytes() == subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{head}:adaln_lab/__init__.py"], capture_output=True, check=True).stdout
+    assert (tree / "src" / "adaln_lab" / "__init__.py").read_bytes() == subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{head}:src/adaln_lab/__init__.py"], capture_output=True, check=True).stdout
     assert tree.parent == tmp_path and not (tree / ".git").exists()
     with pytest.raises(ValueError, match="--base HEAD: no such directory, and no .git"):
         runner.resolve_base("HEAD", tmp_path / "nowhere", tmp_path)
 
+
+def test_a_base_of_either_layout_is_a_tree_and_its_processes_get_the_folder_holding_its_package(tmp_path):
+    """src/adaln_lab/ (this layout) or adaln_lab/ (the flat layout of the commits before the move to src/)."""
+    flat, src = tmp_path / "flat", tmp_path / "src_layout"
+    for package in (flat / "adaln_lab", src / "src" / "adaln_lab"):
+        package.mkdir(parents=True)
+        (package / "__init__.py").write_text("")
+    assert import_dir(flat) == flat and import_dir(src) == src / "src" and import_dir(ROOT) == ROOT / "src"
+    for tree in (flat, src):
+        assert runner.resolve_base(str(tree), ROOT, tmp_path) == (tree.resolve(), None)
+        assert child_path(tree).split(os.pathsep)[0] == str(import_dir(tree))
+
+
+def test_a_commit_of_the_flat_layout_is_a_base_too(tmp_path):
+    """8c7a04a (the base of the committed compare evidence) holds adaln_lab/ at its root."""
+    known = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", "8c7a04a^{commit}"], capture_output=True)
+    if known.returncode != 0:
+        pytest.skip("git knows no commit 8c7a04a here (no .git, or a shallow clone)")
+    tree, rev = runner.resolve_base("8c7a04a", ROOT, tmp_path)
+    assert rev == "8c7a04a" and not (tree / "src").exists() and import_dir(tree) == tree
+    assert (tree / "adaln_lab" / "__init__.py").is_file()
 
 def test_a_dry_run_prints_each_steps_commands_and_writes_nothing(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(manifest, "machine", lambda env=None: NO_GPU)
@@ -102,7 +126,9 @@ def test_a_dry_run_prints_each_steps_commands_and_writes_nothing(capsys, tmp_pat
     assert any(line.startswith("  python3 -m adaln_lab.bench.compare_trees --old . --old-commit ") for line in lines)
     assert any("--tool racecheck" in line and "python3 -m adaln_lab.bench.sanitize_calls" in line for line in lines)
     assert not any("--tool memcheck" in line for line in lines)
-    assert any(line.startswith("  script=$PWD/adaln_lab/bench/host_breakdown.py; for round in $(seq 3)") for line in lines)
+    assert any(line.startswith("  script=$PWD/src/adaln_lab/bench/host_breakdown.py; for round in $(seq 3)")
+               and "(cd $tree && PYTHONPATH=$(test -d src/adaln_lab && echo $PWD/src || echo $PWD) python3" in line
+               for line in lines)
     assert lines[-1].endswith("0 step(s) failed or skipped (dry run: nothing ran)")
 
 

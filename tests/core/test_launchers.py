@@ -5,6 +5,8 @@ CI sees which kernels a forward and a backward launch, with which geometry, on w
 they get lies inside a live buffer of the right size (the kernels themselves run in
 tests/ops/test_final_adaln_out.py)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -91,11 +93,15 @@ def test_forward_and_backward_launch_each_kernel_once_on_live_buffers(calls, row
     dy = upstream(1, i.x)
     grads = forward.backward(i, dy)
     names = [c[0] for c in calls]
-    assert names == ["table_bf16", "norm_modulate_warp_bf16", "norm_modulate_bwd_bf16", "reduce_partials_bf16",
-                     "table_bwd_bf16", "table_bwd_reduce"]
+    assert names == ["table_act", "table_bf16", "norm_modulate_warp_bf16", "norm_modulate_bwd_bf16",
+                     "reduce_partials_bf16", "table_bwd_bf16", "table_bwd_reduce"]
     assert _streams(calls) == {STREAM}
     plan, r = forward.plan, forward.rows
-    assert PROGRAMMATIC == ([1] if plan.fwd_pdl else [])  # with PDL the row kernel may start as the table ends
+    # the table kernel may start as table_act ends, and with PDL the row kernel as the table ends
+    assert PROGRAMMATIC == ([1, 2] if plan.fwd_pdl else [1])  # indices of the calls
+    assert calls[0][1] == (plan.table_act_grid, 1, 1) and calls[1][1] == (*plan.table_grid, 1)
+    act = calls[0][4][1]  # table.cu's scratch (T, D) bf16, allocated for the table kernels alone
+    calls = calls[1:]
     assert calls[1][1] == (-(-rows // plan.fwd_warp_rows), 1, 1) and calls[1][2] == (32 * plan.fwd_warp_rows, 1, 1)
     assert calls[2][1] == (r.bwd_ranges, 1, 1)
     assert calls[3][1] == (-(-plan.H // 32), 1, 1) and calls[4][1] == plan.tb_grid + (1,)
@@ -109,7 +115,7 @@ def test_forward_and_backward_launch_each_kernel_once_on_live_buffers(calls, row
     base = min(workspace_pointers)
     for name, _, _, _, args, _ in calls:
         for kind, a in zip(launchers.SIGNATURES[name], args):
-            if kind == "p" and (a or name != "table_bwd_bf16"):
+            if kind == "p" and (a or name != "table_bwd_bf16") and a != act:
                 assert _inside(a, live) or 0 <= a - base < r.bwd_bytes, (name, a)
     # the backward's workspace pieces are where the plan lays them out (d_scale: the second half of d_table's rows)
     d_scale = base + r.bwd_offsets["d_table"] + 4 * plan.H
@@ -118,7 +124,7 @@ def test_forward_and_backward_launch_each_kernel_once_on_live_buffers(calls, row
     fws, o, b = forward.workspace.data_ptr(), r.fwd_offsets, r.bwd_offsets
     p = {name: t.data_ptr() for name, t in zip(("x", "norm_weight", "temb", "weight", "bias", "idx"), i.args)}
     expected = {
-        "table_bf16": [p["temb"], p["weight"], p["bias"], fws + o["table"], fws + o["table_f32"]],
+        "table_bf16": [act, p["weight"], p["bias"], fws + o["table"], fws + o["table_f32"]],
         "norm_modulate_warp_bf16": [p["x"], p["norm_weight"], fws + o["table"], p["idx"], out.data_ptr(),
                                     fws + o["rstd"]],
         "norm_modulate_bwd_bf16": [dy.data_ptr(), p["x"], fws + o["rstd"], p["norm_weight"], fws + o["table_f32"],
@@ -149,6 +155,55 @@ def test_a_large_table_launches_table_bwd_as_two_halves_with_the_same_arguments(
     assert _streams(calls) == {STREAM}
 
 
+@pytest.mark.parametrize("lead, rows", [((), 37), ((2,), 40), ((), 0)])
+def test_many_timesteps_launch_the_sorted_backward_on_its_workspace(calls, lead, rows):
+    """From BWD_SORTED_MIN_T timesteps on (plan.bwd_sorted), norm_out's backward sorts the rows (row_order on the S
+    indices, 0 with no rows), then the sorted pass and its reduce: each pointer the piece of the backward workspace
+    the plan lays out for it (row_order's offsets and order, bwd_ranges + T partial slots, d_scale half a row into
+    d_table), with leading dims (rows = 2 S) too."""
+    i = make(1, rows, "cpu", T=12)
+    if lead:
+        i = dataclasses.replace(i, x=i.x.reshape(2, rows // 2, -1), timestep_indices=i.timestep_indices[:rows // 2])
+    forward = Forward(i)
+    plan, r = forward.plan, forward.rows
+    assert plan.bwd_sorted and not plan_module.plan(5376, 2688, 9).bwd_sorted
+    dy = upstream(1, i.x)
+    calls.clear()
+    grads = forward.backward(i, dy)
+    names = [c[0] for c in calls]
+    sorted_pass = ["norm_modulate_bwd_sorted_bf16"] if rows else []  # nothing to pass over with no rows
+    assert names[:3] == ["row_order", *sorted_pass, "reduce_partials_sorted_bf16", "table_bwd_mma_terms"][:3]
+    by = {c[0]: c for c in calls}
+    order_args, reduce_args = by["row_order"][4], by["reduce_partials_sorted_bf16"][4]
+    base = reduce_args[0] - r.bwd_offsets["row_partials"]
+    S = i.x.shape[-2]
+    assert order_args[1] == base + r.bwd_offsets["row_order"] and order_args[2] == order_args[1] + 4 * (plan.T + 1)
+    assert order_args[3] == (S if rows else 0) and r.bwd_offsets["row_order"] + 4 * (plan.T + 1 + rows) <= r.bwd_bytes
+    d_table = base + r.bwd_offsets["d_table"]
+    assert reduce_args[3:5] == (d_table, d_table + 4 * plan.H) and reduce_args[7] == order_args[1]
+    assert reduce_args[5:7] == (grads[1].data_ptr(), grads[4].data_ptr())
+    slots = launchers.sorted_slots(plan, r)
+    assert r.bwd_offsets["d_table"] >= r.bwd_offsets["row_partials"] + slots * 2 * plan.H * 4 or \
+        r.bwd_offsets["row_partials"] >= r.bwd_offsets["d_table"] + plan.T * 2 * plan.H * 4
+    if rows:
+        pass_args = by["norm_modulate_bwd_sorted_bf16"][4]
+        assert pass_args[6:9] == (order_args[1], grads[0].data_ptr(), base + r.bwd_offsets["row_partials"])
+    # table_bwd on tensor cores (plan.tb_mma): the terms once, into table_bwd's workspace after dact_partials, then
+    # its halves on them, then table_bwd_reduce on the partials; the grids the plan gives, the terms inside it
+    assert plan.tb_mma and names[-4:] == ["table_bwd_mma_terms", "table_bwd_mma_d_weight", "table_bwd_mma_dact",
+                                          "table_bwd_reduce"]
+    partials = base + r.bwd_offsets["dact_partials"]
+    terms = partials + plan.tb_terms_at
+    assert r.bwd_offsets["dact_partials"] + plan.tb_bytes <= r.bwd_bytes
+    assert plan.tb_bytes - plan.tb_terms_at == 2 * (6 * 16 * 2 * plan.H + 3 * 16 * plan.D)  # T 12: TP 16, N 2H
+    assert [by[n][1] for n in names[-4:-1]] == [g + (1,) for g in plan.tbm_grids]
+    assert by["table_bwd_mma_terms"][4] == (d_table, i.temb.data_ptr(), terms, 0)  # no d_bias: reduce_partials'
+    assert by["table_bwd_mma_d_weight"][4] == (terms, grads[3].data_ptr())
+    assert by["table_bwd_mma_dact"][4] == (terms, i.weight.data_ptr(), partials)
+    assert by["table_bwd_reduce"][4][:3] == (partials, i.temb.data_ptr(), grads[2].data_ptr())
+    assert _streams(calls) == {STREAM}
+
+
 def test_signatures_match_the_kernels():
     """launchers.SIGNATURES (what the driver launch packs) against each kernel's parameter list in kernels_cu/."""
     import re
@@ -169,11 +224,11 @@ def test_empty_batch_launches_no_row_kernel_and_zeroes_the_partials(calls):
     assert forward.out.shape == (0, 264)
     forward.backward(i, torch.empty_like(forward.out))
     names = [c[0] for c in calls]
-    assert names == ["table_bf16", "memset", "reduce_partials_bf16", "table_bwd_bf16", "table_bwd_reduce"]
-    memset = calls[1]
+    assert names == ["table_act", "table_bf16", "memset", "reduce_partials_bf16", "table_bwd_bf16", "table_bwd_reduce"]
+    memset = calls[2]
     assert memset[2] == 2 * 2 * 264 * 4  # one range of (T, 2, H) fp32 zeros
     assert _streams(calls) == {STREAM}
-    assert calls[2][4][7] == 1  # reduce_partials sums that one range (its nblocks argument)
+    assert calls[3][4][7] == 1  # reduce_partials sums that one range (its nblocks argument)
 
 
 def test_the_row_kernel_waits_on_the_table_kernel_only_when_it_follows_it(calls, monkeypatch):
@@ -186,9 +241,10 @@ def test_the_row_kernel_waits_on_the_table_kernel_only_when_it_follows_it(calls,
         i = make(1, 9, "cpu", H=64, D=32, T=2)
         assert plan_module.plan(64, 32, 2).fwd_pdl
         Forward(i, "cuda")
-        assert [c[0] for c in calls] == ["table_bf16", "norm_modulate_warp_bf16"] and PROGRAMMATIC == [1]
+        assert [c[0] for c in calls] == ["table_act", "table_bf16", "norm_modulate_warp_bf16"]
+        assert PROGRAMMATIC == [1, 2]  # the table after table_act, the rows after the table
         Forward(i, "torch")
-        assert [c[0] for c in calls][2:] == ["norm_modulate_warp_bf16"] and PROGRAMMATIC == [1]
+        assert [c[0] for c in calls][3:] == ["norm_modulate_warp_bf16"] and PROGRAMMATIC == [1, 2]
     finally:  # no plan built under the override outlives the test
         monkeypatch.undo()
         plan_module.clear_caches()

@@ -224,6 +224,15 @@ def test_table_backward_against_float64_and_repeatable():
     assert torch.allclose(d_temb.double(), t64.grad, rtol=1e-4, atol=1e-4)
 
 
+def table_bwd_case(rows: int, N: int = 18 * H + 72, D_: int = 264):
+    """(d_table (rows, N) fp32, temb (rows, D_) fp32, weight (N, D_) bf16) on the GPU, seeded by rows: N not a
+    multiple of the row blocks, D_ not of the column tiles."""
+    g = torch.Generator("cuda").manual_seed(rows)
+    temb = torch.randn(rows, D_, device="cuda", generator=g)
+    weight = (torch.randn(N, D_, device="cuda", generator=g) * 0.02).bfloat16()
+    return torch.randn(rows, N, device="cuda", generator=g), temb, weight
+
+
 @pytest.mark.parametrize("rows", [3, 9])
 def test_split_and_fused_table_backward_agree_bit_for_bit(monkeypatch, rows):
     """table_bwd_bf16 and its two halves (plan.tb_split, T >= TB_SPLIT_MIN_T) sum the same terms in the
@@ -233,11 +242,8 @@ def test_split_and_fused_table_backward_agree_bit_for_bit(monkeypatch, rows):
     difference left is the kernels'.)"""
     from adaln_lab.core import launchers, plan as plan_module
 
-    g = torch.Generator("cuda").manual_seed(rows)
-    N, D_ = 18 * H + 72, 264
-    temb = torch.randn(rows, D_, device="cuda", generator=g)
-    weight = (torch.randn(N, D_, device="cuda", generator=g) * 0.02).bfloat16()
-    d_table = torch.randn(rows, N, device="cuda", generator=g)
+    d_table, temb, weight = table_bwd_case(rows)
+    N, D_ = weight.shape
     results = {}
     try:
         for split_min_t in (rows, rows + 1):  # split, then fused
@@ -255,12 +261,75 @@ def test_split_and_fused_table_backward_agree_bit_for_bit(monkeypatch, rows):
     assert torch.allclose(results[True][1].double(), exact, rtol=2 ** -8, atol=1e-6)
 
 
-@pytest.mark.parametrize("T_", [3, 9])
-def test_persistent_and_one_task_tables_agree_bit_for_bit(monkeypatch, T_):
-    """table.cu's two schedules (plan.table_persistent: TABLE_BLOCKS blocks looping over interleaved warp tasks
-    with weight loads in flight across tasks, or a task per warp) give every table row the same bits: a row is
-    one warp's sum either way. N not a multiple of the 64 rows of a block (a ragged last task), D not a multiple
-    of 256 (lanes with fewer steps)."""
+@pytest.mark.parametrize("rows", [3, 17])
+def test_every_lane_width_of_the_table_backward_gives_the_same_bits(monkeypatch, rows):
+    """table_bwd.cu's columns per lane (plan.tb_vec: 8, 4 or 2, by TB_ACC_MAX) are speed only: each column's sums
+    have the same terms in the same order, so d_weight, d_temb and d_bias are the same bits for every width, in
+    the one kernel (T = 3) and its halves (T = 17); D = 264 not a multiple of the 64-column tiles."""
+    from adaln_lab.core import launchers, plan as plan_module
+
+    d_table, temb, weight = table_bwd_case(rows)
+    N, D_ = weight.shape
+    results = {}
+    try:
+        monkeypatch.setitem(plan_module.TUNING, "TB_MMA_MIN_T", 1000)  # the CUDA-core halves, not table_bwd_mma.cu
+        for vec in (8, 4, 2):
+            fused = 2 if rows < plan_module.TUNING["TB_SPLIT_MIN_T"] else 1  # the one kernel keeps both halves'
+            monkeypatch.setitem(plan_module.TUNING, "TB_ACC_MAX", fused * rows * vec if vec > 2 else 0)
+            launchers.forget_compiled()
+            assert plan_module.plan(8, D_, rows, table_n=N, table_f32_rounded=True).tb_vec == vec
+            results[vec] = table_bwd(d_table, temb, weight)
+    finally:
+        monkeypatch.undo()
+        launchers.forget_compiled()
+    assert all(torch.equal(a, b) for vec in (4, 2) for a, b in zip(results[8], results[vec]))
+
+
+@pytest.mark.parametrize("rows", [12, 32])
+def test_table_backward_on_tensor_cores_within_its_derived_bounds_and_dact_rows_t_invariant(rows):
+    """table_bwd_mma.cu (plan.tb_mma, from TB_MMA_MIN_T table rows) against float64, within the bounds its sums
+    allow: the fp32 SiLU within 2^-21 of silu; each product exact but for the split's dropped terms (<= 3 x 2^-24
+    of it); each mma's sum within 2^-21 of the sum of |terms| it has added (the published models of tensor-core
+    accumulation: 16 products and c aligned to the largest, a few extra bits, truncated: <= 1.5 x 2^-22 with 3;
+    6 mma a k step for d_weight over ceil(T / 16) steps, 3 a step for dact over TB_SPLIT_ROWS / 16 steps a row
+    block, the blocks added in double); d_weight is then rounded once to bf16, so it lies between the roundings of
+    the exact value -+ that bound. d_bias is table_bwd.cu's double sum: its rounding alone. A timestep's
+    d_temb is the same bits in another batch of T >= TB_MMA_MIN_T rows (dact's rows are independent). N not a
+    multiple of 64, D = 264 not a multiple of the 64- or 128-column tiles."""
+    from adaln_lab.core import plan as plan_module
+
+    d_table, temb, weight = table_bwd_case(rows, N=18 * H + 48)
+    N, D_ = weight.shape
+    g = torch.Generator("cuda").manual_seed(rows + 1000)  # the other batch's extra rows
+    p = plan_module.plan(8, D_, rows, table_n=N, table_f32_rounded=True)
+    assert p.tb_mma and p.blocks_j == -(-N // plan_module.TUNING["TB_SPLIT_ROWS"])
+    d_temb, d_weight, d_bias = table_bwd(d_table, temb, weight)
+    act, gd, wd = F.silu(temb.double()), d_table.double(), weight.double()
+    exact_w, terms_w = gd.T @ act, gd.abs().T @ act.abs()
+    err_w = (2 ** -21 + 3 * 2 ** -24 + 6 * -(-rows // 16) * 2 ** -21) * terms_w  # 2^-21: fp32 SiLU, a few ulps
+    # the fp32 sum y lies in exact -+ err_w, and rounding is monotone: bf16(y) between the bounds' roundings
+    low, high = (exact_w - err_w).float().bfloat16(), (exact_w + err_w).float().bfloat16()
+    assert bool(((low <= d_weight) & (d_weight <= high)).all())
+    assert torch.equal(d_bias, gd.sum(0).float().bfloat16())
+    s = torch.sigmoid(temb.double())
+    slope = s * (1 + temb.double() * (1 - s))  # silu'
+    exact_t, terms_t = (gd @ wd) * slope, (gd.abs() @ wd.abs()) * slope.abs()
+    steps = plan_module.TUNING["TB_SPLIT_ROWS"] // 16
+    assert bool(((d_temb.double() - exact_t).abs() <= (3 * 2 ** -24 + 3 * steps * 2 ** -21) * terms_t + 1e-30).all())
+    if rows + 8 <= plan_module.T_MAX:  # the same rows with 8 more after them (dact's passes: 1 m-tile, then 2)
+        more = table_bwd(torch.cat([d_table, torch.randn(8, N, device="cuda", generator=g)]),
+                         torch.cat([temb, torch.randn(8, D_, device="cuda", generator=g)]), weight)[0]
+        assert torch.equal(more[:rows], d_temb)
+    else:  # the rows without the first 3
+        assert torch.equal(table_bwd(d_table[3:].contiguous(), temb[3:].contiguous(), weight)[0], d_temb[3:])
+
+
+@pytest.mark.parametrize("T_", [3, 9, 17])
+def test_every_table_tile_gives_the_same_bits_and_rows_alone_their_batchs(monkeypatch, T_):
+    """table.cu's tile shapes (TABLE_TILES: 16 MT rows x 8 NT timesteps, AHEAD steps in flight) are speed only:
+    every shape gives every table element the same bits, and a timestep computed alone (T = 1, at another
+    position of its tile) or a slice of the columns computed alone gives the batch's bits. N not a multiple of
+    any tile's rows (ragged last tiles), D = 264 not a multiple of the 32 k of a step (lanes past D in the last)."""
     from adaln_lab.core import launchers, plan as plan_module
 
     g = torch.Generator("cuda").manual_seed(T_)
@@ -270,19 +339,24 @@ def test_persistent_and_one_task_tables_agree_bit_for_bit(monkeypatch, T_):
     bias = (torch.randn(N, device="cuda", generator=g) * 0.1).bfloat16()
     tables = {}
     try:
-        for blocks, rounds in ((3, 1), (0, 1)):  # 3 persistent blocks of 16 warps, then a task per warp
-            monkeypatch.setitem(plan_module.TUNING, "TABLE_BLOCKS", blocks)
-            monkeypatch.setitem(plan_module.TUNING, "TABLE_PERSISTENT_MIN_ROUNDS", rounds)
+        for tile in ((32, 1, 1, 2), (32, 2, 2, 4), (32, 2, 4, 3), (32, 4, 1, 2), (32, 1, 4, 1)):
+            monkeypatch.setitem(plan_module.TUNING, "TABLE_TILES", (tile,))
             launchers.forget_compiled()
-            persistent = plan_module.plan(8, D_, T_, table_n=N, table_f32_rounded=True).table_persistent
-            assert persistent == (blocks > 0)  # the schedule asked for is the one taken
-            tables[persistent] = table_fwd(temb, weight, bias)
+            assert plan_module.plan(8, D_, T_, table_n=N, table_f32_rounded=True).table_tile == tile[1:]
+            tables[tile] = table_fwd(temb, weight, bias)
     finally:
         monkeypatch.undo()
         launchers.forget_compiled()
-    assert torch.equal(tables[True], tables[False])
+    first = next(iter(tables.values()))
+    assert all(torch.equal(t, first) for t in tables.values())
+    for t in range(T_):  # alone, and in a window of two at the other position of a pair
+        assert torch.equal(table_fwd(temb[t:t + 1], weight, bias), first[t:t + 1])
+        if t + 2 <= T_:
+            assert torch.equal(table_fwd(temb[t:t + 2], weight, bias), first[t:t + 2])
+    for a, b in ((8, 40), (72, 18 * H), (N - 24, N)):  # column slices alone
+        assert torch.equal(table_fwd(temb, weight[a:b].contiguous(), bias[a:b].contiguous()), first[:, a:b])
     exact = F.linear(F.silu(temb.double()).bfloat16().double(), weight.double(), bias.double())
-    assert torch.allclose(tables[True].double(), exact, rtol=2 ** -7, atol=1e-3)
+    assert torch.allclose(first.double(), exact, rtol=2 ** -7, atol=1e-3)
 
 
 def test_modulated_norm_is_norm_outs_kernels():

@@ -101,7 +101,7 @@ def test_provenance_prefers_the_named_commit_over_a_stale_git(monkeypatch):
     from adaln_lab.harness import report
 
     answers = {("rev-parse", "HEAD"): "41b0f5953857cf4f6ec4aeac11da6b85a94ae448",
-               ("status", "--porcelain", "--untracked-files=no"): " M adaln_lab/ops/final_adaln_out.py"}
+               ("status", "--porcelain", "--untracked-files=no"): " M src/adaln_lab/ops/final_adaln_out/op.py"}
     monkeypatch.setattr(report, "_git", lambda *args: answers[args])
     monkeypatch.setenv("ADALN_LAB_COMMIT", "574ba6f")
     assert report.provenance() == {"adaln_lab_commit": "574ba6f", "tracked_tree_dirty": None}

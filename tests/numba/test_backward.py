@@ -211,6 +211,33 @@ def test_an_invalid_index_poisons_its_row_and_the_sums_that_hold_it(case):
     assert bool(d_temb[0].isnan().all()) and not bool(d_temb[1:].isnan().any())
 
 
+def test_twin_table_backward_gives_the_same_bits_for_every_lane_width(monkeypatch):
+    """The twin's table_bwd at each columns-per-lane width (plan.tb_vec 8, 4, 2, by TB_ACC_MAX): the same d_weight
+    and dact partials, as the kernel's (tests/core/test_tensors.py); D = 40 not a multiple of any tile; blocks of
+    two warps (TB_THREADS 64), to keep the simulator's threads few."""
+    from adaln_lab.core import launchers
+
+    g = torch.Generator().manual_seed(3)
+    T, D, N = 3, 40, 32
+    d_table = torch.randn(T, N, generator=g).to(DEVICE)
+    temb = torch.randn(T, D, generator=g).to(DEVICE)
+    weight = (torch.randn(N, D, generator=g) * 0.1).bfloat16().to(DEVICE)
+    results = {}
+    try:
+        for vec in (8, 4, 2):
+            fused = 2 if T < TUNING["TB_SPLIT_MIN_T"] else 1  # the one kernel keeps both halves' accumulators
+            monkeypatch.setitem(TUNING, "TB_ACC_MAX", fused * T * vec if vec > 2 else 0)
+            monkeypatch.setitem(TUNING, "TB_THREADS", 64)
+            launchers.forget_compiled()
+            assert make_plan(N // 2, D, T).tb_vec == vec
+            results[vec] = numba_backward.table_bwd(d_table, temb, weight)
+    finally:
+        monkeypatch.undo()
+        launchers.forget_compiled()
+    for vec in (4, 2):
+        assert same_bits(results[vec][0], results[8][0]) and same_bits(results[vec][1], results[8][1])
+
+
 def _fma64(a: float, b: float, c: float) -> float:
     """What cuda.fma does to doubles here: rounds twice in the simulator, once on a GPU."""
     if simulating():

@@ -198,7 +198,8 @@ def test_cpu_table_f32_is_the_unrounded_table():
 
 # ---------------------------------------------------------------- GPU: kernels_cu
 
-SHAPES = [dict(H=5376, D=2688, T=3), dict(H=264, D=64, T=1), dict(H=1024, D=256, T=8)]
+SHAPES = [dict(H=5376, D=2688, T=3), dict(H=264, D=64, T=1), dict(H=1024, D=256, T=8), dict(H=1024, D=256, T=12),
+          dict(H=5376, D=2688, T=32)]  # the last two: the backward's sorted row pass (plan.bwd_sorted)
 
 
 @gpu
@@ -225,9 +226,10 @@ def test_gradients_beat_the_seed_bounds(shape):
 
 
 @gpu
-def test_rows_invariant_and_params_repeat():
+@pytest.mark.parametrize("T", [3, 32])
+def test_rows_invariant_and_params_repeat(T):
     fn = adaln_lab_candidate().fn
-    shape = dict(H=5376, D=2688, T=3)
+    shape = dict(H=5376, D=2688, T=T)
     rows = invariance.all_rows(fn, (33,), (3,), torch.device("cuda"), shape)
     assert rows["33"]["fwd_differ"] == 0 and rows["33"]["rowgrad_differ"] == 0
     sub = invariance.full_vs_sub_batches(fn, 3000, (1, 7, 1000), (3,), 1000, 256, torch.device("cuda"), shape)
@@ -282,7 +284,7 @@ def _grads(fn, inputs, dy):
 
 
 @gpu
-@pytest.mark.parametrize("shape", SHAPES[:2], ids=str)
+@pytest.mark.parametrize("shape", SHAPES[:2] + [dict(H=264, D=64, T=12)], ids=str)
 def test_empty_batch_gives_an_empty_output_and_zero_gradients(shape):
     inputs = make(1, 0, "cuda", **shape)
     out, grads = _grads(adaln_lab_candidate().fn, inputs, torch.empty(0, shape["H"], dtype=torch.bfloat16, device="cuda"))
@@ -293,10 +295,11 @@ def test_empty_batch_gives_an_empty_output_and_zero_gradients(shape):
 
 
 @gpu
-def test_out_of_range_indices_give_nan_rows_without_a_host_sync():
-    inputs = make(1, 64, "cuda", H=264, D=64, T=3)
+@pytest.mark.parametrize("T", [3, 12])
+def test_out_of_range_indices_give_nan_rows_without_a_host_sync(T):
+    inputs = make(1, 64, "cuda", H=264, D=64, T=T)
     bad = inputs.timestep_indices.clone()
-    bad[5], bad[9] = 3, -1
+    bad[5], bad[9] = T, -1
     torch.cuda.set_sync_debug_mode("error")
     try:
         out = final_adaln_out(*inputs.leaves, bad)  # the default call never waits on the GPU

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from adaln_lab.reference.final_adaln_out import rms_norm
-from tests.paths import ROOT
+from tests.paths import PACKAGE, ROOT
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -66,7 +66,8 @@ print("ran")
 def test_mixed_dtypes_raise_no_torch_internal_warning():
     """A fresh process (torch warns once per process), every UserWarning an error: final_adaln_out forward and
     backward with fp16 / bf16 x and parameters of another dtype, and a block op with fp16 x and bf16 norm weight."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(PACKAGE.parent),
+                                                                     os.environ.get("PYTHONPATH"))))}
     result = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", MIXED_CALLS], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

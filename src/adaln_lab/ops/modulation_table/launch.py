@@ -1,0 +1,61 @@
+"""The modulation table's two launch ops, writing outputs the caller allocated (`core.library.library_op`):
+
+    forward(temb, weight, bias, route, table_backend, table, table_bf16)
+    backward(d_table, temb, weight, route, d_temb, d_weight, d_bias)
+
+Shapes: temb, d_temb (T, D); weight, d_weight (N, D); bias, d_bias (N,); table, d_table (T, N) float32 (float64 for
+float64 parameters) holding values of weight's dtype; table_bf16: None, or (route "cupy") the table kernel's bf16
+output, (2, 3T, 2H) for a block's table of N = 18H columns (the norms' two row tables: `core.plan.row_tables_fit`),
+else (T, N).
+
+route "cupy": table.cu (tensor cores in an order fixed by D: each row independent of T) and table_bwd.cu (temb
+widened to float32 where it has weight's dtype: `core.support.kernel_temb`); route "torch": diffusers' table upcast,
+and the exact derivative in float64 (`reference.backward.modulation_table_backward`), one rounding per output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...core import launchers, support, tensors
+from ...core.library import library_op
+from ...reference.backward import modulation_table_backward
+from ...reference.block import replay_table
+
+
+@library_op("adaln_lab::modulation_table_fwd", mutates_args=("table", "table_bf16"))
+@tensors.keeps_device
+def forward(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, route: str, table_backend: str,
+            table: torch.Tensor, table_bf16: torch.Tensor | None) -> None:
+    """table (T, N) and, on the kernels, the table kernel's bf16 output (module docstring)."""
+    if route != "cupy" or table_backend == "torch":
+        table.copy_(replay_table(temb, weight, bias))
+        return
+    temb = tensors.aligned(support.kernel_temb(temb, weight))  # table.cu loads temb 16 bytes at a time
+    weight, bias = tensors.aligned(weight), tensors.aligned(bias)
+    plan, k, stream = tensors.table_setup(temb, weight.shape[0])
+    act = torch.empty(temb.shape, dtype=torch.bfloat16, device=temb.device)  # table.cu's scratch: silu once
+    launchers.launch_table(k, plan, stream, temb.data_ptr(), weight.data_ptr(), bias.data_ptr(),
+                           table_bf16.data_ptr(), table.data_ptr(), act.data_ptr())
+
+
+@library_op("adaln_lab::modulation_table_bwd", mutates_args=("d_temb", "d_weight", "d_bias"))
+@tensors.keeps_device
+def backward(d_table: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, route: str, d_temb: torch.Tensor,
+             d_weight: torch.Tensor, d_bias: torch.Tensor) -> None:
+    """d_temb (in temb's dtype), d_weight, d_bias (in the parameters' dtypes) from d_table (module docstring)."""
+    if route != "cupy":
+        for output, grad in zip((d_temb, d_weight, d_bias),
+                                modulation_table_backward(d_table, temb, weight, d_bias.dtype)):
+            output.copy_(grad)
+        return
+    wide = support.kernel_temb(temb, weight).contiguous()
+    T, D = wide.shape
+    plan, k, stream = tensors.table_setup(wide, weight.shape[0])
+    d_table, weight = tensors.aligned(tensors.as_dtype(d_table, torch.float32)), tensors.aligned(weight)
+    d_wide = d_temb if d_temb.dtype == torch.float32 else torch.empty_like(wide)
+    dact_partials = torch.empty(plan.tb_bytes, dtype=torch.uint8, device=wide.device)  # and table_bwd's terms
+    launchers.launch_table_bwd(k, plan, stream, d_table.data_ptr(), wide.data_ptr(), weight.data_ptr(),
+                               d_weight.data_ptr(), dact_partials.data_ptr(), d_wide.data_ptr(), d_bias.data_ptr())
+    if d_wide is not d_temb:
+        d_temb.copy_(d_wide)
