@@ -4,6 +4,7 @@
     state.add(terms)                           # terms (n, *shape) float32: adds the n terms of every element
     state.add(terms, index)                    # terms (n, *shape[1:]), index (n,) int64: term i into row index[i]
     state.merge(other)                         # another part's state, in any order
+    state.total()                              # the sum over the first dimension, exact
     state.value(torch.float32 | torch.bfloat16) -> (*shape,) the exact sum, rounded once to nearest even
 
 Why: integer addition is associative, so a sum kept as integers has one value for every order of its terms, every
@@ -89,6 +90,13 @@ class ExactSum:
             raise ValueError(f"cannot merge a state of shape {tuple(other.shape)} into {tuple(self.shape)}")
         self.limbs += other.limbs.to(self.limbs.device)
         return self._carry()
+
+    def total(self) -> "ExactSum":
+        """The exact sum over the first dimension (shape[1:]): every row's terms in one sum (a bias over the
+        timesteps' table rows), as exact as the rows."""
+        out = ExactSum(self.shape[1:], self.limbs.device)
+        out.limbs = self.limbs.sum(1)  # each limb < 2^32 (the top one signed): up to 2^30 rows fit in int64
+        return out._carry()
 
     def _carry(self) -> "ExactSum":
         for k in range(LIMBS - 1):

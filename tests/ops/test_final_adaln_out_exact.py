@@ -1,0 +1,116 @@
+"""norm_out's exact cross-row sums (ops/final_adaln_out/exact.py) on the CPU: the same bits for the rows in one
+batch, permuted, with the timesteps' table rows permuted (indices remapped), and split into 2, 3 and 8 parts by
+sample and within samples, the parts merged in reversed and shuffled orders; each value the correctly rounded
+exact sum of the same float32 terms; a planted float32 accumulation fails the same checks."""
+
+import random
+from fractions import Fraction
+
+import pytest
+import torch
+
+from adaln_lab.core.exact import round_scaled
+from adaln_lab.ops.final_adaln_out.exact import NormOutSums, row_terms
+
+T, H, S, B = 3, 16, 24, 4  # B samples of S rows each (x (B, S, H))
+
+
+def case(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(B, S, H, generator=g) * torch.exp2(torch.randint(-6, 7, (B, S, 1), generator=g))).bfloat16()
+    dy = (torch.randn(B, S, H, generator=g) * torch.exp2(torch.randint(-20, 4, (B, S, H), generator=g))).bfloat16()
+    norm_weight = (1 + 0.1 * torch.randn(H, generator=g)).bfloat16()
+    table_f32 = torch.randn(T, 2 * H, generator=g)
+    idx = torch.randint(0, T, (S,), generator=g)
+    return x, dy, norm_weight, table_f32, idx
+
+
+def sums_of(parts, order=None):
+    """NormOutSums of each part (x, dy, norm_weight, table_f32, idx), merged in `order` (default: as given)."""
+    states = [NormOutSums(T, H).add(*p) for p in parts]
+    total = NormOutSums(T, H)
+    for k in order or range(len(states)):
+        total.merge(states[k])
+    return total.gradients()
+
+
+def splits(x, dy, norm_weight, table_f32, idx, n: int):
+    """Two ways of n parts: by sample (rows of whole samples) and within samples (each sample's S positions cut into
+    n runs, as a context-parallel rank holds them)."""
+    by_sample = [(x[k::n], dy[k::n], norm_weight, table_f32, idx) for k in range(n) if x[k::n].shape[0]]
+    cuts = [round(S * k / n) for k in range(n + 1)]
+    within = [(x[:, a:b], dy[:, a:b], norm_weight, table_f32, idx[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a]
+    return by_sample, within
+
+
+def equal(a, b) -> bool:
+    return all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_same_bits_for_any_order_split_and_merge_order(seed):
+    args = case(seed)
+    x, dy, norm_weight, table_f32, idx = args
+    one = sums_of([args])
+    perm = torch.randperm(S, generator=torch.Generator().manual_seed(seed))
+    assert equal(sums_of([(x[:, perm], dy[:, perm], norm_weight, table_f32, idx[perm])]), one)
+    remap = torch.randperm(T, generator=torch.Generator().manual_seed(seed + 1))  # table row t -> remap[t]
+    moved = torch.empty_like(table_f32)
+    moved[remap] = table_f32
+    d_table, d_nw, d_bias = sums_of([(x, dy, norm_weight, moved, remap[idx])])
+    assert torch.equal(d_table[remap], one[0]) and torch.equal(d_nw, one[1]) and torch.equal(d_bias, one[2])
+    rng = random.Random(seed)
+    for n in (2, 3, 8):
+        for parts in splits(*args, n):
+            shuffled = list(range(len(parts)))
+            rng.shuffle(shuffled)
+            for order in (None, list(reversed(range(len(parts)))), shuffled):
+                assert equal(sums_of(parts, order), one), (n, order)
+
+
+def test_each_value_is_the_exact_sum_of_the_terms_rounded_once():
+    x, dy, norm_weight, table_f32, idx = case(7)
+    d_table, d_nw, d_bias = sums_of([(x, dy, norm_weight, table_f32, idx)])
+    table, weight, t = row_terms(x, dy, norm_weight, table_f32, idx, 1e-5)
+    exact_table = [[sum((Fraction(v) for v, tt in zip(table[:, j].tolist(), t.tolist()) if tt == r), Fraction(0))
+                    for j in range(2 * H)] for r in range(T)]
+    exact_nw = [sum(map(Fraction, weight[:, h].tolist()), Fraction(0)) for h in range(H)]
+    exact_bias = [sum((exact_table[r][j] for r in range(T)), Fraction(0)) for j in range(2 * H)]
+
+    def rounded(v: Fraction, precision: int) -> float:  # v = n 2^-149 exactly (sums of float32 values)
+        n = v * 2 ** 149
+        assert n.denominator == 1
+        return round_scaled(int(n), -149, precision)
+
+    assert d_table.tolist() == [[rounded(v, 24) for v in row] for row in exact_table]
+    assert d_nw.float().tolist() == [rounded(v, 8) for v in exact_nw]
+    assert d_bias.float().tolist() == [rounded(v, 8) for v in exact_bias]
+
+
+def test_a_planted_float32_accumulation_fails_the_same_split_check():
+    """The check above on a float32 accumulation of the same terms (index_add_ per part, the parts' sums added, as
+    a reduce would): some split changes its bits, so the check can fail."""
+    args = case(11)
+    table, _, t = row_terms(*args, 1e-5)
+
+    def fp32(parts):
+        out = torch.zeros(T, 2 * H)
+        for p in parts:
+            terms, _, tt = row_terms(*p, 1e-5)
+            out += torch.zeros(T, 2 * H).index_add_(0, tt, terms)
+        return out
+
+    one = torch.zeros(T, 2 * H).index_add_(0, t, table)
+    assert any(not torch.equal(fp32(parts), one) for n in (2, 3, 8) for parts in splits(*args, n))
+
+
+def test_refuses_indices_outside_the_table_and_non_finite_rows():
+    x, dy, norm_weight, table_f32, idx = case(3)
+    bad = idx.clone()
+    bad[0] = T
+    with pytest.raises((ValueError, IndexError)):
+        NormOutSums(T, H).add(x, dy, norm_weight, table_f32, bad)
+    dy = dy.clone()
+    dy[0, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match="finite"):
+        NormOutSums(T, H).add(x, dy, norm_weight, table_f32, idx)
