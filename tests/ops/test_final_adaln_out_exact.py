@@ -114,3 +114,34 @@ def test_refuses_indices_outside_the_table_and_non_finite_rows():
     dy[0, 0, 0] = float("inf")
     with pytest.raises(ValueError, match="finite"):
         NormOutSums(T, H).add(x, dy, norm_weight, table_f32, idx)
+
+
+def test_the_tables_parameter_gradients_are_the_same_for_any_split_of_the_timesteps():
+    """TableSums (ops/modulation_table/exact.py): parts that hold the timesteps in other orders, a part without one
+    of them, a part holding one timestep twice (two identical temb rows): d_weight, d_bias and d_temb of the
+    distinct rows are the same bits as one batch's, and d_bias the exact total's rounding."""
+    from adaln_lab.ops.modulation_table.exact import TableSums
+
+    x, dy, norm_weight, table_f32, idx = case(5)
+    g = torch.Generator().manual_seed(5)
+    temb = torch.randn(T, 8, generator=g)
+    weight = (0.1 * torch.randn(2 * H, 8, generator=g)).bfloat16()
+
+    def table_sums(parts):  # (x, dy, temb, table_f32, idx) each
+        total = TableSums()
+        for px, pdy, ptemb, ptable, pidx in parts:
+            state = NormOutSums(ptemb.shape[0], H).add(px, pdy, norm_weight, ptable, pidx).table
+            total.merge(TableSums().add(ptemb, state))
+        return total.gradients(weight, torch.bfloat16)
+
+    one = table_sums([(x, dy, temb, table_f32, idx)])
+    rev = torch.tensor([2, 1, 0])  # part 1: the timesteps reversed (indices remapped), samples 0 and 1
+    twice = torch.tensor([0, 1, 2, 0])  # part 2: timestep 0 twice (rows 0 and 3 identical), samples 2 and 3
+    idx2 = torch.where(torch.arange(S) % 2 == 0, idx, torch.where(idx == 0, torch.tensor(3), idx))
+    parts = [(x[:2], dy[:2], temb[rev], table_f32[rev], rev[idx]),
+             (x[2:], dy[2:], temb[twice], table_f32[twice], idx2)]
+    for order in (parts, parts[::-1]):
+        got = table_sums(order)
+        assert all(torch.equal(a, b) for a, b in zip(got, one))
+    assert one[0].shape == (T, 8)  # three distinct rows
+    assert torch.equal(one[3], NormOutSums(T, H).add(x, dy, norm_weight, table_f32, idx).gradients()[2])

@@ -1,0 +1,69 @@
+"""The table's parameter gradients from exact table-gradient states, over the distinct temb rows.
+
+    sums = TableSums()
+    sums.add(temb, state)        # temb (T, D); state: core.exact.ExactSum (T, N), table row t's exact sum
+    sums.merge(other)            # another part's, in any order
+    rows, d_temb, d_weight, d_bias = sums.gradients(weight, bias_dtype)
+
+Rows of temb with the same bits are one timestep: their states are merged (integers: any order), so the parts of a
+batch (micro-batches, ranks) may hold a timestep each, or several, in any order. `gradients` takes the distinct rows
+in the order of their bytes (a function of the set of rows alone), rounds each row's exact sum once to float32
+(d_table), and forms d_weight and d_temb from those with the reference's float64 backward
+(reference.backward.modulation_table_backward) on that order; d_bias is the exact sum over every row, rounded once.
+rows (U, D) are the distinct temb rows, d_temb (U, D) their gradient (in temb's dtype), d_weight (N, D) in weight's
+dtype, d_bias (N,) in bias_dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...core.exact import ExactSum
+from ...reference.backward import modulation_table_backward
+
+
+class TableSums:
+    """Exact table-gradient states keyed by temb row (module docstring)."""
+
+    def __init__(self):
+        self.rows: dict[bytes, tuple[torch.Tensor, ExactSum]] = {}
+
+    def add(self, temb: torch.Tensor, state: ExactSum) -> "TableSums":
+        """Merge state's row t into the state of temb's row t, for every t (temb (T, D), state (T, N))."""
+        if temb.dim() != 2 or state.shape[0] != temb.shape[0]:
+            raise ValueError(f"temb must be (T, D) with T = the state's {state.shape[0]} rows, got "
+                             f"{tuple(temb.shape)}")
+        for t in range(temb.shape[0]):
+            row = temb[t].detach().cpu().contiguous()
+            part = ExactSum((1, *state.shape[1:]), state.limbs.device)
+            part.limbs = state.limbs[:, t:t + 1].clone()
+            self._merge_row(row, part)
+        return self
+
+    def merge(self, other: "TableSums") -> "TableSums":
+        """Add another part's states (any order of merging gives the same states)."""
+        for row, part in other.rows.values():
+            copy = ExactSum(part.shape, part.limbs.device)
+            copy.limbs = part.limbs.clone()
+            self._merge_row(row, copy)
+        return self
+
+    def _merge_row(self, row: torch.Tensor, part: ExactSum) -> None:
+        key = str(row.dtype).encode() + row.view(-1).view(torch.uint8).numpy().tobytes()
+        if key in self.rows:
+            self.rows[key][1].merge(part)
+        else:
+            self.rows[key] = (row, part)
+
+    def gradients(self, weight: torch.Tensor, bias_dtype: torch.dtype):
+        """(rows (U, D), d_temb (U, D), d_weight (N, D), d_bias (N,)) over the distinct rows (module docstring)."""
+        if not self.rows:
+            raise ValueError("no rows were added: the gradients of an empty batch are zeros, not computed here")
+        keys = sorted(self.rows)
+        rows = torch.stack([self.rows[k][0] for k in keys])
+        states = [self.rows[k][1] for k in keys]
+        total = ExactSum(states[0].shape, states[0].limbs.device)
+        total.limbs = torch.cat([s.limbs for s in states], dim=1)  # (LIMBS, U, N): already carried
+        d_table = total.value(torch.float32)
+        d_temb, d_weight, _ = modulation_table_backward(d_table, rows, weight.detach().cpu(), bias_dtype)
+        return rows, d_temb, d_weight, total.total().value(bias_dtype)
