@@ -38,6 +38,23 @@ _PRECISION = {torch.float32: 24, torch.bfloat16: 8}  # significand bits; both ha
 _EMIN_NORMAL = -126
 
 
+_RECORDERS: list = []  # the active exact-gradient recorders, innermost last (a module global: torch.compile reads it)
+
+
+def recorder():
+    """The exact-gradient recorder the ops write to (`adaln_lab.nn.ExactGradients` inside its `with`), or None."""
+    return _RECORDERS[-1] if _RECORDERS else None
+
+
+def recording(target) -> None:
+    """Make `target` the recorder until `reset_recording()`."""
+    _RECORDERS.append(target)
+
+
+def reset_recording() -> None:
+    _RECORDERS.pop()
+
+
 def decompose(terms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(m, shift) int64 with terms = m 2^(shift + E_MIN) exactly, |m| < 2^24, 0 <= shift < 277 (terms float32)."""
     mantissa, exponent = torch.frexp(terms)             # terms = mantissa 2^exponent, 0.5 <= |mantissa| < 1

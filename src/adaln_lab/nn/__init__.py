@@ -5,9 +5,11 @@ The only layer that imports diffusers (through `upstream`, on demand, never at `
 
 from ..core.warnings import AdaLNFallbackWarning, AdaLNOutFallbackWarning, NothingToPatchWarning
 from .adaln_out import AdaLNOut
+from .exact import ExactGradients
 from .block import AdaLNTransformerBlock
 from .fsdp import fsdp2_shard
 from .patch import patch, unpatch
 
-__all__ = ["AdaLNFallbackWarning", "AdaLNOut", "AdaLNOutFallbackWarning", "AdaLNTransformerBlock", "fsdp2_shard",
+__all__ = ["AdaLNFallbackWarning", "AdaLNOut", "AdaLNOutFallbackWarning", "AdaLNTransformerBlock", "ExactGradients",
+           "fsdp2_shard",
            "NothingToPatchWarning", "patch", "unpatch"]

@@ -19,13 +19,14 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ...core import support
+from ...core import exact, support
 from ...core.autocast import autocast_params
 from ...core.checks import BACKENDS, NUMERICS, TABLE_BACKENDS, check_option, validate
 from ...core.library import apply
 from ...core.plan import forward_workspace
 from ...reference.final_adaln_out import replay
 from . import launch
+from .exact import ExactNormOut
 
 
 class FinalAdaLNOut(torch.autograd.Function):
@@ -127,8 +128,17 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
         check_option("numerics", numerics, NUMERICS)
     if table_backend not in TABLE_BACKENDS:
         check_option("table_backend", table_backend, TABLE_BACKENDS)
+    exact_recorder = exact.recorder() if torch.is_grad_enabled() else None
     if backend == "torch" or (backend == "auto" and not x.is_cuda):
+        if exact_recorder is not None:  # inside adaln_lab.nn.ExactGradients: record the exact sums
+            params = (norm_weight, weight, bias)
+            exact_recorder.keep_temb(params, temb)
+            dx_args = dense(x, norm_weight, temb.detach(), weight, bias, timestep_indices)
+            return ExactNormOut.apply(*dx_args, eps, exact_recorder, params)
         return replay(*dense(x, norm_weight, temb, weight, bias, timestep_indices), eps)
+    if exact_recorder is not None:
+        raise NotImplementedError("final_adaln_out: exact gradients (adaln_lab.nn.ExactGradients) run on the torch "
+                                  f"route for now; pass backend='torch' (got backend={backend!r} on {x.device})")
     if backend == "numba":
         from .twin import op as twin
 

@@ -22,6 +22,12 @@ from ...core.exact import ExactSum
 from ...reference.backward import modulation_table_backward
 
 
+def row_key(row: torch.Tensor) -> bytes:
+    """A temb row's identity: its dtype and bytes (rows with the same key are one timestep)."""
+    row = row.detach().cpu().contiguous()
+    return str(row.dtype).encode() + row.view(-1).view(torch.uint8).numpy().tobytes()
+
+
 class TableSums:
     """Exact table-gradient states keyed by temb row (module docstring)."""
 
@@ -49,7 +55,7 @@ class TableSums:
         return self
 
     def _merge_row(self, row: torch.Tensor, part: ExactSum) -> None:
-        key = str(row.dtype).encode() + row.view(-1).view(torch.uint8).numpy().tobytes()
+        key = row_key(row)
         if key in self.rows:
             self.rows[key][1].merge(part)
         else:

@@ -1,0 +1,100 @@
+"""adaln_lab.nn.ExactGradients on the CPU (the torch route): norm_out's parameter gradients the same bits for one
+batch, the rows permuted, the timesteps' temb rows permuted (indices remapped), and micro-batches of 2, 3 and 8
+parts by sample and within samples, written in any order of the parts; temb's gradient reaches its producer; a
+planted float32 accumulation (plain autograd over the same micro-batches) fails the same check; misuse refused."""
+
+import pytest
+import torch
+
+from adaln_lab import final_adaln_out
+from adaln_lab.nn import ExactGradients
+
+B, S, H, D, T = 8, 24, 16, 8, 3
+
+
+def model(seed: int = 0):
+    """(params: norm_weight, weight, bias, the time embedding's Linear) and the batch (x, timestep features, idx,
+    cotangent)."""
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter((1 + 0.1 * torch.randn(H, generator=g)).bfloat16()),
+              torch.nn.Parameter((0.1 * torch.randn(2 * H, D, generator=g)).bfloat16()),
+              torch.nn.Parameter((0.1 * torch.randn(2 * H, generator=g)).bfloat16())]
+    embed = torch.nn.Linear(4, D)
+    torch.nn.init.normal_(embed.weight, generator=g)
+    x = (torch.randn(B, S, H, generator=g) * torch.exp2(torch.randint(-4, 5, (B, S, 1), generator=g))).bfloat16()
+    feats = torch.randn(T, 4, generator=g)
+    idx = torch.randint(0, T, (S,), generator=g)
+    cot = torch.randn(B, S, H, generator=g) * torch.exp2(torch.randint(-12, 4, (B, S, H), generator=g))
+    return params, embed, (x, feats, idx, cot)
+
+
+def step(params, embed, parts, exact=True, order=None):
+    """Forward and backward of each part (x, feats, idx, cot), then the gradients: (norm_weight, weight, bias,
+    embed.weight) grads."""
+    for p in [*params, *embed.parameters()]:
+        p.grad = None
+    acc = ExactGradients()
+    for k in order or range(len(parts)):
+        x, feats, idx, cot = parts[k]
+        temb = embed(feats)
+        with acc if exact else torch.enable_grad():
+            out = final_adaln_out(x, *params[:1], temb, *params[1:], idx)
+            (out.float() * cot).sum().backward()
+    if exact:
+        acc.write()
+    return [p.grad for p in params] + [embed.weight.grad]
+
+
+def by_sample(batch, n):
+    x, feats, idx, cot = batch
+    return [(x[k::n], feats, idx, cot[k::n]) for k in range(n)]
+
+
+def within(batch, n):
+    x, feats, idx, cot = batch
+    cuts = [round(S * k / n) for k in range(n + 1)]
+    return [(x[:, a:b], feats, idx[a:b], cot[:, a:b]) for a, b in zip(cuts, cuts[1:])]
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(u, v) for u, v in zip(a[:3], b[:3]))
+
+
+def test_one_batch_permutations_and_micro_batches_give_the_same_bits():
+    params, embed, batch = model()
+    one = step(params, embed, [batch])
+    assert all(g is not None and bool(torch.isfinite(g.float()).all()) for g in one)
+    x, feats, idx, cot = batch
+    perm = torch.randperm(S, generator=torch.Generator().manual_seed(1))
+    assert same(step(params, embed, [(x[:, perm], feats, idx[perm], cot[:, perm])]), one)
+    remap = torch.tensor([2, 0, 1])  # table row t -> remap[t]
+    moved = torch.empty_like(feats)
+    moved[remap] = feats
+    assert same(step(params, embed, [(x, moved, remap[idx], cot)]), one)
+    for n in (2, 3, 8):
+        for parts in (by_sample(batch, n), within(batch, n)):
+            for order in (None, list(reversed(range(len(parts))))):
+                got = step(params, embed, parts, order=order)
+                assert same(got, one), (n, order)
+                assert torch.allclose(got[3], one[3], rtol=1e-4, atol=1e-5)  # temb's producer: reached
+
+
+def test_a_planted_float32_accumulation_fails_the_same_check():
+    """Plain autograd over the same micro-batches (each part's gradients rounded, then added in the parameter's
+    dtype): some split changes the bits, so the check above can fail."""
+    params, embed, batch = model()
+    one = step(params, embed, [batch], exact=False)
+    assert any(not same(step(params, embed, parts, exact=False), one)
+               for n in (2, 3, 8) for parts in (by_sample(batch, n), within(batch, n)))
+
+
+def test_write_refuses_a_gradient_set_before_and_the_kernels_route_refuses_to_record():
+    params, embed, (x, feats, idx, cot) = model()
+    params[0].grad = torch.zeros_like(params[0])
+    acc = ExactGradients()
+    with acc:
+        (final_adaln_out(x, *params[:1], embed(feats), *params[1:], idx).float() * cot).sum().backward()
+    with pytest.raises(ValueError, match=r"norm_weight.grad is set already"):
+        acc.write()
+    with acc, pytest.raises(NotImplementedError, match="backend='torch'"):
+        final_adaln_out(x, *params[:1], embed(feats), *params[1:], idx, backend="cupy")
