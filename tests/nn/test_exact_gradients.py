@@ -98,3 +98,16 @@ def test_write_refuses_a_gradient_set_before_and_the_kernels_route_refuses_to_re
         acc.write()
     with acc, pytest.raises(NotImplementedError, match="backend='torch'"):
         final_adaln_out(x, *params[:1], embed(feats), *params[1:], idx, backend="cupy")
+
+
+def test_write_says_when_tembs_graph_was_freed_by_another_consumer():
+    """A temb that another op also backpropagates through (an H3 model's blocks) has lost its graph by write: the
+    error says so instead of torch's "backward through the graph a second time"."""
+    params, embed, (x, feats, idx, cot) = model()
+    acc = ExactGradients()
+    with acc:
+        temb = embed(feats)
+        out = final_adaln_out(x, *params[:1], temb, *params[1:], idx)
+        ((out.float() * cot).sum() + temb.square().sum()).backward()  # temb's graph runs (and is freed) here
+    with pytest.raises(RuntimeError, match="temb's graph was freed before write"):
+        acc.write()

@@ -14,7 +14,9 @@ temb, graph and all. `write` rounds each sum once: d_norm_weight and the table's
 rows give the same Jacobian). The parameters' .grad must be None before the first part (zero_grad(set_to_none=
 True)): write sets them, once. `merge` adds another accumulator's states (another group of micro-batches), in
 any order. The kernels' route is not recorded yet: a call there inside `with acc` raises NotImplementedError.
-The active accumulator is process-wide (a stack in core.exact, which torch.compile can read): one training thread.
+temb's graph must live until write: a temb that other ops also backpropagate through (an H3 model's blocks) is
+freed by then, and write says so (the model-level step, recomputing the time embedding of the distinct rows at
+write, is not built yet). The active accumulator is process-wide (a stack in core.exact, which torch.compile can read): one training thread.
 """
 
 from __future__ import annotations
@@ -104,5 +106,13 @@ def _temb_backward(tembs, rows, d_temb) -> None:
                 g[t] = d_temb[k].to(temb.dtype)
         outputs.append(temb)
         grads.append(g)
-    if outputs:
+    if not outputs:
+        return
+    try:
         torch.autograd.backward(outputs, grads)
+    except RuntimeError as e:
+        if "second time" not in str(e):
+            raise
+        raise RuntimeError("ExactGradients.write: temb's graph was freed before write (temb also fed ops whose "
+                           "backward ran: an H3 model's blocks); exact gradients take a temb that only norm_out "
+                           "uses, or a time embedding recomputed at write (not yet)") from e
