@@ -16,7 +16,8 @@ True)): write sets them, once. `merge` adds another accumulator's states (anothe
 any order. The kernels' route is not recorded yet: a call there inside `with acc` raises NotImplementedError.
 temb's graph must live until write: a temb that other ops also backpropagate through (an H3 model's blocks) is
 freed by then, and write says so (the model-level step, recomputing the time embedding of the distinct rows at
-write, is not built yet). The active accumulator is process-wide (a stack in core.exact, which torch.compile can read): one training thread.
+write, is not built yet). The active accumulator is process-wide (a stack in core.exact, which torch.compile can
+read): one training thread.
 """
 
 from __future__ import annotations
