@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
-from .workspace import ALIGN, ROWS_MAX, Rows, forward_workspace, layout, rows_of  # noqa: F401 (also the plan's)
+from .workspace import ALIGN, ROWS_MAX, Rows, aligned, forward_workspace, layout, rows_of  # noqa: F401
 
 # Constants of the kernels: the one place they live. Changing one changes the compiled unit
 # (its text carries the values), and `launchers.forget_compiled()` forgets every derived plan and kernel.
@@ -231,7 +231,7 @@ class Plan:
         """table_bwd's workspace (tb_bytes): dact_partials (blocks_j, T, D) fp32, then from this byte on, on tensor
         cores (tb_mma), the operands' three bf16 terms (table_bwd_mma.cu): 2 x 3 x TP x N + 3 x TP x D, TP = T
         rounded up to 16."""
-        return -(-self.blocks_j * self.T * self.D * 4 // ALIGN) * ALIGN
+        return aligned(self.blocks_j * self.T * self.D * 4)
 
     @cached_property
     def tb_bytes(self) -> int:

@@ -20,12 +20,17 @@ ROWS_MAX = 2 ** 31 - 2 ** 15      # rows and S travel as int32; a range's end (p
 ALIGN = 256  # bytes: every piece of a workspace starts on this boundary
 
 
+def aligned(nbytes: int) -> int:
+    """nbytes rounded up to a multiple of ALIGN (where the next piece may start)."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def layout(sizes: dict) -> tuple[dict, int]:
     """Byte offsets of named pieces laid out one after another (each ALIGN-aligned), and the total."""
     offsets, total = {}, 0
     for name, nbytes in sizes.items():
         offsets[name] = total
-        total += -(-nbytes // ALIGN) * ALIGN
+        total += aligned(nbytes)
     return offsets, max(total, ALIGN)
 
 
