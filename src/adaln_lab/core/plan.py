@@ -188,6 +188,23 @@ class Plan:
         """Dynamic shared memory of reduce_partials_bf16: a double per group, (t, half) and lane, then their sums."""
         return (self.sum_groups + 1) * 2 * self.rp_t * 32 * 8
 
+    @cached_property
+    def row_order_wide(self) -> bool:
+        """row_order.cu's three kernels over chunks of positions (more than 32 table rows: the one-block kernel's
+        scan takes a warp per table row); the same order."""
+        return self.T > 32
+
+    def row_order_chunking(self, S: int) -> tuple[int, int]:
+        """(chunk, chunks) of the wide row_order over S positions: chunks of at least 1024 positions, multiples of
+        32, at most about 1024 chunks (its scratch: T x chunks ints); at least one chunk (S = 0: zero counts)."""
+        chunk = max(1024, -(-(-(-S // 1024)) // 32) * 32)
+        return chunk, max(1, -(-S // chunk))
+
+    def row_order_scratch(self, S: int) -> int:
+        """Bytes of the wide row_order's scratch over up to S positions (T x chunks ints, chunks <= 1024 and <=
+        ceil(S / 1024): enough for every S' <= S; 0 for the one-block kernel)."""
+        return 4 * self.T * min(1024, max(1, -(-S // 1024))) if self.row_order_wide else 0
+
     def row_order_smem(self, S: int) -> int:
         """Dynamic shared memory of row_order over S positions: one int per thread and table row, then the
         staged keys (one byte per position, padded to 16) where S <= ROW_ORDER_KEYS_MAX."""
@@ -275,6 +292,7 @@ class Plan:
                     TB_EARLY=t["TB_EARLY"], TB_COLUMNS=self.tb_columns, TB_VEC=self.tb_vec,
                     TB_MMA=int(self.tb_mma),
                     ROW_ORDER_THREADS=ROW_ORDER_THREADS, ROW_ORDER_KEYS_MAX=ROW_ORDER_KEYS_MAX,
+                    ROW_ORDER_WIDE=int(self.row_order_wide),
                     GR_THREADS=self.gr_threads, SUM_GROUPS=t["SUM_GROUPS"], RP_T=self.rp_t, TABLE_N=self.columns,
                     TABLE_F32_ROUNDED=int(self.table_f32_rounded), TABLE_ROW_TABLES=int(self.table_row_tables))
 
