@@ -22,6 +22,7 @@ import pathlib
 
 import torch
 import torch.nn.functional as F
+from cupy.cuda.compiler import CompileException
 
 from adaln_lab.bench.timing import graph_us
 from adaln_lab.core import launchers, plan as plan_module, tensors
@@ -85,10 +86,15 @@ def checks(T: int, tile_ts=TILE_TS, tiles=TILES) -> dict:
             try:
                 with tile(shape):
                     same.append(torch.equal(mma(temb, weight, bias)[1], table_f32))
-            except Exception as e:  # a shape that does not compile (shared memory): named, the others go on
-                out[f"tile{shape}_error"] = str(e).splitlines()[-1][:200]
-        out["other_tiles_bitwise"] = all(same)
+            except CompileException as e:  # a shape that does not compile (shared memory): named, the others go on
+                out[f"tile{shape}_error"] = compile_error(e)
+        out["other_tiles_bitwise"] = all(same) if len(same) == len(tiles) else None  # None: a shape did not run
     return out
+
+
+def compile_error(e: Exception) -> str:
+    """The last line of a compile error (ptxas names the resource), or its repr."""
+    return (str(e).strip().splitlines() or [repr(e)])[-1][:200]
 
 
 def median_us(fn, copies, per_batch=12) -> float:
@@ -107,8 +113,8 @@ def timings(T: int, bw: float, tile_ts=TILE_TS, tiles=TILES) -> dict:
         try:
             with tile(shape):
                 out[f"tile{shape}_us"] = median_us(lambda k: mma(temb, *copies[k]), copies)
-        except Exception as e:  # as in checks
-            out[f"tile{shape}_error"] = str(e).splitlines()[-1][:200]
+        except CompileException as e:  # as in checks
+            out[f"tile{shape}_error"] = compile_error(e)
     out["cublas_us"] = median_us(lambda k: F.linear(F.silu(temb).to(torch.bfloat16), *copies[k]), copies)
     out["floor_us"] = (N * D * 2 + T * N * 6 + T * D * 4) / bw / 1e6
     out["fraction_of_copy_bw"] = out["floor_us"] / out["table_us"]
@@ -126,7 +132,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     ts, check_tiles, time_tiles = ((1, 3, 10), (3,), ()) if args.quick else (TS, TILE_TS, TILE_TS)
     if args.tile_ts:
-        check_tiles = time_tiles = tuple(int(t) for t in args.tile_ts.split(","))
+        check_tiles = tuple(int(t) for t in args.tile_ts.split(","))
+        time_tiles = () if args.quick else check_tiles  # --quick times no other tile
     tiles = tuple(tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")) if args.tiles else TILES
     result = {"gpu": torch.cuda.get_device_name(), "checks": [], "times": []}
     for T in ts:

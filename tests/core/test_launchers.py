@@ -188,6 +188,19 @@ def test_many_timesteps_launch_the_sorted_backward_on_its_workspace(calls, lead,
     if rows:
         pass_args = by["norm_modulate_bwd_sorted_bf16"][4]
         assert pass_args[6:9] == (order_args[1], grads[0].data_ptr(), base + r.bwd_offsets["row_partials"])
+    # table_bwd on tensor cores (plan.tb_mma): the terms once, into table_bwd's workspace after dact_partials, then
+    # its halves on them, then table_bwd_reduce on the partials; the grids the plan gives, the terms inside it
+    assert plan.tb_mma and names[-4:] == ["table_bwd_mma_terms", "table_bwd_mma_d_weight", "table_bwd_mma_dact",
+                                          "table_bwd_reduce"]
+    partials = base + r.bwd_offsets["dact_partials"]
+    terms = partials + plan.tb_terms_at
+    assert r.bwd_offsets["dact_partials"] + plan.tb_bytes <= r.bwd_bytes
+    assert plan.tb_bytes - plan.tb_terms_at == 2 * (6 * 16 * 2 * plan.H + 3 * 16 * plan.D)  # T 12: TP 16, N 2H
+    assert [by[n][1] for n in names[-4:-1]] == [g + (1,) for g in plan.tbm_grids]
+    assert by["table_bwd_mma_terms"][4] == (d_table, i.temb.data_ptr(), terms, 0)  # no d_bias: reduce_partials'
+    assert by["table_bwd_mma_d_weight"][4] == (terms, grads[3].data_ptr())
+    assert by["table_bwd_mma_dact"][4] == (terms, i.weight.data_ptr(), partials)
+    assert by["table_bwd_reduce"][4][:3] == (partials, i.temb.data_ptr(), grads[2].data_ptr())
     assert _streams(calls) == {STREAM}
 
 
