@@ -57,7 +57,7 @@ TUNING = {
 SMEM_BLOCK_MAX = 227 * 1024       # dynamic + static shared memory one block may opt in to (sm_90, sm_100)
 BWD_STAGE_BUDGET = 200 * 1024     # dynamic shared memory of the backward's stages (static scratch beside it)
 H_MAX = 50176                      # the largest H whose backward stage (x and dy rows) fits BWD_STAGE_BUDGET (tested)
-T_MAX = 32                         # the T the GPU tests cover (row_order.cu's T x 4 KiB of shared memory: <= 40)
+T_MAX = 3072                       # table rows the GPU tests cover: a block's 3 x 1024 (row_order.cu wide past 32)
 ROW_ORDER_THREADS = 1024           # row_order.cu: its one block (32 warps: one per lane of the scan of their totals)
 TWIN_TABLE_THREADS = 512           # the Numba twin's table (its own GEMV order, ops/final_adaln_out/twin): block size,
 TWIN_TABLE_ROWS_PER_WARP = 2       # and rows j of one warp's task (a row's sum is one warp's: bits do not depend on it)
