@@ -25,8 +25,9 @@ from .workspace import ALIGN, ROWS_MAX, Rows, forward_workspace, layout, rows_of
 TUNING = {
     "TABLE_CHUNKS": 8,          # table.cu: k in this many chunks of steps, one warp each, added in order: part of
                                 # every table sum's order (changing it changes bits; fixed by D alone, never by T)
-    "TABLE_TILES": ((8, 1, 1, 2), (16, 2, 2, 4), (32, 2, 4, 3)),  # table.cu: (up to T, MT, NT, AHEAD): a block's
-                                # tile of 16 MT rows j and 8 NT timesteps, AHEAD weight steps in flight per lane; the
+    "TABLE_TILES": ((8, 1, 1, 2), (16, 2, 2, 4), (32, 2, 4, 3), (3072, 1, 8, 2)),  # table.cu: (up to T, MT, NT,
+                                # AHEAD): a block's tile of 16 MT rows j and 8 NT timesteps, AHEAD weight steps in
+                                # flight per lane (past 32: 64 timesteps a block, the weight read T / 64 times); the
                                 # first row whose T fits (speed only: every tile gives the same bits, NOTES v26)
     "FWD_THREADS_MAX": 256,     # norm_modulate.cu: row block size cap (H = 5376: 224 threads x 3 vectors)
     "FWD_RANGES": 264,          # norm_modulate.cu: row ranges of the staged kernel (a constant, not the SM count)
