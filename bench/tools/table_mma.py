@@ -11,7 +11,8 @@
 # Times: CUDA-graph replays between CUDA events (GPU time, no host), medians, three weight copies rotated (174 MB,
 # past the 50 MB L2), the report's copy bandwidth measured in the same run; floor = (weight + outputs) bytes at it.
 #
-#     python3 bench/tools/table_mma.py [--out FILE.json] [--quick] [--tiles MTxNTxAHEAD,...] [--tile-ts T,...]
+#     python3 bench/tools/table_mma.py [--out FILE.json] [--quick] [--ts T,...] [--tiles MTxNTxAHEAD,...]
+#         [--tile-ts T,...]
 
 from __future__ import annotations
 
@@ -126,11 +127,14 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=pathlib.Path)
     parser.add_argument("--quick", action="store_true", help="T 1, 3 and 10 only; other tiles checked at T 3, "
                         "not timed")
+    parser.add_argument("--ts", help="T values, comma-separated (default: 1,3,8,10,16,32)")
     parser.add_argument("--tiles", help="other tile shapes MTxNTxAHEAD, comma-separated (default: TILES)")
     parser.add_argument("--tile-ts", help="T values, comma-separated, that check and time the other tiles "
                         "(default: 3,10)")
     args = parser.parse_args(argv)
     ts, check_tiles, time_tiles = ((1, 3, 10), (3,), ()) if args.quick else (TS, TILE_TS, TILE_TS)
+    if args.ts:
+        ts = tuple(int(t) for t in args.ts.split(","))
     if args.tile_ts:
         check_tiles = tuple(int(t) for t in args.tile_ts.split(","))
         time_tiles = () if args.quick else check_tiles  # --quick times no other tile

@@ -71,7 +71,7 @@ def test_shapes_the_kernels_cannot_take_are_refused_clearly():
     check_shapes(8, 2688, plan_module.T_MAX)  # H3's D at the largest T
     with pytest.raises(ValueError, match="H "):
         check_shapes(plan_module.H_MAX + 8, 8, 1)
-    with pytest.raises(ValueError, match=r"T \(temb.shape\[0\]\) <= 32"):
+    with pytest.raises(ValueError, match=r"T \(temb.shape\[0\]\) <= 3072"):
         check_shapes(8, 2688, plan_module.T_MAX + 1)
 
 
@@ -84,3 +84,24 @@ def test_gated_residual_block_size_follows_h():
         tiles = -(-(H // 8) // threads)
         assert threads % 32 == 0 and threads <= plan_module.TUNING["GR_THREADS_MAX"]
         assert (tiles - 1) * threads < H // 8 <= tiles * threads  # no empty tile
+
+
+def test_many_table_rows_sort_in_chunks_with_a_scratch_that_fits_every_smaller_batch(monkeypatch):
+    """Past 32 table rows row_order.cu takes its three wide kernels (plan.row_order_wide): chunks of at least 1024
+    positions, multiples of 32, at most 1024 of them, covering S; the scratch laid out for `rows` positions holds
+    the T x chunks ints of any S <= rows (the backward sorts S <= rows positions), and the workspace has it."""
+    monkeypatch.setattr(plan_module, "T_MAX", 4096)
+    try:
+        p = plan(64, 8, 40)
+        assert p.row_order_wide and not plan(64, 8, 32).row_order_wide
+        for S in (0, 1, 1024, 1025, 1 << 20, (1 << 20) + 1, 123456789, 2 ** 31 - 2 ** 15):
+            chunk, chunks = p.row_order_chunking(S)
+            assert chunk >= 1024 and chunk % 32 == 0 and 1 <= chunks <= 1024 and chunk * chunks >= S
+            assert S == 0 or chunk * (chunks - 1) < S
+            assert all(4 * p.T * p.row_order_chunking(s)[1] <= p.row_order_scratch(S)
+                       for s in (S, S // 2, max(S - 1, 0), min(S, 1 << 20), min(S, (1 << 20) + 1)))
+        r = p.rows(5000)
+        assert r.bwd_offsets["row_order_scratch"] >= r.bwd_offsets["row_order"] + 4 * (40 + 1 + 5000)
+        assert "row_order_scratch" not in plan(64, 8, 12).rows(5000).bwd_offsets
+    finally:
+        plan_module.clear_caches()

@@ -339,7 +339,7 @@ def test_every_table_tile_gives_the_same_bits_and_rows_alone_their_batchs(monkey
     bias = (torch.randn(N, device="cuda", generator=g) * 0.1).bfloat16()
     tables = {}
     try:
-        for tile in ((32, 1, 1, 2), (32, 2, 2, 4), (32, 2, 4, 3), (32, 4, 1, 2), (32, 1, 4, 1)):
+        for tile in ((32, 1, 1, 2), (32, 2, 2, 4), (32, 2, 4, 3), (32, 4, 1, 2), (32, 1, 4, 1), (32, 1, 8, 2)):
             monkeypatch.setitem(plan_module.TUNING, "TABLE_TILES", (tile,))
             launchers.forget_compiled()
             assert plan_module.plan(8, D_, T_, table_n=N, table_f32_rounded=True).table_tile == tile[1:]

@@ -244,7 +244,7 @@ def test_refuses_dtypes_the_kernels_cannot_take(change, error, match):
 @pytest.mark.parametrize("shape, match", [
     (dict(H=12, D=16, T=1), r"the CUDA kernels need H \(x.shape\[-1\]\) divisible by 8, got 12"),
     (dict(H=16, D=12, T=1), r"the CUDA kernels need D \(temb.shape\[1\]\) divisible by 8, got 12"),
-    (dict(H=8, D=8, T=33), r"the CUDA kernels need T \(temb.shape\[0\]\) <= 32, got 33"),
+    (dict(H=8, D=8, T=3073), r"the CUDA kernels need T \(temb.shape\[0\]\) <= 3072, got 3073"),
     (dict(H=8, D=11784, T=1), r"the Numba twin's table kernel takes T \* D <= 11776"),  # cupy takes it
 ], ids=["H", "D", "T", "TD"])
 def test_refuses_shapes_the_kernels_cannot_take(shape, match):

@@ -199,7 +199,9 @@ def test_cpu_table_f32_is_the_unrounded_table():
 # ---------------------------------------------------------------- GPU: kernels_cu
 
 SHAPES = [dict(H=5376, D=2688, T=3), dict(H=264, D=64, T=1), dict(H=1024, D=256, T=8), dict(H=1024, D=256, T=12),
-          dict(H=5376, D=2688, T=32)]  # the last two: the backward's sorted row pass (plan.bwd_sorted)
+          dict(H=5376, D=2688, T=32), dict(H=1024, D=256, T=64), dict(H=5376, D=2688, T=256),
+          dict(H=1024, D=256, T=1024), dict(H=264, D=64, T=3072)]  # from T 12: the sorted row pass (plan.bwd_sorted);
+# from T 64 row_order.cu's wide kernels (plan.row_order_wide); 3072: T_MAX
 
 
 @gpu

@@ -99,6 +99,31 @@ def test_row_order_kernel_is_the_torch_order(S, T):
 
 
 @gpu
+@pytest.mark.parametrize("S, T", [(0, 33), (1, 64), (1023, 64), (1025, 40), (8192, 1024), (70001, 257),
+                                  (1 << 20, 3072), ((1 << 20) + 4097, 96)])
+def test_many_table_rows_take_the_wide_kernels_and_the_same_order(monkeypatch, S, T):
+    """More than 32 table rows (plan.row_order_wide): row_order.cu's count, scan and scatter over chunks of
+    positions give the torch order (stable): one chunk or many, a chunk of its own past 2^20 positions (chunks
+    longer than 1024), table rows without rows, indices outside the table. The T the plan takes is raised here
+    alone (plan.T_MAX is the T the whole suite covers)."""
+    from adaln_lab.core import launchers, plan as plan_module
+
+    monkeypatch.setattr(plan_module, "T_MAX", 4096)
+    try:
+        assert plan_module.plan(H, 8, T).row_order_wide and not plan_module.plan(H, 8, 32).row_order_wide
+        g = torch.Generator("cuda").manual_seed(S + T)
+        row_index = torch.randint(0, T, (S,), device="cuda", generator=g)
+        if S > 10:
+            row_index[3], row_index[7] = T + 5, -2  # outside the table: sorted with table row 0
+            row_index[row_index == T - 1] = 0  # a table row without rows
+        order = kernel_order(row_index, T)
+        assert torch.equal(order, order_torch(row_index, T))
+        assert torch.equal(kernel_order(row_index, T), order)
+    finally:
+        launchers.forget_compiled()  # the plans made past T_MAX
+
+
+@gpu
 def test_the_order_check_catches_an_unstable_order():
     """The comparison above tells a stable order from an unstable one: an order with two positions of one table
     row swapped (planted) is a valid sort by table row, yet differs from the reference."""

@@ -34,6 +34,9 @@ SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
     "reduce_partials_bf16": "pppppppiii",
     "reduce_partials_sorted_bf16": "ppppppppiiii",
     "row_order": "pppi",
+    "row_order_count": "ppiii",
+    "row_order_scan": "ppii",
+    "row_order_scatter": "pppiii",
     "table_bwd_bf16": "pppppp",
     "table_bwd_d_weight_bf16": "pppppp",
     "table_bwd_dact_bf16": "pppppp",
@@ -226,11 +229,22 @@ def launch_row_pass(k: dict, plan: Plan, rows: Rows, stream: int, dy: int, x: in
         runtime.memsetAsync(row_partials, 0, plan.T * 2 * plan.H * 4, stream)
 
 
-def launch_row_order(k: dict, plan: Plan, stream: int, row_index: int, row_order: int, S: int) -> None:
+def launch_row_order(k: dict, plan: Plan, stream: int, row_index: int, row_order: int, S: int,
+                     scratch: int = 0) -> None:
     """row_order (T + 1 + S,) int32 = row_order.cu's row_offsets (T + 1,) | order (S,) of row_index (S,) int64:
-    the positions sorted by table row, stably (T = plan.T table rows)."""
-    k["row_order"]((1, 1, 1), (ROW_ORDER_THREADS, 1, 1), plan.row_order_smem(S), stream, row_index, row_order,
-                   row_order + 4 * (plan.T + 1), S)
+    the positions sorted by table row, stably (T = plan.T table rows). plan.row_order_wide: three kernels over
+    chunks of positions, with `scratch` of plan.row_order_scratch(S) bytes."""
+    order = row_order + 4 * (plan.T + 1)
+    if not plan.row_order_wide:
+        k["row_order"]((1, 1, 1), (ROW_ORDER_THREADS, 1, 1), plan.row_order_smem(S), stream, row_index, row_order,
+                       order, S)
+        return
+    assert scratch, "plan.row_order_wide: row_order needs its scratch (plan.row_order_scratch)"
+    chunk, chunks = plan.row_order_chunking(S)
+    k["row_order_count"]((chunks, 1, 1), (256, 1, 1), 4 * plan.T, stream, row_index, scratch, S, chunk, chunks)
+    k["row_order_scan"]((1, 1, 1), (ROW_ORDER_THREADS, 1, 1), 0, stream, scratch, row_order, S, chunks)
+    k["row_order_scatter"]((-(-chunks // 4), 1, 1), (128, 1, 1), 16 * plan.T, stream, row_index, scratch, order,
+                           S, chunk, chunks)
 
 
 def sorted_slots(plan: Plan, rows: Rows) -> int:
@@ -316,7 +330,8 @@ def launch_backward(k: dict, plan: Plan, rows: Rows, stream: int, *, dy: int, x:
     row_partials, d_table = workspace + o["row_partials"], workspace + o["d_table"]
     if plan.bwd_sorted:  # the rows in timestep order (plan.bwd_sorted): bwd_ranges + T partial slots
         order = workspace + o["row_order"]  # T + 1 + rows int32: with no rows an order of no positions (zero sums)
-        launch_row_order(k, plan, stream, timestep_indices, order, S if rows.rows else 0)
+        launch_row_order(k, plan, stream, timestep_indices, order, S if rows.rows else 0,
+                         workspace + o["row_order_scratch"] if plan.row_order_wide else 0)
         launch_sorted_row_pass(k, plan, rows, stream, dy, x, rstd, norm_weight, table_f32, timestep_indices, order,
                                dx, row_partials, S)
         launch_reduce_sorted_partials(k, plan, rows, stream, row_partials, norm_weight, table_f32, d_table,

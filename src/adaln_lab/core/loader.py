@@ -37,7 +37,7 @@ KERNEL_FILES = ("adaln_common.cuh", "table.cu", "norm_modulate.cu", "row_order.c
 INCLUDE_LINE = '#include "adaln_common.cuh"'
 COMPILE_OPTIONS = ("--std=c++17",)
 KERNELS = ("table_act", "table_bf16", "norm_modulate_bf16", "norm_modulate_rowwise_bf16", "norm_modulate_warp_bf16",
-           "norm_modulate_bwd_bf16", "row_order",
+           "norm_modulate_bwd_bf16", "row_order", "row_order_count", "row_order_scan", "row_order_scatter",
            "norm_modulate_bwd_sorted_bf16", "norm_modulate_bwd_residual_sorted_bf16", "reduce_partials_bf16",
            "reduce_partials_sorted_bf16", "table_bwd_bf16", "table_bwd_d_weight_bf16", "table_bwd_dact_bf16",
            "table_bwd_mma_terms", "table_bwd_mma_d_weight", "table_bwd_mma_dact",
@@ -45,13 +45,16 @@ KERNELS = ("table_act", "table_bf16", "norm_modulate_bf16", "norm_modulate_rowwi
            "gated_residual_reduce_sorted", "gated_residual_norm_bf16")
 TB_FUSED, TB_HALVES = ("table_bwd_bf16",), ("table_bwd_d_weight_bf16", "table_bwd_dact_bf16")
 TB_MMA = ("table_bwd_mma_terms", "table_bwd_mma_d_weight", "table_bwd_mma_dact")  # table_bwd_mma.cu (plan.tb_mma)
+ROW_ORDER_ONE, ROW_ORDER_WIDE = ("row_order",), ("row_order_count", "row_order_scan", "row_order_scatter")
 
 
 def entry_points(plan: Plan) -> tuple:
     """The entry points the unit of `plan` defines: KERNELS less the table_bwd kernels the plan does not launch (the
     unit compiles only those it runs): table_bwd.cu's one kernel or its two halves (plan.tb_split), or on tensor
-    cores table_bwd_mma.cu's three in their place (plan.tb_mma)."""
+    cores table_bwd_mma.cu's three in their place (plan.tb_mma); row_order.cu's one-block kernel or its three wide
+    ones (plan.row_order_wide)."""
     left_out = TB_FUSED + TB_HALVES if plan.tb_mma else (TB_FUSED if plan.tb_split else TB_HALVES) + TB_MMA
+    left_out += ROW_ORDER_ONE if plan.row_order_wide else ROW_ORDER_WIDE
     return tuple(name for name in KERNELS if name not in left_out)
 
 
@@ -152,7 +155,8 @@ def _compile(device_index: int, plan: Plan) -> dict:
             kernels["norm_modulate_bf16"].max_dynamic_shared_size_bytes = plan.fwd_smem
         kernels["norm_modulate_bwd_bf16"].max_dynamic_shared_size_bytes = plan.bwd_smem
         kernels["norm_modulate_bwd_sorted_bf16"].max_dynamic_shared_size_bytes = plan.bwd_smem
-        kernels["row_order"].max_dynamic_shared_size_bytes = plan.row_order_smem(ROW_ORDER_KEYS_MAX)
+        if not plan.row_order_wide:
+            kernels["row_order"].max_dynamic_shared_size_bytes = plan.row_order_smem(ROW_ORDER_KEYS_MAX)
         if plan.bwd_res_stages:
             kernels["norm_modulate_bwd_residual_sorted_bf16"].max_dynamic_shared_size_bytes = plan.bwd_res_smem
         kernels["reduce_partials_bf16"].max_dynamic_shared_size_bytes = plan.rp_smem

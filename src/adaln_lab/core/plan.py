@@ -18,15 +18,16 @@ import math
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
-from .workspace import ALIGN, ROWS_MAX, Rows, forward_workspace, layout, rows_of  # noqa: F401 (also the plan's)
+from .workspace import ALIGN, ROWS_MAX, Rows, aligned, forward_workspace, layout, rows_of  # noqa: F401
 
 # Constants of the kernels: the one place they live. Changing one changes the compiled unit
 # (its text carries the values), and `launchers.forget_compiled()` forgets every derived plan and kernel.
 TUNING = {
     "TABLE_CHUNKS": 8,          # table.cu: k in this many chunks of steps, one warp each, added in order: part of
                                 # every table sum's order (changing it changes bits; fixed by D alone, never by T)
-    "TABLE_TILES": ((8, 1, 1, 2), (16, 2, 2, 4), (32, 2, 4, 3)),  # table.cu: (up to T, MT, NT, AHEAD): a block's
-                                # tile of 16 MT rows j and 8 NT timesteps, AHEAD weight steps in flight per lane; the
+    "TABLE_TILES": ((8, 1, 1, 2), (16, 2, 2, 4), (32, 2, 4, 3), (3072, 1, 8, 2)),  # table.cu: (up to T, MT, NT,
+                                # AHEAD): a block's tile of 16 MT rows j and 8 NT timesteps, AHEAD weight steps in
+                                # flight per lane (past 32: 64 timesteps a block, the weight read T / 64 times); the
                                 # first row whose T fits (speed only: every tile gives the same bits, NOTES v26)
     "FWD_THREADS_MAX": 256,     # norm_modulate.cu: row block size cap (H = 5376: 224 threads x 3 vectors)
     "FWD_RANGES": 264,          # norm_modulate.cu: row ranges of the staged kernel (a constant, not the SM count)
@@ -57,7 +58,7 @@ TUNING = {
 SMEM_BLOCK_MAX = 227 * 1024       # dynamic + static shared memory one block may opt in to (sm_90, sm_100)
 BWD_STAGE_BUDGET = 200 * 1024     # dynamic shared memory of the backward's stages (static scratch beside it)
 H_MAX = 50176                      # the largest H whose backward stage (x and dy rows) fits BWD_STAGE_BUDGET (tested)
-T_MAX = 32                         # the T the GPU tests cover (row_order.cu's T x 4 KiB of shared memory: <= 40)
+T_MAX = 3072                       # table rows the GPU tests cover: a block's 3 x 1024 (row_order.cu wide past 32)
 ROW_ORDER_THREADS = 1024           # row_order.cu: its one block (32 warps: one per lane of the scan of their totals)
 TWIN_TABLE_THREADS = 512           # the Numba twin's table (its own GEMV order, ops/final_adaln_out/twin): block size,
 TWIN_TABLE_ROWS_PER_WARP = 2       # and rows j of one warp's task (a row's sum is one warp's: bits do not depend on it)
@@ -188,6 +189,23 @@ class Plan:
         """Dynamic shared memory of reduce_partials_bf16: a double per group, (t, half) and lane, then their sums."""
         return (self.sum_groups + 1) * 2 * self.rp_t * 32 * 8
 
+    @cached_property
+    def row_order_wide(self) -> bool:
+        """row_order.cu's three kernels over chunks of positions (more than 32 table rows: the one-block kernel's
+        scan takes a warp per table row); the same order."""
+        return self.T > 32
+
+    def row_order_chunking(self, S: int) -> tuple[int, int]:
+        """(chunk, chunks) of the wide row_order over S positions: chunks of at least 1024 positions, multiples of
+        32, at most about 1024 chunks (its scratch: T x chunks ints); at least one chunk (S = 0: zero counts)."""
+        chunk = max(1024, -(-(-(-S // 1024)) // 32) * 32)
+        return chunk, max(1, -(-S // chunk))
+
+    def row_order_scratch(self, S: int) -> int:
+        """Bytes of the wide row_order's scratch over up to S positions (T x chunks ints, chunks <= 1024 and <=
+        ceil(S / 1024): enough for every S' <= S; 0 for the one-block kernel)."""
+        return 4 * self.T * min(1024, max(1, -(-S // 1024))) if self.row_order_wide else 0
+
     def row_order_smem(self, S: int) -> int:
         """Dynamic shared memory of row_order over S positions: one int per thread and table row, then the
         staged keys (one byte per position, padded to 16) where S <= ROW_ORDER_KEYS_MAX."""
@@ -231,7 +249,7 @@ class Plan:
         """table_bwd's workspace (tb_bytes): dact_partials (blocks_j, T, D) fp32, then from this byte on, on tensor
         cores (tb_mma), the operands' three bf16 terms (table_bwd_mma.cu): 2 x 3 x TP x N + 3 x TP x D, TP = T
         rounded up to 16."""
-        return -(-self.blocks_j * self.T * self.D * 4 // ALIGN) * ALIGN
+        return aligned(self.blocks_j * self.T * self.D * 4)
 
     @cached_property
     def tb_bytes(self) -> int:
@@ -275,6 +293,7 @@ class Plan:
                     TB_EARLY=t["TB_EARLY"], TB_COLUMNS=self.tb_columns, TB_VEC=self.tb_vec,
                     TB_MMA=int(self.tb_mma),
                     ROW_ORDER_THREADS=ROW_ORDER_THREADS, ROW_ORDER_KEYS_MAX=ROW_ORDER_KEYS_MAX,
+                    ROW_ORDER_WIDE=int(self.row_order_wide),
                     GR_THREADS=self.gr_threads, SUM_GROUPS=t["SUM_GROUPS"], RP_T=self.rp_t, TABLE_N=self.columns,
                     TABLE_F32_ROUNDED=int(self.table_f32_rounded), TABLE_ROW_TABLES=int(self.table_row_tables))
 

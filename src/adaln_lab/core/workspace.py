@@ -20,12 +20,17 @@ ROWS_MAX = 2 ** 31 - 2 ** 15      # rows and S travel as int32; a range's end (p
 ALIGN = 256  # bytes: every piece of a workspace starts on this boundary
 
 
+def aligned(nbytes: int) -> int:
+    """nbytes rounded up to a multiple of ALIGN (where the next piece may start)."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def layout(sizes: dict) -> tuple[dict, int]:
     """Byte offsets of named pieces laid out one after another (each ALIGN-aligned), and the total."""
     offsets, total = {}, 0
     for name, nbytes in sizes.items():
         offsets[name] = total
-        total += -(-nbytes // ALIGN) * ALIGN
+        total += aligned(nbytes)
     return offsets, max(total, ALIGN)
 
 
@@ -44,7 +49,8 @@ class Rows:
     `rstd` (rows,) fp32. bwd_offsets / bwd_bytes: one backward workspace holding `row_partials` (bwd_ranges, T, 2,
     H) fp32 (plan.bwd_sorted: (bwd_ranges + T, 2, H)), `d_table` (T, 2H) fp32, `dact_partials` (plan.tb_bytes:
     table_bwd's (blocks_j, T, D) fp32 partials, then on tensor cores its operands' terms), and where
-    plan.bwd_sorted `row_order` (T + 1 + rows,) int32 (row_order.cu's layout, S <= rows).
+    plan.bwd_sorted `row_order` (T + 1 + rows,) int32 (row_order.cu's layout, S <= rows), and where
+    plan.row_order_wide its scratch `row_order_scratch` (plan.row_order_scratch(rows) bytes).
     """
 
     rows: int
@@ -73,6 +79,8 @@ def rows_of(plan: Plan, rows: int) -> Rows:
     parts = {"row_partials": slots * 2 * H * 4, "d_table": T * 2 * H * 4, "dact_partials": plan.tb_bytes}
     if plan.bwd_sorted:
         parts["row_order"] = (T + 1 + rows) * 4
+        if plan.row_order_wide:
+            parts["row_order_scratch"] = plan.row_order_scratch(rows)
     bwd_offsets, bwd_bytes = layout(parts)
     return Rows(rows, fwd_per, math.ceil(rows / fwd_per) if rows else 0, bwd_per, bwd_ranges,
                 fwd_offsets, fwd_bytes, bwd_offsets, bwd_bytes)

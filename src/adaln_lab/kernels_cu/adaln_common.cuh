@@ -170,8 +170,15 @@ __device__ __forceinline__ void fill_sorted_rows(int* row_ids, int* timesteps, c
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         const long long p = (long long)p0 + i;
         int t = 0;  // the table row whose positions [batches * row_offsets[t], batches * row_offsets[t + 1]) hold p
+#if ADALN_T <= 32
 #pragma unroll
         for (int k = 1; k < ADALN_T; ++k) t += (long long)batches * row_offsets[k] <= p;  // loads side by side
+#else
+        for (int hi = ADALN_T - 1; t < hi;) {  // the last k with batches * row_offsets[k] <= p: a binary search
+            const int mid = (t + hi + 1) / 2;
+            if ((long long)batches * row_offsets[mid] <= p) t = mid; else hi = mid - 1;
+        }
+#endif
         const int begin = row_offsets[t], count = row_offsets[t + 1] - begin;
         const long long q = p - (long long)batches * begin;
         const int at = count > 0 && q >= 0 ? begin + (int)(q % count) : -1;

@@ -99,32 +99,39 @@ reduce_partials_bf16(const float* __restrict__ row_partials, const bf16_t* __res
 // reduce_partials_sorted_bf16: the same outputs from the sorted row passes' partials (norm_modulate_bwd.cu:
 // row_partials (bwd_ranges + T, 2, H), table row t of range b in slot b + t). A and B of table row t add the
 // slots of the ranges that hold its positions (table_row_ranges), in range order, in double; then as above.
-// Geometry: block (32, ADALN_SUM_GROUPS), grid = ceil(H / 32); warp y takes the (t, half) sums y, y + groups, ..
+// Geometry: block (32, ADALN_SUM_GROUPS), grid = ceil(H / 32); the table rows in passes of RPS_T, in order (the
+// same adds in the same order for every T); warp y takes a pass's (t, half) sums y, y + groups, ..
+#define RPS_T 32  // reduce_partials_sorted_bf16: table rows of one pass (their sums in 16 KiB of shared memory)
 extern "C" __global__ void __launch_bounds__(32 * ADALN_SUM_GROUPS)
 reduce_partials_sorted_bf16(const float* __restrict__ row_partials, const bf16_t* __restrict__ norm_weight,
                             const float* __restrict__ table_f32, float* __restrict__ d_shift,
                             float* __restrict__ d_scale, bf16_t* __restrict__ d_norm_weight,
                             bf16_t* __restrict__ d_bias, const int* __restrict__ row_order, int batches,
                             int rows_per_range, int table_stride, int d_stride) {
-    __shared__ double combined[2 * ADALN_T][32];
+    __shared__ double combined[2 * RPS_T][32];
     const int h = blockIdx.x * 32 + threadIdx.x;
     const bool valid = h < ADALN_H;
-    for (int c = threadIdx.y; c < 2 * ADALN_T; c += ADALN_SUM_GROUPS) {  // c = 2 * t + half
-        const int t = c / 2;
-        double s = 0.0;
-        int b0, b1;
-        if (valid && table_row_ranges(row_order, t, batches, rows_per_range, b0, b1)) {
-            const float* column = row_partials + ((size_t)(b0 + t) * 2 + c % 2) * ADALN_H + h;
+    TableGradients grads(valid ? (double)bf16_to_float(norm_weight[h]) : 0.0);
+    for (int t0 = 0; t0 < ADALN_T; t0 += RPS_T) {  // the table rows in passes of RPS_T, in order
+        const int tn = min(RPS_T, ADALN_T - t0);
+        for (int c = threadIdx.y; c < 2 * tn; c += ADALN_SUM_GROUPS) {  // c = 2 * (t - t0) + half
+            const int t = t0 + c / 2;
+            double s = 0.0;
+            int b0, b1;
+            if (valid && table_row_ranges(row_order, t, batches, rows_per_range, b0, b1)) {
+                const float* column = row_partials + ((size_t)(b0 + t) * 2 + c % 2) * ADALN_H + h;
 #pragma unroll 4
-            for (int b = 0; b <= b1 - b0; ++b) s += (double)column[(size_t)b * 2 * ADALN_H];
+                for (int b = 0; b <= b1 - b0; ++b) s += (double)column[(size_t)b * 2 * ADALN_H];
+            }
+            combined[c][threadIdx.x] = s;
         }
-        combined[c][threadIdx.x] = s;
+        __syncthreads();
+        if (threadIdx.y == 0 && valid)
+            for (int t = t0; t < t0 + tn; ++t)
+                grads.add(t, h, combined[2 * (t - t0)][threadIdx.x], combined[2 * (t - t0) + 1][threadIdx.x],
+                          table_f32, table_stride, d_shift, d_scale, d_stride);
+        __syncthreads();  // the pass's sums read before the next pass writes them
     }
-    __syncthreads();
     if (threadIdx.y != 0 || !valid) return;
-    TableGradients grads((double)bf16_to_float(norm_weight[h]));
-    for (int t = 0; t < ADALN_T; ++t)
-        grads.add(t, h, combined[2 * t][threadIdx.x], combined[2 * t + 1][threadIdx.x], table_f32, table_stride,
-                  d_shift, d_scale, d_stride);
     grads.store(h, d_norm_weight, d_bias);
 }

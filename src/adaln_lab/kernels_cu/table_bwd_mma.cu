@@ -26,19 +26,21 @@
 // (table_bwd.cu's sum). Block TBM_THREADS, grid plan.tbm_grids[0] = (ceil((N + D) / TBM_THREADS), S): step
 // blockIdx.y, thread i < N the row j = i, the others the column k = i - N.
 // table_bwd_mma_d_weight: block TBM_THREADS (4 warps, 2 x 2), grid plan.tbm_grids[1] = (ceil(D / 128), ceil(N /
-// 64)): warp w the 32 rows j0 + 32 (w / 2) .. (2 m-tiles) and the 64 columns k0 + 64 (w % 2) .. (8 n-tiles); each
-// fragment one 8-byte load of the terms.
+// 64)): warp w the 32 rows jb + 32 (w / 2) .. (2 m-tiles) and the 64 columns kb + 64 (w % 2) .. (8 n-tiles). A k
+// step's terms (64 rows of wa, 128 columns of wb: 18 KiB) are copied to shared memory (cp.async, the next step's in
+// flight); the fragments are 8-byte loads from there. The tile leaves through shared memory as whole rows.
 // table_bwd_mma_dact: block TBM_THREADS, grid plan.tbm_grids[2] = (ceil(D / 64), blocks_j = ceil(N / ADALN_TB_ROWS)):
 // warp w the 16 columns k0 + 16 w .. (2 n-tiles), the timesteps in passes of TBM_MT m-tiles of 16; K = the block's
 // rows j in steps of 16 (N and ADALN_TB_ROWS are multiples of 16), the weight's 16 x 64 tile of a step staged in shared
-// memory (one 16-byte load a thread, the next one in flight), d_table's terms read from global memory 4 at a time.
+// memory (one 16-byte load a thread, the next one in flight), d_table's terms read from global memory, the next
+// step's in flight.
 // Run: adaln_lab.core.launchers.launch_table_bwd.
 
 #if ADALN_TB_MMA
 #define TBM_THREADS 128
 #define TBM_TP ((ADALN_T + 15) / 16 * 16)  // timesteps rounded up to a step of 16
 #define TBM_S (TBM_TP / 16)
-#define TBM_MT (TBM_S < 4 ? TBM_S : 4)  // dact: m-tiles of 16 timesteps a pass (<= 4)
+#define TBM_MT (TBM_S < 2 ? TBM_S : 2)  // dact: m-tiles of 16 timesteps a pass (<= 2: A's two steps in registers)
 static_assert(ADALN_TABLE_N % 16 == 0 && ADALN_TB_ROWS % 16 == 0, "dact's k steps of 16 rows (plan.tb_mma)");
 static_assert(ADALN_D % 8 == 0, "whole n-tiles of 8 columns");
 
@@ -114,33 +116,55 @@ __device__ __forceinline__ void mma_terms(float c[4], const unsigned a[4], unsig
     mma_bf16_16816(c, a[0], a[1], a[2], a[3], b0, b1);
 }
 
+// d_weight's block: the k step's A (64 rows) and B (128 columns) terms, staged in shared memory (two stages)
+#define TBM_ROWS (64 + 128)
+__device__ __forceinline__ void stage_d_weight(const TbmTerms& tm, bf16_t (*buf)[TBM_ROWS][16], int s, int jb, int kb) {
+    for (int i = threadIdx.x; i < 3 * TBM_ROWS * 2; i += TBM_THREADS) {  // 16-byte chunks (term, row, half)
+        const int p = i / (2 * TBM_ROWS), r = (i >> 1) % TBM_ROWS, h = i & 1;
+        const bool a = r < 64, ok = a ? jb + r < ADALN_TABLE_N : kb + r - 64 < ADALN_D;
+        const bf16_t* src = a ? tm.wa + (((size_t)p * TBM_S + s) * ADALN_TABLE_N + jb + r) * 16
+                              : tm.wb + (((size_t)p * TBM_S + s) * ADALN_D + kb + r - 64) * 16;
+        if (ok)
+            copy_async16(&buf[p][r][8 * h], src + 8 * h);
+        else
+            *reinterpret_cast<uint4*>(&buf[p][r][8 * h]) = make_uint4(0, 0, 0, 0);  // rows past N, columns past D
+    }
+    copy_async_commit();
+}
+
 extern "C" __global__ void __launch_bounds__(TBM_THREADS, 4)
 table_bwd_mma_d_weight(const bf16_t* __restrict__ terms, bf16_t* __restrict__ d_weight) {
+    __shared__ __align__(16) bf16_t st[2][3][TBM_ROWS][16];  // 36 KiB: two k steps' terms
     const TbmTerms tm(const_cast<bf16_t*>(terms));
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
-    const int j0 = blockIdx.y * 64 + 32 * (warp >> 1), k0 = blockIdx.x * 128 + 64 * (warp & 1);
+    const int jb = blockIdx.y * 64, kb = blockIdx.x * 128, wj = 32 * (warp >> 1), wk = 64 * (warp & 1);
     float acc[2][8][4] = {};
+    stage_d_weight(tm, st[0], 0, jb, kb);
     for (int s = 0; s < TBM_S; ++s) {
+        if (s + 1 < TBM_S) {
+            stage_d_weight(tm, st[(s + 1) & 1], s + 1, jb, kb);
+            copy_async_wait<1>();
+        } else {
+            copy_async_wait<0>();
+        }
+        __syncthreads();
+        bf16_t (*t)[TBM_ROWS][16] = st[s & 1];
         unsigned a[2][3][4];
 #pragma unroll
         for (int m = 0; m < 2; ++m)
 #pragma unroll
             for (int p = 0; p < 3; ++p) {
-                const int j = min(j0 + 16 * m + g, ADALN_TABLE_N - 9);  // rows past N: a tile left out below
-                const bf16_t* w = tm.wa + (((size_t)p * TBM_S + s) * ADALN_TABLE_N + j) * 16 + 4 * q;
-                const uint2 lo = __ldg(reinterpret_cast<const uint2*>(w));
-                const uint2 hi = __ldg(reinterpret_cast<const uint2*>(w + 8 * 16));
+                const uint2 lo = *reinterpret_cast<const uint2*>(&t[p][wj + 16 * m + g][4 * q]);
+                const uint2 hi = *reinterpret_cast<const uint2*>(&t[p][wj + 16 * m + g + 8][4 * q]);
                 a[m][p][0] = lo.x, a[m][p][1] = hi.x, a[m][p][2] = lo.y, a[m][p][3] = hi.y;
             }
 #pragma unroll
         for (int n = 0; n < 8; ++n) {
-            const int k = k0 + 8 * n + g;
-            if (k0 + 8 * n >= ADALN_D) continue;  // the same for the whole warp (D % 8 == 0)
+            if (kb + wk + 8 * n >= ADALN_D) continue;  // the same for the whole warp (D % 8 == 0)
             unsigned b[3][2];
 #pragma unroll
             for (int p = 0; p < 3; ++p) {
-                const uint2 v = __ldg(reinterpret_cast<const uint2*>(
-                    tm.wb + (((size_t)p * TBM_S + s) * ADALN_D + k) * 16 + 4 * q));
+                const uint2 v = *reinterpret_cast<const uint2*>(&t[p][64 + wk + 8 * n + g][4 * q]);
                 b[p][0] = v.x, b[p][1] = v.y;
             }
 #pragma unroll
@@ -153,26 +177,54 @@ table_bwd_mma_d_weight(const bf16_t* __restrict__ terms, bf16_t* __restrict__ d_
                 mma_terms(acc[m][n], a[m][0], b[0][0], b[0][1]);
             }
         }
+        __syncthreads();  // this stage read before the next step's copies overwrite it
     }
+    // the block's 64 x 128 tile as bf16 through shared memory (rows padded: conflict-free), then whole rows out
+    bf16_t (*c)[136] = reinterpret_cast<bf16_t (*)[136]>(&st[0][0][0][0]);
 #pragma unroll
-    for (int m = 0; m < 2; ++m) {
-        const int r = j0 + 16 * m + g;
-        if (j0 + 16 * m >= ADALN_TABLE_N) continue;  // whole m-tiles (N % 16 == 0)
+    for (int m = 0; m < 2; ++m)
 #pragma unroll
         for (int n = 0; n < 8; ++n) {
-            const int k = k0 + 8 * n + 2 * q;
-            if (k0 + 8 * n >= ADALN_D) continue;
-            *reinterpret_cast<unsigned*>(d_weight + (size_t)r * ADALN_D + k) =
-                float2_to_bf16x2(acc[m][n][0], acc[m][n][1]);
-            *reinterpret_cast<unsigned*>(d_weight + (size_t)(r + 8) * ADALN_D + k) =
-                float2_to_bf16x2(acc[m][n][2], acc[m][n][3]);
+            const int r = wj + 16 * m + g, k = wk + 8 * n + 2 * q;
+            *reinterpret_cast<unsigned*>(&c[r][k]) = float2_to_bf16x2(acc[m][n][0], acc[m][n][1]);
+            *reinterpret_cast<unsigned*>(&c[r + 8][k]) = float2_to_bf16x2(acc[m][n][2], acc[m][n][3]);
+        }
+    __syncthreads();
+    const bool wide = (reinterpret_cast<size_t>(d_weight) & 15) == 0;  // else bf16 stores (any bf16 alignment)
+    for (int i = threadIdx.x; i < 64 * 16; i += TBM_THREADS) {
+        const int r = i >> 4, k = 8 * (i & 15);
+        if (jb + r >= ADALN_TABLE_N || kb + k >= ADALN_D) continue;
+        const uint4 v = *reinterpret_cast<const uint4*>(&c[r][k]);
+        bf16_t* out = d_weight + (size_t)(jb + r) * ADALN_D + kb + k;
+        if (wide) {
+            *reinterpret_cast<uint4*>(out) = v;
+        } else {
+            const bf16_t* e = reinterpret_cast<const bf16_t*>(&v);
+#pragma unroll
+            for (int u = 0; u < 8; ++u) out[u] = e[u];
+        }
+    }
+}
+
+// dact's A fragments of one k step (rows j .. j + 15) for the pass's m-tiles, from the terms
+__device__ __forceinline__ void dact_a(const TbmTerms& tm, int m0, int j, int g, int q, unsigned a[][3][4]) {
+#pragma unroll
+    for (int mt = 0; mt < TBM_MT; ++mt) {
+        if (m0 + 16 * mt >= ADALN_T) continue;  // the same for the whole warp
+        const int t = m0 + 16 * mt + g;          // rows t < TP: zeros past T
+#pragma unroll
+        for (int p = 0; p < 3; ++p) {
+            const bf16_t* d = tm.da + ((size_t)p * TBM_TP + t) * ADALN_TABLE_N + j + 4 * q;
+            const uint2 lo = __ldg(reinterpret_cast<const uint2*>(d));
+            const uint2 hi = __ldg(reinterpret_cast<const uint2*>(d + 8 * ADALN_TABLE_N));
+            a[mt][p][0] = lo.x, a[mt][p][1] = hi.x, a[mt][p][2] = lo.y, a[mt][p][3] = hi.y;
         }
     }
 }
 
 extern "C" __global__ void __launch_bounds__(TBM_THREADS, 4)
 table_bwd_mma_dact(const bf16_t* __restrict__ terms, const bf16_t* __restrict__ weight,
-                    float* __restrict__ dact_partials) {
+                   float* __restrict__ dact_partials) {
     const TbmTerms tm(const_cast<bf16_t*>(terms));
     __shared__ __align__(16) bf16_t w_s[16][72];  // weight[j + r, k0 + c] of a step at [r][c] (rows padded)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
@@ -184,12 +236,17 @@ table_bwd_mma_dact(const bf16_t* __restrict__ terms, const bf16_t* __restrict__ 
         float acc[TBM_MT][2][4] = {};
         uint4 next = lok ? __ldg(reinterpret_cast<const uint4*>(weight + (size_t)(jb + lr) * ADALN_D + k0 + lc))
                          : make_uint4(0, 0, 0, 0);
+        unsigned a[TBM_MT][3][4], an[TBM_MT][3][4] = {};  // this step's A fragments, the next step's in flight
+        dact_a(tm, m0, jb, g, q, a);
         for (int j = jb; j < jend; j += 16) {
             __syncthreads();  // the previous step's tile has been read
             *reinterpret_cast<uint4*>(&w_s[lr][lc]) = next;
             __syncthreads();
-            if (j + 16 < jend && lok)
-                next = __ldg(reinterpret_cast<const uint4*>(weight + (size_t)(j + 16 + lr) * ADALN_D + k0 + lc));
+            if (j + 16 < jend) {
+                if (lok)
+                    next = __ldg(reinterpret_cast<const uint4*>(weight + (size_t)(j + 16 + lr) * ADALN_D + k0 + lc));
+                dact_a(tm, m0, j + 16, g, q, an);
+            }
             unsigned b[2][2];
 #pragma unroll
             for (int n = 0; n < 2; ++n) {
@@ -200,22 +257,19 @@ table_bwd_mma_dact(const bf16_t* __restrict__ terms, const bf16_t* __restrict__ 
 #pragma unroll
             for (int mt = 0; mt < TBM_MT; ++mt) {
                 if (m0 + 16 * mt >= ADALN_T) continue;  // the same for the whole warp
-                const int t = m0 + 16 * mt + g;          // rows t < TP: zeros past T
-                unsigned a[3][4];
-#pragma unroll
-                for (int p = 0; p < 3; ++p) {
-                    const bf16_t* d = tm.da + ((size_t)p * TBM_TP + t) * ADALN_TABLE_N + j + 4 * q;
-                    const uint2 lo = __ldg(reinterpret_cast<const uint2*>(d));
-                    const uint2 hi = __ldg(reinterpret_cast<const uint2*>(d + 8 * ADALN_TABLE_N));
-                    a[p][0] = lo.x, a[p][1] = hi.x, a[p][2] = lo.y, a[p][3] = hi.y;
-                }
 #pragma unroll
                 for (int n = 0; n < 2; ++n) {
-                    mma_terms(acc[mt][n], a[2], b[n][0], b[n][1]);
-                    mma_terms(acc[mt][n], a[1], b[n][0], b[n][1]);
-                    mma_terms(acc[mt][n], a[0], b[n][0], b[n][1]);
+                    mma_terms(acc[mt][n], a[mt][2], b[n][0], b[n][1]);
+                    mma_terms(acc[mt][n], a[mt][1], b[n][0], b[n][1]);
+                    mma_terms(acc[mt][n], a[mt][0], b[n][0], b[n][1]);
                 }
             }
+#pragma unroll
+            for (int mt = 0; mt < TBM_MT; ++mt)
+#pragma unroll
+                for (int p = 0; p < 3; ++p)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) a[mt][p][r] = an[mt][p][r];
         }
 #pragma unroll
         for (int mt = 0; mt < TBM_MT; ++mt)

@@ -47,7 +47,9 @@ def launch(row_index: torch.Tensor, table_rows: int, H: int, order: torch.Tensor
     if tensors.gpu(row_index) and row_index.shape[0] <= ROWS_MAX and supported(H, 8, max(table_rows, 1)):
         plan = make_plan(H, 8, table_rows)
         k, stream = tensors.setup(row_index.device, plan)
-        launchers.launch_row_order(k, plan, stream, row_index.data_ptr(), order.data_ptr(), row_index.shape[0])
+        S = row_index.shape[0]
+        scratch = torch.empty(plan.row_order_scratch(S), dtype=torch.uint8, device=row_index.device)
+        launchers.launch_row_order(k, plan, stream, row_index.data_ptr(), order.data_ptr(), S, scratch.data_ptr())
         return
     order.copy_(order_torch(row_index, table_rows))
 
