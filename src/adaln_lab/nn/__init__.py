@@ -11,5 +11,4 @@ from .fsdp import fsdp2_shard
 from .patch import patch, unpatch
 
 __all__ = ["AdaLNFallbackWarning", "AdaLNOut", "AdaLNOutFallbackWarning", "AdaLNTransformerBlock", "ExactGradients",
-           "fsdp2_shard",
-           "NothingToPatchWarning", "patch", "unpatch"]
+           "fsdp2_shard", "NothingToPatchWarning", "patch", "unpatch"]
