@@ -111,3 +111,31 @@ def test_write_says_when_tembs_graph_was_freed_by_another_consumer():
         ((out.float() * cot).sum() + temb.square().sum()).backward()  # temb's graph runs (and is freed) here
     with pytest.raises(RuntimeError, match="temb's graph was freed before write"):
         acc.write()
+
+
+@pytest.mark.gpu
+def test_cuda_torch_route_gives_the_same_bits_for_every_split():
+    """On CUDA (backend "torch": the kernels do not record yet) the states live on the GPU and the table's
+    parameter gradients are formed on the CPU: one batch and its splits into 2, 3 and 8 parts give the same bits,
+    and the gradients land on the parameters' device."""
+    params, embed, batch = model()
+    params = [torch.nn.Parameter(p.detach().cuda()) for p in params]
+    embed = embed.cuda()
+    batch = tuple(t.cuda() for t in batch)
+
+    def cuda_step(parts):
+        for p in [*params, *embed.parameters()]:
+            p.grad = None
+        acc = ExactGradients()
+        for x, feats, idx, cot in parts:
+            with acc:
+                out = final_adaln_out(x, *params[:1], embed(feats), *params[1:], idx, backend="torch")
+                (out.float() * cot).sum().backward()
+        acc.write()
+        return [p.grad for p in params]
+
+    one = cuda_step([batch])
+    assert all(g.is_cuda and bool(torch.isfinite(g.float()).all()) for g in one)
+    for n in (2, 3, 8):
+        for parts in (by_sample(batch, n), within(batch, n)):
+            assert same(cuda_step(parts), one), n
