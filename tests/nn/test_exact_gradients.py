@@ -139,3 +139,46 @@ def test_cuda_torch_route_gives_the_same_bits_for_every_split():
     for n in (2, 3, 8):
         for parts in (by_sample(batch, n), within(batch, n)):
             assert same(cuda_step(parts), one), n
+
+
+def test_a_patched_h3_model_gives_the_same_adaln_gradients_for_every_split_by_sample():
+    """A patched tiny MiniMax-H3 model (fp32, CPU: every AdaLN on the torch route): its 11 AdaLN parameters'
+    gradients the same bits for one batch of 4 samples, the timesteps' order permuted (indices remapped), 2 parts in
+    both orders and 4 parts of one sample shuffled; plain autograd over the same parts changes them all. (A split
+    within a sample is no split of a model: attention mixes its rows.)"""
+    pytest.importorskip("diffusers")
+    import adaln_lab
+    from adaln_lab.testing import tiny_h3_model
+
+    model, inputs = tiny_h3_model(batch=4)
+    adaln_lab.patch(model)
+    adaln = {n: p for n, p in model.named_parameters() if n.startswith("norm_out.") or (
+        n.startswith("transformer_blocks.") and any(k in n for k in (".norm1.", ".norm2.", ".adaln_proj.")))}
+    assert len(adaln) == 11
+    per_sample = ("hidden_states", "audio_hidden_states", "encoder_hidden_states")
+    cot = torch.randn(4, *model(**inputs).sample.shape[1:], generator=torch.Generator().manual_seed(5))
+
+    def run(parts, exact=True, given=inputs):
+        model.zero_grad(set_to_none=True)
+        acc = ExactGradients()
+        for idx in parts:
+            part = {k: (v[idx] if k in per_sample else v) for k, v in given.items()}
+            with acc if exact else torch.enable_grad():
+                (model(**part).sample * cot[idx]).sum().backward()
+        if exact:
+            acc.write()
+        return {n: p.grad.clone() for n, p in adaln.items()}
+
+    def same(a, b):
+        return all(torch.equal(a[n], b[n]) for n in adaln)
+
+    one = run([slice(0, 4)])
+    remap = torch.tensor([2, 0, 1])  # timestep t -> remap[t]
+    moved = dict(inputs, timestep_indices=remap[inputs["timestep_indices"]])
+    moved["timestep"] = torch.empty_like(inputs["timestep"]).index_copy_(0, remap, inputs["timestep"])
+    assert same(run([slice(0, 4)], given=moved), one)
+    for parts in ([slice(0, 2), slice(2, 4)], [slice(2, 4), slice(0, 2)], [slice(k, k + 1) for k in (3, 1, 0, 2)]):
+        assert same(run(parts), one), parts
+    plain = run([slice(0, 4)], exact=False)
+    assert all(not same(run(parts, exact=False), plain)
+               for parts in ([slice(0, 2), slice(2, 4)], [slice(k, k + 1) for k in (3, 1, 0, 2)]))

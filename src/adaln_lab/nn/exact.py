@@ -2,22 +2,22 @@
 
     acc = ExactGradients()
     for micro in micro_batches:
-        with acc:                                    # norm_out records instead of returning its gradients
+        with acc:                                    # the AdaLN ops record instead of returning their gradients
             loss_fn(model(micro)).backward()         # dx flows at once; nothing reaches the AdaLN parameters
     acc.write()                                      # each one's .grad, once; temb's gradient into its producer
 
-Inside `with acc` norm_out (`final_adaln_out`, the torch route: backend="torch", or any CPU call) keeps the exact
-states of its cross-row sums (ops/final_adaln_out/exact.py: per-row float32 terms added as integers) and its
-temb, graph and all. `write` rounds each sum once: d_norm_weight and the table's gradient per distinct temb row
-(identical rows are one timestep, merged), then d_weight, d_bias and d_temb as fixed functions of those
-(ops/modulation_table/exact.py), and sends d_temb back through the first kept temb holding each row (the same
-rows give the same Jacobian). The parameters' .grad must be None before the first part (zero_grad(set_to_none=
-True)): write sets them, once. `merge` adds another accumulator's states (another group of micro-batches), in
-any order. The kernels' route is not recorded yet: a call there inside `with acc` raises NotImplementedError.
-temb's graph must live until write: a temb that other ops also backpropagate through (an H3 model's blocks) is
-freed by then, and write says so (the model-level step, recomputing the time embedding of the distinct rows at
-write, is not built yet). The active accumulator is process-wide (a stack in core.exact, which torch.compile can
-read): one training thread.
+Inside `with acc` norm_out (`final_adaln_out`) and each block's AdaLN (`block_adaln_path`), on the torch route
+(any CPU call, or backend="torch"), keep the exact states of their cross-row sums (per-row float32 terms added as
+integers: ops/final_adaln_out/exact.py, ops/block/exact.py) and their temb, graph and all. `write` rounds each sum
+once: the norm weights' and the table's gradient per distinct temb row (identical rows are one timestep, merged),
+then d_weight, d_bias and d_temb as fixed functions of those (ops/modulation_table/exact.py); the tembs' gradients,
+added over the AdaLNs in the order they were first recorded, go back in one backward. The parameters' .grad must
+be None before the first part (zero_grad(set_to_none=True)): write sets them, once. `merge` adds another
+accumulator's states (another group of micro-batches), in any order. Not recorded yet: the kernels' route (a call
+there inside `with acc` raises NotImplementedError) and LoRA adapters on the table (`adapt_table`: raises too).
+temb's graph must live until write, so every op that reads temb must record (an H3 model whose AdaLNs all run
+here does). The active accumulator is process-wide (a stack in core.exact, which torch.compile can read): one
+training thread.
 """
 
 from __future__ import annotations
@@ -29,13 +29,29 @@ from ..ops.modulation_table.exact import TableSums, row_key
 
 
 class _Group:
-    """One norm_out's parameters (norm_weight, weight, bias), their exact states and the kept tembs."""
+    """One AdaLN's parameters, their exact states and the kept tembs: norm_out's (weight, bias, norm_weight) or a
+    block's (weight, bias, norm1_weight, norm2_weight); `norms` the norm weights' states, `pending` a block's
+    parts (temb, BlockSums), whose backwards fill them until write."""
 
-    def __init__(self, params):
-        self.params = params
-        self.norm_weight = ExactSum(params[0].shape, params[0].device)
+    def __init__(self, weight, bias, norm_weights):
+        self.weight, self.bias, self.norm_weights = weight, bias, tuple(norm_weights)
+        self.norm_names = ("norm_weight",) if len(self.norm_weights) == 1 else ("norm1_weight", "norm2_weight")
+        self.norms = [ExactSum(w.shape, w.device) for w in self.norm_weights]
         self.table = TableSums()
         self.tembs: list[torch.Tensor] = []
+        self.pending: list = []
+
+    def keep(self, temb: torch.Tensor) -> None:
+        if temb.requires_grad and not any(t is temb for t in self.tembs):
+            self.tembs.append(temb)
+
+    def settle(self) -> None:
+        """Merge the blocks' parts, their backwards done."""
+        for temb, sums in self.pending:
+            self.table.add(temb, sums.table())
+            for mine, theirs in zip(self.norms, sums.norms):
+                mine.merge(theirs)
+        self.pending.clear()
 
 
 class ExactGradients:
@@ -51,69 +67,92 @@ class ExactGradients:
     def __exit__(self, *exc) -> None:
         reset_recording()
 
-    def _group(self, params) -> _Group:
-        key = tuple(id(p) for p in params)
+    def _group(self, weight, bias, norm_weights) -> _Group:
+        key = tuple(id(p) for p in (weight, bias, *norm_weights))
         if key not in self.groups:
-            self.groups[key] = _Group(params)
+            self.groups[key] = _Group(weight, bias, norm_weights)
         return self.groups[key]
 
     def keep_temb(self, params, temb: torch.Tensor) -> None:
-        """Keep a part's temb (with its graph) for write's temb gradient."""
-        group = self._group(params)
-        if temb.requires_grad and not any(t is temb for t in group.tembs):
-            group.tembs.append(temb)
+        """Keep a norm_out part's temb (with its graph) for write's temb gradient; params (norm_weight, weight,
+        bias)."""
+        norm_weight, weight, bias = params
+        self._group(weight, bias, (norm_weight,)).keep(temb)
 
     def add_norm_out(self, params, temb: torch.Tensor, sums) -> None:
-        """Merge a part's NormOutSums (its temb rows as the table states' keys)."""
-        group = self._group(params)
-        group.norm_weight.merge(sums.norm_weight)
+        """Merge a norm_out part's NormOutSums (its temb rows as the table states' keys); params as keep_temb's."""
+        norm_weight, weight, bias = params
+        group = self._group(weight, bias, (norm_weight,))
+        group.norms[0].merge(sums.norm_weight)
         group.table.add(temb, sums.table)
+
+    def add_block(self, params, temb: torch.Tensor, sums) -> None:
+        """Take a block part's BlockSums (filled by its backward) and keep its temb; params (weight, bias,
+        norm1_weight, norm2_weight)."""
+        weight, bias, *norm_weights = params
+        group = self._group(weight, bias, norm_weights)
+        group.keep(temb)
+        group.pending.append((temb.detach(), sums))
 
     def merge(self, other: "ExactGradients") -> "ExactGradients":
         """Add another accumulator's states and kept tembs (the same parameters), in any order."""
-        for key, theirs in other.groups.items():
-            mine = self._group(theirs.params)
-            mine.norm_weight.merge(theirs.norm_weight)
+        for theirs in other.groups.values():
+            theirs.settle()
+            mine = self._group(theirs.weight, theirs.bias, theirs.norm_weights)
+            mine.settle()
+            for a, b in zip(mine.norms, theirs.norms):
+                a.merge(b)
             mine.table.merge(theirs.table)
-            mine.tembs += [t for t in theirs.tembs if not any(t is u for u in mine.tembs)]
+            for t in theirs.tembs:
+                mine.keep(t)
         return self
 
     def write(self) -> None:
         """Set each recorded parameter's .grad from the exact sums, send d_temb to the kept tembs, forget all."""
         for group in self.groups.values():
-            norm_weight, weight, bias = group.params
-            for name, p in zip(("norm_weight", "weight", "bias"), group.params):
+            params = {"weight": group.weight, "bias": group.bias}
+            params.update(zip(group.norm_names, group.norm_weights))
+            for name, p in params.items():
                 if p.requires_grad and p.grad is not None:
                     raise ValueError(f"ExactGradients.write: {name}.grad is set already; zero the gradients with "
                                      "set_to_none=True before the first micro-batch (write sets them once)")
-            rows, d_temb, d_weight, d_bias = group.table.gradients(weight, bias.dtype)
-            grads = (group.norm_weight.value(norm_weight.dtype), d_weight, d_bias)
-            for p, g in zip(group.params, grads):
+        temb_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for group in self.groups.values():
+            group.settle()
+            rows, d_temb, d_weight, d_bias = group.table.gradients(group.weight, group.bias.dtype)
+            grads = [(group.weight, d_weight), (group.bias, d_bias)]
+            grads += [(w, state.value(w.dtype)) for w, state in zip(group.norm_weights, group.norms)]
+            for p, g in grads:
                 if p.requires_grad:
                     p.grad = g.to(p.device)
-            _temb_backward(group.tembs, rows, d_temb)
+            _temb_grads(group.tembs, rows, d_temb, temb_grads)
         self.groups.clear()
+        _temb_backward(temb_grads)
 
 
-def _temb_backward(tembs, rows, d_temb) -> None:
-    """d_temb of each distinct row through the first kept temb that holds it (zeros elsewhere)."""
+def _temb_grads(tembs, rows, d_temb, into: dict) -> None:
+    """Add d_temb of each distinct row to the first kept temb that holds it, in float64 (into: id -> (temb,
+    its gradient so far)); the groups add theirs in the order they were first recorded (the forward's)."""
     pending = {row_key(r): k for k, r in enumerate(rows)}
-    outputs, grads = [], []
     for temb in tembs:
-        g = torch.zeros_like(temb)
+        _, g = into.setdefault(id(temb), (temb, torch.zeros(temb.shape, dtype=torch.float64)))
         for t in range(temb.shape[0]):
             k = pending.pop(row_key(temb[t]), None)
             if k is not None:
-                g[t] = d_temb[k].to(temb.dtype)
-        outputs.append(temb)
-        grads.append(g)
-    if not outputs:
+                g[t] += d_temb[k].to(torch.float64)
+
+
+def _temb_backward(temb_grads: dict) -> None:
+    """One backward through every kept temb with its gradient (cast to its dtype once)."""
+    if not temb_grads:
         return
+    outputs = [temb for temb, _ in temb_grads.values()]
+    grads = [g.to(temb.dtype).to(temb.device) for temb, g in temb_grads.values()]
     try:
         torch.autograd.backward(outputs, grads)
     except RuntimeError as e:
         if "second time" not in str(e):
             raise
         raise RuntimeError("ExactGradients.write: temb's graph was freed before write (temb also fed ops whose "
-                           "backward ran: an H3 model's blocks); exact gradients take a temb that only norm_out "
-                           "uses, or a time embedding recomputed at write (not yet)") from e
+                           "backward ran and that do not record: a block outside the torch route, or another "
+                           "consumer); exact gradients need every op that reads temb to record") from e

@@ -48,11 +48,12 @@ def table_chunks(table: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor, .
     return table.view(-1, 6 * hidden_size).chunk(6, dim=-1)
 
 
-def replay_modulated_rms_norm(x, norm_weight, shift, scale, row_index, eps):
+def replay_modulated_rms_norm(x, norm_weight, shift, scale, row_index, eps, norm=rms_norm):
     """`norm(x) * (1 + scale[row_index]) + shift[row_index]` as diffusers computes it: `F.rms_norm` (x's dtype),
     then `1 + scale` in the table's dtype, the product and the sum in the promoted dtype, each rounded.
-    shift, scale (R, H) in the table's dtype; x (..., S, H); row_index (S,)."""
-    normed = rms_norm(x, norm_weight, eps)
+    shift, scale (R, H) in the table's dtype; x (..., S, H); row_index (S,). `norm`: rms_norm's stand-in, same bits
+    (the exact-gradient block's recording norm)."""
+    normed = norm(x, norm_weight, eps)
     return normed * (1.0 + scale.index_select(0, row_index)) + shift.index_select(0, row_index)
 
 

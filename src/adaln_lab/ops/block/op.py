@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ...core import support
+from ...core import exact, support
 from ...core.autocast import autocast_params
 from ...core.checks import (BLOCK_BACKENDS, TABLE_BACKENDS, check_devices, check_option, check_rows,
                             check_table_inputs)
@@ -33,6 +33,7 @@ from ..gated_residual_norm.op import GatedResidualNorm, pair_route
 from ..modulated_rms_norm.op import ModulatedRMSNorm, norm_route
 from ..modulation_table.op import ModulationTable
 from ..row_order import row_order
+from .exact import block_exact
 
 OP = "block_adaln_path"
 
@@ -90,6 +91,15 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
     H = x.shape[-1]
     if weight.dim() != 2 or weight.shape[0] != 6 * MODALITIES * H:
         raise ValueError(f"block_adaln_path needs weight of shape (18H, D) = ({18 * H}, D), got {tuple(weight.shape)}")
+    recorder = exact.recorder() if torch.is_grad_enabled() else None
+    if recorder is not None:  # inside adaln_lab.nn.ExactGradients: record the exact sums (the torch route)
+        if adapt_table is not None or (backend != "torch" and (backend != "auto" or x.is_cuda)):
+            raise NotImplementedError("block_adaln_path: exact gradients (adaln_lab.nn.ExactGradients) run on the "
+                                      "torch route, without adapters on the table, for now; pass backend='torch' "
+                                      f"(got backend={backend!r} on {x.device}, adapt_table "
+                                      f"{'given' if adapt_table is not None else 'None'})")
+        return block_exact(x, temb, weight, bias, norm1_weight, norm2_weight, row_index, attn, ff, float(eps1),
+                           float(eps2), recorder)
     if backend == "torch":
         if adapt_table is not None:
             raise ValueError("block_adaln_path: adapt_table needs backend 'auto' or 'cupy' (backend 'torch' runs "
