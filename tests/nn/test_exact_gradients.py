@@ -182,3 +182,75 @@ def test_a_patched_h3_model_gives_the_same_adaln_gradients_for_every_split_by_sa
     plain = run([slice(0, 4)], exact=False)
     assert all(not same(run(parts, exact=False), plain)
                for parts in ([slice(0, 2), slice(2, 4)], [slice(k, k + 1) for k in (3, 1, 0, 2)]))
+
+
+def own_timesteps(parts):
+    """Each part with only the timesteps its rows use: (x, used rows of temb's table, indices remapped, cot, used)."""
+    out = []
+    for x, feats, idx, cot in parts:
+        used = idx.unique()
+        out.append((x, used, torch.searchsorted(used, idx), cot))
+    return out
+
+
+def test_parts_that_hold_only_their_own_timesteps_give_the_same_bits():
+    """Within-sample parts passing only the temb rows their rows use (T differs from part to part; the rows are
+    the same bits, sliced from one time embedding): the same bits as one batch with every timestep."""
+    params, embed, batch = model()
+    x, feats, idx, cot = batch
+
+    def run(parts):
+        for p in params:
+            p.grad = None
+        temb = embed(feats)
+        acc = ExactGradients()
+        for px, used, pidx, pcot in parts:
+            with acc:
+                (final_adaln_out(px, *params[:1], temb[used], *params[1:], pidx).float() * pcot).sum().backward()
+        acc.write()
+        return [p.grad for p in params]
+
+    one = run(own_timesteps([batch]))
+    assert any(len(used) < T for _, used, _, _ in own_timesteps(within(batch, 8)))  # some part holds fewer
+    for n in (2, 3, 8):
+        assert same(run(own_timesteps(within(batch, n))), one), n
+
+
+def test_a_parameter_in_two_adalns_and_a_bypassed_adaln_are_refused():
+    """Two norm_outs sharing their projection but not their norm weight would write the projection's .grad twice:
+    refused; an AdaLNOut that would run diffusers' ops instead of the recording op (a bf16 temb with the torch
+    route) raises instead of leaving its gradients unrecorded."""
+    params, embed, (x, feats, idx, cot) = model()
+    other = torch.nn.Parameter(params[0].detach().clone())
+    with ExactGradients(), pytest.raises(ValueError, match="in two AdaLN"):
+        final_adaln_out(x, params[0], embed(feats), *params[1:], idx)
+        final_adaln_out(x, other, embed(feats), *params[1:], idx)
+    pytest.importorskip("diffusers")
+    from adaln_lab.nn import AdaLNOut
+
+    module = AdaLNOut(H, D, eps=1e-5, backend="torch").bfloat16()
+    with ExactGradients(), pytest.raises(NotImplementedError, match="not recorded"):
+        module(x, embed(feats).bfloat16(), idx)
+
+
+def test_merged_accumulators_and_tembs_gradient_are_the_same_bits():
+    """Two accumulators over the two halves of the parts, merged either way, write one batch's bits; temb's own
+    gradient (a leaf here: the exact d_temb, summed in float64 and rounded once) is the same bits too."""
+    params, embed, batch = model()
+    temb = embed(batch[1]).detach().requires_grad_(True)
+
+    def run(parts, merge_order=None):
+        for p in [*params, temb]:
+            p.grad = None
+        accs = [ExactGradients(), ExactGradients()]
+        for k, (x, _, idx, cot) in enumerate(parts):
+            with accs[k % 2] if merge_order else accs[0]:
+                (final_adaln_out(x, *params[:1], temb, *params[1:], idx).float() * cot).sum().backward()
+        acc = accs[merge_order[0]].merge(accs[merge_order[1]]) if merge_order else accs[0]
+        acc.write()
+        return [p.grad for p in params] + [temb.grad]
+
+    one = run([batch])
+    for order in ((0, 1), (1, 0)):
+        got = run(by_sample(batch, 4), order)
+        assert same(got, one) and torch.equal(got[3], one[3]), order

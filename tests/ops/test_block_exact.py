@@ -12,8 +12,8 @@ from adaln_lab import block_adaln_path
 from adaln_lab.core.exact import round_scaled
 from adaln_lab.nn import ExactGradients
 from adaln_lab.reference.block import (replay_block_adaln, replay_gated_residual, replay_modulated_rms_norm,
-                                       replay_table, table_chunks)
-from adaln_lab.reference.final_adaln_out import rms_norm
+                                       table_chunks)
+from adaln_lab.reference.final_adaln_out import rms_norm, table_rows
 
 B, S, H, D, T = 8, 18, 16, 8, 2
 
@@ -70,15 +70,31 @@ def same(a, b) -> bool:
     return all(torch.equal(u, v) for u, v in zip(a[:4], b[:4]))
 
 
+def replay_rows(x, temb, weight, bias, n1, n2, row_index, attn, ff, norm=rms_norm):
+    """diffusers' block (reference.block's replay) on the table computed a temb row at a time (`table_rows`)."""
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table_chunks(table_rows(temb, weight, bias), H)
+    h = replay_modulated_rms_norm(x, n1, shift_msa, scale_msa, row_index, 1e-5, norm=norm)
+    x = replay_gated_residual(x, gate_msa, attn(h), row_index)
+    h = replay_modulated_rms_norm(x, n2, shift_mlp, scale_mlp, row_index, 1e-5, norm=norm)
+    return replay_gated_residual(x, gate_mlp, ff(h), row_index)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_forward_and_dx_are_diffusers_bits(dtype):
+def test_forward_and_dx_are_diffusers_bits_on_the_rowwise_table(dtype):
+    """The output and dx are diffusers' block on a table computed a temb row at a time (each row diffusers' bits for
+    that row alone); with one timestep that is diffusers' block itself."""
     params, embed, maps, (x, feats, row_index, cot) = model(dtype=dtype)
-    grads, [(out, dx)] = step(params, embed, maps, [(x, feats, row_index, cot)])
-    xr = x.detach().requires_grad_(True)
-    want = replay_block_adaln(xr, embed(feats).detach(), *[p.detach() for p in params], row_index, *maps)
-    (want.float() * cot).sum().backward()
-    assert torch.equal(out, want.detach()) and torch.equal(dx, xr.grad)
-    assert all(g is not None and bool(torch.isfinite(g.float()).all()) for g in grads)
+    for T_used, idx in ((T, row_index), (1, torch.zeros_like(row_index))):
+        f = feats[:T_used]
+        grads, [(out, dx)] = step(params, embed, maps, [(x, f, idx, cot)])
+        xr = x.detach().requires_grad_(True)
+        want = replay_rows(xr, embed(f).detach(), *[p.detach() for p in params], idx, *maps)
+        (want.float() * cot).sum().backward()
+        assert torch.equal(out, want.detach()) and torch.equal(dx, xr.grad)
+        assert all(g is not None and bool(torch.isfinite(g.float()).all()) for g in grads)
+        if T_used == 1:
+            plain = replay_block_adaln(x, embed(f).detach(), *[p.detach() for p in params], idx, *maps)
+            assert torch.equal(out, plain.detach())
 
 
 def test_permutations_and_micro_batches_give_the_same_bits():
@@ -118,14 +134,9 @@ def test_the_norm_weights_gradients_are_the_correctly_rounded_exact_sums_of_thei
         out.register_hook(lambda g: seen.update({k: (xn.detach(), g)}))
         return out
 
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table_chunks(
-        replay_table(embed(feats).detach(), weight, bias), H)
-    attn, ff = maps
     xr = x.detach().requires_grad_(True)
-    h = replay_modulated_rms_norm(xr, n1, shift_msa, scale_msa, row_index, 1e-5, norm=norm)
-    x2 = replay_gated_residual(xr, gate_msa, attn(h), row_index)
-    h = replay_modulated_rms_norm(x2, n2, shift_mlp, scale_mlp, row_index, 1e-5, norm=norm)
-    (replay_gated_residual(x2, gate_mlp, ff(h), row_index).float() * cot).sum().backward()
+    out = replay_rows(xr, embed(feats).detach(), weight, bias, n1, n2, row_index, *maps, norm=norm)
+    (out.float() * cot).sum().backward()
     for got, (xn, dy) in zip((grads[2], grads[3]), (seen[0], seen[1])):
         xf = xn.reshape(-1, H).float()
         terms = dy.reshape(-1, H).float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5))
@@ -141,3 +152,28 @@ def test_the_kernels_route_and_adapters_refuse_to_record():
         block_adaln_path(x, embed(feats), *params, row_index, *maps, backend="cupy")
     with ExactGradients(), pytest.raises(NotImplementedError, match="adapt_table given"):
         block_adaln_path(x, embed(feats), *params, row_index, *maps, backend="torch", adapt_table=lambda t: t)
+
+
+def test_parts_that_hold_only_their_own_timesteps_give_the_same_bits():
+    """Within-sample parts passing only the temb rows their rows use (row_index remapped): the same AdaLN gradients
+    as one batch with every timestep (the table is computed a temb row at a time)."""
+    params, embed, maps, batch = model(dtype=torch.float32)
+    x, feats, row_index, cot = batch
+
+    def run(parts):
+        for p in params:
+            p.grad = None
+        temb, acc = embed(feats), ExactGradients()  # one time embedding a step, its rows sliced by the parts
+        for px, _, ri, pcot in parts:
+            used = (ri // 3).unique()
+            remapped = 3 * torch.searchsorted(used, ri // 3) + ri % 3
+            with acc:
+                out = block_adaln_path(px.float(), temb[used], *params, remapped, *maps, backend="torch")
+                (out.float() * pcot).sum().backward()
+        acc.write()
+        return [p.grad for p in params]
+
+    one = run([batch])
+    assert any(len((ri // 3).unique()) < T for _, _, ri, _ in within(batch, 8))
+    for n in (3, 8):
+        assert all(torch.equal(a, b) for a, b in zip(run(within(batch, n)), one)), n

@@ -55,6 +55,15 @@ def reset_recording() -> None:
     _RECORDERS.pop()
 
 
+def refuse_unrecorded(where: str, why: str) -> None:
+    """Raise NotImplementedError where an AdaLN would run ops that do not record while an exact-gradient recorder is
+    active (its gradients would bypass the exact sums)."""
+    if _RECORDERS and torch.is_grad_enabled():
+        raise NotImplementedError(f"{where}: {why}: its gradients would not be recorded by adaln_lab.nn."
+                                  "ExactGradients (not recorded: diffusers' own forward, adapters, temb dtypes "
+                                  "other than float32 / float64)")
+
+
 def decompose(terms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(m, shift) int64 with terms = m 2^(shift + E_MIN) exactly, |m| < 2^24, 0 <= shift < 277 (terms float32)."""
     mantissa, exponent = torch.frexp(terms)             # terms = mantissa 2^exponent, 0.5 <= |mantissa| < 1

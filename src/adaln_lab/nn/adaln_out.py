@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from ..core import support
 from ..core.autocast import autocast_params
+from ..core.exact import refuse_unrecorded
 from ..core.checks import BACKENDS, TABLE_BACKENDS, check_option
 from ..ops.final_adaln_out import final_adaln_out
 from ..ops.modulated_rms_norm import modulated_rms_norm
@@ -126,6 +127,7 @@ class AdaLNOut(nn.Module):
             found = adapters.layout(self.linear)
             found = f"linear {found}" if isinstance(found, str) else found
         if isinstance(found, str):  # hooks or a wrapper on a submodule: diffusers' forward, so that they act
+            refuse_unrecorded("AdaLNOut", found)
             warn_once(self, found)
             return self._diffusers_forward(hidden_states, temb, timestep_indices)
         base, names = found
@@ -134,8 +136,10 @@ class AdaLNOut(nn.Module):
         if eps is None:  # what F.rms_norm does with eps=None: the epsilon of its compute dtype
             eps = torch.finfo(torch.promote_types(hidden_states.dtype, torch.float32)).eps
         if names:
+            refuse_unrecorded("AdaLNOut", f"adapters on linear ({', '.join(names)})")
             return self._adapted_forward(hidden_states, temb, timestep_indices, base, names, eps)
         if temb.dtype not in _EXACT_TEMB_DTYPES:
+            refuse_unrecorded("AdaLNOut", f"temb is {temb.dtype}")
             if self._resolved_backend(hidden_states, weight, bias) == "torch":
                 # diffusers' ops on temb as given (SiLU at temb's precision), bitwise the diffusers module
                 return replay(hidden_states, norm_weight, temb, weight, bias, timestep_indices, eps)

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from ..core.autocast import autocast_params
+from ..core.exact import refuse_unrecorded
 from ..ops.block import block_adaln_path
 from ..core.checks import BLOCK_BACKENDS, TABLE_BACKENDS, check_option
 from ..reference.block import MODALITIES
@@ -133,6 +134,7 @@ class AdaLNTransformerBlock(nn.Module):
             found = adapters.layout(self.adaln_proj.linear)
             found = f"adaln_proj.linear {found}" if isinstance(found, str) else found
         if isinstance(found, str) or (self.backend == "torch" and found[1]):
+            refuse_unrecorded("AdaLNTransformerBlock", found if isinstance(found, str) else "adapters, backend 'torch'")
             if isinstance(found, str):  # hooks or a wrapper on a submodule it reads: diffusers' forward, so they act
                 warn_once(self, found)
             return diffusers_class("MiniMaxH3TransformerBlock").forward(self, hidden_states, temb, adaln_indices,

@@ -13,8 +13,9 @@ once: the norm weights' and the table's gradient per distinct temb row (identica
 then d_weight, d_bias and d_temb as fixed functions of those (ops/modulation_table/exact.py); the tembs' gradients,
 added over the AdaLNs in the order they were first recorded, go back in one backward. The parameters' .grad must
 be None before the first part (zero_grad(set_to_none=True)): write sets them, once. `merge` adds another
-accumulator's states (another group of micro-batches), in any order. Not recorded yet: the kernels' route (a call
-there inside `with acc` raises NotImplementedError) and LoRA adapters on the table (`adapt_table`: raises too).
+accumulator's states (another group of micro-batches), in any order. Not recorded yet, and refused inside `with acc`
+(NotImplementedError naming it): the kernels' route, LoRA adapters, diffusers' own forward (hooks on a patched
+module) and AdaLNOut's temb dtypes other than float32 / float64. A parameter shared by two AdaLNs is refused.
 temb's graph must live until write, so every op that reads temb must record (an H3 model whose AdaLNs all run
 here does). The active accumulator is process-wide (a stack in core.exact, which torch.compile can read): one
 training thread.
@@ -70,6 +71,15 @@ class ExactGradients:
     def _group(self, weight, bias, norm_weights) -> _Group:
         key = tuple(id(p) for p in (weight, bias, *norm_weights))
         if key not in self.groups:
+            taken = {i for k in self.groups for i in k}
+            if taken & set(key):
+                raise ValueError("ExactGradients: a parameter in two AdaLN ops with different other parameters (a "
+                                 "shared projection or norm weight): its gradient would be written twice; not "
+                                 "supported")
+            for name, p in zip(("weight", "bias", "norm_weight", "norm_weight"), (weight, bias, *norm_weights)):
+                if p.dtype not in (torch.float32, torch.bfloat16):
+                    raise ValueError(f"ExactGradients: exact gradients take float32 or bfloat16 parameters, got {name} "
+                                     f"{p.dtype}")
             self.groups[key] = _Group(weight, bias, norm_weights)
         return self.groups[key]
 
@@ -97,18 +107,19 @@ class ExactGradients:
     def merge(self, other: "ExactGradients") -> "ExactGradients":
         """Add another accumulator's states and kept tembs (the same parameters), in any order."""
         for theirs in other.groups.values():
-            theirs.settle()
             mine = self._group(theirs.weight, theirs.bias, theirs.norm_weights)
-            mine.settle()
             for a, b in zip(mine.norms, theirs.norms):
                 a.merge(b)
             mine.table.merge(theirs.table)
+            mine.pending += theirs.pending  # blocks' parts settle at write, their backwards done by then
             for t in theirs.tembs:
                 mine.keep(t)
+        other.groups.clear()
         return self
 
     def write(self) -> None:
-        """Set each recorded parameter's .grad from the exact sums, send d_temb to the kept tembs, forget all."""
+        """Set each recorded parameter's .grad from the exact sums, send d_temb to the kept tembs, forget all.
+        Every gradient is formed before any is set: an error leaves every .grad as it was."""
         for group in self.groups.values():
             params = {"weight": group.weight, "bias": group.bias}
             params.update(zip(group.norm_names, group.norm_weights))
@@ -116,16 +127,16 @@ class ExactGradients:
                 if p.requires_grad and p.grad is not None:
                     raise ValueError(f"ExactGradients.write: {name}.grad is set already; zero the gradients with "
                                      "set_to_none=True before the first micro-batch (write sets them once)")
-        temb_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        grads, temb_grads = [], {}
         for group in self.groups.values():
             group.settle()
             rows, d_temb, d_weight, d_bias = group.table.gradients(group.weight, group.bias.dtype)
-            grads = [(group.weight, d_weight), (group.bias, d_bias)]
+            grads += [(group.weight, d_weight), (group.bias, d_bias)]
             grads += [(w, state.value(w.dtype)) for w, state in zip(group.norm_weights, group.norms)]
-            for p, g in grads:
-                if p.requires_grad:
-                    p.grad = g.to(p.device)
             _temb_grads(group.tembs, rows, d_temb, temb_grads)
+        for p, g in grads:
+            if p.requires_grad:
+                p.grad = g.to(p.device)
         self.groups.clear()
         _temb_backward(temb_grads)
 
@@ -139,7 +150,7 @@ def _temb_grads(tembs, rows, d_temb, into: dict) -> None:
         for t in range(temb.shape[0]):
             k = pending.pop(row_key(temb[t]), None)
             if k is not None:
-                g[t] += d_temb[k].to(torch.float64)
+                g[t] += d_temb[k]  # float64 (TableSums.gradients), rounded once in _temb_backward
 
 
 def _temb_backward(temb_grads: dict) -> None:

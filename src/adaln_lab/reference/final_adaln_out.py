@@ -25,6 +25,12 @@ def table_reference(temb, weight, bias):
     return F.linear(F.silu(temb).to(weight.dtype), weight, bias)
 
 
+def table_rows(temb, weight, bias):
+    """`table_reference` one temb row at a time: each row's bits are those of a batch of that row alone, whatever
+    the other rows (F.linear's on a CPU can depend on T). The exact-gradient paths' table."""
+    return torch.cat([table_reference(temb[t:t + 1], weight, bias) for t in range(temb.shape[0])])
+
+
 def rms_norm(x, norm_weight, eps: float):
     """`F.rms_norm(x, (H,), norm_weight, eps)`, bit for bit (values and gradients): (..., S, H) in x's dtype.
 
@@ -40,12 +46,13 @@ def rms_norm(x, norm_weight, eps: float):
     return (upcast * rstd * norm_weight).to(x.dtype)
 
 
-def replay(x, norm_weight, temb, weight, bias, timestep_indices, eps: float = 1e-5):
-    """diffusers' `MiniMaxH3AdaLayerNormOut.forward`, op for op (see module docstring).
+def replay(x, norm_weight, temb, weight, bias, timestep_indices, eps: float = 1e-5, table=None):
+    """diffusers' `MiniMaxH3AdaLayerNormOut.forward`, op for op (see module docstring); `table`: the (T, 2H) table
+    to use instead of `table_reference`'s (the exact-gradient path's `table_rows`).
 
     A timestep index outside [0, T) (negative ones included) raises torch's IndexError ("index out of range
     in self") from `index_select` on CPU tensors, and a device-side assert on CUDA ones."""
-    shift, scale = table_reference(temb, weight, bias).chunk(2, dim=-1)
+    shift, scale = (table_reference(temb, weight, bias) if table is None else table).chunk(2, dim=-1)
     hidden_states = rms_norm(x, norm_weight, eps)
     return hidden_states * (1.0 + scale.index_select(0, timestep_indices)) + shift.index_select(0, timestep_indices)
 

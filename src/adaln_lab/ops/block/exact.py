@@ -1,8 +1,9 @@
 """An H3 block's AdaLN recording its exact cross-row sums (inside `adaln_lab.nn.ExactGradients`; the torch route).
 
-The forward is diffusers' (`reference.block.replay_block_adaln` on detached copies of the parameters and temb, bit
-for bit), so x's, attn's and ff's gradients are diffusers' autograd's, and nothing reaches the AdaLN parameters or
-temb: hooks keep each of their cross-row sums as an exact state (`core.exact.ExactSum`) of per-row float32 terms,
+The forward is diffusers' (`reference.block.replay_block_adaln` on detached copies of the parameters and temb, its
+table computed a temb row at a time: each row diffusers' bits for that row alone, whatever T), so x's, attn's and
+ff's gradients are diffusers' autograd's, and nothing reaches the AdaLN parameters or temb: hooks keep each of
+their cross-row sums as an exact state (`core.exact.ExactSum`) of per-row float32 terms,
 each the row's own:
 
     chunk c of table row r = row_index[s]   the gradient of row s's gathered chunk (autograd's, table dtype)
@@ -23,9 +24,8 @@ from __future__ import annotations
 import torch
 
 from ...core.exact import LIMBS, ExactSum
-from ...reference.block import (CHUNKS, MODALITIES, replay_gated_residual, replay_modulated_rms_norm, replay_table,
-                                table_chunks)
-from ...reference.final_adaln_out import rms_norm
+from ...reference.block import CHUNKS, MODALITIES, replay_gated_residual, replay_modulated_rms_norm, table_chunks
+from ...reference.final_adaln_out import rms_norm, table_rows
 
 
 class BlockSums:
@@ -106,8 +106,9 @@ def block_exact(x, temb, weight, bias, norm1_weight, norm2_weight, row_index, at
     T, H = temb.shape[0], x.shape[-1]
     sums = BlockSums(T, H, x.device)
     recorder.add_block((weight, bias, norm1_weight, norm2_weight), temb, sums)
-    # the table from detached inputs, as a leaf (_leaf): the hooks record, nothing reaches weight, bias or temb
-    table = _leaf(replay_table(temb.detach(), weight.detach(), bias.detach()))
+    # the table a temb row at a time (its rows' bits whatever T), from detached inputs, as a leaf (_leaf): the hooks
+    # record, nothing reaches weight, bias or temb
+    table = _leaf(table_rows(temb.detach(), weight.detach(), bias.detach()))
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
         _Gathered(c, s, tuple(x.shape[:-2])) for c, s in zip(table_chunks(table, H), sums.chunks))
     h = replay_modulated_rms_norm(x, _leaf(norm1_weight), shift_msa, scale_msa, row_index, eps1,

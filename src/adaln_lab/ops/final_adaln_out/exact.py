@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ...core.exact import ExactSum
-from ...reference.final_adaln_out import replay, table_reference
+from ...reference.final_adaln_out import replay, table_rows
 
 
 def row_terms(x, dy, norm_weight, table_f32, timestep_indices, eps):
@@ -66,28 +66,29 @@ class NormOutSums:
 
 class ExactNormOut(torch.autograd.Function):
     """norm_out recording its exact sums (inside `adaln_lab.nn.ExactGradients`): forward(x, norm_weight, temb, weight,
-    bias, timestep_indices, eps, recorder, params) -> the replay's out; backward(dy) -> dx (the replay's, at once)
+    bias, timestep_indices, eps, recorder, params) -> the replay's out on the table computed a row at a time
+    (`table_rows`: diffusers' bits for each row alone); backward(dy) -> dx (the replay's, at once)
     and no other gradient: the recorder gets this part's NormOutSums under `params` (the caller's norm_weight,
     weight, bias) and writes them all once (`ExactGradients.write`). temb comes detached: the recorder keeps the
     caller's (`keep_temb`) and sends d_temb through it when it writes."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, temb, weight, bias, timestep_indices, eps, recorder, params):
-        out = replay(x, norm_weight, temb, weight, bias, timestep_indices, eps)
-        ctx.save_for_backward(x, norm_weight, temb, weight, bias, timestep_indices)
+        table = table_rows(temb, weight, bias)  # each row's bits whatever T (the parts may hold other timesteps)
+        out = replay(x, norm_weight, temb, weight, bias, timestep_indices, eps, table=table)
+        ctx.save_for_backward(x, norm_weight, temb, table, timestep_indices)
         ctx.eps, ctx.recorder, ctx.params = eps, recorder, params
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        x, norm_weight, temb, weight, bias, timestep_indices = ctx.saved_tensors
+        x, norm_weight, temb, table, timestep_indices = ctx.saved_tensors
         with torch.enable_grad():
             xg = x.detach().requires_grad_(True)
-            out = replay(xg, norm_weight.detach(), temb, weight.detach(), bias.detach(), timestep_indices, ctx.eps)
+            out = replay(xg, norm_weight.detach(), temb, None, None, timestep_indices, ctx.eps, table=table)
             (dx,) = torch.autograd.grad(out, xg, dy)
         with torch.no_grad():
-            table_f32 = table_reference(temb, weight, bias).float()
-            sums = NormOutSums(temb.shape[0], x.shape[-1]).add(x, dy, norm_weight, table_f32, timestep_indices,
-                                                              ctx.eps)
+            sums = NormOutSums(temb.shape[0], x.shape[-1], x.device).add(x, dy, norm_weight, table.float(),
+                                                                         timestep_indices, ctx.eps)
         ctx.recorder.add_norm_out(ctx.params, temb, sums)
         return dx, None, None, None, None, None, None, None, None

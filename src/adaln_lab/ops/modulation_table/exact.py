@@ -11,8 +11,8 @@ in the order of their bytes (a function of the set of rows alone), rounds each r
 (d_table), and forms d_weight and d_temb from those with the reference's float64 backward
 (reference.backward.modulation_table_backward, on the CPU for states on any device) on that order; d_bias is the
 exact sum over every row, rounded once.
-rows (U, D) are the distinct temb rows, d_temb (U, D) their gradient (in temb's dtype), d_weight (N, D) in weight's
-dtype, d_bias (N,) in bias_dtype.
+rows (U, D) are the distinct temb rows, d_temb (U, D) their gradient (float64, rounded by the caller), d_weight
+(N, D) in weight's dtype, d_bias (N,) in bias_dtype.
 """
 
 from __future__ import annotations
@@ -72,5 +72,5 @@ class TableSums:
         total = ExactSum(states[0].shape, states[0].limbs.device)
         total.limbs = torch.cat([s.limbs for s in states], dim=1)  # (LIMBS, U, N): already carried
         d_table = total.value(torch.float32).cpu()  # on the CPU, wherever the states are: the same float64 bits
-        d_temb, d_weight, _ = modulation_table_backward(d_table, rows, weight.detach().cpu(), bias_dtype)
+        d_temb, d_weight, _ = modulation_table_backward(d_table, rows.double(), weight.detach().cpu(), bias_dtype)
         return rows, d_temb, d_weight, total.total().value(bias_dtype)
