@@ -177,3 +177,14 @@ def test_parts_that_hold_only_their_own_timesteps_give_the_same_bits():
     assert any(len((ri // 3).unique()) < T for _, _, ri, _ in within(batch, 8))
     for n in (3, 8):
         assert all(torch.equal(a, b) for a, b in zip(run(within(batch, n)), one)), n
+
+
+def test_a_backward_after_the_with_ended_is_refused():
+    """The accumulator folds a part's states in when its `with` ends (so parts do not pile up): a backward that
+    runs later raises instead of adding to states already folded."""
+    params, embed, maps, (x, feats, row_index, cot) = model()
+    acc = ExactGradients()
+    with acc:
+        out = block_adaln_path(x.requires_grad_(True), embed(feats), *params, row_index, *maps, backend="torch")
+    with pytest.raises(RuntimeError, match="ran after its `with ExactGradients"):
+        (out.float() * cot).sum().backward()

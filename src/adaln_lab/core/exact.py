@@ -79,6 +79,13 @@ class ExactSum:
     def __init__(self, shape, device=None):
         self.limbs = torch.zeros((LIMBS, *shape), dtype=torch.int64, device=device)
 
+    @classmethod
+    def from_limbs(cls, limbs: torch.Tensor) -> "ExactSum":
+        """A state holding `limbs` (LIMBS, *shape) int64 as they are (carried, or carried by the caller)."""
+        out = cls.__new__(cls)
+        out.limbs = limbs
+        return out
+
     @property
     def shape(self) -> torch.Size:
         return self.limbs.shape[1:]
@@ -120,9 +127,7 @@ class ExactSum:
     def total(self) -> "ExactSum":
         """The exact sum over the first dimension (shape[1:]): every row's terms in one sum (a bias over the
         timesteps' table rows), as exact as the rows."""
-        out = ExactSum(self.shape[1:], self.limbs.device)
-        out.limbs = self.limbs.sum(1)  # each limb < 2^32 (the top one signed): up to 2^30 rows fit in int64
-        return out._carry()
+        return ExactSum.from_limbs(self.limbs.sum(1))._carry()  # each limb < 2^32: up to 2^30 rows fit in int64
 
     def _carry(self) -> "ExactSum":
         for k in range(LIMBS - 1):

@@ -47,8 +47,9 @@ class _Group:
             self.tembs.append(temb)
 
     def settle(self) -> None:
-        """Merge the blocks' parts, their backwards done."""
+        """Fold the blocks' parts in, their backwards done (a later hook of theirs raises)."""
         for temb, sums in self.pending:
+            sums.closed = True
             self.table.add(temb, sums.table())
             for mine, theirs in zip(self.norms, sums.norms):
                 mine.merge(theirs)
@@ -67,6 +68,8 @@ class ExactGradients:
 
     def __exit__(self, *exc) -> None:
         reset_recording()
+        for group in self.groups.values():  # the part's backward ran inside the `with`: fold its states in now
+            group.settle()
 
     def _group(self, weight, bias, norm_weights) -> _Group:
         key = tuple(id(p) for p in (weight, bias, *norm_weights))
@@ -111,7 +114,7 @@ class ExactGradients:
             for a, b in zip(mine.norms, theirs.norms):
                 a.merge(b)
             mine.table.merge(theirs.table)
-            mine.pending += theirs.pending  # blocks' parts settle at write, their backwards done by then
+            mine.pending += theirs.pending  # none once their `with` ended
             for t in theirs.tembs:
                 mine.keep(t)
         other.groups.clear()

@@ -24,8 +24,10 @@ from __future__ import annotations
 import torch
 
 from ...core.exact import LIMBS, ExactSum
+from ...reference.backward import rows_index
 from ...reference.block import CHUNKS, MODALITIES, replay_gated_residual, replay_modulated_rms_norm, table_chunks
 from ...reference.final_adaln_out import rms_norm, table_rows
+from ..final_adaln_out.exact import normed_terms
 
 
 class BlockSums:
@@ -36,27 +38,28 @@ class BlockSums:
         self.T, self.H = T, H
         self.chunks = [ExactSum((MODALITIES * T, H), device) for _ in CHUNKS]
         self.norms = [ExactSum((H,), device) for _ in range(2)]
+        self.closed = False  # set when the accumulator folds these states in (its `with` ended)
+
+    def add(self, state: ExactSum, terms: torch.Tensor, index=None) -> None:
+        """state.add(terms, index), for a hook of this part's backward; refused once the states were folded in."""
+        if self.closed:
+            raise RuntimeError("block_adaln_path: this part's backward ran after its `with ExactGradients()` ended; "
+                               "run the backward inside the `with`")
+        state.add(terms, index)
 
     def table(self) -> ExactSum:
         """The table gradient's state (T, 18H): chunk c of the (3T, 6H) view's row 3t + m is columns
         m 6H + c H .. of table row t (diffusers' `view(-1, 6H).chunk(6)`)."""
-        out = ExactSum((self.T, 6 * MODALITIES * self.H), self.chunks[0].limbs.device)
-        out.limbs = torch.cat([c.limbs for c in self.chunks], dim=2).reshape(LIMBS, self.T, -1)
-        return out
-
-
-def _row_index(row_index: torch.Tensor, rows: int) -> torch.Tensor:
-    """Each of `rows` flattened rows' table row: row_index repeated over the leading dimensions of x."""
-    return row_index.repeat(rows // max(row_index.shape[0], 1))
+        return ExactSum.from_limbs(torch.cat([c.limbs for c in self.chunks], dim=2).reshape(LIMBS, self.T, -1))
 
 
 class _Gathered:
-    """A chunk standing in for the replay's `chunk.index_select(0, row_index)`: the rows expanded to x's leading
-    dimensions `lead` (the values the replay broadcasts), with a hook that adds each row's own gradient (before
-    the expand's backward sums the samples) to `state`."""
+    """Chunk `c` standing in for the replay's `chunk.index_select(0, row_index)`: the rows expanded to x's leading
+    dimensions `lead` (the values the replay broadcasts), with a hook that adds each row's own gradient (before the
+    expand's backward sums the samples) to sums.chunks[c]."""
 
-    def __init__(self, chunk: torch.Tensor, state: ExactSum, lead: tuple):
-        self.chunk, self.state, self.lead = chunk, state, lead
+    def __init__(self, chunk: torch.Tensor, sums: BlockSums, c: int, lead: tuple):
+        self.chunk, self.sums, self.c, self.lead = chunk, sums, c, lead
 
     def index_select(self, dim: int, row_index: torch.Tensor) -> torch.Tensor:
         rows = self.chunk.index_select(dim, row_index)
@@ -64,26 +67,20 @@ class _Gathered:
 
         def record(grad):
             terms = grad.reshape(-1, grad.shape[-1]).float()  # bf16 or float32: exact in float32
-            self.state.add(terms, _row_index(row_index, terms.shape[0]))
+            self.sums.add(self.sums.chunks[self.c], terms, rows_index(row_index, grad))
 
         rows.register_hook(record)
         return rows
 
 
-def _norm(state: ExactSum):
+def _norm(sums: BlockSums, k: int):
     """A stand-in for `rms_norm` in the replay: rms_norm itself (its graph, so dx is autograd's), with a hook on
-    its output that adds the norm weight's per-row terms (module docstring) to `state`."""
+    its output that adds norm k's per-row terms (module docstring) to sums.norms[k]."""
 
     def norm(x, norm_weight, eps):
         out = rms_norm(x, norm_weight, eps)
         xs = x.detach()
-
-        def record(dy):
-            xf = xs.reshape(-1, xs.shape[-1]).float()
-            rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-            state.add(dy.reshape(xf.shape).float() * (xf * rstd))
-
-        out.register_hook(record)
+        out.register_hook(lambda dy: sums.add(sums.norms[k], normed_terms(xs, dy, eps)[0]))
         return out
 
     return norm
@@ -110,10 +107,10 @@ def block_exact(x, temb, weight, bias, norm1_weight, norm2_weight, row_index, at
     # record, nothing reaches weight, bias or temb
     table = _leaf(table_rows(temb.detach(), weight.detach(), bias.detach()))
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
-        _Gathered(c, s, tuple(x.shape[:-2])) for c, s in zip(table_chunks(table, H), sums.chunks))
+        _Gathered(chunk, sums, c, tuple(x.shape[:-2])) for c, chunk in enumerate(table_chunks(table, H)))
     h = replay_modulated_rms_norm(x, _leaf(norm1_weight), shift_msa, scale_msa, row_index, eps1,
-                                  norm=_norm(sums.norms[0]))
+                                  norm=_norm(sums, 0))
     x = replay_gated_residual(x, gate_msa, attn(h), row_index)
     h = replay_modulated_rms_norm(x, _leaf(norm2_weight), shift_mlp, scale_mlp, row_index, eps2,
-                                  norm=_norm(sums.norms[1]))
+                                  norm=_norm(sums, 1))
     return replay_gated_residual(x, gate_mlp, ff(h), row_index)

@@ -24,16 +24,23 @@ from __future__ import annotations
 import torch
 
 from ...core.exact import ExactSum
+from ...reference.backward import rows_index
 from ...reference.final_adaln_out import replay, table_rows
+
+
+def normed_terms(x, dy, eps):
+    """(rows, H) float32 float32(dy_r float32(x_r rstd_r)), rstd_r = rsqrt(mean(x_r^2) + eps) in float32, and dy's
+    rows in float32: each row's own (x, dy (..., S, H)). A norm weight's per-row terms."""
+    H = x.shape[-1]
+    xf, g = x.reshape(-1, H).float(), dy.reshape(-1, H).float()
+    return g * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)), g
 
 
 def row_terms(x, dy, norm_weight, table_f32, timestep_indices, eps):
     """(rows, 2H) table terms (shift | scale), (rows, H) weight terms, (rows,) table rows t: float32, per row."""
     H = x.shape[-1]
-    xf, g = x.reshape(-1, H).float(), dy.reshape(-1, H).float()
-    t = timestep_indices.repeat(xf.shape[0] // max(timestep_indices.shape[0], 1))
-    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    p = g * (xf * rstd)
+    p, g = normed_terms(x, dy, eps)
+    t = rows_index(timestep_indices, x)
     table = torch.cat([g, p * norm_weight.float()], dim=1)
     return table, p * (1.0 + table_f32[t, H:]), t
 

@@ -42,17 +42,13 @@ class TableSums:
                              f"{tuple(temb.shape)}")
         for t in range(temb.shape[0]):
             row = temb[t].detach().cpu().contiguous()
-            part = ExactSum((1, *state.shape[1:]), state.limbs.device)
-            part.limbs = state.limbs[:, t:t + 1].clone()
-            self._merge_row(row, part)
+            self._merge_row(row, ExactSum.from_limbs(state.limbs[:, t:t + 1].clone()))
         return self
 
     def merge(self, other: "TableSums") -> "TableSums":
         """Add another part's states (any order of merging gives the same states)."""
         for row, part in other.rows.values():
-            copy = ExactSum(part.shape, part.limbs.device)
-            copy.limbs = part.limbs.clone()
-            self._merge_row(row, copy)
+            self._merge_row(row, ExactSum.from_limbs(part.limbs.clone()))
         return self
 
     def _merge_row(self, row: torch.Tensor, part: ExactSum) -> None:
@@ -69,8 +65,7 @@ class TableSums:
         keys = sorted(self.rows)
         rows = torch.stack([self.rows[k][0] for k in keys])
         states = [self.rows[k][1] for k in keys]
-        total = ExactSum(states[0].shape, states[0].limbs.device)
-        total.limbs = torch.cat([s.limbs for s in states], dim=1)  # (LIMBS, U, N): already carried
+        total = ExactSum.from_limbs(torch.cat([s.limbs for s in states], dim=1))  # (LIMBS, U, N): carried
         d_table = total.value(torch.float32).cpu()  # on the CPU, wherever the states are: the same float64 bits
         d_temb, d_weight, _ = modulation_table_backward(d_table, rows.double(), weight.detach().cpu(), bias_dtype)
         return rows, d_temb, d_weight, total.total().value(bias_dtype)
