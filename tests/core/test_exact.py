@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from adaln_lab.core import exact
-from adaln_lab.core.exact import ExactSum
+from adaln_lab.core.exact import E_MIN, LIMB_BITS, LIMBS, ExactSum, round_scaled, rounded
 
 
 def terms(n: int, cols: int, seed: int) -> torch.Tensor:
@@ -127,3 +127,25 @@ def test_grouped_sums_are_each_groups_exact_sum_in_any_row_order():
     assert torch.equal(parts.limbs, grouped.limbs)
     with pytest.raises(ValueError, match=r"index must be int64 of shape \(120,\) in \[0, 5\)"):
         ExactSum((5, 8)).add(t, index + 1)
+
+
+def test_the_vectorised_rounding_is_round_scaled_on_every_kind_of_integer():
+    """`rounded` (ExactSum.value's torch integer ops) against the Python-integer reference `round_scaled`: zero,
+    subnormal and normal results, ties and near ties at the rounding bit, negatives, huge states (inf), for float32's
+    24 and bfloat16's 8 bits."""
+    rng = random.Random(3)
+    ns = [0, 1, -1, 2 ** 23, 2 ** 24 - 1, 2 ** 24 + 1, 2 ** 25 + 3, -(2 ** 40 + 2 ** 16), 2 ** 277, -(2 ** 300)]
+    for _ in range(3000):
+        n = rng.getrandbits(rng.choice([rng.randint(1, 40), rng.randint(40, 310)]))
+        if rng.random() < 0.3:  # the bits below the rounding point set to a tie, or one off it
+            n = (n >> 20 << 20) | rng.choice([0, 1 << 19, (1 << 19) - 1, (1 << 19) + 1])
+        ns.append(-n if rng.random() < 0.5 else n)
+    limbs = torch.zeros(LIMBS, len(ns), dtype=torch.int64)
+    for i, n in enumerate(ns):
+        for k in range(LIMBS - 1):
+            limbs[k, i] = n & (2 ** LIMB_BITS - 1)
+            n >>= LIMB_BITS
+        limbs[LIMBS - 1, i] = n
+    for precision in (24, 8):
+        want = torch.tensor([round_scaled(n, E_MIN, precision) for n in ns], dtype=torch.float64)
+        assert torch.equal(rounded(limbs, precision), want)

@@ -20,8 +20,8 @@ Non-finite terms raise ValueError (never a wrong sum).
 
 Rounding (`value`): the integer is rounded once to the dtype's precision (24 bits for float32, 8 for bfloat16; their
 common least normal exponent -126 sets the subnormal quantum), ties to even; past the largest finite value, inf.
-The CPU reference rounds element by element in Python integers: meant for the AdaLN sums (a table gradient, norm
-weights, bias: thousands of elements), not for large tensors. A sum that is exactly zero is +0.
+`value` rounds in torch integer ops (`rounded`), checked against the Python-integer reference `round_scaled`. A sum
+that is exactly zero is +0.
 """
 
 from __future__ import annotations
@@ -136,17 +136,47 @@ class ExactSum:
             self.limbs[k + 1] += carry
         return self
 
-    def integers(self) -> list[int]:
-        """The exact sums in units of 2^E_MIN, as Python integers in element order."""
-        limbs = self.limbs.reshape(LIMBS, -1).cpu().tolist()
-        return [sum(limbs[k][i] << (LIMB_BITS * k) for k in range(LIMBS)) for i in range(len(limbs[0]))]
-
     def value(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The exact sums rounded once to `dtype` (float32 or bfloat16), to nearest, ties to even."""
         if dtype not in _PRECISION:
             raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
-        values = [round_scaled(n, E_MIN, _PRECISION[dtype]) for n in self.integers()]
-        return torch.tensor(values, dtype=torch.float64).to(dtype).reshape(self.shape).to(self.limbs.device)
+        limbs = self.limbs.reshape(LIMBS, -1)
+        return rounded(limbs, _PRECISION[dtype]).to(dtype).reshape(self.shape)
+
+
+def rounded(limbs: torch.Tensor, precision: int) -> torch.Tensor:
+    """`round_scaled(n, E_MIN, precision)` of every column's integer n of carried limbs (LIMBS, n), in torch integer
+    ops (float64 results, exact in the target dtype). |n| in sign-magnitude limbs; its leading limb k and the next
+    one form a 64-bit window holding the kept bits, the round bit and the bits below it (`sticky` the limbs
+    further down); ties to even; inf past the largest finite value."""
+    negative = limbs[-1] < 0
+    mag = ExactSum.from_limbs(torch.where(negative, -limbs, limbs).clone())._carry().limbs  # |n|, limbs >= 0
+    nonzero = mag != 0
+    order = torch.arange(LIMBS, device=limbs.device).unsqueeze(1)
+    k = torch.where(nonzero, order, -1).amax(0)                      # the leading limb (-1: n = 0)
+    kk = k.clamp(min=0)
+    hi = mag.gather(0, kk.unsqueeze(0))[0]
+    lo = torch.where(k >= 1, mag.gather(0, (kk - 1).clamp(min=0).unsqueeze(0))[0], 0)
+    below = torch.cumsum(nonzero.long(), 0)                          # nonzero limbs at or below each index
+    sticky = torch.where(k >= 2, below.gather(0, (kk - 2).clamp(min=0).unsqueeze(0))[0] > 0, False)
+    shifts = torch.arange(LIMB_BITS + 1, device=limbs.device).unsqueeze(1)
+    hi_bits = ((hi.unsqueeze(0) >> shifts) > 0).sum(0)               # hi's bit length (hi < 2^32)
+    top = LIMB_BITS * kk + hi_bits - 1 + E_MIN                       # the leading bit's exponent
+    drop = torch.clamp(top, min=_EMIN_NORMAL) - (precision - 1) - E_MIN  # low bits of n to drop (>= 0)
+    s = drop - LIMB_BITS * (kk - 1)                                  # their count inside the window hi | lo
+    wide = s >= LIMB_BITS
+    kept = torch.where(wide, hi >> (s - LIMB_BITS).clamp(min=0, max=63),
+                       (hi << (LIMB_BITS - s).clamp(min=0, max=63)) | (lo >> s.clamp(min=0, max=63)))
+    rest = torch.where(wide, ((hi & ((1 << (s - LIMB_BITS).clamp(min=0, max=62)) - 1)) << LIMB_BITS) | lo,
+                       lo & ((1 << s.clamp(min=0, max=62)) - 1))
+    half = torch.where(s > 0, 1 << (s - 1).clamp(min=0, max=62), 0)
+    up = (s > 0) & ((rest > half) | ((rest == half) & (sticky | (kept & 1).bool())))
+    kept = kept + up.long()
+    value = torch.ldexp(kept.double(), (drop + E_MIN).double())
+    largest = (2 ** precision - 1) * 2.0 ** (128 - precision)
+    value = torch.where(value > largest, torch.inf, value)
+    value = torch.where(k < 0, 0.0, value)
+    return torch.where(negative, -value, value)
 
 
 def round_scaled(n: int, scale: int, precision: int) -> float:
