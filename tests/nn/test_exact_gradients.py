@@ -144,7 +144,7 @@ def test_cuda_torch_route_gives_the_same_bits_for_every_split():
 def test_a_patched_h3_model_gives_the_same_adaln_gradients_for_every_split_by_sample():
     """A patched tiny MiniMax-H3 model (fp32, CPU: every AdaLN on the torch route): its 11 AdaLN parameters'
     gradients the same bits for one batch of 4 samples, the timesteps' order permuted (indices remapped), 2 parts in
-    both orders and 4 parts of one sample shuffled; plain autograd over the same parts changes them all. (A split
+    both orders, 3 uneven parts and 4 parts of one sample shuffled; plain autograd over the same parts changes them all. (A split
     within a sample is no split of a model: attention mixes its rows.)"""
     pytest.importorskip("diffusers")
     import adaln_lab
@@ -177,7 +177,8 @@ def test_a_patched_h3_model_gives_the_same_adaln_gradients_for_every_split_by_sa
     moved = dict(inputs, timestep_indices=remap[inputs["timestep_indices"]])
     moved["timestep"] = torch.empty_like(inputs["timestep"]).index_copy_(0, remap, inputs["timestep"])
     assert same(run([slice(0, 4)], given=moved), one)
-    for parts in ([slice(0, 2), slice(2, 4)], [slice(2, 4), slice(0, 2)], [slice(k, k + 1) for k in (3, 1, 0, 2)]):
+    for parts in ([slice(0, 2), slice(2, 4)], [slice(2, 4), slice(0, 2)], [slice(1, 3), slice(3, 4), slice(0, 1)],
+                  [slice(k, k + 1) for k in (3, 1, 0, 2)]):
         assert same(run(parts), one), parts
     plain = run([slice(0, 4)], exact=False)
     assert all(not same(run(parts, exact=False), plain)
