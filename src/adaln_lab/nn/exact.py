@@ -13,9 +13,11 @@ once: the norm weights' and the table's gradient per distinct temb row (identica
 then d_weight, d_bias and d_temb as fixed functions of those (ops/modulation_table/exact.py); the tembs' gradients,
 added over the AdaLNs in the order they were first recorded, go back in one backward. The parameters' .grad must
 be None before the first part (zero_grad(set_to_none=True)): write sets them, once. `merge` adds another
-accumulator's states (another group of micro-batches), in any order. Not recorded yet, and refused inside `with acc`
-(NotImplementedError naming it): the kernels' route, LoRA adapters, diffusers' own forward (hooks on a patched
-module) and AdaLNOut's temb dtypes other than float32 / float64. A parameter shared by two AdaLNs is refused.
+accumulator's states (another group of micro-batches), in any order; `all_reduce(group)` sums every rank's states
+(integers over torch.distributed), so that each rank's write gives one process's bits. Not recorded yet, and
+refused inside `with acc` (NotImplementedError naming it): the kernels' route, LoRA adapters, diffusers' own forward
+(hooks on a patched module) and AdaLNOut's temb dtypes other than float32 / float64. A parameter shared by two
+AdaLNs is refused.
 temb's graph must live until write, so every op that reads temb must record (an H3 model whose AdaLNs all run
 here does). The active accumulator is process-wide (a stack in core.exact, which torch.compile can read): one
 training thread.
@@ -41,6 +43,7 @@ class _Group:
         self.table = TableSums()
         self.tembs: list[torch.Tensor] = []
         self.pending: list = []
+        self.owned = None  # after all_reduce: the temb rows (keys) whose gradient this rank sends back
 
     def keep(self, temb: torch.Tensor) -> None:
         if temb.requires_grad and not any(t is temb for t in self.tembs):
@@ -120,6 +123,28 @@ class ExactGradients:
         other.groups.clear()
         return self
 
+    def all_reduce(self, group=None) -> "ExactGradients":
+        """Sum every rank's exact states over the torch.distributed process `group` (integer sums: one answer for any
+        world size, backend or algorithm), so that `write` on each rank sets the same .grad bits, those of one
+        accumulator holding every rank's parts. The ranks must have recorded the same AdaLNs in the same order (one
+        model); a timestep's gradient to temb goes back on the lowest rank that holds its row, so the time
+        embedding's gradients are the ranks' sum (reduce them with a sum, not a mean)."""
+        import torch.distributed as dist
+
+        for mine in self.groups.values():
+            mine.settle()
+        shapes = [(tuple(g.weight.shape), len(g.norms)) for g in self.groups.values()]
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, shapes, group=group)
+        if any(other != shapes for other in everyone):
+            raise ValueError(f"ExactGradients.all_reduce: the ranks recorded different AdaLNs ({everyone})")
+        for mine in self.groups.values():
+            for state in mine.norms:
+                dist.all_reduce(state.limbs, group=group)
+                state._carry()
+            mine.owned = mine.table.all_reduce(group)
+        return self
+
     def write(self) -> None:
         """Set each recorded parameter's .grad from the exact sums, send d_temb to the kept tembs, forget all.
         Every gradient is formed before any is set: an error leaves every .grad as it was."""
@@ -136,7 +161,7 @@ class ExactGradients:
             rows, d_temb, d_weight, d_bias = group.table.gradients(group.weight, group.bias.dtype)
             grads += [(group.weight, d_weight), (group.bias, d_bias)]
             grads += [(w, state.value(w.dtype)) for w, state in zip(group.norm_weights, group.norms)]
-            _temb_grads(group.tembs, rows, d_temb, temb_grads)
+            _temb_grads(group.tembs, rows, d_temb, temb_grads, group.owned)
         for p, g in grads:
             if p.requires_grad:
                 p.grad = g.to(p.device)
@@ -144,10 +169,10 @@ class ExactGradients:
         _temb_backward(temb_grads)
 
 
-def _temb_grads(tembs, rows, d_temb, into: dict) -> None:
-    """Add d_temb of each distinct row to the first kept temb that holds it, in float64 (into: id -> (temb,
-    its gradient so far)); the groups add theirs in the order they were first recorded (the forward's)."""
-    pending = {row_key(r): k for k, r in enumerate(rows)}
+def _temb_grads(tembs, rows, d_temb, into: dict, owned=None) -> None:
+    """Add d_temb of each distinct row (of those `owned`, if given) to the first kept temb that holds it, in float64
+    (into: id -> (temb, its gradient so far)); the groups add theirs in the order they were first recorded."""
+    pending = {key: k for k, key in enumerate(map(row_key, rows)) if owned is None or key in owned}
     for temb in tembs:
         _, g = into.setdefault(id(temb), (temb, torch.zeros(temb.shape, dtype=torch.float64)))
         for t in range(temb.shape[0]):

@@ -58,6 +58,33 @@ class TableSums:
         else:
             self.rows[key] = (row, part)
 
+    def all_reduce(self, group=None) -> set:
+        """Sum the states of every rank of the process `group` over the union of their rows (integers: any order);
+        returns the keys of the rows whose lowest holder is this rank."""
+        import torch.distributed as dist
+
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, {key: row for key, (row, _) in self.rows.items()}, group=group)
+        rows = {}
+        for held in everyone:
+            for key, row in held.items():
+                rows.setdefault(key, row)
+        keys = sorted(rows)
+        some = next(iter(self.rows.values()))[1] if self.rows else None
+        if some is None:
+            raise ValueError("TableSums.all_reduce: this rank recorded no rows")
+        limbs = torch.zeros((some.limbs.shape[0], len(keys), *some.shape[1:]), dtype=torch.int64,
+                            device=some.limbs.device)
+        for u, key in enumerate(keys):
+            if key in self.rows:
+                limbs[:, u] = self.rows[key][1].limbs[:, 0]
+        dist.all_reduce(limbs, group=group)
+        total = ExactSum.from_limbs(limbs)._carry()
+        self.rows = {key: (rows[key], ExactSum.from_limbs(total.limbs[:, u:u + 1].clone())) for u, key in
+                     enumerate(keys)}
+        rank = dist.get_rank(group)
+        return {key for key in keys if next(r for r, held in enumerate(everyone) if key in held) == rank}
+
     def gradients(self, weight: torch.Tensor, bias_dtype: torch.dtype):
         """(rows (U, D), d_temb (U, D), d_weight (N, D), d_bias (N,)) over the distinct rows (module docstring)."""
         if not self.rows:
