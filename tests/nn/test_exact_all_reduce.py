@@ -16,7 +16,7 @@ from adaln_lab.nn import ExactGradients
 
 pytestmark = pytest.mark.integration  # gloo ranks in processes of their own
 
-B, S, H, D, T = 4, 12, 16, 8, 2
+B, S, H, D, T = 4, 12, 16, 8, 5
 
 
 def setup(seed: int = 0):
@@ -55,6 +55,17 @@ def parts_of(batch, world: int, rank: int, how: str, micro: int):
              cot[:, cuts[k]:cuts[k + 1]]) for k in range(rank, n, world)]
 
 
+def own_timesteps(parts):
+    """Each part passing only the temb rows its rows use (indices remapped): (x, those feats rows, idx, row_index,
+    cot)."""
+    out = []
+    for x, feats, idx, row_index, cot in parts:
+        used = idx.unique()
+        out.append((x, feats[used], torch.searchsorted(used, idx), 3 * torch.searchsorted(used, idx) + row_index % 3,
+                    cot))
+    return out
+
+
 def run(parts, exact=True, reduce=None):
     """Forward and backward of each part through a block then norm_out, then the AdaLN gradients and the time
     embedding's; with `reduce` (a process group) summed over its ranks: the exact states before write, or (exact
@@ -84,20 +95,24 @@ def run(parts, exact=True, reduce=None):
     return grads, embed_grad
 
 
-CASES = ((2, "rows", 2, True), (4, "sample", 1, True), (4, "rows", 1, True), (2, "rows", 1, False))
-"""(world, how, micro-batches a rank, exact): each run by the first `world` of 4 gloo ranks, in one spawn."""
+CASES = (((0, 1), "rows", 2, True, False), ((0, 1, 2, 3), "sample", 1, True, False),
+         ((0, 1, 2, 3), "rows", 1, True, False), ((1, 2), "rows", 1, True, True), ((0, 1), "rows", 1, False, False))
+"""(ranks, how, micro-batches a rank, exact, parts with only their own timesteps): each run by those of 4 gloo ranks
+(a group of its own; (1, 2): group ranks that are not the global ones, and ranks holding different timesteps), in one
+spawn."""
 
 
 def _worker(rank, port, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
     try:
         batch = setup()[4]
-        for world, how, micro, exact in CASES:
-            group = dist.new_group(list(range(world)))  # every rank makes every group, in the same order
-            if rank < world:
-                grads, embed_grad = run(parts_of(batch, world, rank, how, micro), exact=exact, reduce=group)
-                if rank == 0:
-                    out.put(([g.float() for g in grads], embed_grad))
+        for members, how, micro, exact, own in CASES:
+            group = dist.new_group(list(members))  # every rank makes every group, in the same order
+            if rank in members:
+                parts = parts_of(batch, len(members), members.index(rank), how, micro)
+                grads, embed_grad = run(own_timesteps(parts) if own else parts, exact=exact, reduce=group)
+                if rank == members[0]:
+                    out.put((members, [g.float() for g in grads], embed_grad))
             dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -126,9 +141,12 @@ def test_every_world_size_and_split_writes_one_process_bits_and_a_planted_fp32_r
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    for (world, how, micro, exact), (grads, embed_grad) in zip(CASES, got):
+    assert [g[0] for g in got] == [c[0] for c in CASES]
+    held = [len(part[1]) for r in (0, 1) for part in own_timesteps(parts_of(batch, 2, r, "rows", 1))]
+    assert min(held) < T  # the (1, 2) case: a rank without every timestep
+    for (members, how, micro, exact, own), (_, grads, embed_grad) in zip(CASES, got):
         want = one if exact else plain
         same = all(torch.equal(a.float(), b) for a, b in zip(want, grads))
-        assert same == exact, (world, how, micro, exact)  # the planted fp32 reduce changes some bits
+        assert same == exact, (members, how, micro, exact)  # the planted fp32 reduce changes some bits
         if exact:
-            assert torch.allclose(embed_grad, one_embed, rtol=1e-4, atol=1e-5), (world, how, micro)
+            assert torch.allclose(embed_grad, one_embed, rtol=1e-4, atol=1e-5), (members, how, micro)

@@ -64,6 +64,11 @@ class ExactGradients:
 
     def __init__(self):
         self.groups: dict[tuple, _Group] = {}
+        self.reduced = False  # all_reduce ran: nothing more may be recorded, merged or reduced until write
+
+    def _open(self, what: str) -> None:
+        if self.reduced:
+            raise ValueError(f"ExactGradients.{what} after all_reduce: write first (the states are the ranks' sum)")
 
     def __enter__(self) -> "ExactGradients":
         recording(self)
@@ -75,6 +80,7 @@ class ExactGradients:
             group.settle()
 
     def _group(self, weight, bias, norm_weights) -> _Group:
+        self._open("recording")
         key = tuple(id(p) for p in (weight, bias, *norm_weights))
         if key not in self.groups:
             taken = {i for k in self.groups for i in k}
@@ -112,6 +118,7 @@ class ExactGradients:
 
     def merge(self, other: "ExactGradients") -> "ExactGradients":
         """Add another accumulator's states and kept tembs (the same parameters), in any order."""
+        other._open("merge")
         for theirs in other.groups.values():
             mine = self._group(theirs.weight, theirs.bias, theirs.norm_weights)
             for a, b in zip(mine.norms, theirs.norms):
@@ -131,6 +138,7 @@ class ExactGradients:
         embedding's gradients are the ranks' sum (reduce them with a sum, not a mean)."""
         import torch.distributed as dist
 
+        self._open("all_reduce")
         for mine in self.groups.values():
             mine.settle()
         shapes = [(tuple(g.weight.shape), len(g.norms)) for g in self.groups.values()]
@@ -142,7 +150,8 @@ class ExactGradients:
             for state in mine.norms:
                 dist.all_reduce(state.limbs, group=group)
                 state._carry()
-            mine.owned = mine.table.all_reduce(group)
+            mine.owned = mine.table.all_reduce(mine.weight.shape[0], group)
+        self.reduced = True
         return self
 
     def write(self) -> None:
@@ -166,6 +175,7 @@ class ExactGradients:
             if p.requires_grad:
                 p.grad = g.to(p.device)
         self.groups.clear()
+        self.reduced = False
         _temb_backward(temb_grads)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ...core.exact import ExactSum
+from ...core.exact import LIMBS, ExactSum
 from ...reference.backward import modulation_table_backward
 
 
@@ -58,9 +58,9 @@ class TableSums:
         else:
             self.rows[key] = (row, part)
 
-    def all_reduce(self, group=None) -> set:
-        """Sum the states of every rank of the process `group` over the union of their rows (integers: any order);
-        returns the keys of the rows whose lowest holder is this rank."""
+    def all_reduce(self, columns: int, group=None) -> set:
+        """Sum the states of every rank of the process `group` over the union of their rows (integers: any order; a
+        rank without rows adds zeros), `columns` = N; returns the keys of the rows whose lowest holder is this rank."""
         import torch.distributed as dist
 
         everyone = [None] * dist.get_world_size(group)
@@ -69,12 +69,11 @@ class TableSums:
         for held in everyone:
             for key, row in held.items():
                 rows.setdefault(key, row)
+        if not rows:  # every rank sees it: they raise together
+            raise ValueError("TableSums.all_reduce: no rank recorded a row")
         keys = sorted(rows)
-        some = next(iter(self.rows.values()))[1] if self.rows else None
-        if some is None:
-            raise ValueError("TableSums.all_reduce: this rank recorded no rows")
-        limbs = torch.zeros((some.limbs.shape[0], len(keys), *some.shape[1:]), dtype=torch.int64,
-                            device=some.limbs.device)
+        device = next(iter(self.rows.values()))[1].limbs.device if self.rows else None
+        limbs = torch.zeros((LIMBS, len(keys), columns), dtype=torch.int64, device=device)
         for u, key in enumerate(keys):
             if key in self.rows:
                 limbs[:, u] = self.rows[key][1].limbs[:, 0]
