@@ -14,6 +14,8 @@ import torch.multiprocessing as mp
 from adaln_lab import block_adaln_path, final_adaln_out
 from adaln_lab.nn import ExactGradients
 
+from ..exact_parts import block_params, by_sample, time_embedding, within
+
 pytestmark = pytest.mark.integration  # gloo ranks in processes of their own
 
 B, S, H, D, T = 4, 12, 16, 8, 5
@@ -27,32 +29,21 @@ def setup(seed: int = 0):
     out_params = [torch.nn.Parameter((1 + 0.1 * torch.randn(H, generator=g)).to(bf)),
                   torch.nn.Parameter((0.1 * torch.randn(2 * H, D, generator=g)).to(bf)),
                   torch.nn.Parameter((0.1 * torch.randn(2 * H, generator=g)).to(bf))]
-    block_params = [torch.nn.Parameter((0.1 * torch.randn(18 * H, D, generator=g)).to(bf)),
-                    torch.nn.Parameter((0.1 * torch.randn(18 * H, generator=g)).to(bf)),
-                    torch.nn.Parameter((1 + 0.1 * torch.randn(H, generator=g)).to(bf)),
-                    torch.nn.Parameter((1 + 0.1 * torch.randn(H, generator=g)).to(bf))]
-    embed = torch.nn.Linear(4, D)
-    torch.nn.init.normal_(embed.weight, generator=g)
-    torch.nn.init.normal_(embed.bias, generator=g)  # every process builds the same model
+    blocks = block_params(g, H, D)
+    embed = time_embedding(g, D)  # every process builds the same model
     mix = (torch.randn(H, H, generator=g) / H ** 0.5).to(bf)
     x = (torch.randn(B, S, H, generator=g) * torch.exp2(torch.randint(-3, 4, (B, S, 1), generator=g))).to(bf)
     feats = torch.randn(T, 4, generator=g)
     idx = torch.randint(0, T, (S,), generator=g)
     row_index = 3 * idx + torch.randint(0, 3, (S,), generator=g)
     cot = torch.randn(B, S, H, generator=g) * torch.exp2(torch.randint(-10, 4, (B, S, H), generator=g))
-    return out_params, block_params, embed, mix, (x, feats, idx, row_index, cot)
+    return out_params, blocks, embed, mix, (x, feats, idx, row_index, cot)
 
 
 def parts_of(batch, world: int, rank: int, how: str, micro: int):
     """This rank's micro-batches: the samples (how "sample") or the rows (how "rows") dealt to `world` ranks, each
     rank's share cut in `micro` parts."""
-    x, feats, idx, row_index, cot = batch
-    n = world * micro
-    if how == "sample":
-        return [(x[k::n], feats, idx, row_index, cot[k::n]) for k in range(rank, n, world)]
-    cuts = [round(S * k / n) for k in range(n + 1)]
-    return [(x[:, cuts[k]:cuts[k + 1]], feats, idx[cuts[k]:cuts[k + 1]], row_index[cuts[k]:cuts[k + 1]],
-             cot[:, cuts[k]:cuts[k + 1]]) for k in range(rank, n, world)]
+    return (by_sample if how == "sample" else within)(batch, world * micro)[rank::world]
 
 
 def own_timesteps(parts):
@@ -70,12 +61,12 @@ def run(parts, exact=True, reduce=None):
     """Forward and backward of each part through a block then norm_out, then the AdaLN gradients and the time
     embedding's; with `reduce` (a process group) summed over its ranks: the exact states before write, or (exact
     False, the planted one) the plain gradients in fp32 after."""
-    out_params, block_params, embed, mix, _ = setup()
+    out_params, blocks, embed, mix, _ = setup()
     acc = ExactGradients()
     for x, feats, idx, row_index, cot in parts:
         temb = embed(feats)
         with acc if exact else torch.enable_grad():
-            h = block_adaln_path(x, temb, *block_params, row_index, lambda a: torch.tanh(a @ mix),
+            h = block_adaln_path(x, temb, *blocks, row_index, lambda a: torch.tanh(a @ mix),
                                  lambda a: a * torch.sigmoid(a), backend="torch")
             out = final_adaln_out(h, out_params[0], temb, *out_params[1:], idx)
             (out.float() * cot).sum().backward()
@@ -83,7 +74,7 @@ def run(parts, exact=True, reduce=None):
         if reduce is not None:
             acc.all_reduce(reduce)
         acc.write()
-    grads = [p.grad for p in [*block_params, *out_params]]
+    grads = [p.grad for p in [*blocks, *out_params]]
     if reduce is not None and not exact:  # the planted one: plain gradients all-reduced in fp32
         for g in grads:
             buf = g.float()

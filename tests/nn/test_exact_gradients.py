@@ -9,6 +9,8 @@ import torch
 from adaln_lab import final_adaln_out
 from adaln_lab.nn import ExactGradients
 
+from ..exact_parts import by_sample, time_embedding, within
+
 B, S, H, D, T = 8, 24, 16, 8, 3
 
 
@@ -19,8 +21,7 @@ def model(seed: int = 0):
     params = [torch.nn.Parameter((1 + 0.1 * torch.randn(H, generator=g)).bfloat16()),
               torch.nn.Parameter((0.1 * torch.randn(2 * H, D, generator=g)).bfloat16()),
               torch.nn.Parameter((0.1 * torch.randn(2 * H, generator=g)).bfloat16())]
-    embed = torch.nn.Linear(4, D)
-    torch.nn.init.normal_(embed.weight, generator=g)
+    embed = time_embedding(g, D)
     x = (torch.randn(B, S, H, generator=g) * torch.exp2(torch.randint(-4, 5, (B, S, 1), generator=g))).bfloat16()
     feats = torch.randn(T, 4, generator=g)
     idx = torch.randint(0, T, (S,), generator=g)
@@ -43,17 +44,6 @@ def step(params, embed, parts, exact=True, order=None):
     if exact:
         acc.write()
     return [p.grad for p in params] + [embed.weight.grad]
-
-
-def by_sample(batch, n):
-    x, feats, idx, cot = batch
-    return [(x[k::n], feats, idx, cot[k::n]) for k in range(n)]
-
-
-def within(batch, n):
-    x, feats, idx, cot = batch
-    cuts = [round(S * k / n) for k in range(n + 1)]
-    return [(x[:, a:b], feats, idx[a:b], cot[:, a:b]) for a, b in zip(cuts, cuts[1:])]
 
 
 def same(a, b) -> bool:
@@ -144,8 +134,8 @@ def test_cuda_torch_route_gives_the_same_bits_for_every_split():
 def test_a_patched_h3_model_gives_the_same_adaln_gradients_for_every_split_by_sample():
     """A patched tiny MiniMax-H3 model (fp32, CPU: every AdaLN on the torch route): its 11 AdaLN parameters'
     gradients the same bits for one batch of 4 samples, the timesteps' order permuted (indices remapped), 2 parts in
-    both orders, 3 uneven parts and 4 parts of one sample shuffled; plain autograd over the same parts changes them all. (A split
-    within a sample is no split of a model: attention mixes its rows.)"""
+    both orders, 3 uneven parts and 4 parts of one sample shuffled; plain autograd over the same parts changes them
+    all. (A split within a sample is no split of a model: attention mixes its rows.)"""
     pytest.importorskip("diffusers")
     import adaln_lab
     from adaln_lab.testing import tiny_h3_model

@@ -15,6 +15,8 @@ from adaln_lab.reference.block import (replay_block_adaln, replay_gated_residual
                                        table_chunks)
 from adaln_lab.reference.final_adaln_out import rms_norm, table_rows
 
+from ..exact_parts import block_params, by_sample, time_embedding, within
+
 B, S, H, D, T = 8, 18, 16, 8, 2
 
 
@@ -22,12 +24,8 @@ def model(seed: int = 0, dtype=torch.bfloat16):
     """(params: weight, bias, norm1_weight, norm2_weight, the time embedding's Linear), row-wise attn and ff, the
     batch (x, timestep features, row_index, cotangent)."""
     g = torch.Generator().manual_seed(seed)
-    params = [torch.nn.Parameter((0.1 * torch.randn(18 * H, D, generator=g)).to(dtype)),
-              torch.nn.Parameter((0.1 * torch.randn(18 * H, generator=g)).to(dtype)),
-              torch.nn.Parameter((1 + 0.1 * torch.randn(H, generator=g)).to(dtype)),
-              torch.nn.Parameter((1 + 0.1 * torch.randn(H, generator=g)).to(dtype))]
-    embed = torch.nn.Linear(4, D)
-    torch.nn.init.normal_(embed.weight, generator=g)
+    params = block_params(g, H, D, dtype)
+    embed = time_embedding(g, D)
     mix = (torch.randn(H, H, generator=g) / H ** 0.5).to(dtype)
     attn, ff = (lambda h: torch.tanh(h @ mix)), (lambda h: h * torch.sigmoid(h))
     x = (torch.randn(B, S, H, generator=g) * torch.exp2(torch.randint(-3, 4, (B, S, 1), generator=g))).to(dtype)
@@ -53,17 +51,6 @@ def step(params, embed, maps, parts, exact=True, order=None):
     if exact:
         acc.write()
     return [p.grad for p in params] + [embed.weight.grad], outs
-
-
-def by_sample(batch, n):
-    x, feats, row_index, cot = batch
-    return [(x[k::n], feats, row_index, cot[k::n]) for k in range(n)]
-
-
-def within(batch, n):
-    x, feats, row_index, cot = batch
-    cuts = [round(S * k / n) for k in range(n + 1)]
-    return [(x[:, a:b], feats, row_index[a:b], cot[:, a:b]) for a, b in zip(cuts, cuts[1:])]
 
 
 def same(a, b) -> bool:

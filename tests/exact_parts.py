@@ -1,0 +1,36 @@
+"""Shared pieces of the exact-gradient tests: seeded parameters and time embedding, and the splits of a batch.
+
+A batch is a tuple of tensors: (B, S, H) ones (x, the cotangent) are per sample and per row; (S,) ones (indices) per
+row; the rest (temb's features) whole in every part."""
+
+import torch
+
+
+def time_embedding(g: torch.Generator, D: int) -> torch.nn.Linear:
+    """Linear(4, D) with weight and bias drawn from `g` (the default init would draw the bias from torch's global
+    generator: other data in every process and every call)."""
+    embed = torch.nn.Linear(4, D)
+    torch.nn.init.normal_(embed.weight, generator=g)
+    torch.nn.init.normal_(embed.bias, generator=g)
+    return embed
+
+
+def block_params(g: torch.Generator, H: int, D: int, dtype=torch.bfloat16) -> list[torch.nn.Parameter]:
+    """A block's AdaLN parameters drawn from `g`: weight (18H, D), bias (18H,), norm1_weight, norm2_weight (H,)."""
+    return [torch.nn.Parameter((0.1 * torch.randn(18 * H, D, generator=g)).to(dtype)),
+            torch.nn.Parameter((0.1 * torch.randn(18 * H, generator=g)).to(dtype)),
+            torch.nn.Parameter((1 + 0.1 * torch.randn(H, generator=g)).to(dtype)),
+            torch.nn.Parameter((1 + 0.1 * torch.randn(H, generator=g)).to(dtype))]
+
+
+def by_sample(batch, n: int) -> list[tuple]:
+    """n parts, part k the samples k, k + n, .."""
+    return [tuple(t[k::n] if t.dim() == 3 else t for t in batch) for k in range(n)]
+
+
+def within(batch, n: int) -> list[tuple]:
+    """n parts of consecutive rows of every sample."""
+    S = batch[0].shape[-2]
+    cuts = [round(S * k / n) for k in range(n + 1)]
+    return [tuple(t[:, a:b] if t.dim() == 3 else t[a:b] if t.dim() == 1 else t for t in batch)
+            for a, b in zip(cuts, cuts[1:])]
