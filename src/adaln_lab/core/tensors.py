@@ -74,6 +74,20 @@ def context(device_index: int, H: int, D: int, T: int, rows: int, table_n: int =
 launchers.on_forget(context.cache_clear)
 
 
+def table_launch(k: dict, plan, stream: int, temb: torch.Tensor, weight: int, bias: int, table_bf16: int,
+                 table_f32: int) -> None:
+    """launchers.launch_table on temb (T, D) fp32, with the act scratch it needs where plan.table_fused_silu is
+    off: a (T, D) bf16 tensor that torch's caching allocator hands out again only after `stream`'s work (a stream
+    other than torch's current one is recorded on it)."""
+    act = 0
+    if not plan.table_fused_silu:
+        scratch = torch.empty(temb.shape, dtype=torch.bfloat16, device=temb.device)
+        if stream != current_stream(temb.get_device()):  # dlpack's stream: torch reuses act only after it
+            scratch.record_stream(torch.cuda.ExternalStream(stream, device=temb.device))
+        act = scratch.data_ptr()
+    launchers.launch_table(k, plan, stream, temb.data_ptr(), weight, bias, table_bf16, table_f32, act)
+
+
 def table(temb, weight, bias):
     """table (T, 2H) bf16 and table_f32 (T, 2H) fp32 by kernels_cu/table.cu (one kernel, for tests and tools)."""
     T, D = temb.shape
@@ -83,10 +97,8 @@ def table(temb, weight, bias):
     out = torch.empty(T, 2 * H, dtype=torch.bfloat16, device=temb.device)
     out_f32 = torch.empty(T, 2 * H, dtype=torch.float32, device=temb.device)
     launchers.bind(temb.device.index)
-    act = torch.empty(T, D, dtype=torch.bfloat16, device=temb.device)
-    launchers.launch_table(launchers.kernels(temb.device.index, plan), plan, current_stream(temb.device.index),
-                           temb.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(), out_f32.data_ptr(),
-                           act.data_ptr())
+    table_launch(launchers.kernels(temb.device.index, plan), plan, current_stream(temb.device.index), temb,
+                 weight.data_ptr(), bias.data_ptr(), out.data_ptr(), out_f32.data_ptr())
     return out, out_f32
 
 

@@ -79,15 +79,15 @@ def forward(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tensor, weig
         result, table_f32, rstd = reference_forward(x, norm_weight, temb, weight, bias, timestep_indices, eps)
         out.copy_(result), saved_f32.copy_(table_f32), saved_rstd.copy_(rstd)
         return
-    device = x.get_device()
-    base, o = workspace.data_ptr(), forward_workspace(T, H, rows)[0]
+    context = kernels_of(x, temb)
+    base, o = workspace.data_ptr(), context[1].fwd_offsets
     if table_backend == "torch":
         saved = saved_views(workspace, T, H, rows)
         for piece, value in zip(saved, table_from_torch(temb, weight, bias)):
             piece.copy_(value)
     kernels_forward(x, norm_weight, temb, weight, bias, timestep_indices, eps, out.data_ptr(), base + o["table"],
-                    base + o["table_f32"], base + o["rstd"], tensors.current_stream(device),
-                    table_written=table_backend == "torch")
+                    base + o["table_f32"], base + o["rstd"], tensors.current_stream(x.get_device()),
+                    table_written=table_backend == "torch", context=context)
 
 
 def kernels_of(x: torch.Tensor, temb: torch.Tensor):
@@ -99,18 +99,15 @@ def kernels_of(x: torch.Tensor, temb: torch.Tensor):
 
 
 def kernels_forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: float, out: int, table: int,
-                    table_f32: int, rstd: int, stream: int, table_written: bool = False) -> None:
+                    table_f32: int, rstd: int, stream: int, table_written: bool = False, context=None) -> None:
     """table.cu (unless `table_written`: the bf16 table and table_f32 already at their addresses), then
     norm_modulate.cu, on `stream`, writing out, table, table_f32 and rstd at the given addresses (the op's
-    workspace, or `adaln_lab.dlpack`'s arrays)."""
-    x, norm_weight, temb, weight, bias = (tensors.aligned(t) for t in (x, norm_weight, temb, weight, bias))
-    plan, rows, k = kernels_of(x, temb)
+    workspace, or `adaln_lab.dlpack`'s arrays). context: `kernels_of(x, temb)` where the caller has it."""
+    aligned = tensors.aligned
+    x, norm_weight, temb, weight, bias = aligned(x), aligned(norm_weight), aligned(temb), aligned(weight), aligned(bias)
+    plan, rows, k = context or kernels_of(x, temb)
     if not table_written:
-        act = torch.empty(temb.shape, dtype=torch.bfloat16, device=temb.device)  # table.cu's scratch: silu once
-        if stream != tensors.current_stream(temb.get_device()):  # dlpack's stream: torch reuses act only after it
-            act.record_stream(torch.cuda.ExternalStream(stream, device=temb.device))
-        launchers.launch_table(k, plan, stream, temb.data_ptr(), weight.data_ptr(), bias.data_ptr(), table, table_f32,
-                               act.data_ptr())
+        tensors.table_launch(k, plan, stream, temb, weight.data_ptr(), bias.data_ptr(), table, table_f32)
     launchers.launch_norm_modulate(k, plan, rows, stream, x.data_ptr(), norm_weight.data_ptr(), table,
                                    timestep_indices.data_ptr(), out, rstd, x.shape[-2], eps,
                                    after_table=not table_written)
@@ -138,19 +135,20 @@ def backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, temb:
         for output, grad in zip(outputs, grads):
             output.copy_(grad)
         return
-    device = x.get_device()
-    base, o = workspace.data_ptr(), forward_workspace(T, H, rows)[0]
+    context = kernels_of(x, temb)
+    base, o = workspace.data_ptr(), context[1].fwd_offsets
     kernels_backward(dy, x, norm_weight, temb, weight, timestep_indices, base + o["table_f32"], base + o["rstd"],
-                     outputs, tensors.current_stream(device))
+                     outputs, tensors.current_stream(x.get_device()), context=context)
 
 
 def kernels_backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f32: int, rstd: int, outputs,
-                     stream: int, workspace=None) -> None:
+                     stream: int, workspace=None, context=None) -> None:
     """The four backward kernels on `stream`: outputs = (dx, d_norm_weight, d_temb, d_weight, d_bias) tensors,
     from the forward's table_f32 and rstd at their addresses; workspace: None (one torch allocation here), or a
-    tensor of at least the plan's `bwd_bytes`."""
-    dy, x, norm_weight, weight = (tensors.aligned(t) for t in (dy, x, norm_weight, weight))
-    plan, rows, k = kernels_of(x, temb)
+    tensor of at least the plan's `bwd_bytes`. context: `kernels_of(x, temb)` where the caller has it."""
+    aligned = tensors.aligned
+    dy, x, norm_weight, weight = aligned(dy), aligned(x), aligned(norm_weight), aligned(weight)
+    plan, rows, k = context or kernels_of(x, temb)
     if workspace is None:
         workspace = torch.empty(rows.bwd_bytes, dtype=torch.uint8, device=x.device)
     dx, d_norm_weight, d_temb, d_weight, d_bias = outputs

@@ -34,9 +34,8 @@ def forward(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, route:
     temb = tensors.aligned(support.kernel_temb(temb, weight))  # table.cu loads temb 16 bytes at a time
     weight, bias = tensors.aligned(weight), tensors.aligned(bias)
     plan, k, stream = tensors.table_setup(temb, weight.shape[0])
-    act = torch.empty(temb.shape, dtype=torch.bfloat16, device=temb.device)  # table.cu's scratch: silu once
-    launchers.launch_table(k, plan, stream, temb.data_ptr(), weight.data_ptr(), bias.data_ptr(),
-                           table_bf16.data_ptr(), table.data_ptr(), act.data_ptr())
+    tensors.table_launch(k, plan, stream, temb, weight.data_ptr(), bias.data_ptr(), table_bf16.data_ptr(),
+                         table.data_ptr())
 
 
 @library_op("adaln_lab::modulation_table_bwd", mutates_args=("d_temb", "d_weight", "d_bias"))
