@@ -76,9 +76,14 @@ __device__ __forceinline__ act_t load_act(const float* p, bool ok) {
     return ok ? act_t{__ldg(reinterpret_cast<const float4*>(p)), __ldg(reinterpret_cast<const float4*>(p) + 1)}
               : act_t{zero, zero};
 }
+// silu(v) with its zeros passed through: silu(+-0) = +-0 / 2 = +-0 exactly, so the bits are silu's, and the lanes of
+// timesteps past T (zeros) skip the division's slow path (a zero quotient leaves its fast path)
+__device__ __forceinline__ float silu_z(float v) { return v == 0.0f ? v : silu(v); }
 __device__ __forceinline__ uint4 act_bits(const act_t& a) {
-    return make_uint4(float2_to_bf16x2(silu(a.lo.x), silu(a.lo.y)), float2_to_bf16x2(silu(a.lo.z), silu(a.lo.w)),
-                      float2_to_bf16x2(silu(a.hi.x), silu(a.hi.y)), float2_to_bf16x2(silu(a.hi.z), silu(a.hi.w)));
+    return make_uint4(float2_to_bf16x2(silu_z(a.lo.x), silu_z(a.lo.y)),
+                      float2_to_bf16x2(silu_z(a.lo.z), silu_z(a.lo.w)),
+                      float2_to_bf16x2(silu_z(a.hi.x), silu_z(a.hi.y)),
+                      float2_to_bf16x2(silu_z(a.hi.z), silu_z(a.hi.w)));
 }
 #else
 typedef bf16_t act_elem_t;  // table_act's act
