@@ -15,10 +15,10 @@ def test_the_host_model_reaches_every_launch_and_restores_the_stand_ins():
                  torch.cuda.current_device)
     lines = []
     found = host_model.measure(rows=8, calls=3, H=1024, D=256, out=lines.append)
-    # norm_out: the table (its SiLU in it at T 3), rows, then the backward's row pass, reduce, table_bwd and its
-    # reduce (tests/core/test_launchers.py); a block: the table, the row order, three forward row kernels and the
-    # backward's ten
-    assert found["final_adaln_out"]["launches"] == 6 and found["block_adaln_path"]["launches"] == 15
+    # norm_out: table_act, table, rows, then the backward's row pass, reduce, table_bwd and its reduce
+    # (tests/core/test_launchers.py); a block: table_act, the table, the row order, three forward row kernels and
+    # the backward's ten
+    assert found["final_adaln_out"]["launches"] == 7 and found["block_adaln_path"]["launches"] == 16
     assert all(f["allocations"] > 0 and f["us"] > 0 and f["floor_us"] > 0 for f in found.values())
     assert len(lines) == 3 and lines[1].startswith("final_adaln_out: fwd+bwd")
     assert (launchers.kernels, launchers.bind, tensors.current_stream, support._not_cuda,

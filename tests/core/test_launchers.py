@@ -85,44 +85,23 @@ def _inside(pointer, buffers):
     return any(a <= pointer < b for a, b in buffers)
 
 
-@pytest.fixture(params=["fused", "table_act"])
-def silu(request, monkeypatch):
-    """The table's SiLU taken by table_bf16 itself (T <= TABLE_SILU_FUSED_MAX_T, T 1 here) or by table_act first
-    (the bound set to 0): plans built under the override are forgotten after the test."""
-    if request.param == "table_act":
-        monkeypatch.setitem(plan_module.TUNING, "TABLE_SILU_FUSED_MAX_T", 0)
-    plan_module.clear_caches()
-    tensors.context.cache_clear()
-    yield request.param
-    monkeypatch.undo()
-    plan_module.clear_caches()
-    tensors.context.cache_clear()
-
-
 @pytest.mark.parametrize("rows", [1, 1031])
-def test_forward_and_backward_launch_each_kernel_once_on_live_buffers(calls, rows, silu):
+def test_forward_and_backward_launch_each_kernel_once_on_live_buffers(calls, rows):
     i = make(1, rows, "cpu")
     forward = Forward(i)
     out = forward.out
     dy = upstream(1, i.x)
     grads = forward.backward(i, dy)
     names = [c[0] for c in calls]
-    plan, r = forward.plan, forward.rows
-    assert plan.table_fused_silu == (silu == "fused")
-    assert names == ["table_act"] * (silu == "table_act") + [
-        "table_bf16", "norm_modulate_warp_bf16", "norm_modulate_bwd_bf16", "reduce_partials_bf16", "table_bwd_bf16",
-        "table_bwd_reduce"]
+    assert names == ["table_act", "table_bf16", "norm_modulate_warp_bf16", "norm_modulate_bwd_bf16",
+                     "reduce_partials_bf16", "table_bwd_bf16", "table_bwd_reduce"]
     assert _streams(calls) == {STREAM}
-    if silu == "fused":  # table_bf16 reads temb itself, launched plainly (the kernel before it is the caller's)
-        assert PROGRAMMATIC == ([1] if plan.fwd_pdl else [])
-        act = i.temb.data_ptr()
-    else:  # the table kernel may start as table_act ends, and with PDL the row kernel as the table ends
-        assert PROGRAMMATIC == ([1, 2] if plan.fwd_pdl else [1])  # indices of the calls
-        assert calls[0][1] == (plan.table_act_grid, 1, 1) and calls[0][4][0] == i.temb.data_ptr()
-        act = calls[0][4][1]  # table.cu's scratch (T, D) bf16, allocated for the table kernels alone
-        assert act != i.temb.data_ptr()
-        calls = calls[1:]
-    assert calls[0][1] == (*plan.table_grid, 1)
+    plan, r = forward.plan, forward.rows
+    # the table kernel may start as table_act ends, and with PDL the row kernel as the table ends
+    assert PROGRAMMATIC == ([1, 2] if plan.fwd_pdl else [1])  # indices of the calls
+    assert calls[0][1] == (plan.table_act_grid, 1, 1) and calls[1][1] == (*plan.table_grid, 1)
+    act = calls[0][4][1]  # table.cu's scratch (T, D) bf16, allocated for the table kernels alone
+    calls = calls[1:]
     assert calls[1][1] == (-(-rows // plan.fwd_warp_rows), 1, 1) and calls[1][2] == (32 * plan.fwd_warp_rows, 1, 1)
     assert calls[2][1] == (r.bwd_ranges, 1, 1)
     assert calls[3][1] == (-(-plan.H // 32), 1, 1) and calls[4][1] == plan.tb_grid + (1,)
@@ -245,11 +224,11 @@ def test_empty_batch_launches_no_row_kernel_and_zeroes_the_partials(calls):
     assert forward.out.shape == (0, 264)
     forward.backward(i, torch.empty_like(forward.out))
     names = [c[0] for c in calls]
-    assert names == ["table_bf16", "memset", "reduce_partials_bf16", "table_bwd_bf16", "table_bwd_reduce"]
-    memset = calls[1]
+    assert names == ["table_act", "table_bf16", "memset", "reduce_partials_bf16", "table_bwd_bf16", "table_bwd_reduce"]
+    memset = calls[2]
     assert memset[2] == 2 * 2 * 264 * 4  # one range of (T, 2, H) fp32 zeros
     assert _streams(calls) == {STREAM}
-    assert calls[2][4][7] == 1  # reduce_partials sums that one range (its nblocks argument)
+    assert calls[3][4][7] == 1  # reduce_partials sums that one range (its nblocks argument)
 
 
 def test_the_row_kernel_waits_on_the_table_kernel_only_when_it_follows_it(calls, monkeypatch):
@@ -262,10 +241,10 @@ def test_the_row_kernel_waits_on_the_table_kernel_only_when_it_follows_it(calls,
         i = make(1, 9, "cpu", H=64, D=32, T=2)
         assert plan_module.plan(64, 32, 2).fwd_pdl
         Forward(i, "cuda")
-        assert [c[0] for c in calls] == ["table_bf16", "norm_modulate_warp_bf16"]
-        assert PROGRAMMATIC == [1]  # the rows after the table (itself a plain launch: T 2 takes the SiLU in it)
+        assert [c[0] for c in calls] == ["table_act", "table_bf16", "norm_modulate_warp_bf16"]
+        assert PROGRAMMATIC == [1, 2]  # the table after table_act, the rows after the table
         Forward(i, "torch")
-        assert [c[0] for c in calls][2:] == ["norm_modulate_warp_bf16"] and PROGRAMMATIC == [1]
+        assert [c[0] for c in calls][3:] == ["norm_modulate_warp_bf16"] and PROGRAMMATIC == [1, 2]
     finally:  # no plan built under the override outlives the test
         monkeypatch.undo()
         plan_module.clear_caches()

@@ -183,17 +183,11 @@ def kernels(device_index: int, plan: Plan) -> dict:
 def launch_table(k: dict, plan: Plan, stream: int, temb: int, weight: int, bias: int, table: int,
                  table_f32: int, act: int) -> None:
     """table (T, N) bf16 (a block's two row tables (2, 3T, 2H) where plan.table_row_tables) and table_f32 (T, N)
-    fp32 = linear(bf16(silu(temb)), weight, bias), N = plan.columns. act: where plan.table_fused_silu, unused (0:
-    table_bf16 alone, reading temb); otherwise a (T, D) bf16 scratch that table_act fills with
-    bf16(silu(temb)) and table_bf16 reads (launched with PDL: its weight loads start before act is done)."""
-    if plan.table_fused_silu:  # a plain launch: the kernel before is the caller's (it may write the weight)
-        k["table_bf16"]((*plan.table_grid, 1), (plan.table_threads, 1, 1), 0, stream, temb, weight, bias, table,
-                        table_f32)
-        return
+    fp32 = linear(bf16(silu(temb)), weight, bias), N = plan.columns; act (T, D) bf16 scratch: bf16(silu(temb)),
+    written by table_act, then read by table_bf16 (launched with PDL: its weight loads start before act is done)."""
     k["table_act"]((plan.table_act_grid, 1, 1), (256, 1, 1), 0, stream, temb, act)
     k["table_bf16"].after_previous((*plan.table_grid, 1), (plan.table_threads, 1, 1), 0, stream,
                                    act, weight, bias, table, table_f32)
-
 
 
 def launch_norm_modulate(k: dict, plan: Plan, rows: Rows, stream: int, x: int, norm_weight: int, table: int,

@@ -29,8 +29,6 @@ TUNING = {
                                 # AHEAD): a block's tile of 16 MT rows j and 8 NT timesteps, AHEAD weight steps in
                                 # flight per lane (past 32: 64 timesteps a block, the weight read T / 64 times); the
                                 # first row whose T fits (speed only: every tile gives the same bits, NOTES v26)
-    "TABLE_SILU_FUSED_MAX_T": 8,  # table.cu: up to this many timesteps table_bf16 takes the SiLU of temb itself (no
-                                # table_act launch, no act scratch; every block then takes it of all T x D values)
     "FWD_THREADS_MAX": 256,     # norm_modulate.cu: row block size cap (H = 5376: 224 threads x 3 vectors)
     "FWD_RANGES": 264,          # norm_modulate.cu: row ranges of the staged kernel (a constant, not the SM count)
     "FWD_MIN_ROWS": 8,          # norm_modulate.cu: fewest rows of one range (the table staging is per range)
@@ -289,7 +287,7 @@ class Plan:
                     FWD_WARP_THREADS=t["FWD_WARP_THREADS"], BWD_THREADS=self.bwd_threads, BWD_VPT=self.bwd_vpt,
                     BWD_STAGES=self.bwd_stages, BWD_RES_STAGES=max(self.bwd_res_stages, 1),
                     TABLE_CHUNKS=t["TABLE_CHUNKS"], TABLE_MT=self.table_tile[0], TABLE_NT=self.table_tile[1],
-                    TABLE_AHEAD=self.table_tile[2], TABLE_FUSED_SILU=int(self.table_fused_silu),
+                    TABLE_AHEAD=self.table_tile[2],
                     FWD_ROW_LIST_MAX=t["FWD_ROW_LIST_MAX"], ROW_LIST_MAX=t["ROW_LIST_MAX"],
                     TB_THREADS=t["TB_THREADS"], TB_ROWS=self.tb_rows, TB_SPLIT=int(self.tb_split),
                     TB_EARLY=t["TB_EARLY"], TB_COLUMNS=self.tb_columns, TB_VEC=self.tb_vec,
@@ -298,12 +296,6 @@ class Plan:
                     ROW_ORDER_WIDE=int(self.row_order_wide),
                     GR_THREADS=self.gr_threads, SUM_GROUPS=t["SUM_GROUPS"], RP_T=self.rp_t, TABLE_N=self.columns,
                     TABLE_F32_ROUNDED=int(self.table_f32_rounded), TABLE_ROW_TABLES=int(self.table_row_tables))
-
-    @cached_property
-    def table_fused_silu(self) -> bool:
-        """table.cu: table_bf16 takes the SiLU of temb as it loads it (T <= TABLE_SILU_FUSED_MAX_T); otherwise
-        table_act writes bf16(silu(temb)) into a (T, D) bf16 scratch first. The same bits either way."""
-        return self.T <= dict(self.tuning)["TABLE_SILU_FUSED_MAX_T"]
 
     @cached_property
     def table_act_grid(self) -> int:

@@ -76,16 +76,13 @@ launchers.on_forget(context.cache_clear)
 
 def table_launch(k: dict, plan, stream: int, temb: torch.Tensor, weight: int, bias: int, table_bf16: int,
                  table_f32: int) -> None:
-    """launchers.launch_table on temb (T, D) fp32, with the act scratch it needs where plan.table_fused_silu is
-    off: a (T, D) bf16 tensor that torch's caching allocator hands out again only after `stream`'s work (a stream
-    other than torch's current one is recorded on it)."""
-    act = 0
-    if not plan.table_fused_silu:
-        scratch = torch.empty(temb.shape, dtype=torch.bfloat16, device=temb.device)
-        if stream != current_stream(temb.get_device()):  # dlpack's stream: torch reuses act only after it
-            scratch.record_stream(torch.cuda.ExternalStream(stream, device=temb.device))
-        act = scratch.data_ptr()
-    launchers.launch_table(k, plan, stream, temb.data_ptr(), weight, bias, table_bf16, table_f32, act)
+    """launchers.launch_table on temb (T, D) fp32 with its act scratch: a (T, D) bf16 tensor (bf16(silu(temb)), the
+    SiLU taken once) that torch's caching allocator hands out again only after `stream`'s work (a stream other than
+    torch's current one is recorded on it)."""
+    act = torch.empty(temb.shape, dtype=torch.bfloat16, device=temb.device)
+    if stream != current_stream(temb.get_device()):  # dlpack's stream: torch reuses act only after it
+        act.record_stream(torch.cuda.ExternalStream(stream, device=temb.device))
+    launchers.launch_table(k, plan, stream, temb.data_ptr(), weight, bias, table_bf16, table_f32, act.data_ptr())
 
 
 def table(temb, weight, bias):

@@ -2,9 +2,7 @@
 //
 // Two kernels: table_act writes act = bf16(silu(temb)) (T, D) once (the activations every block of table_bf16 reads:
 // 2 bytes an element instead of 4 and no SiLU per block), then table_bf16, launched right after it with programmatic
-// dependent launch (its first weight loads are issued before it waits for act). With ADALN_TABLE_FUSED_SILU (few
-// timesteps: plan.table_fused_silu) table_bf16 alone, reading temb (T, D) fp32 and taking the SiLU of each value as it
-// uses it: the same bf16(silu(v)) by the same code, so the same bits, one launch and one scratch allocation fewer.
+// dependent launch (its first weight loads are issued before it waits for act).
 //
 // Computes, for all T timesteps at once, table (T, N) bf16 (diffusers' rounding: the SiLU output is rounded to bf16
 // once, the fp32 dot product plus bias is rounded to bf16 once) and table_f32 (T, N) fp32: the same sums unrounded
@@ -67,31 +65,6 @@ __device__ __forceinline__ uint4 load16(const bf16_t* p, bool ok) {
     return ok ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0, 0, 0, 0);
 }
 
-// 8 consecutive activations of one timestep, as loaded (act_t) and as the mma takes them (act_bits: 8 bf16)
-#if ADALN_TABLE_FUSED_SILU
-typedef float act_elem_t;  // temb itself: the SiLU is taken at use, as table_act takes it
-struct act_t { float4 lo, hi; };
-__device__ __forceinline__ act_t load_act(const float* p, bool ok) {
-    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // silu(+0) = +0: the bits of a zero load of act
-    return ok ? act_t{__ldg(reinterpret_cast<const float4*>(p)), __ldg(reinterpret_cast<const float4*>(p) + 1)}
-              : act_t{zero, zero};
-}
-// silu(v) with its zeros passed through: silu(+-0) = +-0 / 2 = +-0 exactly, so the bits are silu's, and the lanes of
-// timesteps past T (zeros) skip the division's slow path (a zero quotient leaves its fast path)
-__device__ __forceinline__ float silu_z(float v) { return v == 0.0f ? v : silu(v); }
-__device__ __forceinline__ uint4 act_bits(const act_t& a) {
-    return make_uint4(float2_to_bf16x2(silu_z(a.lo.x), silu_z(a.lo.y)),
-                      float2_to_bf16x2(silu_z(a.lo.z), silu_z(a.lo.w)),
-                      float2_to_bf16x2(silu_z(a.hi.x), silu_z(a.hi.y)),
-                      float2_to_bf16x2(silu_z(a.hi.z), silu_z(a.hi.w)));
-}
-#else
-typedef bf16_t act_elem_t;  // table_act's act
-struct act_t { uint4 v; };
-__device__ __forceinline__ act_t load_act(const bf16_t* p, bool ok) { return act_t{load16(p, ok)}; }
-__device__ __forceinline__ uint4 act_bits(const act_t& a) { return a.v; }
-#endif
-
 // the epilogue of one (t, j): bias added, both outputs stored
 __device__ __forceinline__ void store_sum(float sum, int t, int j, bf16_t* __restrict__ table,
                                           float* __restrict__ table_f32) {
@@ -107,7 +80,7 @@ __device__ __forceinline__ void store_sum(float sum, int t, int j, bf16_t* __res
 }
 
 extern "C" __global__ void __launch_bounds__(32 * TABLE_CHUNKS)
-table_bf16(const act_elem_t* __restrict__ act, const bf16_t* __restrict__ weight, const bf16_t* __restrict__ bias,
+table_bf16(const bf16_t* __restrict__ act, const bf16_t* __restrict__ weight, const bf16_t* __restrict__ bias,
            bf16_t* __restrict__ table, float* __restrict__ table_f32) {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;");  // a kernel launched after it with PDL may start
@@ -124,7 +97,7 @@ table_bf16(const act_elem_t* __restrict__ act, const bf16_t* __restrict__ weight
             wok[m][h] = j < ADALN_TABLE_N;
             wrow[m][h] = weight + (size_t)(j < ADALN_TABLE_N ? j : 0) * ADALN_D + 8 * q;
         }
-    const act_elem_t* arow[TABLE_NT];
+    const bf16_t* arow[TABLE_NT];
     bool aok[TABLE_NT];
 #pragma unroll
     for (int n = 0; n < TABLE_NT; ++n) {
@@ -143,8 +116,7 @@ table_bf16(const act_elem_t* __restrict__ act, const bf16_t* __restrict__ weight
         for (int n = 0; n < TABLE_NT; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.0f;
-    uint4 wbuf[TABLE_P][TABLE_MT][2];
-    act_t abuf[TABLE_P][TABLE_NT];  // steps s .. s + P - 1, in use order
+    uint4 wbuf[TABLE_P][TABLE_MT][2], abuf[TABLE_P][TABLE_NT];  // steps s .. s + P - 1, in use order
 #pragma unroll
     for (int p = 0; p < TABLE_P; ++p)  // the weight first: it does not wait for table_act
 #pragma unroll
@@ -158,7 +130,7 @@ table_bf16(const act_elem_t* __restrict__ act, const bf16_t* __restrict__ weight
 #pragma unroll
     for (int p = 0; p < TABLE_P; ++p)
 #pragma unroll
-        for (int n = 0; n < TABLE_NT; ++n) abuf[p][n] = load_act(arow[n] + 32 * (first + p), in_d(first + p) && aok[n]);
+        for (int n = 0; n < TABLE_NT; ++n) abuf[p][n] = load16(arow[n] + 32 * (first + p), in_d(first + p) && aok[n]);
 
     for (int s0 = first; s0 < end; s0 += TABLE_P) {
 #pragma unroll
@@ -175,8 +147,8 @@ table_bf16(const act_elem_t* __restrict__ act, const bf16_t* __restrict__ weight
                 }
 #pragma unroll
             for (int n = 0; n < TABLE_NT; ++n) {
-                a[n] = act_bits(abuf[p][n]);
-                abuf[p][n] = load_act(arow[n] + 32 * (s + TABLE_P), in_d(s + TABLE_P) && aok[n]);
+                a[n] = abuf[p][n];
+                abuf[p][n] = load16(arow[n] + 32 * (s + TABLE_P), in_d(s + TABLE_P) && aok[n]);
             }
 #pragma unroll
             for (int m = 0; m < TABLE_MT; ++m)

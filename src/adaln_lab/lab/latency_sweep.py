@@ -96,8 +96,8 @@ def _plan_numbers(S: int, H: int, D: int, T: int) -> tuple[int, int]:
 def kernel_bytes(S: int, H: int, D: int, T: int) -> dict:
     """Bytes each adaln_lab kernel must read plus write at S rows of bf16 x (the kernels' arguments).
 
-    table_act (past plan.table_fused_silu's T): temb in, bf16(silu(temb)) out. table_bf16: that (or temb itself,
-    the SiLU taken in it), weight, bias in; bf16 and fp32 table out. norm_modulate_bf16: x, norm_weight,
+    table_act: temb in, bf16(silu(temb)) out. table_bf16: that, weight, bias in; bf16 and fp32 table out.
+    norm_modulate_bf16: x, norm_weight,
     bf16 table, indices in; out and rstd out (its two other kernels, norm_modulate_warp_bf16 and
     norm_modulate_rowwise_bf16, the same bytes). norm_modulate_bwd_bf16: dy, x, rstd, norm_weight,
     fp32 table, indices in; dx and the row partials (ranges, T, 2, H) fp32 out.
@@ -109,13 +109,10 @@ def kernel_bytes(S: int, H: int, D: int, T: int) -> dict:
     rows, weight = S * H * 2, 2 * H * D * 2
     table16, table32 = T * 2 * H * 2, T * 2 * H * 4
     temb, partials, dact = T * D * 4, ranges * T * 2 * H * 4, blocks * T * D * 4
-    from ..core.plan import TUNING
-
-    fused = T <= TUNING["TABLE_SILU_FUSED_MAX_T"]  # table_bf16 reads temb; else table_act's bf16 act
     act = T * D * 2  # table.cu's bf16(silu(temb)), written by table_act, read by table_bf16
     forward = {
-        **({} if fused else {"table_act": temb + act}),
-        "table_bf16": (temb if fused else act) + weight + 2 * H * 2 + table16 + table32,
+        "table_act": temb + act,
+        "table_bf16": act + weight + 2 * H * 2 + table16 + table32,
         "norm_modulate_bf16": 2 * rows + H * 2 + table16 + S * 8 + S * 4,
     }
     forward["norm_modulate_rowwise_bf16"] = forward["norm_modulate_warp_bf16"] = forward["norm_modulate_bf16"]
