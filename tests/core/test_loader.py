@@ -120,6 +120,7 @@ def test_redirect_unusable_cache_dir(tmp_path):
     assert env == {"CUPY_CACHE_DIR": str(a_file)}
 
 
+@pytest.mark.integration  # a process of its own
 def test_cupys_import_fails_on_a_cache_path_it_cannot_make_unless_launchers_comes_first(tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("x")

@@ -4,6 +4,8 @@ table: tests/harness/test_report.py.)"""
 
 import json
 
+import pytest
+
 from adaln_lab.harness.render import markdown
 
 from ..paths import EVIDENCE, needs_evidence
@@ -12,6 +14,7 @@ from .test_report import NEW_FIGURES, table
 OLD_REPORT = EVIDENCE / "report.json"  # skipped while the evidence folder waits for its GPU run
 
 
+@pytest.mark.integration  # a process of its own
 @needs_evidence("report.json")
 def test_table_renders_an_old_report_with_na():
     report = json.loads(OLD_REPORT.read_text())
@@ -44,6 +47,7 @@ def test_table_names_a_failed_capture():
     assert "| 123 (" in text or "| 123 ±" in text  # the figure, with or without its spread
 
 
+@pytest.mark.integration  # a process of its own
 def test_table_of_a_missing_or_broken_file_is_a_one_line_error(tmp_path, capsys):
     from adaln_lab.__main__ import main
 

@@ -45,6 +45,7 @@ def _run(module, x, temb, idx, dy):
     return out.detach(), grads
 
 
+@pytest.mark.integration  # a process of its own
 def test_import_does_not_import_diffusers():
     code = "import sys, adaln_lab; adaln_lab.AdaLNOut(16, 8, 1e-5); assert 'diffusers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -63,6 +63,7 @@ print("ran")
 """
 
 
+@pytest.mark.integration  # a process of its own
 def test_mixed_dtypes_raise_no_torch_internal_warning():
     """A fresh process (torch warns once per process), every UserWarning an error: final_adaln_out forward and
     backward with fp16 / bf16 x and parameters of another dtype, and a block op with fp16 x and bf16 norm weight."""
