@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from ..core import support
 from ..core.autocast import autocast_params
-from ..core.exact import refuse_unrecorded
+from ..core.exact import recorder, refuse_unrecorded
 from ..core.checks import BACKENDS, TABLE_BACKENDS, check_option
 from ..ops.final_adaln_out import final_adaln_out
 from ..ops.modulated_rms_norm import modulated_rms_norm
@@ -153,6 +153,9 @@ class AdaLNOut(nn.Module):
                 return replay(hidden_states, norm_weight, temb, weight, bias, timestep_indices, eps)
             # SiLU in float32 rounded once to weight's dtype == diffusers' SiLU at temb's (= weight's) dtype
             temb = temb.float()
+        exact = recorder()
+        if exact is not None:  # inside ExactGradients: where these parameters live (FSDP2 reshards them)
+            exact.own(self, ("linear.weight", "linear.bias", "norm.weight"))
         return final_adaln_out(hidden_states, norm_weight, temb, weight, bias, timestep_indices, eps=eps,
                                backend=self.backend, table_backend=self.table_backend)
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from ..core.autocast import autocast_params
-from ..core.exact import refuse_unrecorded
+from ..core.exact import recorder, refuse_unrecorded
 from ..ops.block import block_adaln_path
 from ..core.checks import BLOCK_BACKENDS, TABLE_BACKENDS, check_option
 from ..reference.block import MODALITIES
@@ -149,6 +149,9 @@ class AdaLNTransformerBlock(nn.Module):
             return adapters.adapted_table(table, temb, linear, names,
                                           autocast_params(hidden_states, base.weight)[0].dtype)
 
+        exact = recorder()
+        if exact is not None and not names:  # inside ExactGradients: where these parameters live (FSDP2 reshards them)
+            exact.own(self, ("adaln_proj.linear.weight", "adaln_proj.linear.bias", "norm1.weight", "norm2.weight"))
         return block_adaln_path(hidden_states, temb, base.weight, base.bias, self.norm1.weight, self.norm2.weight,
                                 adaln_indices, attn, self.ff, _eps(self.norm1, hidden_states),
                                 _eps(self.norm2, hidden_states), backend=self.backend,

@@ -14,7 +14,8 @@ then d_weight, d_bias and d_temb as fixed functions of those (ops/modulation_tab
 added over the AdaLNs in the order they were first recorded, go back in one backward. The parameters' .grad must
 be None before the first part (zero_grad(set_to_none=True)): write sets them, once. `merge` adds another
 accumulator's states (another group of micro-batches), in any order; `all_reduce(group)` sums every rank's states
-(integers over torch.distributed), so that each rank's write gives one process's bits. Not recorded yet, and
+(integers over torch.distributed), so that each rank's write gives one process's bits; under FSDP2 write sets the
+sharded masters' gradients (`own`; the time embedding frozen). Not recorded yet, and
 refused inside `with acc` (NotImplementedError naming it): the kernels' route, LoRA adapters, diffusers' own forward
 (hooks on a patched module) and AdaLNOut's temb dtypes other than float32 / float64. A parameter shared by two
 AdaLNs is refused.
@@ -65,6 +66,20 @@ class ExactGradients:
     def __init__(self):
         self.groups: dict[tuple, _Group] = {}
         self.reduced = False  # all_reduce ran: nothing more may be recorded, merged or reduced until write
+        self.owners: dict[int, tuple] = {}  # id(parameter seen by an op) -> (module, its name there): `own`
+
+    def own(self, module: torch.nn.Module, names) -> None:
+        """Note where the parameters an AdaLN module is about to hand its op live (`module.get_parameter(name)`),
+        so that write sets the gradient of the parameter registered there at write: under FSDP2 the op sees the
+        unsharded parameter and write finds the sharded DTensor again (its gradient, rounded once to the master's
+        dtype, is written as that DTensor's shards)."""
+        for name in names:
+            self.owners[id(module.get_parameter(name))] = (module, name)
+
+    def _target(self, p: torch.Tensor) -> torch.Tensor:
+        """Where p's gradient goes: the parameter now registered where p was (`own`), else p."""
+        owner = self.owners.get(id(p))
+        return p if owner is None else owner[0].get_parameter(owner[1])
 
     def _open(self, what: str) -> None:
         if self.reduced:
@@ -161,22 +176,52 @@ class ExactGradients:
             params = {"weight": group.weight, "bias": group.bias}
             params.update(zip(group.norm_names, group.norm_weights))
             for name, p in params.items():
+                p = self._target(p)
                 if p.requires_grad and p.grad is not None:
                     raise ValueError(f"ExactGradients.write: {name}.grad is set already; zero the gradients with "
                                      "set_to_none=True before the first micro-batch (write sets them once)")
+            if group.tembs and _sharded(self._target(group.weight)):
+                raise NotImplementedError(
+                    "ExactGradients.write: temb requires grad and the AdaLN parameters are FSDP2-sharded; FSDP2's "
+                    "autograd hooks pass zeros through temb in the backward of each part, which frees temb's graph "
+                    "before write can send the exact d_temb back. Freeze the time embedding "
+                    "(model.time_embedder.requires_grad_(False)) for exact gradients under FSDP2; nothing was written")
         grads, temb_grads = [], {}
         for group in self.groups.values():
             group.settle()
-            rows, d_temb, d_weight, d_bias = group.table.gradients(group.weight, group.bias.dtype)
-            grads += [(group.weight, d_weight), (group.bias, d_bias)]
-            grads += [(w, state.value(w.dtype)) for w, state in zip(group.norm_weights, group.norms)]
+            weight, bias = self._target(group.weight), self._target(group.bias)
+            norm_weights = [self._target(w) for w in group.norm_weights]
+            if _sharded(weight):  # FSDP2: no temb gradient (refused above), d_weight in the master's dtype
+                rows, d_temb, d_weight, d_bias = group.table.gradients(None, bias.dtype, weight.dtype)
+            else:
+                rows, d_temb, d_weight, d_bias = group.table.gradients(group.weight, bias.dtype)
+            grads += [(weight, d_weight), (bias, d_bias)]
+            grads += [(w, state.value(w.dtype)) for w, state in zip(norm_weights, group.norms)]
             _temb_grads(group.tembs, rows, d_temb, temb_grads, group.owned)
+        grads = [(p, _as_grad_of(p, g)) for p, g in grads if p.requires_grad]
         for p, g in grads:
-            if p.requires_grad:
-                p.grad = g.to(p.device)
+            p.grad = g
         self.groups.clear()
+        self.owners.clear()
         self.reduced = False
         _temb_backward(temb_grads)
+
+
+def _sharded(p: torch.Tensor) -> bool:
+    """Whether p is a DTensor (FSDP2's sharded parameter)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor)
+
+
+def _as_grad_of(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """g (the whole gradient, in p's dtype) as p's .grad: on p's device, and for a DTensor its shards (each rank
+    keeps its own of the same full value: no communication)."""
+    if not _sharded(p):
+        return g.to(p.device)
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(g.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
 
 
 def _temb_grads(tembs, rows, d_temb, into: dict, owned=None) -> None:

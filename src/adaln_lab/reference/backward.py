@@ -64,11 +64,17 @@ def modulated_rms_norm_backward(dy, x, norm_weight, shift, scale, row_index, rst
     return dx, d_norm_weight.to(norm_weight.dtype), b.to(shift.dtype), d_scale.to(scale.dtype)
 
 
+def table_weight_grad(d_table, temb) -> torch.Tensor:
+    """d_weight (N, D) in float64 = d_table^T silu(temb) from d_table (T, N) and temb (T, D) (the SiLU output
+    unrounded)."""
+    return d_table.to(_F64).T @ F.silu(temb.to(_F64))
+
+
 def modulation_table_backward(d_table, temb, weight, bias_dtype: torch.dtype):
     """(d_temb (T, D), d_weight (N, D), d_bias (N,)) in temb's, weight's and bias_dtype, from d_table (T, N).
     The SiLU output is used unrounded (straight-through the declared cast to weight's dtype)."""
     d_table64, temb64 = d_table.to(_F64), temb.to(_F64)
-    d_weight = d_table64.T @ F.silu(temb64)
+    d_weight = table_weight_grad(d_table64, temb64)
     sig = torch.sigmoid(temb64)
     d_temb = (d_table64 @ weight.to(_F64)) * sig * (1.0 + temb64 * (1.0 - sig))
     return d_temb.to(temb.dtype), d_weight.to(weight.dtype), d_table64.sum(0).to(bias_dtype)

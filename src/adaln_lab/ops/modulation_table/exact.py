@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ...core.exact import LIMBS, ExactSum
-from ...reference.backward import modulation_table_backward
+from ...reference.backward import modulation_table_backward, table_weight_grad
 
 
 def row_key(row: torch.Tensor) -> bytes:
@@ -84,8 +84,9 @@ class TableSums:
         rank = dist.get_rank(group)
         return {key for key in keys if next(r for r, held in enumerate(everyone) if key in held) == rank}
 
-    def gradients(self, weight: torch.Tensor, bias_dtype: torch.dtype):
-        """(rows (U, D), d_temb (U, D), d_weight (N, D), d_bias (N,)) over the distinct rows (module docstring)."""
+    def gradients(self, weight: torch.Tensor | None, bias_dtype: torch.dtype, weight_dtype: torch.dtype | None = None):
+        """(rows (U, D), d_temb (U, D), d_weight (N, D), d_bias (N,)) over the distinct rows (module docstring).
+        weight None: no d_temb (None), d_weight in weight_dtype (the projection's values are not needed)."""
         if not self.rows:
             raise ValueError("no rows were added: the gradients of an empty batch are zeros, not computed here")
         keys = sorted(self.rows)
@@ -93,5 +94,7 @@ class TableSums:
         states = [self.rows[k][1] for k in keys]
         total = ExactSum.from_limbs(torch.cat([s.limbs for s in states], dim=1))  # (LIMBS, U, N): carried
         d_table = total.value(torch.float32).cpu()  # on the CPU, wherever the states are: the same float64 bits
+        if weight is None:
+            return rows, None, table_weight_grad(d_table, rows).to(weight_dtype), total.total().value(bias_dtype)
         d_temb, d_weight, _ = modulation_table_backward(d_table, rows.double(), weight.detach().cpu(), bias_dtype)
         return rows, d_temb, d_weight, total.total().value(bias_dtype)

@@ -1,0 +1,128 @@
+"""ExactGradients under FSDP2 (`adaln_lab.nn.fsdp2_shard`: fp32 master weights, bf16 compute) on gloo ranks (CPU,
+one spawn of 4): a patched tiny MiniMax-H3 model, one global batch of 4 samples dealt by sample to world sizes 1, 2
+and 4 (sub-meshes of the 4 ranks), with 4, 2 and 1 micro-batches a rank: after `all_reduce(group)` and `write()`
+every AdaLN parameter's sharded fp32 gradient, gathered, is the same bits in every layout. Plain FSDP2 (its fp32
+reduce-scatter of the ranks' gradients, times W to undo its mean: exact for W 1 and 4) over the same layouts is
+caught by the same check. A trainable time embedding is refused at write (NotImplementedError), nothing written."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.integration  # gloo ranks in processes of their own
+
+PER_SAMPLE = ("hidden_states", "audio_hidden_states", "encoder_hidden_states")
+LAYOUTS = (("exact", 1, 4), ("exact", 2, 2), ("exact", 4, 1), ("plain", 1, 1), ("plain", 4, 1))  # (how, W, micro)
+
+
+def adaln_names(model) -> list[str]:
+    return [n for n, _ in model.named_parameters() if n.startswith("norm_out.") or (
+        n.startswith("transformer_blocks.") and any(k in n for k in (".norm1.", ".norm2.", ".adaln_proj.")))]
+
+
+def _step(how, group, mesh, micro, frozen_time=True):
+    """One step of the sharded model on this rank's samples: {AdaLN parameter: its gradient in full}."""
+    import adaln_lab
+    from adaln_lab.nn import ExactGradients, fsdp2_shard
+    from adaln_lab.testing import tiny_h3_model
+
+    model, inputs = tiny_h3_model(batch=4)
+    adaln_lab.patch(model)
+    cot = torch.randn(4, *model(**inputs).sample.shape[1:], generator=torch.Generator().manual_seed(5))
+    names = adaln_names(model)
+    if frozen_time:
+        model.time_embedder.requires_grad_(False)
+    fsdp2_shard(model, mesh)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    mine = list(range(rank * 4 // world, (rank + 1) * 4 // world))
+    model.zero_grad(set_to_none=True)
+    acc = ExactGradients()
+    for k in range(micro):
+        idx = torch.tensor(mine[k::micro])
+        part = {key: (v[idx] if key in PER_SAMPLE else v) for key, v in inputs.items()}
+        with acc if how == "exact" else torch.enable_grad():
+            (model(**part).sample * cot[idx]).sum().backward()
+    if how == "exact":
+        acc.all_reduce(group)
+        acc.write()
+    params = dict(model.named_parameters())
+    grads = {n: params[n].grad.full_tensor() for n in names}
+    return grads if how == "exact" else {n: g * world for n, g in grads.items()}  # FSDP2's mean, undone
+
+
+def _reference():
+    """{AdaLN parameter: its exact gradient} of the whole batch in one process, unsharded, in the checkpoint's
+    layout (what FSDP2's bf16 policy computes with: bf16 weights, the fp32 modules fp32): bf16, rounded once."""
+    import adaln_lab
+    from adaln_lab.nn import ExactGradients
+    from adaln_lab.testing import tiny_h3_model
+
+    model, inputs = tiny_h3_model(batch=4)
+    adaln_lab.patch(model)
+    cot = torch.randn(4, *model(**inputs).sample.shape[1:], generator=torch.Generator().manual_seed(5))
+    for name, module in model.named_modules():
+        if not (name and any(key in name for key in model._keep_in_fp32_modules)):
+            for p in module.parameters(recurse=False):
+                p.data = p.data.to(torch.bfloat16)
+    model.time_embedder.requires_grad_(False)
+    acc = ExactGradients()
+    with acc:
+        (model(**inputs).sample.float() * cot).sum().backward()
+    acc.write()
+    params = dict(model.named_parameters())
+    return {n: params[n].grad for n in adaln_names(model)}
+
+
+def _worker(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    groups = {1: [dist.new_group([r]) for r in range(4)][rank], 2: [dist.new_group(p) for p in ([0, 1], [2, 3])][rank // 2],
+              4: dist.group.WORLD}
+    found = {}
+    with sdpa_kernel(SDPBackend.MATH):  # the math backend's attention backward repeats
+        for how, world, micro in LAYOUTS:
+            found[(how, world, micro)] = _step(how, groups[world], DeviceMesh.from_group(groups[world], "cpu"), micro)
+        if rank == 0:
+            found["reference"] = _reference()
+        if rank == 0:  # a trainable time embedding: refused, no AdaLN gradient set
+            with pytest.raises(NotImplementedError, match="Freeze the time embedding"):
+                _step("exact", groups[1], DeviceMesh.from_group(groups[1], "cpu"), 2, frozen_time=False)
+    if rank == 0:
+        torch.save(found, out)
+    dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fsdp2_adaln_gradients_are_one_bits_for_every_world_size_and_micro_batch_split(tmp_path):
+    pytest.importorskip("diffusers")
+    out = tmp_path / "grads.pt"
+    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=4, join=True, start_method="spawn")
+    found = torch.load(out)
+    one = found[("exact", 1, 4)]
+    assert len(one) == 11 and all(g.dtype == torch.float32 for g in one.values())  # the masters' dtype
+    for layout in (("exact", 2, 2), ("exact", 4, 1)):
+        assert all(torch.equal(found[layout][n], one[n]) for n in one), layout
+    plain, plain4 = found[("plain", 1, 1)], found[("plain", 4, 1)]
+    assert not all(torch.equal(plain4[n], plain[n]) for n in plain)  # the planted fp32 reduce-scatter is caught
+    # and they are the exact gradients of the model in the layout FSDP2 computes in (bf16 weights = bf16(master),
+    # fp32 modules fp32) run unsharded in one process, which writes them rounded once to bf16: the two roundings
+    # of one exact sum lie within half a bf16 ulp plus one fp32 ulp of each other
+    reference = found["reference"]
+    for n, g in one.items():
+        ref = reference[n]
+        assert ref.dtype == torch.bfloat16, n
+        bound = torch.ldexp(torch.ones_like(g), torch.frexp(ref.float())[1] - 9) + torch.ldexp(
+            torch.ones_like(g), torch.frexp(g)[1] - 24)
+        assert bool(((g.double() - ref.double()).abs() <= bound.double()).all()), n
