@@ -1,7 +1,7 @@
 """adaln_lab.bench.multi_gpu, the run prepared for a machine of several GPUs, emulated on the CPU: 2 gloo ranks
 run FSDP2 and diffusers' ulysses context parallelism on the patched tiny model, each against the model unsharded,
-and the planted leaky norm_out is caught; ring is skipped there with its reason (no CPU attention backend returns
-the log-sum-exp)."""
+and the planted leaky norm_out is caught; exact gradients under FSDP2 give world sizes 1 and 2 the same bits; ring
+is skipped there with its reason (no CPU attention backend returns the log-sum-exp)."""
 
 import json
 import subprocess
@@ -30,11 +30,15 @@ def test_the_multi_gpu_script_on_two_cpu_ranks(tmp_path):
                        "ulysses": {"norm_out_rows_bitwise_unsharded", "norm_out_rank_rows_alone_bitwise",
                                    "adaln_grads_summed_repeat", "out_bitwise_where_diffusers_is"},
                        "planted": {"planted_leaky_norm_out_caught", "planted_rank_rows_alone_bitwise",
-                                   "planted_adaln_grads_summed_repeat"}}.items():
+                                   "planted_adaln_grads_summed_repeat"},
+                       "exact": {"exact_adaln_grads_bitwise_every_world",
+                                 "planted_fp32_reduce_scatter_caught"}}.items():
         assert [set(rank["checks"]) for rank in runs[run]] == [names, names], run
         assert all(all(rank["checks"].values()) for rank in runs[run]), run
     assert all("log-sum-exp" in rank["skipped"] for rank in runs["ring"])
     assert runs["fsdp"][0]["figures"]["adaln_grad_max_abs_vs_mean"] == 0.0
+    exact = runs["exact"][0]["figures"]
+    assert exact["worlds"] == [1, 2] and exact["all_reduce_bytes_per_rank"] > 0
     assert (tmp_path / "multi_gpu.json.ranks" / "rank1.json").is_file()  # what each rank finished, kept
 
 

@@ -28,6 +28,9 @@ every gradient upstream of it whatever the sharding does); the timings under the
   max |gradient summed over the ranks - the unsharded gradient| relative to the unsharded gradient's max.
   Ring needs an attention backend that returns the log-sum-exp (diffusers' `_native_flash` or `_native_cudnn`);
   on a CPU there is none, so `ring` is skipped there, with the reason in the output.
+- `exact`: ExactGradients under FSDP2 on every world size dividing W, one global batch of W samples
+  (`adaln_lab.bench.multi_gpu_exact`): the AdaLN gradients the same bits for every size, a planted fp32
+  reduce-scatter caught; figures: the exact and the plain step, the all-reduce's bytes and time.
 - `planted`: `ulysses` with a planted counter-example, a norm_out whose rows also read the mean of their shard's
   rows; its checks: the unsharded row check catches it, while the rank-rows-alone check and the repeat still hold
   (so the catch is the leak's, not a broken recording).
@@ -55,6 +58,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import adaln_lab  # noqa: E402
+from adaln_lab.bench.multi_gpu_exact import run_exact  # noqa: E402
 from adaln_lab.nn import AdaLNFallbackWarning, fsdp2_shard  # noqa: E402
 from adaln_lab.ops import KernelFallbackWarning  # noqa: E402
 from adaln_lab.testing import TINY_H3 as TINY, h3_inputs, h3_model  # noqa: E402
@@ -63,7 +67,7 @@ FULL = dict(num_layers=2, num_refiner_layers=1)  # full width: diffusers' defaul
 ROWS = {"tiny": dict(fsdp=dict(text=5, video=8, audio=4), cp=dict(text=8, video=16, audio=8)),
         "full": dict(fsdp=dict(text=512, video=3072, audio=513), cp=dict(text=512, video=3072, audio=512))}
 CP_BACKENDS = {"cuda": {"ulysses": "native", "ring": "_native_flash"}, "cpu": {"ulysses": "native", "ring": None}}
-RUNS = ("fsdp", "ulysses", "ring", "planted")
+RUNS = ("fsdp", "ulysses", "ring", "planted", "exact")
 NORM_OUT_PARAMS = ("norm_out.linear.weight", "norm_out.linear.bias", "norm_out.norm.weight")
 
 
@@ -79,9 +83,9 @@ def build(config: dict, device: str, layout: str):
     return model.to(device).train()
 
 
-def make_inputs(model, rows: dict, seed: int, device: str):
+def make_inputs(model, rows: dict, seed: int, device: str, batch: int = 1):
     """One packed layout of text, video and audio rows (`adaln_lab.testing.h3_inputs`) and the upstreams."""
-    inputs, dys = h3_inputs(model, (rows["text"], rows["video"], rows["audio"]), seed, upstream=True)
+    inputs, dys = h3_inputs(model, (rows["text"], rows["video"], rows["audio"]), seed, batch=batch, upstream=True)
     return {k: v.to(device) for k, v in inputs.items()}, tuple(d.to(device) for d in dys)
 
 
@@ -292,7 +296,7 @@ def worker(rank, world, port, device, config_name, runs, steps, folder):
     results = {}
     for run in runs:
         start = time.perf_counter()
-        if run != "fsdp" and world < 2:
+        if run not in ("fsdp", "exact") and world < 2:
             results[run] = dict(skipped="context parallelism needs 2 ranks or more")
         elif run == "ring" and CP_BACKENDS[device]["ring"] is None:
             results[run] = dict(skipped="ring attention needs a backend returning the log-sum-exp; none on a CPU")
@@ -303,6 +307,9 @@ def worker(rank, world, port, device, config_name, runs, steps, folder):
                 try:
                     if run == "fsdp":
                         checks, figures = run_fsdp(rank, world, device, config, ROWS[config_name]["fsdp"], steps)
+                    elif run == "exact":
+                        checks, figures = run_exact(rank, world, device, config, ROWS[config_name]["fsdp"], steps,
+                                                    build, make_inputs, adaln_keys)
                     elif run == "planted":
                         checks, figures = run_cp("ulysses", rank, world, device, config, ROWS[config_name]["cp"],
                                                  plant=True)

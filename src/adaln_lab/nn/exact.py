@@ -145,6 +145,16 @@ class ExactGradients:
         other.groups.clear()
         return self
 
+    def state_bytes(self) -> int:
+        """Bytes of this accumulator's exact states (what all_reduce sends in: the norm weights' limbs, the table's
+        limbs and rows over its distinct timesteps)."""
+        total = 0
+        for group in self.groups.values():
+            group.settle()
+            total += sum(state.limbs.nbytes for state in group.norms)
+            total += sum(row.nbytes + state.limbs.nbytes for row, state in group.table.rows.values())
+        return total
+
     def all_reduce(self, group=None) -> "ExactGradients":
         """Sum every rank's exact states over the torch.distributed process `group` (integer sums: one answer for any
         world size, backend or algorithm), so that `write` on each rank sets the same .grad bits, those of one
