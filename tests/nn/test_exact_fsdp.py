@@ -1,9 +1,11 @@
 """ExactGradients under FSDP2 (`adaln_lab.nn.fsdp2_shard`: fp32 master weights, bf16 compute) on gloo ranks (CPU,
 one spawn of 4): a patched tiny MiniMax-H3 model, one global batch of 4 samples dealt by sample to world sizes 1, 2
-and 4 (sub-meshes of the 4 ranks), with 4, 2 and 1 micro-batches a rank: after `all_reduce(group)` and `write()`
-every AdaLN parameter's sharded fp32 gradient, gathered, is the same bits in every layout. Plain FSDP2 (its fp32
-reduce-scatter of the ranks' gradients, times W to undo its mean: exact for W 1 and 4) over the same layouts is
-caught by the same check. A trainable time embedding is refused at write (NotImplementedError), nothing written."""
+and 4 (sub-meshes of the 4 ranks), with 4, 2 and 1 micro-batches a rank (an accumulator each, merged in reverse
+order): after `all_reduce(group)` and `write()`
+every AdaLN parameter's sharded fp32 gradient, gathered, is the same bits in every layout (FSDP2's divide factor 1:
+sums, as the exact gradients are). Plain FSDP2 (its fp32 reduce-scatter of the ranks' gradients) over the same
+layouts is caught by the same check. A trainable time embedding is refused at write (NotImplementedError), no
+gradient written; so is a write while the parameters are still unsharded."""
 
 import os
 import socket
@@ -24,7 +26,7 @@ def adaln_names(model) -> list[str]:
         n.startswith("transformer_blocks.") and any(k in n for k in (".norm1.", ".norm2.", ".adaln_proj.")))]
 
 
-def _step(how, group, mesh, micro, frozen_time=True):
+def _step(how, group, mesh, micro, frozen_time=True, reshard=True, written=None):
     """One step of the sharded model on this rank's samples: {AdaLN parameter: its gradient in full}."""
     import adaln_lab
     from adaln_lab.nn import ExactGradients, fsdp2_shard
@@ -36,22 +38,30 @@ def _step(how, group, mesh, micro, frozen_time=True):
     names = adaln_names(model)
     if frozen_time:
         model.time_embedder.requires_grad_(False)
-    fsdp2_shard(model, mesh)
+    fsdp2_shard(model, mesh, divide_factor=1.0)  # the ranks' gradients summed, as the exact ones
+    if not reshard:
+        model.set_reshard_after_backward(False)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     mine = list(range(rank * 4 // world, (rank + 1) * 4 // world))
     model.zero_grad(set_to_none=True)
-    acc = ExactGradients()
-    for k in range(micro):
+    parts = [ExactGradients() for _ in range(micro)]  # one accumulator a micro-batch, merged in reverse order
+    for k, acc in enumerate(parts):
         idx = torch.tensor(mine[k::micro])
         part = {key: (v[idx] if key in PER_SAMPLE else v) for key, v in inputs.items()}
         with acc if how == "exact" else torch.enable_grad():
             (model(**part).sample * cot[idx]).sum().backward()
+    acc = ExactGradients()
+    for other in reversed(parts):
+        acc.merge(other)
     if how == "exact":
         acc.all_reduce(group)
-        acc.write()
+        try:
+            acc.write()
+        finally:  # on a refusal: whether any AdaLN parameter got a gradient
+            if written is not None:
+                written.append(any(p.grad is not None for n, p in model.named_parameters() if n in names))
     params = dict(model.named_parameters())
-    grads = {n: params[n].grad.full_tensor() for n in names}
-    return grads if how == "exact" else {n: g * world for n, g in grads.items()}  # FSDP2's mean, undone
+    return {n: params[n].grad.full_tensor() for n in names}
 
 
 def _reference():
@@ -83,17 +93,20 @@ def _worker(rank, port, out):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    groups = {1: [dist.new_group([r]) for r in range(4)][rank], 2: [dist.new_group(p) for p in ([0, 1], [2, 3])][rank // 2],
-              4: dist.group.WORLD}
+    singles, pairs = [dist.new_group([r]) for r in range(4)], [dist.new_group(p) for p in ([0, 1], [2, 3])]
+    groups = {1: singles[rank], 2: pairs[rank // 2], 4: dist.group.WORLD}  # every rank makes every group
     found = {}
     with sdpa_kernel(SDPBackend.MATH):  # the math backend's attention backward repeats
         for how, world, micro in LAYOUTS:
             found[(how, world, micro)] = _step(how, groups[world], DeviceMesh.from_group(groups[world], "cpu"), micro)
         if rank == 0:
             found["reference"] = _reference()
-        if rank == 0:  # a trainable time embedding: refused, no AdaLN gradient set
+        if rank == 0:  # refused: a trainable time embedding; the parameters left unsharded; no gradient set
+            mesh = DeviceMesh.from_group(groups[1], "cpu")
             with pytest.raises(NotImplementedError, match="Freeze the time embedding"):
-                _step("exact", groups[1], DeviceMesh.from_group(groups[1], "cpu"), 2, frozen_time=False)
+                _step("exact", groups[1], mesh, 2, frozen_time=False, written=found.setdefault("refused", []))
+            with pytest.raises(ValueError, match="call model.reshard"):
+                _step("exact", groups[1], mesh, 2, reshard=False, written=found["refused"])
     if rank == 0:
         torch.save(found, out)
     dist.destroy_process_group()
@@ -110,6 +123,7 @@ def test_fsdp2_adaln_gradients_are_one_bits_for_every_world_size_and_micro_batch
     out = tmp_path / "grads.pt"
     mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=4, join=True, start_method="spawn")
     found = torch.load(out)
+    assert found.pop("refused") == [False, False]  # both refusals wrote no gradient
     one = found[("exact", 1, 4)]
     assert len(one) == 11 and all(g.dtype == torch.float32 for g in one.values())  # the masters' dtype
     for layout in (("exact", 2, 2), ("exact", 4, 1)):
@@ -125,4 +139,5 @@ def test_fsdp2_adaln_gradients_are_one_bits_for_every_world_size_and_micro_batch
         assert ref.dtype == torch.bfloat16, n
         bound = torch.ldexp(torch.ones_like(g), torch.frexp(ref.float())[1] - 9) + torch.ldexp(
             torch.ones_like(g), torch.frexp(g)[1] - 24)
+        bound = torch.where(ref == 0, 2.0 ** -133, bound)  # a bf16 zero: |exact| at most half its least subnormal
         assert bool(((g.double() - ref.double()).abs() <= bound.double()).all()), n

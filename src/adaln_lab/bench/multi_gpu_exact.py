@@ -1,14 +1,14 @@
 """The `exact` run of `adaln_lab.bench.multi_gpu`: ExactGradients under FSDP2 on every world size that divides W.
 
-The W ranks form sub-meshes of w consecutive ranks for each w in 1, 2, 4, ... dividing W; every sub-mesh runs one
-global batch of W samples (the patched model sharded over it by `fsdp2_shard`, fp32 masters, the time embedding
-frozen), dealt by sample, W / w micro-batches a rank, each inside `with acc`, then `acc.all_reduce(group)` and
-`acc.write()`. Checks (rank 0, which is in the first sub-mesh of every size): every AdaLN parameter's gradient
+The W ranks form sub-meshes of w consecutive ranks for each power of two w dividing W (1, 2, 4, ...); every
+sub-mesh runs one global batch of W samples (the patched model sharded over it by `fsdp2_shard` with divide factor
+1, fp32 masters, the time embedding frozen), dealt by sample, W / w micro-batches a rank, each inside `with acc`,
+then `acc.all_reduce(group)` and `acc.write()`. Checks (rank 0, which is in the first sub-mesh of every size): every AdaLN parameter's gradient
 (gathered) is the same bits for every w; plain FSDP2 (the whole batch in one backward on one rank, against one
-sample a rank on W ranks: its fp32 reduce-scatter, times W to undo the mean, exact for W a power of two) is caught
-by the same check. Figures on the full world: median ms of the exact step and of the plain FSDP2 step, the bytes
-one rank sends into the exact states' all-reduce (integers: the norm weights' limbs, the table's limbs and rows over
-the distinct timesteps) and its time.
+sample a rank on the largest w: its fp32 reduce-scatter) is caught by the same check (with one size only, W odd, no
+check). Figures on the largest w: median ms of the exact step and of the plain FSDP2 step, the bytes of one rank's
+exact states (`ExactGradients.state_bytes`: the norm weights' limbs, the table's limbs and rows over the distinct
+timesteps) and one all-reduce's time (synchronised before and after).
 The AdaLN ops record on the torch route (the kernels do not record yet: a patched model with backend "torch").
 """
 
@@ -34,7 +34,7 @@ def _model(build, config, device, mesh):
     model = build(config, device, "fp32")
     assert adaln_lab.patch(model, parts=("norm_out", "blocks"), backend="torch"), "patch swapped nothing"
     model.time_embedder.requires_grad_(False)  # exact gradients under FSDP2 take it frozen (nn.exact)
-    return fsdp2_shard(model, mesh)
+    return fsdp2_shard(model, mesh, divide_factor=1.0)  # FSDP2 sums the ranks' gradients, as the exact ones are
 
 
 def _step(model, inputs, dys, samples, group, exact: bool, timed: dict | None = None):
@@ -54,17 +54,25 @@ def _step(model, inputs, dys, samples, group, exact: bool, timed: dict | None = 
     if not exact:
         return 0
     sent = acc.state_bytes()
+    _sync(inputs)
+    dist.barrier(group)
     start = time.perf_counter()
     acc.all_reduce(group)
-    if timed is not None:
-        timed["all_reduce_ms"] = (time.perf_counter() - start) * 1e3
+    _sync(inputs)
+    if timed is not None:  # one sample, the backward's GPU work finished before it
+        timed["all_reduce_ms"] = round((time.perf_counter() - start) * 1e3, 3)
     acc.write()
     return sent
 
 
-def _grads(model, keys, scale: int = 1) -> dict:
+def _sync(inputs) -> None:
+    if inputs["hidden_states"].is_cuda:
+        torch.cuda.synchronize()
+
+
+def _grads(model, keys) -> dict:
     params = dict(model.named_parameters())
-    return {k: params[k].grad.full_tensor() * scale for k in keys}
+    return {k: params[k].grad.full_tensor() for k in keys}
 
 
 def run_exact(rank, world, device, config, rows, steps, build, make_inputs, adaln_keys):
@@ -74,8 +82,9 @@ def run_exact(rank, world, device, config, rows, steps, build, make_inputs, adal
     for w in _sizes(world):  # every rank creates every group, in one order
         groups[w] = [dist.new_group(list(range(b, b + w))) for b in range(0, world, w)][rank // w]
     found, sent, timed = {}, 0, {}
+    top = max(_sizes(world))  # the largest power of two dividing W: its sub-meshes time the steps
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-        for how, sizes in (("exact", _sizes(world)), ("plain", sorted({1, world}))):
+        for how, sizes in (("exact", _sizes(world)), ("plain", sorted({1, top}))):
             for w in sizes:
                 group = groups[w]
                 mesh = DeviceMesh.from_group(group, device)
@@ -86,23 +95,22 @@ def run_exact(rank, world, device, config, rows, steps, build, make_inputs, adal
                 # exact: one micro-batch a sample; plain: the rank's samples in one (one rank: the whole batch)
                 samples = [[s] for s in mine] if how == "exact" else [mine]
                 sent = _step(model, inputs, dys, samples, group, how == "exact", timed) or sent
-                found[(how, w)] = _grads(model, adaln_keys(model), 1 if how == "exact" else w)
-                if w == world:
+                found[(how, w)] = _grads(model, adaln_keys(model))
+                if w == top:
                     times = []
                     for _ in range(steps):
                         start = time.perf_counter()
                         _step(model, inputs, dys, samples, group, how == "exact")
-                        if device == "cuda":
-                            torch.cuda.synchronize()
+                        _sync(inputs)
                         times.append((time.perf_counter() - start) * 1e3)
                     timed[f"step_ms_{how}"] = round(statistics.median(times), 3)
                 del model
-    one = found[("exact", 1)]
-    checks = {"exact_adaln_grads_bitwise_every_world": all(
-        torch.equal(found[("exact", w)][k], g) for w in _sizes(world) for k, g in one.items())}
-    if world > 1:  # plain FSDP2's split changes bits
-        checks["planted_fp32_reduce_scatter_caught"] = not all(
-            torch.equal(found[("plain", world)][k], g) for k, g in found[("plain", 1)].items())
+    one, checks = found[("exact", 1)], {}
+    if top > 1:  # one world size alone has nothing to agree with
+        checks["exact_adaln_grads_bitwise_every_world"] = all(
+            torch.equal(found[("exact", w)][k], g) for w in _sizes(world) for k, g in one.items())
+        checks["planted_fp32_reduce_scatter_caught"] = not all(  # plain FSDP2's split changes bits
+            torch.equal(found[("plain", top)][k], g) for k, g in found[("plain", 1)].items())
     figures = {"worlds": _sizes(world), "all_reduce_bytes_per_rank": sent, **timed}
     if "step_ms_plain" in timed and "step_ms_exact" in timed:
         figures["exact_over_plain"] = round(timed["step_ms_exact"] / timed["step_ms_plain"], 3)

@@ -142,12 +142,14 @@ class ExactGradients:
             mine.pending += theirs.pending  # none once their `with` ended
             for t in theirs.tembs:
                 mine.keep(t)
+        self.owners.update(other.owners)
         other.groups.clear()
+        other.owners.clear()
         return self
 
     def state_bytes(self) -> int:
-        """Bytes of this accumulator's exact states (what all_reduce sends in: the norm weights' limbs, the table's
-        limbs and rows over its distinct timesteps)."""
+        """Bytes of this accumulator's exact states: the norm weights' limbs, the table's limbs and rows over this
+        rank's distinct timesteps (all_reduce sends the table's over the union of the ranks' timesteps)."""
         total = 0
         for group in self.groups.values():
             group.settle()
@@ -190,6 +192,10 @@ class ExactGradients:
                 if p.requires_grad and p.grad is not None:
                     raise ValueError(f"ExactGradients.write: {name}.grad is set already; zero the gradients with "
                                      "set_to_none=True before the first micro-batch (write sets them once)")
+            if _fsdp_unsharded(self.owners, self._target(group.weight)):
+                raise ValueError("ExactGradients.write: the AdaLN parameters are FSDP2's unsharded ones (no reshard "
+                                 "after the backward: set_reshard_after_backward(False)); call model.reshard() "
+                                 "before write, so that it writes the sharded masters' gradients")
             if group.tembs and _sharded(self._target(group.weight)):
                 raise NotImplementedError(
                     "ExactGradients.write: temb requires grad and the AdaLN parameters are FSDP2-sharded; FSDP2's "
@@ -215,6 +221,14 @@ class ExactGradients:
         self.owners.clear()
         self.reduced = False
         _temb_backward(temb_grads)
+
+
+def _fsdp_unsharded(owners: dict, p: torch.Tensor) -> bool:
+    """Whether p is not sharded although an AdaLN module of the same accumulator is FSDP2's (fully_shard'ed: the
+    blocks under fsdp2_shard): the model is sharded, p was left unsharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return not _sharded(p) and any(isinstance(module, FSDPModule) for module, _ in owners.values())
 
 
 def _sharded(p: torch.Tensor) -> bool:

@@ -15,9 +15,12 @@ import torch
 import torch.nn as nn
 
 
-def fsdp2_shard(model: nn.Module, mesh=None) -> nn.Module:
+def fsdp2_shard(model: nn.Module, mesh=None, *, divide_factor: float | None = None) -> nn.Module:
     """`model` (a MiniMaxH3Transformer3DModel, patched or not, fp32 parameters) sharded in place over `mesh` (a 1-D
-    DeviceMesh; None: FSDP2's default, the world), the recipe of the module docstring. Returns `model`."""
+    DeviceMesh; None: FSDP2's default, the world), the recipe of the module docstring. Returns `model`.
+    divide_factor: every group's gradient divide factor (FSDP2's default, None, is the mean over the ranks); 1.0
+    sums the ranks' gradients, as `adaln_lab.nn.ExactGradients` sums the AdaLN ones (with a loss normalised by the
+    global count, every gradient is then the whole batch's)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
@@ -28,4 +31,11 @@ def fsdp2_shard(model: nn.Module, mesh=None) -> nn.Module:
     for block in model.transformer_blocks:
         fully_shard(block, mesh=mesh, mp_policy=bf16)
     fully_shard(model, mesh=mesh, mp_policy=bf16)
+    if divide_factor is not None:
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(divide_factor)
+                module.set_force_sum_reduction_for_comms(True)  # a sum then the division: gloo has no PREMUL_SUM
     return model
