@@ -1,7 +1,10 @@
-"""Shared pieces of the exact-gradient tests: seeded parameters and time embedding, and the splits of a batch.
+"""Shared pieces of the exact-gradient tests: seeded parameters and time embedding, the splits of a batch, and the
+gloo ranks of the multi-process ones (`ranks`).
 
 A batch is a tuple of tensors: (B, S, H) ones (x, the cotangent) are per sample and per row; (S,) ones (indices) per
 row; the rest (temb's features) whole in every part."""
+
+import os
 
 import torch
 
@@ -34,3 +37,27 @@ def within(batch, n: int) -> list[tuple]:
     cuts = [round(S * k / n) for k in range(n + 1)]
     return [tuple(t[:, a:b] if t.dim() == 3 else t[a:b] if t.dim() == 1 else t for t in batch)
             for a, b in zip(cuts, cuts[1:])]
+
+
+def ranks(worker, nprocs: int, tmp_path):
+    """worker(rank, nprocs, out) in `nprocs` spawned processes, joined into one gloo world on a free port before it
+    runs (MASTER_ADDR / MASTER_PORT set, the group destroyed after); returns what it saved to `out` (torch.save)."""
+    import torch.multiprocessing as mp
+
+    from adaln_lab.bench.multi_gpu import free_port
+
+    out = tmp_path / "found.pt"
+    mp.start_processes(_in_world, args=(worker, nprocs, free_port(), str(out)), nprocs=nprocs, join=True,
+                       start_method="spawn")
+    return torch.load(out)
+
+
+def _in_world(rank, worker, nprocs, port, out):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=nprocs)
+    try:
+        worker(rank, nprocs, out)
+    finally:
+        dist.destroy_process_group()

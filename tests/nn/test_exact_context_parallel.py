@@ -5,13 +5,11 @@ and `write()` every AdaLN parameter's gradient is the bits one process writes fo
 embedding's gradients summed over the ranks (each timestep's d_temb goes back on its lowest holder) are one
 process's. Plain autograd under the same plan, its AdaLN gradients summed over the ranks, is caught by the check."""
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from ..exact_parts import ranks
 
 pytestmark = pytest.mark.integration  # gloo ranks in processes of their own
 
@@ -43,11 +41,9 @@ def _step(model, inputs, dys, micro, exact, parallel):
     return grads, embed
 
 
-def _worker(rank, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank, world, out):
     torch.set_num_threads(1)
     torch.accelerator.device_count = lambda: 1  # diffusers' parallel config takes rank % the accelerators
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     from diffusers import ContextParallelConfig
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -72,20 +68,11 @@ def _worker(rank, port, out):
             del model
     if rank == 0:
         torch.save(found, out)
-    dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_ulysses_2_gives_the_adaln_gradients_one_process_writes(tmp_path):
     pytest.importorskip("diffusers")
-    out = tmp_path / "grads.pt"
-    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=2, join=True, start_method="spawn")
-    found = torch.load(out)
+    found = ranks(_worker, 2, tmp_path)
     rows = ROWS_CP["text"] + ROWS_CP["video"] + ROWS_CP["audio"]
     assert found[("rows", False)] == [rows] and found[("rows", True)] == [rows // 2]  # the plan split the rows
     one, embed = found[("exact", False)]

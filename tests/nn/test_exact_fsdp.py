@@ -7,13 +7,11 @@ sums, as the exact gradients are). Plain FSDP2 (its fp32 reduce-scatter of the r
 layouts is caught by the same check. A trainable time embedding is refused at write (NotImplementedError), no
 gradient written; so is a write while the parameters are still unsharded."""
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from ..exact_parts import ranks
 
 pytestmark = pytest.mark.integration  # gloo ranks in processes of their own
 
@@ -87,9 +85,7 @@ def _reference():
     return {n: params[n].grad for n in adaln_names(model)}
 
 
-def _worker(rank, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=4)
+def _worker(rank, world, out):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -109,20 +105,11 @@ def _worker(rank, port, out):
                 _step("exact", groups[1], mesh, 2, reshard=False, written=found["refused"])
     if rank == 0:
         torch.save(found, out)
-    dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_fsdp2_adaln_gradients_are_one_bits_for_every_world_size_and_micro_batch_split(tmp_path):
     pytest.importorskip("diffusers")
-    out = tmp_path / "grads.pt"
-    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=4, join=True, start_method="spawn")
-    found = torch.load(out)
+    found = ranks(_worker, 4, tmp_path)
     assert found.pop("refused") == [False, False]  # both refusals wrote no gradient
     one = found[("exact", 1, 4)]
     assert len(one) == 11 and all(g.dtype == torch.float32 for g in one.values())  # the masters' dtype
