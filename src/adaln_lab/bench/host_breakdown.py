@@ -2,7 +2,9 @@
 
 For each op: the host time of forward+backward (perf_counter from the call to `.backward()` returning, the
 device synchronised before each sample, median of 200 after 30 warm-ups) of adaln_lab, of diffusers' ops
-(the replay) and of the identity autograd floor over the same leaves, in one run; then cProfile over 500
+(the replay) and of the identity autograd floor over the same leaves, in one run, and beside each its CPU time
+(`host cpu`: process_time over the same span, every thread's, so a preempted or throttled host adds less noise
+than to the wall time; host-ab's rounds print both); then cProfile over 500
 calls of adaln_lab's, the functions by their own time per call. cProfile adds its own cost per Python call:
 read its shares, not its absolute figures.
 
@@ -51,23 +53,32 @@ def passthrough(h):
     return h
 
 
-def host_samples(step, prepare, samples=200, warmup=30, sync=torch.cuda.synchronize) -> list[float]:
-    """Host us of `samples` calls of step() after `warmup`, each after prepare() and sync() (outside the clock)."""
+def host_samples(step, prepare, samples=200, warmup=30, sync=torch.cuda.synchronize,
+                 clock=time.perf_counter) -> list[float]:
+    """Host us of `samples` calls of step() after `warmup`, each after prepare() and sync() (outside the clock).
+    clock: time.perf_counter (wall time), or time.process_time (the CPU time of every thread of the process, the
+    autograd engine's included: what a preempted or slowed host adds to the wall time is left out)."""
     times = []
     for i in range(warmup + samples):
         prepare()
         sync()
-        t0 = time.perf_counter()
+        t0 = clock()
         step()
-        t1 = time.perf_counter()
+        t1 = clock()
         if i >= warmup:
             times.append((t1 - t0) * 1e6)
     return times
 
 
-def host_us(step, leaves, samples=200, warmup=30) -> float:
-    """Median host us of step(), the leaves' grads reset before each call."""
-    return statistics.median(host_samples(step, lambda: reset(leaves), samples, warmup))
+def host_us(step, leaves, samples=200, warmup=30, clock=time.perf_counter) -> float:
+    """Median host us of step(), the leaves' grads reset before each call (clock: host_samples')."""
+    return statistics.median(host_samples(step, lambda: reset(leaves), samples, warmup, clock=clock))
+
+
+def report(name: str, what: str, step, leaves, n: int) -> None:
+    """The step's median host time, wall then CPU time (`host_samples`), one line each."""
+    print(f"{name}: host {what} {host_us(step, leaves):.0f} us at {n} rows")
+    print(f"{name}: host cpu {what} {host_us(step, leaves, clock=time.process_time):.0f} us at {n} rows")
 
 
 def profile(step, leaves, calls=500) -> str:
@@ -282,11 +293,11 @@ def main():
         "final_adaln_out identity floor": lambda: Identity.apply(*leaves).backward(ones),
     }
     for name, step in steps.items():
-        print(f"{name}: host fwd+bwd {host_us(step, leaves):.0f} us at {n} rows")
+        report(name, "fwd+bwd", step, leaves, n)
     forwards = {"final_adaln_out adaln_lab": lambda: final_adaln_out(*leaves, idx),
                 "final_adaln_out diffusers replay": lambda: replay(*leaves, idx)}
     for name, step in forwards.items():
-        print(f"{name}: host fwd {host_us(step, leaves):.0f} us at {n} rows")
+        report(name, "fwd", step, leaves, n)
 
     block = make_block(3, n, "cuda")
     b_leaves = [t.detach().clone().requires_grad_(True) for t in block.leaves]
@@ -303,13 +314,13 @@ def main():
     block_steps = {"block adaln_lab": ours, "block diffusers replay": theirs,
                    "block identity floor": lambda: Identity.apply(*b_leaves).backward(b_ones)}
     for name, step in block_steps.items():
-        print(f"{name}: host fwd+bwd {host_us(step, b_leaves):.0f} us at {n} rows")
+        report(name, "fwd+bwd", step, b_leaves, n)
     block_forwards = {
         "block adaln_lab": lambda: block_adaln_path(x, temb, w, b, n1, n2, bidx, passthrough, passthrough, EPS, EPS),
         "block diffusers replay": lambda: replay_block_adaln(x, temb, w, b, n1, n2, bidx, passthrough, passthrough,
                                                              EPS, EPS)}
     for name, step in block_forwards.items():
-        print(f"{name}: host fwd {host_us(step, b_leaves):.0f} us at {n} rows")
+        report(name, "fwd", step, b_leaves, n)
     if args.op_table:
         for name, (step, step_leaves) in {"final_adaln_out adaln_lab": (steps["final_adaln_out adaln_lab"], leaves),
                                           "block adaln_lab": (ours, b_leaves),

@@ -228,7 +228,7 @@ def host_ab(ctx: Context) -> int:
             if rc:
                 ctx.show_tail("host_ab.txt", 5)
                 return rc
-    ctx.show_matching("host_ab.txt", r"^==|host fwd\+bwd")
+    ctx.show_matching("host_ab.txt", r"^==|host (cpu )?fwd\+bwd")
     return 0
 
 
