@@ -226,6 +226,8 @@ class ExactGradients:
 def _fsdp_unsharded(owners: dict, p: torch.Tensor) -> bool:
     """Whether p is not sharded although an AdaLN module of the same accumulator is FSDP2's (fully_shard'ed: the
     blocks under fsdp2_shard): the model is sharded, p was left unsharded."""
+    if not torch.distributed.is_available():
+        return False
     from torch.distributed.fsdp import FSDPModule
 
     return not _sharded(p) and any(isinstance(module, FSDPModule) for module, _ in owners.values())
@@ -233,6 +235,8 @@ def _fsdp_unsharded(owners: dict, p: torch.Tensor) -> bool:
 
 def _sharded(p: torch.Tensor) -> bool:
     """Whether p is a DTensor (FSDP2's sharded parameter)."""
+    if not torch.distributed.is_available():
+        return False
     from torch.distributed.tensor import DTensor
 
     return isinstance(p, DTensor)
