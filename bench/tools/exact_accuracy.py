@@ -1,16 +1,15 @@
-"""Exact gradients' accuracy at MiniMax-H3's width against the float64 golden, beside today's.
+"""Exact gradients' accuracy at MiniMax-H3's width against the float64 golden, beside today's."""
 
-The seed report's accuracy inputs (`adaln_lab.harness.protocol.FULL`: its accuracy seed and shape, H 5376, D 2688,
-T 3) at --rows rows, its randn upstream gradient: norm_out's five gradients by `adaln_lab.nn.ExactGradients` (the
-torch route: every cross-row sum exact, rounded once) and by the torch route's plain autograd (diffusers' ops), each
-against the float64 `pure` golden: max|err| / max|ref| and the share of elements equal to the golden rounded once
-(`adaln_lab.harness.accuracy`). Beside them, the kernels' (backend "cupy", plain autograd): on a GPU computed on
-the same inputs, moved there; without one read off a committed report at the same rows (--report, default
-bench/results/h100/report.json, candidate adaln_lab), whose inputs CUDA's generator drew: other values, so only
-the shares compare, not the errors. And whether every exact gradient's error is at most the kernels'.
-
-    PYTHONPATH=src python3 bench/tools/exact_accuracy.py [--rows 4097] [--report FILE] --out FILE.json
-"""
+# The seed report's accuracy inputs (`adaln_lab.harness.protocol.FULL`: its accuracy seed and shape, H 5376, D 2688,
+# T 3) at --rows rows, its randn upstream gradient: norm_out's five gradients by `adaln_lab.nn.ExactGradients` (the
+# torch route: every cross-row sum exact, rounded once) and by the torch route's plain autograd (diffusers' ops), each
+# against the float64 `pure` golden: max|err| / max|ref| and the share of elements equal to the golden rounded once
+# (`adaln_lab.harness.accuracy`). Beside them, the kernels' (backend "cupy", plain autograd): on a GPU computed on
+# the same inputs, moved there; without one read off a committed report at the same rows (--report, default
+# bench/results/h100/report.json, candidate adaln_lab), whose inputs CUDA's generator drew: other values, so only
+# the shares compare, not the errors. And whether every exact gradient's error is at most the kernels'.
+#
+#     PYTHONPATH=src python3 bench/tools/exact_accuracy.py [--rows 4097] [--report FILE] --out FILE.json
 
 from __future__ import annotations
 
