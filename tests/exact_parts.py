@@ -39,24 +39,27 @@ def within(batch, n: int) -> list[tuple]:
             for a, b in zip(cuts, cuts[1:])]
 
 
-def ranks(worker, nprocs: int, tmp_path):
-    """worker(rank, nprocs, out) in `nprocs` spawned processes, joined into one gloo world on a free port before it
-    runs (MASTER_ADDR / MASTER_PORT set, the group destroyed after); returns what it saved to `out` (torch.save)."""
+def ranks(worker, nprocs: int, tmp_path, backend: str = "gloo"):
+    """worker(rank, nprocs, out) in `nprocs` spawned processes, joined into one world of `backend` (gloo; nccl: rank
+    r on cuda:r) on a free port before it runs (MASTER_ADDR / MASTER_PORT set, the group destroyed after); returns
+    what it saved to `out` (torch.save)."""
     import torch.multiprocessing as mp
 
     from adaln_lab.bench.multi_gpu import free_port
 
     out = tmp_path / "found.pt"
-    mp.start_processes(_in_world, args=(worker, nprocs, free_port(), str(out)), nprocs=nprocs, join=True,
+    mp.start_processes(_in_world, args=(worker, nprocs, free_port(), str(out), backend), nprocs=nprocs, join=True,
                        start_method="spawn")
     return torch.load(out)
 
 
-def _in_world(rank, worker, nprocs, port, out):
+def _in_world(rank, worker, nprocs, port, out, backend):
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=nprocs)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=nprocs)
     try:
         worker(rank, nprocs, out)
     finally:

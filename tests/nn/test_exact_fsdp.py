@@ -24,15 +24,23 @@ def adaln_names(model) -> list[str]:
         n.startswith("transformer_blocks.") and any(k in n for k in (".norm1.", ".norm2.", ".adaln_proj.")))]
 
 
-def _step(how, group, mesh, micro, frozen_time=True, reshard=True, written=None):
-    """One step of the sharded model on this rank's samples: {AdaLN parameter: its gradient in full}."""
+def _model(device: str):
+    """(the patched tiny H3 model, its inputs, a cotangent of its sample) on `device` (CUDA: the torch route, which
+    records; the kernels do not yet)."""
     import adaln_lab
-    from adaln_lab.nn import ExactGradients, fsdp2_shard
     from adaln_lab.testing import tiny_h3_model
 
     model, inputs = tiny_h3_model(batch=4)
-    adaln_lab.patch(model)
+    adaln_lab.patch(model, backend="torch" if device == "cuda" else "auto")
     cot = torch.randn(4, *model(**inputs).sample.shape[1:], generator=torch.Generator().manual_seed(5))
+    return model.to(device), {k: v.to(device) for k, v in inputs.items()}, cot.to(device)
+
+
+def _step(how, group, mesh, micro, frozen_time=True, reshard=True, written=None, device="cpu"):
+    """One step of the sharded model on this rank's samples: {AdaLN parameter: its gradient in full}."""
+    from adaln_lab.nn import ExactGradients, fsdp2_shard
+
+    model, inputs, cot = _model(device)
     names = adaln_names(model)
     if frozen_time:
         model.time_embedder.requires_grad_(False)
@@ -44,7 +52,7 @@ def _step(how, group, mesh, micro, frozen_time=True, reshard=True, written=None)
     model.zero_grad(set_to_none=True)
     parts = [ExactGradients() for _ in range(micro)]  # one accumulator a micro-batch, merged in reverse order
     for k, acc in enumerate(parts):
-        idx = torch.tensor(mine[k::micro])
+        idx = torch.tensor(mine[k::micro], device=device)
         part = {key: (v[idx] if key in PER_SAMPLE else v) for key, v in inputs.items()}
         with acc if how == "exact" else torch.enable_grad():
             (model(**part).sample * cot[idx]).sum().backward()
@@ -62,16 +70,12 @@ def _step(how, group, mesh, micro, frozen_time=True, reshard=True, written=None)
     return {n: params[n].grad.full_tensor() for n in names}
 
 
-def _reference():
+def _reference(device="cpu"):
     """{AdaLN parameter: its exact gradient} of the whole batch in one process, unsharded, in the checkpoint's
     layout (what FSDP2's bf16 policy computes with: bf16 weights, the fp32 modules fp32): bf16, rounded once."""
-    import adaln_lab
     from adaln_lab.nn import ExactGradients
-    from adaln_lab.testing import tiny_h3_model
 
-    model, inputs = tiny_h3_model(batch=4)
-    adaln_lab.patch(model)
-    cot = torch.randn(4, *model(**inputs).sample.shape[1:], generator=torch.Generator().manual_seed(5))
+    model, inputs, cot = _model(device)
     for name, module in model.named_modules():
         if not (name and any(key in name for key in model._keep_in_fp32_modules)):
             for p in module.parameters(recurse=False):
@@ -117,14 +121,39 @@ def test_fsdp2_adaln_gradients_are_one_bits_for_every_world_size_and_micro_batch
         assert all(torch.equal(found[layout][n], one[n]) for n in one), layout
     plain, plain4 = found[("plain", 1, 1)], found[("plain", 4, 1)]
     assert not all(torch.equal(plain4[n], plain[n]) for n in plain)  # the planted fp32 reduce-scatter is caught
-    # and they are the exact gradients of the model in the layout FSDP2 computes in (bf16 weights = bf16(master),
-    # fp32 modules fp32) run unsharded in one process, which writes them rounded once to bf16: the two roundings
-    # of one exact sum lie within half a bf16 ulp plus one fp32 ulp of each other
-    reference = found["reference"]
-    for n, g in one.items():
+    assert_the_exact_sums_of(found["reference"], one)
+
+
+def assert_the_exact_sums_of(reference: dict, got: dict) -> None:
+    """`got` (fp32, FSDP2's masters) are the exact gradients of the model in the layout FSDP2 computes in (bf16
+    weights = bf16(master), fp32 modules fp32), which `reference` holds from one unsharded process rounded once to
+    bf16: two roundings of one exact sum lie within half a bf16 ulp plus one fp32 ulp of each other."""
+    assert set(got) == set(reference) and len(got) == 11
+    for n, g in got.items():
         ref = reference[n]
-        assert ref.dtype == torch.bfloat16, n
+        assert ref.dtype == torch.bfloat16 and g.dtype == torch.float32, n
         bound = torch.ldexp(torch.ones_like(g), torch.frexp(ref.float())[1] - 9) + torch.ldexp(
             torch.ones_like(g), torch.frexp(g)[1] - 24)
         bound = torch.where(ref == 0, 2.0 ** -133, bound)  # a bf16 zero: |exact| at most half its least subnormal
         assert bool(((g.double() - ref.double()).abs() <= bound.double()).all()), n
+
+
+def _cuda_worker(rank, world, out):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    group = dist.group.WORLD
+    with sdpa_kernel(SDPBackend.MATH):
+        got = _step("exact", group, DeviceMesh.from_group(group, "cuda"), 2, device="cuda")
+        reference = _reference("cuda")
+    torch.save({"exact": {k: v.cpu() for k, v in got.items()}, "reference": {k: v.cpu() for k, v in reference.items()}},
+               out)
+
+
+@pytest.mark.gpu
+def test_cuda_fsdp2_one_nccl_rank_writes_the_exact_gradients_as_sharded_masters(tmp_path):
+    """On CUDA (the torch route, which records), one NCCL rank, two micro-batches merged: the sharded fp32 masters'
+    gradients are the unsharded checkpoint layout's exact ones, within two roundings."""
+    pytest.importorskip("diffusers")
+    found = ranks(_cuda_worker, 1, tmp_path, backend="nccl")
+    assert_the_exact_sums_of(found["reference"], found["exact"])
