@@ -90,6 +90,8 @@ def _reference(device="cpu"):
 
 
 def _worker(rank, world, out):
+    """Every layout on the ranks of rank 0's sub-mesh (the others' sub-meshes would repeat it); first, beside rank
+    0's one-rank layout, rank 1 the unsharded reference and ranks 2 and 3 one refusal each. Rank 0 saves it all."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -97,18 +99,24 @@ def _worker(rank, world, out):
     groups = {1: singles[rank], 2: pairs[rank // 2], 4: dist.group.WORLD}  # every rank makes every group
     found = {}
     with sdpa_kernel(SDPBackend.MATH):  # the math backend's attention backward repeats
-        for how, world, micro in LAYOUTS:
-            found[(how, world, micro)] = _step(how, groups[world], DeviceMesh.from_group(groups[world], "cpu"), micro)
-        if rank == 0:
+        mesh1 = DeviceMesh.from_group(groups[1], "cpu")
+        if rank == 1:
             found["reference"] = _reference()
-        if rank == 0:  # refused: a trainable time embedding; the parameters left unsharded; no gradient set
-            mesh = DeviceMesh.from_group(groups[1], "cpu")
+        elif rank == 2:  # refused: a trainable time embedding, and no gradient set
             with pytest.raises(NotImplementedError, match="Freeze the time embedding"):
-                _step("exact", groups[1], mesh, 2, frozen_time=False, written=found.setdefault("refused", []))
+                _step("exact", groups[1], mesh1, 2, frozen_time=False, written=found.setdefault("refused", []))
+        elif rank == 3:  # refused: the parameters left unsharded, and no gradient set
             with pytest.raises(ValueError, match="call model.reshard"):
-                _step("exact", groups[1], mesh, 2, reshard=False, written=found["refused"])
+                _step("exact", groups[1], mesh1, 2, reshard=False, written=found.setdefault("refused", []))
+        for how, world, micro in LAYOUTS:
+            if rank < world:
+                found[(how, world, micro)] = _step(how, groups[world], DeviceMesh.from_group(groups[world], "cpu"),
+                                                   micro)
+    parts = [None] * 4
+    dist.all_gather_object(parts, found)
     if rank == 0:
-        torch.save(found, out)
+        merged = {**parts[1], "refused": parts[2]["refused"] + parts[3]["refused"], **parts[0]}
+        torch.save(merged, out)
 
 
 def test_fsdp2_adaln_gradients_are_one_bits_for_every_world_size_and_micro_batch_split(tmp_path):
