@@ -43,12 +43,15 @@ def ranks(worker, nprocs: int, tmp_path, backend: str = "gloo"):
     """worker(rank, nprocs, out) in `nprocs` spawned processes, joined into one world of `backend` (gloo; nccl: rank
     r on cuda:r) on a free port before it runs (MASTER_ADDR / MASTER_PORT set, the group destroyed after); returns
     what it saved to `out` (torch.save)."""
+    import socket
+
     import torch.multiprocessing as mp
 
-    from adaln_lab.bench.multi_gpu import free_port
-
+    with socket.socket() as s:  # not adaln_lab.bench.multi_gpu's: importing it sets a CUDA variable in this process
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     out = tmp_path / "found.pt"
-    mp.start_processes(_in_world, args=(worker, nprocs, free_port(), str(out), backend), nprocs=nprocs, join=True,
+    mp.start_processes(_in_world, args=(worker, nprocs, port, str(out), backend), nprocs=nprocs, join=True,
                        start_method="spawn")
     return torch.load(out)
 

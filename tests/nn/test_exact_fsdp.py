@@ -19,11 +19,6 @@ PER_SAMPLE = ("hidden_states", "audio_hidden_states", "encoder_hidden_states")
 LAYOUTS = (("exact", 1, 4), ("exact", 2, 2), ("exact", 4, 1), ("plain", 1, 1), ("plain", 4, 1))  # (how, W, micro)
 
 
-def adaln_names(model) -> list[str]:
-    return [n for n, _ in model.named_parameters() if n.startswith("norm_out.") or (
-        n.startswith("transformer_blocks.") and any(k in n for k in (".norm1.", ".norm2.", ".adaln_proj.")))]
-
-
 def _model(device: str):
     """(the patched tiny H3 model, its inputs, a cotangent of its sample) on `device` (CUDA: the torch route, which
     records; the kernels do not yet)."""
@@ -38,10 +33,11 @@ def _model(device: str):
 
 def _step(how, group, mesh, micro, frozen_time=True, reshard=True, written=None, device="cpu"):
     """One step of the sharded model on this rank's samples: {AdaLN parameter: its gradient in full}."""
+    from adaln_lab.bench.multi_gpu import adaln_keys  # in the rank's process (it sets a CUDA environment variable)
     from adaln_lab.nn import ExactGradients, fsdp2_shard
 
     model, inputs, cot = _model(device)
-    names = adaln_names(model)
+    names = adaln_keys(model)
     if frozen_time:
         model.time_embedder.requires_grad_(False)
     fsdp2_shard(model, mesh, divide_factor=1.0)  # the ranks' gradients summed, as the exact ones
@@ -73,6 +69,7 @@ def _step(how, group, mesh, micro, frozen_time=True, reshard=True, written=None,
 def _reference(device="cpu"):
     """{AdaLN parameter: its exact gradient} of the whole batch in one process, unsharded, in the checkpoint's
     layout (what FSDP2's bf16 policy computes with: bf16 weights, the fp32 modules fp32): bf16, rounded once."""
+    from adaln_lab.bench.multi_gpu import adaln_keys
     from adaln_lab.nn import ExactGradients
 
     model, inputs, cot = _model(device)
@@ -86,7 +83,7 @@ def _reference(device="cpu"):
         (model(**inputs).sample.float() * cot).sum().backward()
     acc.write()
     params = dict(model.named_parameters())
-    return {n: params[n].grad for n in adaln_names(model)}
+    return {n: params[n].grad for n in adaln_keys(model)}
 
 
 def _worker(rank, world, out):
