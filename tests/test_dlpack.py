@@ -27,9 +27,9 @@ def test_cpu_forward_is_the_replay_and_backward_has_every_gradient():
         assert g.shape == leaf.shape and bool(torch.isfinite(g.float()).all())
     # the launch ops' bodies on CPU tensors give the same bits: forward, saved values and gradients
     op_out = torch.empty_like(inputs.x)
-    workspace = torch.empty(forward_workspace(3, 264, 20)[1], dtype=torch.uint8)
+    workspace = torch.empty(forward_workspace(3, 264, 20, 64)[1], dtype=torch.uint8)
     launch.forward(*inputs.args, 1e-5, "cupy", "cuda", op_out, workspace)
-    _, op_table_f32, op_rstd = launch.saved_views(workspace, 3, 264, 20)
+    _, op_table_f32, op_rstd = launch.saved_views(workspace, 3, 264, 20, 64)
     assert torch.equal(op_out, out) and torch.equal(op_table_f32, table_f32) and torch.equal(op_rstd, rstd)
     op_grads = [torch.empty_like(t) for t in inputs.leaves]
     launch.backward(dy, inputs.x, inputs.norm_weight, inputs.temb, inputs.weight, inputs.timestep_indices, workspace,

@@ -41,9 +41,9 @@ class _Dispatched(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, nw, temb, weight, bias, idx):
-        H, T = x.shape[-1], temb.shape[0]
+        H, (T, D) = x.shape[-1], temb.shape
         out = torch.empty_like(x)
-        workspace = torch.empty(forward_workspace(T, H, x.numel() // H)[1], dtype=torch.uint8, device=x.device)
+        workspace = torch.empty(forward_workspace(T, H, x.numel() // H, D)[1], dtype=torch.uint8, device=x.device)
         launch.forward.op(x, nw, temb, weight, bias, idx, EPS, "cupy", "cuda", out, workspace)
         ctx.save_for_backward(x, nw, temb, weight, idx, workspace)
         return out
@@ -115,9 +115,9 @@ def kernels_only(inputs) -> dict:
     x, nw, temb, weight, bias = (t.detach() for t in inputs.leaves)
     idx = inputs.timestep_indices
     ones = torch.ones_like(x)
-    H, T = x.shape[-1], temb.shape[0]
+    H, (T, D) = x.shape[-1], temb.shape
     out = torch.empty_like(x)
-    workspace = torch.empty(forward_workspace(T, H, x.numel() // H)[1], dtype=torch.uint8, device=x.device)
+    workspace = torch.empty(forward_workspace(T, H, x.numel() // H, D)[1], dtype=torch.uint8, device=x.device)
     grads = (torch.empty_like(x), torch.empty_like(nw), torch.empty_like(temb), torch.empty_like(weight),
              torch.empty_like(bias))
 

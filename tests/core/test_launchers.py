@@ -60,8 +60,9 @@ class Forward:
         self.plan = plan_module.plan(H, D, T)
         self.rows = self.plan.rows(i.x.numel() // H)
         self.out = torch.empty_like(i.x)
-        self.workspace = torch.empty(plan_module.forward_workspace(T, H, self.rows.rows)[1], dtype=torch.uint8)
-        assert self.rows.fwd_offsets == plan_module.forward_workspace(T, H, self.rows.rows)[0]
+        self.workspace = torch.empty(plan_module.forward_bytes(T, H, self.rows.rows, D), dtype=torch.uint8)
+        assert (self.rows.fwd_offsets, self.rows.fwd_bytes) == plan_module.forward_workspace(T, H, self.rows.rows, D)
+        assert self.rows.fwd_bytes == self.workspace.numel()
         launch.forward(*i.args, 1e-5, "cupy", table_backend, self.out, self.workspace)
 
     def backward(self, i, dy):
@@ -100,7 +101,8 @@ def test_forward_and_backward_launch_each_kernel_once_on_live_buffers(calls, row
     # the table kernel may start as table_act ends, and with PDL the row kernel as the table ends
     assert PROGRAMMATIC == ([1, 2] if plan.fwd_pdl else [1])  # indices of the calls
     assert calls[0][1] == (plan.table_act_grid, 1, 1) and calls[1][1] == (*plan.table_grid, 1)
-    act = calls[0][4][1]  # table.cu's scratch (T, D) bf16, allocated for the table kernels alone
+    act = calls[0][4][1]  # table.cu's scratch (T, D) bf16: the forward workspace's last piece
+    assert act == forward.workspace.data_ptr() + r.fwd_offsets["act"] and calls[0][4][0] == i.temb.data_ptr()
     calls = calls[1:]
     assert calls[1][1] == (-(-rows // plan.fwd_warp_rows), 1, 1) and calls[1][2] == (32 * plan.fwd_warp_rows, 1, 1)
     assert calls[2][1] == (r.bwd_ranges, 1, 1)
@@ -115,7 +117,7 @@ def test_forward_and_backward_launch_each_kernel_once_on_live_buffers(calls, row
     base = min(workspace_pointers)
     for name, _, _, _, args, _ in calls:
         for kind, a in zip(launchers.SIGNATURES[name], args):
-            if kind == "p" and (a or name != "table_bwd_bf16") and a != act:
+            if kind == "p" and (a or name != "table_bwd_bf16"):
                 assert _inside(a, live) or 0 <= a - base < r.bwd_bytes, (name, a)
     # the backward's workspace pieces are where the plan lays them out (d_scale: the second half of d_table's rows)
     d_scale = base + r.bwd_offsets["d_table"] + 4 * plan.H

@@ -82,10 +82,10 @@ def launch_backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f3
     """(dx, d_norm_weight, d_temb, d_weight, d_bias) of `final_adaln_out.launch.backward` from the given table_f32
     and rstd, written into a forward workspace (as the forward leaves them there), the gradients allocated as the
     op's Function allocates them: on CPU tensors the analytic backward, on CUDA tensors route "cupy"'s kernels."""
-    T, H = temb.shape[0], x.shape[-1]
+    (T, D), H = temb.shape, x.shape[-1]
     rows = x.numel() // H
-    workspace = torch.zeros(forward_workspace(T, H, rows)[1], dtype=torch.uint8, device=x.device)
-    _, saved_f32, saved_rstd = launch.saved_views(workspace, T, H, rows)
+    workspace = torch.zeros(forward_workspace(T, H, rows, D)[1], dtype=torch.uint8, device=x.device)
+    _, saved_f32, saved_rstd = launch.saved_views(workspace, T, H, rows, D)
     saved_f32.copy_(table_f32), saved_rstd.copy_(rstd)
     grads = (torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(temb), torch.empty_like(weight),
              weight.new_empty(weight.shape[:1]))

@@ -346,11 +346,11 @@ def test_twin_equals_kernels_cu_bit_for_bit(shape, rows):
     from adaln_lab.ops.final_adaln_out import launch
 
     inputs = make(1, rows, "cuda", **shape)
-    T, H = inputs.temb.shape[0], inputs.x.shape[-1]
+    (T, D), H = inputs.temb.shape, inputs.x.shape[-1]
     out = torch.empty_like(inputs.x)
-    workspace = torch.empty(forward_workspace(T, H, rows)[1], dtype=torch.uint8, device="cuda")
+    workspace = torch.empty(forward_workspace(T, H, rows, D)[1], dtype=torch.uint8, device="cuda")
     launch.forward(*inputs.args, EPS, "cupy", "cuda", out, workspace)
-    _, table_f32, rstd = launch.saved_views(workspace, T, H, rows)
+    _, table_f32, rstd = launch.saved_views(workspace, T, H, rows, D)
     dy = upstream(1, out)
     kernels = launch_backward(dy, inputs.x, inputs.norm_weight, inputs.temb, inputs.weight, inputs.timestep_indices,
                               table_f32, rstd)

@@ -48,10 +48,10 @@ def saved_of(out):
     `forward_workspace` gives."""
     assert type(out.grad_fn).__name__ == "FinalAdaLNOutBackward"
     x, norm_weight, temb, weight, idx, workspace = (t.detach() for t in out.grad_fn.saved_tensors)
-    T, H = temb.shape[0], x.shape[-1]
+    (T, D), H = temb.shape, x.shape[-1]
     rows = x.numel() // H
-    assert workspace.dtype == torch.uint8 and workspace.shape == (forward_workspace(T, H, rows)[1],)
-    _, table_f32, rstd = launch.saved_views(workspace, T, H, rows)
+    assert workspace.dtype == torch.uint8 and workspace.shape == (forward_workspace(T, H, rows, D)[1],)
+    _, table_f32, rstd = launch.saved_views(workspace, T, H, rows, D)
     return x, norm_weight, temb, weight, idx, table_f32.clone(), rstd.clone()
 
 

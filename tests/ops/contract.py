@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from adaln_lab import (block_adaln_path, final_adaln_out, gated_residual, gated_residual_norm, modulated_rms_norm,
                        modulation_table, row_order)
 from adaln_lab.core import support
-from adaln_lab.core.plan import forward_workspace
+from adaln_lab.core.plan import forward_bytes
 from adaln_lab.harness.block_protocol import rowwise_attn, rowwise_ff
 from adaln_lab.ops.final_adaln_out import launch as final_launch
 from adaln_lab.ops.gated_residual import launch as residual_launch
@@ -359,7 +359,7 @@ def _final_call(a, backend="auto"):
 def _final_launch(a):
     x, norm_weight, temb, weight = a["x"], a["norm_weight"], a["temb"], a["weight"]
     H = x.shape[-1]
-    workspace = torch.empty(forward_workspace(temb.shape[0], H, x.numel() // H)[1], dtype=torch.uint8,
+    workspace = torch.empty(forward_bytes(temb.shape[0], H, x.numel() // H, temb.shape[1]), dtype=torch.uint8,
                             device=x.device)
     forward = (*(a[n] for n in _FINAL), a["eps"], "torch", "cuda", torch.empty_like(x), workspace)
     final_launch.forward(*forward)

@@ -13,7 +13,7 @@ import torch
 
 from adaln_lab import final_adaln_out
 from adaln_lab.core.library import apply
-from adaln_lab.core.plan import forward_workspace
+from adaln_lab.core.plan import forward_bytes, forward_workspace
 from adaln_lab.harness import invariance
 from adaln_lab.harness.accuracy import SEED_GRAD_BOUNDS, accuracy, parity
 from adaln_lab.harness.candidates import adaln_lab_candidate, diffusers_candidate
@@ -34,10 +34,10 @@ def _leaves(inputs):
     return [t.detach().clone().requires_grad_(True) for t in inputs.leaves]
 
 
-def _workspace(x, T):
-    """The forward workspace of x (..., S, H) and T table rows, as FinalAdaLNOut allocates it."""
+def _workspace(x, T, D=SHAPE["D"]):
+    """The forward workspace of x (..., S, H), T table rows and temb width D, as FinalAdaLNOut allocates it."""
     H = x.shape[-1]
-    return torch.empty(forward_workspace(T, H, x.numel() // H)[1], dtype=torch.uint8, device=x.device)
+    return torch.empty(forward_bytes(T, H, x.numel() // H, D), dtype=torch.uint8, device=x.device)
 
 
 def _outputs(x, T):
@@ -60,7 +60,7 @@ def _node(x, norm_weight, temb, weight, bias, timestep_indices, eps=1e-5):
 def test_ops_are_registered_with_no_op_fake_kernels():
     """The launch ops are torch.ops.adaln_lab.final_adaln_out_fwd / _bwd; their fakes return nothing (the caller
     allocated every output), and the node allocates out (rows, H) and the workspace holding the bf16 table
-    (T, 2H), table_f32 (T, 2H) and rstd (rows,)."""
+    (T, 2H), table_f32 (T, 2H), rstd (rows,) and the table kernel's act scratch (T, D)."""
     assert hasattr(torch.ops.adaln_lab, "final_adaln_out_fwd")
     assert hasattr(torch.ops.adaln_lab, "final_adaln_out_bwd")
     inputs = make(1, 10, "cpu", **SHAPE)
@@ -70,8 +70,8 @@ def test_ops_are_registered_with_no_op_fake_kernels():
         fake = [mode.from_tensor(t) for t in inputs.args]
         out, workspace = _outputs(fake[0], 3)
         assert torch.ops.adaln_lab.final_adaln_out_fwd(*fake, 1e-5, "cupy", "cuda", out, workspace) is None
-        assert workspace.shape == (forward_workspace(3, 64, 10)[1],) and workspace.dtype == torch.uint8
-        table, table_f32, rstd = launch.saved_views(workspace, 3, 64, 10)
+        assert workspace.shape == (forward_workspace(3, 64, 10, 32)[1],) and workspace.dtype == torch.uint8
+        table, table_f32, rstd = launch.saved_views(workspace, 3, 64, 10, 32)
         assert table.shape == (3, 128) and table.dtype == torch.bfloat16
         assert table_f32.shape == (3, 128) and table_f32.dtype == torch.float32
         assert rstd.shape == (10,) and rstd.dtype == torch.float32
@@ -189,7 +189,7 @@ def test_cpu_table_f32_is_the_unrounded_table():
     inputs = make(6, 3, "cpu", **SHAPE)
     out, workspace = _outputs(inputs.x, 3)
     launch.forward(*inputs.args, 1e-5, "cupy", "cuda", out, workspace)
-    _, table_f32, rstd = launch.saved_views(workspace, 3, 64, 3)
+    _, table_f32, rstd = launch.saved_views(workspace, 3, 64, 3, 32)
     act = torch.nn.functional.silu(inputs.temb).to(torch.bfloat16).double()
     exact = act @ inputs.weight.double().T + inputs.bias.double()
     assert (table_f32.double() - exact).abs().max() <= 1e-5 * exact.abs().max()

@@ -153,7 +153,7 @@ def test_a_planted_unzeroed_buffer_is_caught(monkeypatch):
     """The checker itself: a for_op that does not zero the chunks of the ops that did not run (its new buffer NaN,
     as uninitialised memory may be) hands "norm1 alone" and "norm2 alone" garbage in those chunks; a full pass,
     where the first op to run writes the last chunk, needs no zeros and still passes."""
-    def no_zeroing(d_link, table, hidden_size, end):
+    def no_zeroing(d_link, table, hidden_size, end, partials=0):
         if d_link is not None:
             return d_link
         shape, dtype, device = table
@@ -171,7 +171,7 @@ def test_a_planted_stale_buffer_is_caught(monkeypatch):
     hands "full then norm1 alone" the first pass's columns where the second must have zeros."""
     kept = {}
 
-    def stale(d_link, table, hidden_size, end):
+    def stale(d_link, table, hidden_size, end, partials=0):
         if d_link is not None:
             return d_link
         if "buffer" not in kept:
@@ -191,9 +191,9 @@ def _plant_wrong_column(monkeypatch):
     unwritten."""
     original = gated_residual_launch.backward
 
-    def one_chunk_left(dout, gate, y, row_index, order, table_dtype, route, d_y, d_table, column):
+    def one_chunk_left(dout, gate, y, row_index, order, table_dtype, route, d_y, d_table, column, partials=None):
         shifted = column - gate.shape[1] if column > 0 else column
-        original(dout, gate, y, row_index, order, table_dtype, route, d_y, d_table, shifted)
+        original(dout, gate, y, row_index, order, table_dtype, route, d_y, d_table, shifted, partials)
 
     monkeypatch.setattr(gated_residual_launch, "backward", one_chunk_left)
 
@@ -239,6 +239,8 @@ def _check_recorded(H_, forward, calls):
     rows_bf16 = launched["table_bf16"][3]
     norm1 = next(args for name, args in forward if name.startswith("norm_modulate"))
     assert norm1[2] == rows_bf16 and launched["gated_residual_norm_bf16"][5] == rows_bf16 + 3 * T * 2 * H_ * 2
+    # the table kernel's act scratch right after the two row tables, in their allocation
+    assert launched["table_act"][1] == launched["table_bf16"][0] == rows_bf16 + 2 * 3 * T * 2 * H_ * 2
     f32 = 4
     d_table = next(args[0] for name, args in calls if name.startswith("table_bwd") and name != "table_bwd_reduce")
     writes = [(name, args) for name, args in calls
@@ -258,12 +260,14 @@ def _check_recorded(H_, forward, calls):
     passes = [args[partials_at[name]] for name, args in calls if name in partials_at]
     reads = [args[0] for name, args in calls if name in ("reduce_partials_sorted_bf16", "gated_residual_reduce_sorted")]
     assert len(passes) == 4 and passes == reads
+    # all four in one scratch after the table in the table gradient's allocation (one allocation for both)
+    assert set(passes) == {d_table + T * 18 * H_ * f32}
 
 
 def test_the_kernels_read_the_row_tables_and_write_the_chunks_columns(monkeypatch):
     """The CUDA glue on CPU tensors with a recorder for each kernel: the forward's norms read the row tables the
     table kernel writes; the three row ops' reduces get the table gradient's columns of their chunks with the row
-    stride 6H, and table_bwd reads that buffer."""
+    stride 6H, and table_bwd reads that buffer, whose allocation also holds the four passes' partials."""
     _check_recorded(*_recorded_block(monkeypatch))
 
 
@@ -359,7 +363,7 @@ def test_a_planted_shared_buffer_is_caught(monkeypatch):
     another still gets the right bits) fails the concurrent passes: one thread's columns in another's gradient."""
     kept = {}
 
-    def shared(d_link, table, hidden_size, end):
+    def shared(d_link, table, hidden_size, end, partials=0):
         if d_link is not None:
             return d_link
         if "buffer" not in kept:

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
-from .workspace import ALIGN, ROWS_MAX, Rows, aligned, forward_workspace, layout, rows_of  # noqa: F401
+from .workspace import ALIGN, ROWS_MAX, Rows, aligned, forward_bytes, forward_workspace, layout, rows_of  # noqa: F401
 
 # Constants of the kernels: the one place they live. Changing one changes the compiled unit
 # (its text carries the values), and `launchers.forget_compiled()` forgets every derived plan and kernel.

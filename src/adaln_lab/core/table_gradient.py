@@ -23,21 +23,51 @@ from __future__ import annotations
 
 import torch
 
+from .library import eager
+from .tensors import row_partials_floats
+
 CHUNKS = ("shift_msa", "scale_msa", "gate_msa", "shift_mlp", "scale_mlp", "gate_mlp")
 SHIFT_MSA, GATE_MSA, SHIFT_MLP, GATE_MLP = 0, 2, 3, 5  # the first chunk each op (or op part) writes
 
 
-def for_op(d_link: torch.Tensor | None, table: tuple, hidden_size: int, end: int) -> torch.Tensor:
+def for_op(d_link: torch.Tensor | None, table: tuple, hidden_size: int, end: int, partials: int = 0) -> torch.Tensor:
     """The (T, 18H) buffer an op writing chunks before `end` writes into: `d_link` (the gradient of its link
     output: the buffer of the ops after it), or a new buffer, of the table's (shape, dtype, device), whose chunks
-    from `end` on are zero."""
+    from `end` on are zero. partials: float32 floats of scratch the block's row ops share after the table in the
+    same allocation (`partials_of`; each op's backward runs after the one that handed it the buffer, on the stream
+    autograd orders them by), 0 for none."""
     if d_link is not None:
         return d_link
     shape, dtype, device = table
-    buffer = torch.empty(shape, dtype=dtype, device=device)
+    if partials:
+        numel = shape.numel()
+        buffer = torch.empty(numel + partials, dtype=dtype, device=device)[:numel].view(shape)
+    else:
+        buffer = torch.empty(shape, dtype=dtype, device=device)
     if end < len(CHUNKS):
         buffer.view(-1, len(CHUNKS) * hidden_size)[:, end * hidden_size:].zero_()
     return buffer
+
+
+def partials_of(buffer: torch.Tensor, floats: int) -> torch.Tensor | None:
+    """The float32 scratch after the table in `buffer`'s allocation (for_op's `partials`) where it holds at least
+    `floats` floats, else None (the op's launch then allocates its own)."""
+    base = buffer._base
+    if (not floats or base is None or base.dtype != torch.float32 or base.data_ptr() != buffer.data_ptr()
+            or base.numel() < buffer.numel() + floats):
+        return None
+    return base.as_strided((base.numel() - buffer.numel(),), (1,), buffer.numel())
+
+
+def for_row_op(d_link: torch.Tensor | None, table: tuple, hidden_size: int, end: int, route: str, x: torch.Tensor,
+               table_rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(for_op's buffer, the row partials' scratch after it or None) for a row op on x (..., S, H) and `table_rows`
+    table rows: on route "cupy" in eager code the buffer the first op makes also holds the scratch the three row
+    ops' sorted passes share (`core.tensors.row_partials_floats`), so a block's backward allocates once for the
+    table gradient and the partials; in compiled code each launch allocates its own."""
+    floats = row_partials_floats(x, table_rows) if route == "cupy" and table[1] == torch.float32 and eager() else 0
+    buffer = for_op(d_link, table, hidden_size, end, floats)
+    return buffer, partials_of(buffer, floats)
 
 
 def columns(buffer: torch.Tensor, hidden_size: int, first: int) -> torch.Tensor:

@@ -75,14 +75,16 @@ launchers.on_forget(context.cache_clear)
 
 
 def table_launch(k: dict, plan, stream: int, temb: torch.Tensor, weight: int, bias: int, table_bf16: int,
-                 table_f32: int) -> None:
-    """launchers.launch_table on temb (T, D) fp32 with its act scratch: a (T, D) bf16 tensor (bf16(silu(temb)), the
-    SiLU taken once) that torch's caching allocator hands out again only after `stream`'s work (a stream other than
-    torch's current one is recorded on it)."""
-    act = torch.empty(temb.shape, dtype=torch.bfloat16, device=temb.device)
-    if stream != current_stream(temb.get_device()):  # dlpack's stream: torch reuses act only after it
-        act.record_stream(torch.cuda.ExternalStream(stream, device=temb.device))
-    launchers.launch_table(k, plan, stream, temb.data_ptr(), weight, bias, table_bf16, table_f32, act.data_ptr())
+                 table_f32: int, act: int = 0) -> None:
+    """launchers.launch_table on temb (T, D) fp32. act: the address of its (T, D) bf16 scratch (bf16(silu(temb)),
+    the SiLU taken once: norm_out's forward workspace), or 0: a tensor made here, which torch's caching allocator
+    hands out again only after `stream`'s work (a stream other than torch's current one is recorded on it)."""
+    if not act:
+        scratch = torch.empty(temb.shape, dtype=torch.bfloat16, device=temb.device)
+        if stream != current_stream(temb.get_device()):  # dlpack's stream: torch reuses it only after that stream
+            scratch.record_stream(torch.cuda.ExternalStream(stream, device=temb.device))
+        act = scratch.data_ptr()
+    launchers.launch_table(k, plan, stream, temb.data_ptr(), weight, bias, table_bf16, table_f32, act)
 
 
 def table(temb, weight, bias):
@@ -147,6 +149,14 @@ def row_setup(x: torch.Tensor, table_rows: int):
     plan, rows, k = context(index, H, 8, table_rows, x.numel() // H)
     launchers.bind(index)
     return plan, rows, k, current_stream(index)
+
+
+def row_partials_floats(x: torch.Tensor, table_rows: int) -> int:
+    """Floats of the scratch a row op's sorted backward on x (..., S, H) and `table_rows` table rows needs: the
+    norm's row partials and the reduce's unused d_bias slot (the gated residual's partials are half of them)."""
+    H = x.shape[-1]
+    plan, rows, _ = context(x.device.index, H, 8, table_rows, x.numel() // H)
+    return launchers.sorted_slots(plan, rows) * 2 * H + H
 
 
 def shift_scale(shift: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -34,21 +34,28 @@ def layout(sizes: dict) -> tuple[dict, int]:
     return offsets, max(total, ALIGN)
 
 
-def forward_workspace(T: int, H: int, rows: int) -> tuple[dict, int]:
-    """norm_out's forward workspace: `table` (T, 2H) bf16, `table_f32` (T, 2H) fp32 and `rstd` (rows,) fp32 laid out
-    one after another: (byte offsets, total bytes). Integer arithmetic alone, no cache, so that torch.compile traces
-    it on symbolic sizes (the op's Function allocates the workspace in eager and compiled code alike)."""
-    return layout({"table": T * 2 * H * 2, "table_f32": T * 2 * H * 4, "rstd": rows * 4})
+def forward_workspace(T: int, H: int, rows: int, D: int) -> tuple[dict, int]:
+    """norm_out's forward workspace: `table` (T, 2H) bf16, `table_f32` (T, 2H) fp32, `rstd` (rows,) fp32 and `act`
+    (T, D) bf16 (the table kernel's scratch: bf16(silu(temb))) laid out one after another: (byte offsets, total
+    bytes). Integer arithmetic alone, no cache, so that torch.compile traces it on symbolic sizes."""
+    return layout({"table": T * 2 * H * 2, "table_f32": T * 2 * H * 4, "rstd": rows * 4, "act": T * D * 2})
+
+
+def forward_bytes(T: int, H: int, rows: int, D: int) -> int:
+    """forward_workspace(T, H, rows, D)'s total alone, without building the offsets (the op's Function allocates
+    the workspace in eager and compiled code alike: a call's host time)."""
+    return max(aligned(T * 4 * H) + aligned(T * 8 * H) + aligned(rows * 4) + aligned(T * D * 2), ALIGN)
 
 
 @dataclass(frozen=True)
 class Rows:
     """The parts of a plan that depend on the number of rows (x.numel() / H): row ranges and workspaces.
 
-    fwd_offsets / fwd_bytes: one forward workspace holding `table` (T, 2H) bf16, `table_f32` (T, 2H) fp32 and
-    `rstd` (rows,) fp32. bwd_offsets / bwd_bytes: one backward workspace holding `row_partials` (bwd_ranges, T, 2,
-    H) fp32 (plan.bwd_sorted: (bwd_ranges + T, 2, H)), `d_table` (T, 2H) fp32, `dact_partials` (plan.tb_bytes:
-    table_bwd's (blocks_j, T, D) fp32 partials, then on tensor cores its operands' terms), and where
+    fwd_offsets / fwd_bytes: one forward workspace (`forward_workspace`): `table` (T, 2H) bf16, `table_f32` (T, 2H)
+    fp32, `rstd` (rows,) fp32 and `act` (T, D) bf16. bwd_offsets / bwd_bytes: one backward workspace holding
+    `row_partials` (bwd_ranges, T, 2, H) fp32 (plan.bwd_sorted: (bwd_ranges + T, 2, H)), `d_table` (T, 2H) fp32,
+    `dact_partials` (plan.tb_bytes: table_bwd's (blocks_j, T, D) fp32 partials, then on tensor cores its operands'
+    terms), and where
     plan.bwd_sorted `row_order` (T + 1 + rows,) int32 (row_order.cu's layout, S <= rows), and where
     plan.row_order_wide its scratch `row_order_scratch` (plan.row_order_scratch(rows) bytes).
     """
@@ -74,7 +81,7 @@ def rows_of(plan: Plan, rows: int) -> Rows:
     bwd_per = max(1, min(t["ROW_LIST_MAX"], math.ceil(rows / t["BWD_RANGES"])))
     bwd_ranges = math.ceil(rows / bwd_per) if rows else 0
     T, H = plan.T, plan.H
-    fwd_offsets, fwd_bytes = forward_workspace(T, H, rows)
+    fwd_offsets, fwd_bytes = forward_workspace(T, H, rows, plan.D)
     slots = max(bwd_ranges, 1) + T if plan.bwd_sorted else max(bwd_ranges, 1) * T
     parts = {"row_partials": slots * 2 * H * 4, "d_table": T * 2 * H * 4, "dact_partials": plan.tb_bytes}
     if plan.bwd_sorted:

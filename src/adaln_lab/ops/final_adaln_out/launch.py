@@ -6,9 +6,9 @@
              d_weight, d_bias)
 
 Shapes: x, out, dy, dx (..., S, H); norm_weight, d_norm_weight (H,); temb, d_temb (T, D); weight, d_weight (2H, D);
-bias, d_bias (2H,); timestep_indices (S,) int64; workspace (bytes,) uint8, `plan.forward_workspace(T, H, rows)`:
+bias, d_bias (2H,); timestep_indices (S,) int64; workspace (bytes,) uint8, `plan.forward_workspace(T, H, rows, D)`:
 the bf16 table (T, 2H), table_f32 (T, 2H) (the table before its bf16 rounding) and rstd (rows,), which the forward
-writes and the backward reads. Inputs contiguous (the op's Function sees to it).
+writes and the backward reads, and the table kernel's act scratch (T, D) bf16. Inputs contiguous (the op's Function sees to it).
 
 route "cupy": kernels_cu on CUDA tensors (three launches forward, four to six backward by T, every reduction in a
 fixed order; the backward's workspace is one allocation of its own); route "numba": the Numba twin (`twin.op`): the
@@ -44,9 +44,9 @@ def reference_forward(x, norm_weight, temb, weight, bias, timestep_indices, eps:
     return replay(x, norm_weight, temb, weight, bias, timestep_indices, eps), table_from_torch(temb, weight, bias)[1], rstd
 
 
-def saved_views(workspace: torch.Tensor, T: int, H: int, rows: int):
+def saved_views(workspace: torch.Tensor, T: int, H: int, rows: int, D: int):
     """(table (T, 2H) bf16, table_f32 (T, 2H) fp32, rstd (rows,) fp32): the forward workspace's pieces as tensors."""
-    offsets, _ = forward_workspace(T, H, rows)
+    offsets, _ = forward_workspace(T, H, rows, D)
 
     def piece(name, dtype, shape):
         start = offsets[name]
@@ -71,23 +71,23 @@ def forward(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tensor, weig
 
         result, table_f32, rstd = twin.forward_tensors(x, norm_weight, temb, weight, bias, timestep_indices, eps,
                                                        table_backend)
-        _, saved_f32, saved_rstd = saved_views(workspace, T, H, rows)
+        _, saved_f32, saved_rstd = saved_views(workspace, T, H, rows, D)
         out.copy_(result), saved_f32.copy_(table_f32), saved_rstd.copy_(rstd)
         return
     if route == "torch" or not tensors.gpu(x):
-        _, saved_f32, saved_rstd = saved_views(workspace, T, H, rows)
+        _, saved_f32, saved_rstd = saved_views(workspace, T, H, rows, D)
         result, table_f32, rstd = reference_forward(x, norm_weight, temb, weight, bias, timestep_indices, eps)
         out.copy_(result), saved_f32.copy_(table_f32), saved_rstd.copy_(rstd)
         return
     context = kernels_of(x, temb)
     base, o = workspace.data_ptr(), context[1].fwd_offsets
     if table_backend == "torch":
-        saved = saved_views(workspace, T, H, rows)
+        saved = saved_views(workspace, T, H, rows, D)
         for piece, value in zip(saved, table_from_torch(temb, weight, bias)):
             piece.copy_(value)
     kernels_forward(x, norm_weight, temb, weight, bias, timestep_indices, eps, out.data_ptr(), base + o["table"],
                     base + o["table_f32"], base + o["rstd"], tensors.current_stream(x.get_device()),
-                    table_written=table_backend == "torch", context=context)
+                    table_written=table_backend == "torch", context=context, act=base + o["act"])
 
 
 def kernels_of(x: torch.Tensor, temb: torch.Tensor):
@@ -99,15 +99,17 @@ def kernels_of(x: torch.Tensor, temb: torch.Tensor):
 
 
 def kernels_forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: float, out: int, table: int,
-                    table_f32: int, rstd: int, stream: int, table_written: bool = False, context=None) -> None:
+                    table_f32: int, rstd: int, stream: int, table_written: bool = False, context=None,
+                    act: int = 0) -> None:
     """table.cu (unless `table_written`: the bf16 table and table_f32 already at their addresses), then
     norm_modulate.cu, on `stream`, writing out, table, table_f32 and rstd at the given addresses (the op's
-    workspace, or `adaln_lab.dlpack`'s arrays). context: `kernels_of(x, temb)` where the caller has it."""
+    workspace, or `adaln_lab.dlpack`'s arrays). context: `kernels_of(x, temb)` where the caller has it. act: the
+    table kernel's scratch address (the workspace's), or 0 (`tensors.table_launch` makes one)."""
     aligned = tensors.aligned
     x, norm_weight, temb, weight, bias = aligned(x), aligned(norm_weight), aligned(temb), aligned(weight), aligned(bias)
     plan, rows, k = context or kernels_of(x, temb)
     if not table_written:
-        tensors.table_launch(k, plan, stream, temb, weight.data_ptr(), bias.data_ptr(), table, table_f32)
+        tensors.table_launch(k, plan, stream, temb, weight.data_ptr(), bias.data_ptr(), table, table_f32, act)
     launchers.launch_norm_modulate(k, plan, rows, stream, x.data_ptr(), norm_weight.data_ptr(), table,
                                    timestep_indices.data_ptr(), out, rstd, x.shape[-2], eps,
                                    after_table=not table_written)
@@ -125,7 +127,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, temb:
     rows = x.numel() // H
     outputs = (dx, d_norm_weight, d_temb, d_weight, d_bias)
     if route in ("numba", "torch") or not tensors.gpu(x):
-        _, table_f32, rstd = saved_views(workspace, T, H, rows)
+        _, table_f32, rstd = saved_views(workspace, T, H, rows, D)
         if route == "numba":
             from .twin import op as twin
 

@@ -23,7 +23,7 @@ from ...core import exact, support
 from ...core.autocast import autocast_params
 from ...core.checks import BACKENDS, NUMERICS, TABLE_BACKENDS, check_option, validate
 from ...core.library import apply
-from ...core.plan import forward_workspace
+from ...core.plan import forward_bytes
 from ...reference.final_adaln_out import replay
 from . import launch
 from .exact import ExactNormOut
@@ -33,13 +33,13 @@ class FinalAdaLNOut(torch.autograd.Function):
     """The autograd node of routes "cupy" and "numba": forward(x, norm_weight, temb, weight, bias, timestep_indices,
     eps, route, table_backend) -> out (..., S, H); backward(dy) -> dx, d_norm_weight, d_temb, d_weight, d_bias.
     Takes contiguous inputs the route can run. Saves x, norm_weight, temb, weight, timestep_indices and the forward
-    workspace (the bf16 table, table_f32 and rstd: `core.plan.forward_workspace`)."""
+    workspace (the bf16 table, table_f32, rstd and the table's scratch: `core.plan.forward_workspace`)."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, temb, weight, bias, timestep_indices, eps, route, table_backend):
-        T, H = temb.shape[0], x.shape[-1]
+        (T, D), H = temb.shape, x.shape[-1]
         out = torch.empty_like(x)
-        workspace = torch.empty(forward_workspace(T, H, x.numel() // H)[1], dtype=torch.uint8, device=x.device)
+        workspace = torch.empty(forward_bytes(T, H, x.numel() // H, D), dtype=torch.uint8, device=x.device)
         launch.forward(x, norm_weight, temb, weight, bias, timestep_indices, eps, route, table_backend, out, workspace)
         ctx.route = route
         ctx.save_for_backward(x, norm_weight, temb, weight, timestep_indices, workspace)

@@ -1,7 +1,7 @@
 """The gated residual's two launch ops, writing outputs the caller allocated (`core.library.library_op`):
 
     forward(x, gate, y, row_index, table_dtype, route, out)
-    backward(dout, gate, y, row_index, order, table_dtype, route, d_y, d_table, column)
+    backward(dout, gate, y, row_index, order, table_dtype, route, d_y, d_table, column, partials=None)
 
 Shapes: x, y, out, dout, d_y (..., S, H); gate (R, H) (any strides, float32 holding `table_dtype` values); row_index
 (S,) int64; order: None, or `row_order(row_index, R, H)`; d_table (R, W) with d_gate at columns [column, column + H)
@@ -39,12 +39,13 @@ def forward(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: tor
                                     row_index.data_ptr(), out.data_ptr(), stride, x.shape[-2])
 
 
-@library_op("adaln_lab::gated_residual_bwd", mutates_args=("d_y", "d_table"))
+@library_op("adaln_lab::gated_residual_bwd", mutates_args=("d_y", "d_table", "partials"))
 @tensors.keeps_device
 def backward(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: torch.Tensor,
              order: torch.Tensor | None, table_dtype: torch.dtype, route: str, d_y: torch.Tensor,
-             d_table: torch.Tensor, column: int) -> None:
-    """d_y, and d_gate into d_table's columns (module docstring)."""
+             d_table: torch.Tensor, column: int, partials: torch.Tensor | None = None) -> None:
+    """d_y, and d_gate into d_table's columns (module docstring); partials: None or float32 scratch of at least
+    the sorted pass's slots x H floats (else one allocation here)."""
     R, H = gate.shape
     if route != "cupy":
         d_gate, grad_y = gated_residual_backward(dout, gate, y, row_index, table_dtype)
@@ -54,7 +55,9 @@ def backward(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index:
     dout, y, row_index = tensors.aligned(dout), tensors.aligned(y), row_index.contiguous()
     order = row_order(row_index, R, H) if order is None else order.contiguous()
     gate, stride = tensors.gate_pointer(gate)
-    partials = torch.empty(launchers.sorted_slots(plan, rows) * H, dtype=torch.float32, device=y.device)
+    floats = launchers.sorted_slots(plan, rows) * H
+    if partials is None or partials.numel() < floats:
+        partials = torch.empty(floats, dtype=torch.float32, device=y.device)
     launchers.launch_gated_residual_bwd(k, plan, rows, stream, dout.data_ptr(), gate.data_ptr(), y.data_ptr(),
                                         row_index.data_ptr(), order.data_ptr(), d_y.data_ptr(), partials.data_ptr(),
                                         d_table.data_ptr() + 4 * column, stride, y.shape[-2], d_table.stride(0))

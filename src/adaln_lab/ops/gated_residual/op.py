@@ -54,10 +54,11 @@ class GatedResidual(torch.autograd.Function):
             dtype = torch.float32 if ctx.route == "cupy" else gate.dtype
             d_table, column = table_gradient.standalone(R, H, dtype, y.device), 0
         else:
-            buffer = table_gradient.for_op(None, ctx.table, H, ctx.chunk + 1)
+            buffer, partials = table_gradient.for_row_op(None, ctx.table, H, ctx.chunk + 1, ctx.route, y, R)
             d_table, column = table_gradient.columns(buffer, H, 0), ctx.chunk * H
         d_y = torch.empty_like(y)
-        launch.backward(dout, gate, y, row_index, order, ctx.table_dtype, ctx.route, d_y, d_table, column)
+        launch.backward(dout, gate, y, row_index, order, ctx.table_dtype, ctx.route, d_y, d_table, column,
+                        None if ctx.table is None else partials)
         dx = tensors.as_dtype(dout, ctx.x_dtype)
         if ctx.table is None:
             return dx, tensors.as_dtype(d_table, gate.dtype), d_y, *(None,) * 6

@@ -3,7 +3,7 @@ the caller allocated (`core.library.library_op`):
 
     forward(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, route, row_tables, x_out, out, rstd)
     backward(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, order, table_dtype, route,
-             dx, d_y, d_norm_weight, d_table, column)
+             dx, d_y, d_norm_weight, d_table, column, partials=None)
 
 Shapes as the two ops' (`..gated_residual.launch`, `..modulated_rms_norm.launch`); d_table (R, W) takes d_gate |
 d_shift | d_scale at columns [column, column + 3H). route "cupy": the forward is one kernel (gated_residual_norm.cu),
@@ -51,20 +51,23 @@ def forward(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: tor
                                          out.data_ptr(), rstd.data_ptr(), stride, x.shape[-2], eps)
 
 
-@library_op("adaln_lab::gated_residual_norm_bwd", mutates_args=("dx", "d_y", "d_norm_weight", "d_table"))
+@library_op("adaln_lab::gated_residual_norm_bwd",
+            mutates_args=("dx", "d_y", "d_norm_weight", "d_table", "partials"))
 @tensors.keeps_device
 def backward(d_x_out: torch.Tensor, d_out: torch.Tensor, x_out: torch.Tensor, gate: torch.Tensor, y: torch.Tensor,
              row_index: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
              rstd: torch.Tensor, order: torch.Tensor | None, table_dtype: torch.dtype, route: str, dx: torch.Tensor,
-             d_y: torch.Tensor, d_norm_weight: torch.Tensor, d_table: torch.Tensor, column: int) -> None:
-    """dx (in x's dtype), d_y, d_norm_weight, and d_gate | d_shift | d_scale into d_table's columns."""
+             d_y: torch.Tensor, d_norm_weight: torch.Tensor, d_table: torch.Tensor, column: int,
+             partials: torch.Tensor | None = None) -> None:
+    """dx (in x's dtype), d_y, d_norm_weight, and d_gate | d_shift | d_scale into d_table's columns; partials: the
+    two passes' scratch, one after the other (`modulated_rms_norm.launch.backward`'s)."""
     residual_route, norm_route = parts(route)
     H = x_out.shape[-1]
     if order is None and route == "cupy":  # one sort for the two passes
         order = row_order(row_index.contiguous(), shift.shape[0], H)
     d_norm = dx if dx.dtype == x_out.dtype else torch.empty_like(x_out)
     norm.backward(d_out, x_out, norm_weight, shift, scale, row_index, rstd, tensors.as_dtype(d_x_out, x_out.dtype),
-                  order, norm_route, d_norm, d_norm_weight, d_table, column + H)
-    residual.backward(d_norm, gate, y, row_index, order, table_dtype, residual_route, d_y, d_table, column)
+                  order, norm_route, d_norm, d_norm_weight, d_table, column + H, partials)
+    residual.backward(d_norm, gate, y, row_index, order, table_dtype, residual_route, d_y, d_table, column, partials)
     if d_norm is not dx:
         dx.copy_(d_norm)

@@ -76,12 +76,13 @@ class GatedResidualNorm(torch.autograd.Function):
             dtype = torch.float32 if "cupy" in ctx.route else torch.promote_types(gate.dtype, shift.dtype)
             d_table, column = table_gradient.standalone(R, 3 * H, dtype, x_out.device), 0
         else:
-            buffer = table_gradient.for_op(d_link, ctx.table, H, ctx.chunk + 3)
+            buffer, partials = table_gradient.for_row_op(d_link, ctx.table, H, ctx.chunk + 3, ctx.route, x_out, R)
             d_table, column = table_gradient.columns(buffer, H, 0), ctx.chunk * H
         dx = torch.empty(x_out.shape, dtype=ctx.x_dtype, device=x_out.device)
         d_y, d_norm_weight = torch.empty_like(y), torch.empty_like(norm_weight)
         launch.backward(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, order,
-                        ctx.table_dtype, ctx.route, dx, d_y, d_norm_weight, d_table, column)
+                        ctx.table_dtype, ctx.route, dx, d_y, d_norm_weight, d_table, column,
+                        None if ctx.table is None else partials)
         if ctx.table is None:
             d_gate, d_shift, d_scale = (tensors.as_dtype(d_table[:, i * H:(i + 1) * H], t.dtype)
                                         for i, t in enumerate((gate, shift, scale)))

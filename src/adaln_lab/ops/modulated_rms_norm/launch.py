@@ -2,14 +2,15 @@
 
     forward(x, norm_weight, shift, scale, row_index, eps, table_dtype, route, row_tables, which, out, rstd)
     backward(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual, order, route, dx, d_norm_weight,
-             d_table, column)
+             d_table, column, partials=None)
 
 Shapes: x, out, dy, dx, d_residual (..., S, H); norm_weight, d_norm_weight (H,); shift, scale (R, H) (any strides,
 float32 holding `table_dtype` values); row_index (S,) int64; rstd (rows,); row_tables: None, or a block's bf16 row
 tables (2, R, 2H) of which table `which` holds shift | scale (written by the table kernel, read in place of a cast);
 order: None, or `row_order(row_index, R, H)`; d_table (R, W) with d_shift at columns [column, column + H) and d_scale
 at [column + H, column + 2H) (an op's own (R, 2H), or a block's table gradient viewed (3T, 6H)). With d_residual, dx
-is the norm's dx plus d_residual, added in x's dtype as autograd adds.
+is the norm's dx plus d_residual, added in x's dtype as autograd adds. partials: None, or float32 scratch for the
+sorted pass's partial sums (a block's, after its table gradient: `core.table_gradient.partials_of`).
 
 route "cupy": norm_modulate.cu forward; backward the sorted row pass (the residual summed in it where three rows fit
 its stages, else torch's bf16 add: the same bits) and the reduce of its partials, in table-row order, every sum in a
@@ -47,12 +48,14 @@ def forward(x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor, sca
                                    row_index.data_ptr(), out.data_ptr(), rstd.data_ptr(), x.shape[-2], eps)
 
 
-@library_op("adaln_lab::modulated_rms_norm_bwd", mutates_args=("dx", "d_norm_weight", "d_table"))
+@library_op("adaln_lab::modulated_rms_norm_bwd", mutates_args=("dx", "d_norm_weight", "d_table", "partials"))
 @tensors.keeps_device
 def backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
              row_index: torch.Tensor, rstd: torch.Tensor, d_residual: torch.Tensor | None, order: torch.Tensor | None,
-             route: str, dx: torch.Tensor, d_norm_weight: torch.Tensor, d_table: torch.Tensor, column: int) -> None:
-    """dx, d_norm_weight, and d_shift | d_scale into d_table's columns (module docstring)."""
+             route: str, dx: torch.Tensor, d_norm_weight: torch.Tensor, d_table: torch.Tensor, column: int,
+             partials: torch.Tensor | None = None) -> None:
+    """dx, d_norm_weight, and d_shift | d_scale into d_table's columns (module docstring); partials: None or float32
+    scratch of at least `tensors.row_partials_floats` floats (else one allocation here)."""
     R, H = shift.shape
     if route != "cupy":
         grads = modulated_rms_norm_backward(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual)
@@ -68,7 +71,8 @@ def backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, shift
     d_residual = tensors.aligned(d_residual) if fused else d_residual
     slots = launchers.sorted_slots(plan, rows)
     # the row partials, and after them room for the reduce's d_bias output (2H bf16), which the blocks do not use
-    partials = torch.empty(slots * 2 * H + H, dtype=torch.float32, device=x.device)
+    if partials is None or partials.numel() < slots * 2 * H + H:
+        partials = torch.empty(slots * 2 * H + H, dtype=torch.float32, device=x.device)
     workspace = partials.data_ptr()
     launchers.launch_sorted_row_pass(k, plan, rows, stream, dy.data_ptr(), x.data_ptr(), rstd.data_ptr(),
                                      norm_weight.data_ptr(), table_f32.data_ptr(), row_index.data_ptr(),

@@ -1,12 +1,12 @@
 """The modulation table's two launch ops, writing outputs the caller allocated (`core.library.library_op`):
 
-    forward(temb, weight, bias, route, table_backend, table, table_bf16)
+    forward(temb, weight, bias, route, table_backend, table, table_bf16, act=None)
     backward(d_table, temb, weight, route, d_temb, d_weight, d_bias)
 
 Shapes: temb, d_temb (T, D); weight, d_weight (N, D); bias, d_bias (N,); table, d_table (T, N) float32 (float64 for
 float64 parameters) holding values of weight's dtype; table_bf16: None, or (route "cupy") the table kernel's bf16
 output, (2, 3T, 2H) for a block's table of N = 18H columns (the norms' two row tables: `core.plan.row_tables_fit`),
-else (T, N).
+else (T, N); act: None, or the table kernel's (T * D,) bf16 scratch (the op allocates it with table_bf16).
 
 route "cupy": table.cu (tensor cores in an order fixed by D: each row independent of T) and table_bwd.cu (temb
 widened to float32 where it has weight's dtype: `core.support.kernel_temb`); route "torch": diffusers' table upcast,
@@ -23,11 +23,12 @@ from ...reference.backward import modulation_table_backward
 from ...reference.block import replay_table
 
 
-@library_op("adaln_lab::modulation_table_fwd", mutates_args=("table", "table_bf16"))
+@library_op("adaln_lab::modulation_table_fwd", mutates_args=("table", "table_bf16", "act"))
 @tensors.keeps_device
 def forward(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, route: str, table_backend: str,
-            table: torch.Tensor, table_bf16: torch.Tensor | None) -> None:
-    """table (T, N) and, on the kernels, the table kernel's bf16 output (module docstring)."""
+            table: torch.Tensor, table_bf16: torch.Tensor | None, act: torch.Tensor | None = None) -> None:
+    """table (T, N) and, on the kernels, the table kernel's bf16 output (module docstring); act: None, or the table
+    kernel's (T * D,) bf16 scratch, 16-byte aligned (else one allocation here)."""
     if route != "cupy" or table_backend == "torch":
         table.copy_(replay_table(temb, weight, bias))
         return
@@ -35,7 +36,8 @@ def forward(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, route:
     weight, bias = tensors.aligned(weight), tensors.aligned(bias)
     plan, k, stream = tensors.table_setup(temb, weight.shape[0])
     tensors.table_launch(k, plan, stream, temb, weight.data_ptr(), bias.data_ptr(), table_bf16.data_ptr(),
-                         table.data_ptr())
+                         table.data_ptr(), 0 if act is None or act.data_ptr() % 16 or act.numel() < temb.numel()
+                         else act.data_ptr())
 
 
 @library_op("adaln_lab::modulation_table_bwd", mutates_args=("d_temb", "d_weight", "d_bias"))

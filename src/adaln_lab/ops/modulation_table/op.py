@@ -45,11 +45,14 @@ class ModulationTable(torch.autograd.Function):
     def forward(ctx, temb, weight, bias, route, table_backend, row_tables):
         T, N = temb.shape[0], weight.shape[0]
         table = torch.empty(T, N, dtype=table_dtype_of(weight), device=temb.device)
-        table_bf16 = None
-        if route == "cupy" and table_backend != "torch":
-            shape = (2, 3 * T, 2 * (N // 18)) if row_tables_fit(N) else (T, N)
-            table_bf16 = torch.empty(shape, dtype=torch.bfloat16, device=temb.device)
-        launch.forward(temb, weight, bias, route, table_backend, table, table_bf16)
+        table_bf16 = act = None
+        if route == "cupy" and table_backend != "torch":  # one allocation: the bf16 output, then the kernel's act
+            rows = row_tables_fit(N)
+            shape, strides = ((2, 3 * T, N // 9), (3 * T * (N // 9), N // 9, 1)) if rows else ((T, N), (N, 1))
+            n = shape[0] * strides[0]  # a 16-byte multiple (N % 8 == 0)
+            both = torch.empty(n + temb.numel(), dtype=torch.bfloat16, device=temb.device)
+            table_bf16, act = both.as_strided(shape, strides), both.as_strided((temb.numel(),), (1,), n)
+        launch.forward(temb, weight, bias, route, table_backend, table, table_bf16, act)
         ctx.route, ctx.bias_dtype = route, bias.dtype
         ctx.set_materialize_grads(False)  # no zeros made for the row tables' gradient on every backward
         ctx.save_for_backward(temb, weight)

@@ -48,8 +48,10 @@ def launch(row_index: torch.Tensor, table_rows: int, H: int, order: torch.Tensor
         plan = make_plan(H, 8, table_rows)
         k, stream = tensors.setup(row_index.device, plan)
         S = row_index.shape[0]
-        scratch = torch.empty(plan.row_order_scratch(S), dtype=torch.uint8, device=row_index.device)
-        launchers.launch_row_order(k, plan, stream, row_index.data_ptr(), order.data_ptr(), S, scratch.data_ptr())
+        nbytes = plan.row_order_scratch(S)  # 0 for the one-block kernel: no allocation
+        scratch = torch.empty(nbytes, dtype=torch.uint8, device=row_index.device) if nbytes else None
+        launchers.launch_row_order(k, plan, stream, row_index.data_ptr(), order.data_ptr(), S,
+                                   scratch.data_ptr() if nbytes else 0)
         return
     order.copy_(order_torch(row_index, table_rows))
 
