@@ -2,6 +2,7 @@
 
 import warnings
 
+import pytest
 import torch
 
 from adaln_lab.core.library import eager
@@ -46,3 +47,15 @@ def test_eager_is_false_only_while_tracing():
     assert eager()
     torch.compile(f, fullgraph=True)(torch.ones(2))
     assert seen == [False]
+
+
+def test_a_mutated_argument_with_a_default_is_refused():
+    """torch 2.11 indexes a custom op's mutated arguments by position without filling defaults (and dynamo drops an
+    argument equal to its default): library_op refuses a default on one at registration, naming it."""
+    from adaln_lab.core.library import library_op
+
+    def body(x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
+        out.copy_(x)
+
+    with pytest.raises(TypeError, match="scratch"):
+        library_op("adaln_lab_test::defaulted_scratch", mutates_args=("out", "scratch"))(body)

@@ -37,7 +37,7 @@ def table_fwd(temb, weight, bias):
     table = torch.empty(T_, N, dtype=torch.float32, device=temb.device)
     shape = (2, 3 * T_, 2 * (N // 18)) if row_tables_fit(N) else (T_, N)
     table_bf16 = torch.empty(shape, dtype=BF16, device=temb.device)
-    table_launch.forward(temb, weight, bias, "cupy", "cuda", table, table_bf16)
+    table_launch.forward(temb, weight, bias, "cupy", "cuda", table, table_bf16, None)
     return table
 
 

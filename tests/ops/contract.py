@@ -419,7 +419,7 @@ def _table_launch(a):
     table = torch.empty(temb.shape[0], weight.shape[0], dtype=F32, device=temb.device)
     d_table = torch.randn(table.shape, generator=generator(7)).to(temb.device)
     grads = (torch.empty_like(temb), torch.empty_like(weight), torch.empty_like(bias))
-    return [("forward", table_launch.forward, (temb, weight, bias, "torch", "cuda", table, None)),
+    return [("forward", table_launch.forward, (temb, weight, bias, "torch", "cuda", table, None, None)),
             ("backward", table_launch.backward, (d_table, temb, weight, "torch", *grads))]
 
 
@@ -528,7 +528,7 @@ def _norm_launch(a, residual=False):
     d_residual = torch.randn(x.shape, generator=generator(8)).to(x) if residual else None
     order = row_order(row_index, R, H) if residual else None
     backward = (dy, x, norm_weight, shift, scale, row_index, rstd, d_residual, order, "torch", torch.empty_like(x),
-                torch.empty_like(norm_weight), torch.full((R, 6 * H), float("nan"), device=device), 2 * H)
+                torch.empty_like(norm_weight), torch.full((R, 6 * H), float("nan"), device=device), 2 * H, None)
     return [("forward", norm_launch.forward, forward), ("backward", norm_launch.backward, backward)]
 
 
@@ -602,7 +602,7 @@ def _residual_launch(a):
     d_table = torch.full((R, 6 * H), float("nan"), device=x.device)
     return [("forward", residual_launch.forward, (x, gate, y, row_index, x.dtype, "torch", torch.empty_like(x))),
             ("backward", residual_launch.backward, (dout, gate, y, row_index, row_order(row_index, R, H), x.dtype,
-                                                    "torch", torch.empty_like(y), d_table, 5 * H))]
+                                                    "torch", torch.empty_like(y), d_table, 5 * H, None))]
 
 
 GATED_RESIDUAL = OpCase(
@@ -667,7 +667,7 @@ def _pair_launch(a):
     d_x_out, d_out = (torch.randn(x.shape, generator=g).to(x) for _ in range(2))
     backward = (d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, None, x.dtype,
                 "torch+torch", torch.empty_like(x), torch.empty_like(y), torch.empty_like(norm_weight),
-                torch.full((R, 6 * H), float("nan"), device=device), 2 * H)
+                torch.full((R, 6 * H), float("nan"), device=device), 2 * H, None)
     return [("forward", pair_launch.forward, forward), ("backward", pair_launch.backward, backward)]
 
 

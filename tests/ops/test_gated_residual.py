@@ -147,7 +147,7 @@ def _opcheck_launch_ops(x, gate, y, row_index, dout, table_dtype, route):
     d_table = torch.empty(R, 6 * h, dtype=torch.float32, device=x.device)
     for order in (None, row_order(row_index, R, h)):
         torch.library.opcheck(launch.backward.op, (dout.to(out.dtype), gate, y, row_index, order, table_dtype, route,
-                                                   torch.empty_like(y), d_table, 5 * h))
+                                                   torch.empty_like(y), d_table, 5 * h, None))
 
 
 @pytest.mark.parametrize("case", OPCHECK_CASES)
@@ -164,7 +164,7 @@ def test_backward_launch_writes_d_gate_into_its_column_only(column):
     x, gate, y, row_index, dout = _case(S=50, seed=6)
     _, (dx, d_gate, d_y) = _grads(_call, (x, gate, y), row_index, dout)
     got_d_y, d_table = torch.empty_like(y), torch.full((R, 6 * H), float("nan"))
-    launch.backward(dout, gate, y, row_index, None, torch.bfloat16, "torch", got_d_y, d_table, column * H)
+    launch.backward(dout, gate, y, row_index, None, torch.bfloat16, "torch", got_d_y, d_table, column * H, None)
     assert torch.equal(got_d_y, d_y) and torch.equal(d_table[:, column * H:(column + 1) * H], d_gate)
     assert torch.cat([d_table[:, :column * H], d_table[:, (column + 1) * H:]], dim=1).isnan().all()
 
@@ -270,6 +270,6 @@ def test_cuda_opcheck():
     out, (dx, d_gate, d_y) = _grads(_call, (x, gate, y), row_index, dout)
     assert torch.equal(_launch_forward(x, gate, y, row_index, torch.bfloat16, "cupy"), out)
     got_d_y, d_table = torch.empty_like(y), torch.full((R, 6 * GH), float("nan"), device="cuda")
-    launch.backward(dout, gate, y, row_index, None, torch.bfloat16, "cupy", got_d_y, d_table, 5 * GH)
+    launch.backward(dout, gate, y, row_index, None, torch.bfloat16, "cupy", got_d_y, d_table, 5 * GH, None)
     assert torch.equal(got_d_y, d_y) and torch.equal(d_table[:, 5 * GH:], d_gate)
     assert d_table[:, :5 * GH].isnan().all()

@@ -117,7 +117,7 @@ def _launch_backward(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shi
     d_y, d_norm_weight = torch.empty_like(y), torch.empty_like(norm_weight)
     d_table = torch.full((R, width * h), float("nan"), device=x_out.device)
     launch.backward(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, None, table_dtype,
-                    route, dx, d_y, d_norm_weight, d_table, column)
+                    route, dx, d_y, d_norm_weight, d_table, column, None)
     return dx, d_y, d_norm_weight, d_table
 
 
@@ -136,11 +136,11 @@ def _opcheck_launch_ops(leaves, row_index, d_x_out, d_out, table_dtype, route):
         torch.library.opcheck(launch.backward.op, (d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift,
                                                    scale, rstd, order, table_dtype, route, torch.empty_like(x),
                                                    torch.empty_like(y), torch.empty_like(norm_weight), d_table,
-                                                   2 * h))
+                                                   2 * h, None))
     norm_route = route if route == "cupy" else route.split("+")[1]
     torch.library.opcheck(norm_launch.backward.op, (d_out, x_out, norm_weight, shift, scale, row_index, rstd, d_x_out,
                                                     None, norm_route, torch.empty_like(x_out),
-                                                    torch.empty_like(norm_weight), d_table, 3 * h))
+                                                    torch.empty_like(norm_weight), d_table, 3 * h, None))
 
 
 @pytest.mark.parametrize("norm_dtype", [torch.bfloat16, torch.float32])

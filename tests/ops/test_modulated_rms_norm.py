@@ -151,7 +151,7 @@ def test_backward_op_formulas_by_hand(column):
     dx, d_nw = torch.empty_like(x), torch.empty_like(norm_weight)
     d_table = torch.full((2, 6 * h), float("nan"))
     launch.backward(dy, x, norm_weight, shift, scale, row_index, rstd, None, None, "torch", dx, d_nw, d_table,
-                    column * h)
+                    column * h, None)
     d_shift, d_scale = d_table[:, column * h:(column + 1) * h], d_table[:, (column + 1) * h:(column + 2) * h]
     untouched = torch.cat([d_table[:, :column * h], d_table[:, (column + 2) * h:]], dim=1)
     assert untouched.isnan().all()
@@ -192,7 +192,7 @@ def _opcheck_launch_ops(x, norm_weight, shift, scale, row_index, dy, table_dtype
     dy = dy.to(out.dtype)
     for d_residual, order in ((None, None), (torch.ones_like(x), row_order(row_index, R, h))):
         torch.library.opcheck(launch.backward.op, (dy, x, norm_weight, shift, scale, row_index, rstd, d_residual,
-                                                   order, route, dx, d_norm_weight, d_table, 2 * h))
+                                                   order, route, dx, d_norm_weight, d_table, 2 * h, None))
 
 
 @pytest.mark.parametrize("case", OPCHECK_CASES)
@@ -332,7 +332,7 @@ def test_cuda_opcheck():
     dx, d_norm_weight = torch.empty_like(x), torch.empty_like(norm_weight)
     d_table = torch.full((R, 6 * GH), float("nan"), device="cuda")
     launch.backward(dy, x, norm_weight, shift, scale, row_index, rstd, None, None, "cupy", dx, d_norm_weight,
-                    d_table, 2 * GH)
+                    d_table, 2 * GH, None)
     assert torch.equal(dx, grads[0]) and torch.equal(d_norm_weight, grads[1])
     assert torch.equal(d_table[:, 2 * GH:3 * GH], grads[2]) and torch.equal(d_table[:, 3 * GH:4 * GH], grads[3])
     assert d_table[:, :2 * GH].isnan().all() and d_table[:, 4 * GH:].isnan().all()

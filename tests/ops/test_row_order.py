@@ -63,7 +63,7 @@ def test_custom_ops_pass_opcheck_with_an_order(device):
                                               torch.bfloat16, route, torch.empty_like(x)))
     d_table = torch.empty(3, 16, dtype=torch.float32, device=device)
     torch.library.opcheck(launch.backward.op, (dout, gate.detach(), y, idx, order, torch.bfloat16, route,
-                                               torch.empty_like(y), d_table, 0))
+                                               torch.empty_like(y), d_table, 0, None))
     grads = []
     for given in (None, order):
         leaves = [t.detach().clone().requires_grad_(True) for t in (x, gate, y)]

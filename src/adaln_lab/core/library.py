@@ -4,7 +4,9 @@
   allocated (so its fake is a no-op: nothing for torch.compile to trace into), returned as a plain function that
   calls the body directly in eager code (the dispatcher's fixed cost skipped) and the custom op while
   torch.compile traces (an opaque node in the graph). Every op's one `autograd.Function` calls these, in eager and
-  compiled code alike.
+  compiled code alike. A mutated argument takes no default (TypeError at registration): torch 2.11's
+  ADInplaceOrView kernel indexes the mutated arguments by position without filling defaults, and dynamo drops an
+  argument equal to its default, so every caller passes each one.
 - `apply(function, *args)`: `function.apply(*args)` through the C++ apply where nothing needs the Python layer of
   `torch.autograd.Function.apply` (its default-argument binding and functorch's dead-wrapper unwrap, about 2 us a
   call): in eager code without a functorch transform. While tracing, and under a transform, `Function.apply`.
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Iterable
 
 import torch
@@ -34,6 +37,10 @@ def library_op(name: str, *, mutates_args: Iterable[str], device_types: str | It
     The custom op itself is the returned function's `op` (for `torch.library.opcheck`)."""
 
     def register(fn: Callable) -> Callable:
+        parameters = inspect.signature(fn).parameters
+        defaulted = [n for n in mutates_args if parameters[n].default is not inspect.Parameter.empty]
+        if defaulted:
+            raise TypeError(f"{name}: mutated arguments take no default (every caller passes them), got {defaulted}")
         op = torch.library.custom_op(name, fn, mutates_args=tuple(mutates_args), device_types=device_types)
         op.register_fake(_no_output)
         overload = op._opoverload  # dynamo inlines a plain function calling an OpOverload, also inside a Function

@@ -1,7 +1,7 @@
 """The gated residual's two launch ops, writing outputs the caller allocated (`core.library.library_op`):
 
     forward(x, gate, y, row_index, table_dtype, route, out)
-    backward(dout, gate, y, row_index, order, table_dtype, route, d_y, d_table, column, partials=None)
+    backward(dout, gate, y, row_index, order, table_dtype, route, d_y, d_table, column, partials)
 
 Shapes: x, y, out, dout, d_y (..., S, H); gate (R, H) (any strides, float32 holding `table_dtype` values); row_index
 (S,) int64; order: None, or `row_order(row_index, R, H)`; d_table (R, W) with d_gate at columns [column, column + H)
@@ -43,7 +43,7 @@ def forward(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: tor
 @tensors.keeps_device
 def backward(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: torch.Tensor,
              order: torch.Tensor | None, table_dtype: torch.dtype, route: str, d_y: torch.Tensor,
-             d_table: torch.Tensor, column: int, partials: torch.Tensor | None = None) -> None:
+             d_table: torch.Tensor, column: int, partials: torch.Tensor | None) -> None:
     """d_y, and d_gate into d_table's columns (module docstring); partials: None or float32 scratch of at least
     the sorted pass's slots x H floats (else one allocation here)."""
     R, H = gate.shape

@@ -3,7 +3,7 @@ the caller allocated (`core.library.library_op`):
 
     forward(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, route, row_tables, x_out, out, rstd)
     backward(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, order, table_dtype, route,
-             dx, d_y, d_norm_weight, d_table, column, partials=None)
+             dx, d_y, d_norm_weight, d_table, column, partials)
 
 Shapes as the two ops' (`..gated_residual.launch`, `..modulated_rms_norm.launch`); d_table (R, W) takes d_gate |
 d_shift | d_scale at columns [column, column + 3H). route "cupy": the forward is one kernel (gated_residual_norm.cu),
@@ -58,7 +58,7 @@ def backward(d_x_out: torch.Tensor, d_out: torch.Tensor, x_out: torch.Tensor, ga
              row_index: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
              rstd: torch.Tensor, order: torch.Tensor | None, table_dtype: torch.dtype, route: str, dx: torch.Tensor,
              d_y: torch.Tensor, d_norm_weight: torch.Tensor, d_table: torch.Tensor, column: int,
-             partials: torch.Tensor | None = None) -> None:
+             partials: torch.Tensor | None) -> None:
     """dx (in x's dtype), d_y, d_norm_weight, and d_gate | d_shift | d_scale into d_table's columns; partials: the
     two passes' scratch, one after the other (`modulated_rms_norm.launch.backward`'s)."""
     residual_route, norm_route = parts(route)

@@ -2,7 +2,7 @@
 
     forward(x, norm_weight, shift, scale, row_index, eps, table_dtype, route, row_tables, which, out, rstd)
     backward(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual, order, route, dx, d_norm_weight,
-             d_table, column, partials=None)
+             d_table, column, partials)
 
 Shapes: x, out, dy, dx, d_residual (..., S, H); norm_weight, d_norm_weight (H,); shift, scale (R, H) (any strides,
 float32 holding `table_dtype` values); row_index (S,) int64; rstd (rows,); row_tables: None, or a block's bf16 row
@@ -53,7 +53,7 @@ def forward(x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor, sca
 def backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
              row_index: torch.Tensor, rstd: torch.Tensor, d_residual: torch.Tensor | None, order: torch.Tensor | None,
              route: str, dx: torch.Tensor, d_norm_weight: torch.Tensor, d_table: torch.Tensor, column: int,
-             partials: torch.Tensor | None = None) -> None:
+             partials: torch.Tensor | None) -> None:
     """dx, d_norm_weight, and d_shift | d_scale into d_table's columns (module docstring); partials: None or float32
     scratch of at least `tensors.row_partials_floats` floats (else one allocation here)."""
     R, H = shift.shape

@@ -1,6 +1,6 @@
 """The modulation table's two launch ops, writing outputs the caller allocated (`core.library.library_op`):
 
-    forward(temb, weight, bias, route, table_backend, table, table_bf16, act=None)
+    forward(temb, weight, bias, route, table_backend, table, table_bf16, act)
     backward(d_table, temb, weight, route, d_temb, d_weight, d_bias)
 
 Shapes: temb, d_temb (T, D); weight, d_weight (N, D); bias, d_bias (N,); table, d_table (T, N) float32 (float64 for
@@ -26,7 +26,7 @@ from ...reference.block import replay_table
 @library_op("adaln_lab::modulation_table_fwd", mutates_args=("table", "table_bf16", "act"))
 @tensors.keeps_device
 def forward(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, route: str, table_backend: str,
-            table: torch.Tensor, table_bf16: torch.Tensor | None, act: torch.Tensor | None = None) -> None:
+            table: torch.Tensor, table_bf16: torch.Tensor | None, act: torch.Tensor | None) -> None:
     """table (T, N) and, on the kernels, the table kernel's bf16 output (module docstring); act: None, or the table
     kernel's (T * D,) bf16 scratch, 16-byte aligned (else one allocation here)."""
     if route != "cupy" or table_backend == "torch":
