@@ -49,12 +49,12 @@ def for_op(d_link: torch.Tensor | None, table: tuple, hidden_size: int, end: int
     return buffer
 
 
-def partials_of(buffer: torch.Tensor, floats: int) -> torch.Tensor | None:
-    """The float32 scratch after the table in `buffer`'s allocation (for_op's `partials`) where it holds at least
-    `floats` floats, else None (the op's launch then allocates its own)."""
+def partials_of(buffer: torch.Tensor) -> torch.Tensor | None:
+    """The float32 scratch after the table in `buffer`'s allocation (for_op's `partials`), or None where it has none
+    (the launches check its size and allocate their own where it is short)."""
     base = buffer._base
-    if (not floats or base is None or base.dtype != torch.float32 or base.data_ptr() != buffer.data_ptr()
-            or base.numel() < buffer.numel() + floats):
+    if (base is None or base.dtype != torch.float32 or base.data_ptr() != buffer.data_ptr()
+            or base.numel() <= buffer.numel()):
         return None
     return base.as_strided((base.numel() - buffer.numel(),), (1,), buffer.numel())
 
@@ -65,9 +65,12 @@ def for_row_op(d_link: torch.Tensor | None, table: tuple, hidden_size: int, end:
     table rows: on route "cupy" in eager code the buffer the first op makes also holds the scratch the three row
     ops' sorted passes share (`core.tensors.row_partials_floats`), so a block's backward allocates once for the
     table gradient and the partials; in compiled code each launch allocates its own."""
-    floats = row_partials_floats(x, table_rows) if route == "cupy" and table[1] == torch.float32 and eager() else 0
-    buffer = for_op(d_link, table, hidden_size, end, floats)
-    return buffer, partials_of(buffer, floats)
+    if route != "cupy":
+        return for_op(d_link, table, hidden_size, end), None
+    if d_link is None:  # this op's backward runs first: the buffer is made here
+        floats = row_partials_floats(x, table_rows) if table[1] == torch.float32 and eager() else 0
+        d_link = for_op(None, table, hidden_size, end, floats)
+    return d_link, partials_of(d_link)
 
 
 def columns(buffer: torch.Tensor, hidden_size: int, first: int) -> torch.Tensor:
