@@ -1,0 +1,156 @@
+// What exact cross-row sums cost in a row pass (issue 40; bench/tools/exact_cost.py runs these).
+//
+// A stand-in for norm_out's backward row pass at one timestep: each block takes a contiguous range of rows, each
+// thread 8 columns (H / 8 threads); per row it reads x and dy (bf16, 16 bytes each) and rstd, forms the terms
+//     g = dy,  p = dy * (x * rstd),  s = p * norm_weight,  w = p * (1 + scale)      (each product rounded, fp32)
+// writes bf16(p) as the row's dx stand-in (the pass's write bytes), and adds g, s, w over its rows:
+//   pass_f32:    in fp32, in row order (today's partials);
+//   pass_exact:  D = sum g and P = sum p as exact integers in a window (two sums: s and w follow from P, NOTES v34):
+//                a quantum 2^q per sum (`quanta`); g (bf16) scaled and converted to one int64 state; p split into
+//                hi = p rounded to a multiple of 2^(q + 40) (the 1.5 * 2^(q + 63) extraction) and lo = p - hi
+//                (exact), each scaled by a power of two and converted to int64 (exact when p has no bit below 2^q
+//                and |p| < 2^(q + 62)); a term outside its window sets the block's flag (the op would raise or take
+//                a wider path: never a wrong sum). P = hi 2^(q + 40) + lo 2^q exactly; states of any split add as
+//                integers.
+//   amax_dy:     the pass an exact mode needs first for its quanta: each column's largest |dy| (as the exponent
+//                bits of a float, atomicMax over blocks), reading dy alone.
+// Partials: f32 (blocks, 3, H) (g, s, w); exact (blocks, 3, H) int64 (D, P hi, P lo); flags (blocks,) int.
+
+#include <cuda_bf16.h>
+
+#define H_COLS 5376
+
+__device__ __forceinline__ void unpack8(const uint4 v, float* out) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float2 f = __bfloat1622float2(h[i]);
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}
+
+__device__ __forceinline__ uint4 pack8(const float* in) {
+    uint4 v;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
+    return v;
+}
+
+extern "C" __global__ void pass_f32(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ dy,
+                                    const float* __restrict__ rstd, const float* __restrict__ nw,
+                                    const float* __restrict__ scale1, __nv_bfloat16* __restrict__ dx,
+                                    float* __restrict__ partials, int rows, int rows_per) {
+    const int c0 = threadIdx.x * 8;
+    float ag[8], as_[8], aw[8], n[8], s1[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) { ag[j] = 0.f; as_[j] = 0.f; aw[j] = 0.f; n[j] = nw[c0 + j]; s1[j] = scale1[c0 + j]; }
+    const int r0 = blockIdx.x * rows_per, r1 = min(rows, r0 + rows_per);
+    for (int r = r0; r < r1; ++r) {
+        float xf[8], g[8], o[8];
+        unpack8(*reinterpret_cast<const uint4*>(x + (size_t)r * H_COLS + c0), xf);
+        unpack8(*reinterpret_cast<const uint4*>(dy + (size_t)r * H_COLS + c0), g);
+        const float rs = rstd[r];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float p = __fmul_rn(g[j], __fmul_rn(xf[j], rs));
+            ag[j] = __fadd_rn(ag[j], g[j]);
+            as_[j] = __fadd_rn(as_[j], __fmul_rn(p, n[j]));
+            aw[j] = __fadd_rn(aw[j], __fmul_rn(p, s1[j]));
+            o[j] = p;
+        }
+        *reinterpret_cast<uint4*>(dx + (size_t)r * H_COLS + c0) = pack8(o);
+    }
+    float* out = partials + (size_t)blockIdx.x * 3 * H_COLS + c0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) { out[j] = ag[j]; out[H_COLS + j] = as_[j]; out[2 * H_COLS + j] = aw[j]; }
+}
+
+struct Window {  // one sum's quantum 2^q, as the constants the split needs
+    float c;        // 1.5 * 2^(q + 63): v + c - c rounds v to a multiple of 2^(q + 40)
+    float to_hi;    // 2^-(q + 40)
+    float to_lo;    // 2^-q
+    float limit;    // 2^(q + 62): |v| below it
+};
+
+__device__ __forceinline__ Window window_of(int q) {
+    Window w;
+    w.c = ldexpf(1.5f, q + 63);
+    w.to_hi = ldexpf(1.f, -(q + 40));
+    w.to_lo = ldexpf(1.f, -q);
+    w.limit = ldexpf(1.f, q + 62);
+    return w;
+}
+
+// v (float32) into two int64 states of quanta 2^(q + 40) and 2^q: exact for |v| < 2^(q + 62) with no bit below 2^q
+__device__ __forceinline__ void add_two(long long& hi, long long& lo, int& bad, const float v, const Window& w) {
+    const float h = __fsub_rn(__fadd_rn(v, w.c), w.c);
+    const float l = __fsub_rn(v, h);
+    const float ls = __fmul_rn(l, w.to_lo);
+    const long long nl = __float2ll_rz(ls);
+    hi += __float2ll_rz(__fmul_rn(h, w.to_hi));
+    lo += nl;
+    bad |= (__ll2float_rz(nl) != ls) | (fabsf(v) >= w.limit);
+}
+
+// a bf16 value (8 significant bits) into one int64 state of quantum 2^q: exact for |v| < 2^(q + 47) with no bit
+// below 2^q (headroom 2^15 terms a state)
+__device__ __forceinline__ void add_one(long long& st, int& bad, const float v, const float to, const float limit) {
+    const float s = __fmul_rn(v, to);
+    const long long n = __float2ll_rz(s);
+    st += n;
+    bad |= (__ll2float_rz(n) != s) | (fabsf(v) >= limit);
+}
+
+// Two sums, not three (NOTES v34's first cheaper form): D = sum of g and P = sum of p per column, exact;
+// d_scale = norm_weight P and d_norm_weight = sum_t (1 + scale_t) P_t follow from them exactly off the pass.
+// quanta: (q_g, q_p), one per sum for every column (a per-tensor anchor: 3 int64 states a column, 48 registers).
+extern "C" __global__ void pass_exact(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ dy,
+                                      const float* __restrict__ rstd, const int* __restrict__ quanta,
+                                      __nv_bfloat16* __restrict__ dx, long long* __restrict__ partials,
+                                      int* __restrict__ flags, int rows, int rows_per) {
+    const int c0 = threadIdx.x * 8;
+    long long sg[8], sh[8], sl[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) { sg[j] = 0; sh[j] = 0; sl[j] = 0; }
+    const float g_to = ldexpf(1.f, -quanta[0]), g_limit = ldexpf(1.f, quanta[0] + 47);
+    const Window wp = window_of(quanta[1]);
+    int bad = 0;
+    const int r0 = blockIdx.x * rows_per, r1 = min(rows, r0 + rows_per);
+    for (int r = r0; r < r1; ++r) {
+        float xf[8], g[8], o[8];
+        unpack8(*reinterpret_cast<const uint4*>(x + (size_t)r * H_COLS + c0), xf);
+        unpack8(*reinterpret_cast<const uint4*>(dy + (size_t)r * H_COLS + c0), g);
+        const float rs = rstd[r];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float p = __fmul_rn(g[j], __fmul_rn(xf[j], rs));
+            add_one(sg[j], bad, g[j], g_to, g_limit);
+            add_two(sh[j], sl[j], bad, p, wp);
+            o[j] = p;
+        }
+        *reinterpret_cast<uint4*>(dx + (size_t)r * H_COLS + c0) = pack8(o);
+    }
+    long long* out = partials + (size_t)blockIdx.x * 3 * H_COLS + c0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) { out[j] = sg[j]; out[H_COLS + j] = sh[j]; out[2 * H_COLS + j] = sl[j]; }
+    if (__syncthreads_or(bad) && threadIdx.x == 0) flags[blockIdx.x] = 1;
+}
+
+extern "C" __global__ void amax_dy(const __nv_bfloat16* __restrict__ dy, int* __restrict__ amax, int rows,
+                                   int rows_per) {
+    const int c0 = threadIdx.x * 8;
+    float m[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m[j] = 0.f;
+    const int r0 = blockIdx.x * rows_per, r1 = min(rows, r0 + rows_per);
+    for (int r = r0; r < r1; ++r) {
+        float g[8];
+        unpack8(*reinterpret_cast<const uint4*>(dy + (size_t)r * H_COLS + c0), g);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m[j] = fmaxf(m[j], fabsf(g[j]));
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) atomicMax(amax + c0 + j, __float_as_int(m[j]));
+}

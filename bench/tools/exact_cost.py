@@ -1,0 +1,155 @@
+"""What exact cross-row sums cost in a row pass: fp32 partials against exact integer states, and the anchor pass."""
+
+# Issue 40's speed question before building it (NOTES v34, v36). bench/tools/exact_cost.cu holds three kernels over
+# the same (rows, 5376) bf16 x and dy (a stand-in for norm_out's backward row pass at one timestep, without its
+# row-wide dot product): pass_f32 (today's three fp32 sums a column), pass_exact (two exact sums a column as three
+# int64 states: dy in one, dy * xhat split in two, a per-tensor quantum each) and amax_dy (each column's largest
+# |dy|: the pass an exact mode needs for its quanta). Checked before timing: pass_f32's sums within the fp32
+# accumulation bound of the float64 golden; pass_exact's flags clear and its states, summed as Python integers,
+# equal to the exact sums of the same float32 terms (64 columns, every row). Times: CUDA-graph replays between CUDA
+# events (GPU time), medians; floor = the pass's bytes (x, dy read, dx written) at the run's copy bandwidth.
+#
+#     python3 bench/tools/exact_cost.py [--rows 4097,32768] [--out FILE.json]
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+
+import cupy
+import numpy
+import torch
+
+from adaln_lab.bench.timing import graph_us
+from adaln_lab.harness.latency import copy_bandwidth
+
+H = 5376
+THREADS = H // 8
+BLOCKS = 264  # two row ranges an SM on an H100 (132 SMs), as the row pass's plan
+CHECK_COLUMNS = 64
+
+
+def module():
+    source = (pathlib.Path(__file__).with_name("exact_cost.cu")).read_text()
+    return cupy.RawModule(code=source, options=("-std=c++17",))
+
+
+def launch(kernel, rows: int, *args) -> None:
+    rows_per = -(-rows // BLOCKS)
+    ptrs = [numpy.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else a for a in args]
+    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        kernel((BLOCKS,), (THREADS,), (*ptrs, numpy.int32(rows), numpy.int32(rows_per)))
+
+
+def exponent_of(t: torch.Tensor) -> int:
+    """e with 2^e <= max |t| < 2^(e + 1) (0 for an all-zero t)."""
+    m = float(t.abs().max())
+    return math.frexp(m)[1] - 1 if m > 0 else 0
+
+
+def inputs(rows: int):
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, H, device="cuda", generator=g).bfloat16()
+    dy = (torch.randn(rows, H, device="cuda", generator=g) * 1e-3).bfloat16()
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1) + 1e-6)
+    nw = (1 + 0.1 * torch.randn(H, device="cuda", generator=g)).bfloat16().float()
+    scale1 = (1 + 0.1 * torch.randn(H, device="cuda", generator=g)).bfloat16().float()
+    p = dy.float() * (xf * rstd[:, None])  # the pass's terms: each product rounded to float32, no fma
+    return x, dy, rstd, nw, scale1, p
+
+
+def check_f32(partials, dy, p, nw, scale1) -> float:
+    """The largest error of pass_f32's sums (reduced in float64) against the float64 sums of its terms, as a share of
+    the fp32 accumulation bound n u sum |term|; raises past 1."""
+    got = partials.view(BLOCKS, 3, H).double().sum(0)
+    terms = (dy.double(), (p * nw).double(), (p * scale1).double())
+    worst = 0.0
+    for k, t in enumerate(terms):
+        bound = (t.shape[0] + BLOCKS) * 2.0 ** -24 * t.abs().sum(0)
+        share = float(((got[k] - t.sum(0)).abs() / bound.clamp_min(1e-300)).max())
+        worst = max(worst, share)
+    if worst > 1:
+        raise AssertionError(f"pass_f32 outside the fp32 accumulation bound ({worst:.3g} of it)")
+    return worst
+
+
+def exact_column_sums(t: torch.Tensor) -> list[int]:
+    """Exact sums of float32 terms (rows, C) as integers in units of 2^-149."""
+    scaled = [[int(v * 2.0 ** 149) for v in col] for col in t.double().T.cpu().tolist()]
+    return [sum(col) for col in scaled]
+
+
+def check_exact(partials, flags, dy, p, quanta) -> None:
+    """pass_exact: no flag; D and P over the first CHECK_COLUMNS columns equal the exact sums of the same terms."""
+    if int(flags.sum()):
+        raise AssertionError("pass_exact flagged a term outside its window")
+    states = partials.view(BLOCKS, 3, H)[:, :, :CHECK_COLUMNS].cpu().tolist()
+    q_g, q_p = quanta.tolist()
+    d = [sum(b[0][c] for b in states) for c in range(CHECK_COLUMNS)]
+    hi = [sum(b[1][c] for b in states) for c in range(CHECK_COLUMNS)]
+    lo = [sum(b[2][c] for b in states) for c in range(CHECK_COLUMNS)]
+    got_d = [v * 2 ** (q_g + 149) for v in d]
+    got_p = [(h * 2 ** 40 + v) * 2 ** (q_p + 149) for h, v in zip(hi, lo)]
+    if got_d != exact_column_sums(dy[:, :CHECK_COLUMNS].float()) or got_p != exact_column_sums(p[:, :CHECK_COLUMNS]):
+        raise AssertionError("pass_exact's states differ from the exact sums of its terms")
+
+
+def measure(rows: int, k, copy_TBps: float) -> dict:
+    x, dy, rstd, nw, scale1, p = inputs(rows)
+    dx = torch.empty_like(x)
+    f32 = torch.empty(BLOCKS * 3 * H, dtype=torch.float32, device="cuda")
+    states = torch.empty(BLOCKS * 3 * H, dtype=torch.int64, device="cuda")
+    flags = torch.zeros(BLOCKS, dtype=torch.int32, device="cuda")
+    amax = torch.zeros(H, dtype=torch.int32, device="cuda")
+    quanta = torch.tensor([exponent_of(dy.float()) + 1 - 47, exponent_of(p) + 1 - 62], dtype=torch.int32,
+                          device="cuda")
+    steps = {
+        "f32": lambda: launch(k.get_function("pass_f32"), rows, x, dy, rstd, nw, scale1, dx, f32),
+        "exact": lambda: launch(k.get_function("pass_exact"), rows, x, dy, rstd, quanta, dx, states, flags),
+        "amax_dy": lambda: launch(k.get_function("amax_dy"), rows, dy, amax),
+    }
+    steps["f32"]()
+    steps["exact"]()
+    steps["amax_dy"]()
+    torch.cuda.synchronize()
+    share = check_f32(f32, dy, p, nw, scale1)
+    check_exact(states, flags, dy, p, quanta)
+    if not torch.equal(amax.view(torch.float32), dy.float().abs().amax(0)):
+        raise AssertionError("amax_dy differs from torch's amax")
+    us = {name: graph_us(step) for name, step in steps.items()}
+    floor = 6 * rows * H / (copy_TBps * 1e12) * 1e6
+    return {"rows": rows, "us": us, "floor_us": floor, "f32_error_share_of_bound": share,
+            "exact_over_f32": us["exact"] / us["f32"], "exact_and_amax_over_f32": (us["exact"] + us["amax_dy"]) / us["f32"],
+            "quanta": quanta.tolist()}
+
+
+def registers(k) -> dict:
+    return {name: {"regs": k.get_function(name).attributes["num_regs"],
+                   "local_bytes": k.get_function(name).attributes["local_size_bytes"]}
+            for name in ("pass_f32", "pass_exact", "amax_dy")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", default="4097,32768")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    k = module()
+    copy = copy_bandwidth(torch.device("cuda"), 2 ** 31)
+    result = {"gpu": torch.cuda.get_device_name(0), "copy_TBps": copy, "H": H, "blocks": BLOCKS,
+              "kernels": registers(k), "sizes": []}
+    for rows in (int(r) for r in args.rows.split(",")):
+        entry = measure(rows, k, copy)
+        result["sizes"].append(entry)
+        print(f"rows {rows}: f32 {entry['us']['f32']:.1f} us, exact {entry['us']['exact']:.1f} "
+              f"({entry['exact_over_f32']:.2f}x), amax_dy {entry['us']['amax_dy']:.1f}, floor {entry['floor_us']:.1f}")
+    print(json.dumps(result["kernels"]))
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
