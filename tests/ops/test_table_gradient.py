@@ -418,3 +418,17 @@ def _concurrent_passes(rounds=10):
         for grads in found[i]:
             for a, b in zip(grads, expected[i]):
                 _assert_same(a, b)
+
+
+def test_the_row_partials_come_only_from_a_buffer_for_op_made_with_them():
+    """partials_of: the scratch for_op put after a buffer it made (`partials` floats, right after the table), and
+    None for any other tensor, a view of a larger allocation included (its tail may hold live data)."""
+    H_ = 8
+    meta = (torch.Size((3, 18 * H_)), torch.float32, torch.device("cpu"))
+    buffer = table_gradient.for_op(None, meta, H_, len(CHUNKS), 100)
+    scratch = table_gradient.partials_of(buffer)
+    assert scratch.numel() == 100 and scratch.data_ptr() == buffer.data_ptr() + 4 * buffer.numel()
+    larger = torch.zeros(3 * 18 * H_ + 100)
+    assert table_gradient.partials_of(larger[:3 * 18 * H_].view(3, 18 * H_)) is None
+    assert table_gradient.partials_of(buffer + 0) is None  # a gradient autograd summed
+    assert table_gradient.partials_of(table_gradient.for_op(None, meta, H_, len(CHUNKS))) is None

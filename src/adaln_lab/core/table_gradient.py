@@ -41,7 +41,9 @@ def for_op(d_link: torch.Tensor | None, table: tuple, hidden_size: int, end: int
     shape, dtype, device = table
     if partials:
         numel = shape.numel()
-        buffer = torch.empty(numel + partials, dtype=dtype, device=device)[:numel].view(shape)
+        both = torch.empty(numel + partials, dtype=dtype, device=device)
+        buffer = both[:numel].view(shape)
+        buffer.adaln_partials = both[numel:]  # `partials_of`: this buffer's own scratch, none for any other tensor
     else:
         buffer = torch.empty(shape, dtype=dtype, device=device)
     if end < len(CHUNKS):
@@ -50,13 +52,10 @@ def for_op(d_link: torch.Tensor | None, table: tuple, hidden_size: int, end: int
 
 
 def partials_of(buffer: torch.Tensor) -> torch.Tensor | None:
-    """The float32 scratch after the table in `buffer`'s allocation (for_op's `partials`), or None where it has none
-    (the launches check its size and allocate their own where it is short)."""
-    base = buffer._base
-    if (base is None or base.dtype != torch.float32 or base.data_ptr() != buffer.data_ptr()
-            or base.numel() <= buffer.numel()):
-        return None
-    return base.as_strided((base.numel() - buffer.numel(),), (1,), buffer.numel())
+    """The float32 scratch after the table in `buffer`'s allocation where for_op made it with `partials`, else None
+    (a gradient autograd summed, or one compiled code made: the launches then allocate their own; they also check
+    its size). Marked on the buffer itself, never guessed from a view's base, whose tail may hold live data."""
+    return getattr(buffer, "adaln_partials", None)
 
 
 def for_row_op(d_link: torch.Tensor | None, table: tuple, hidden_size: int, end: int, route: str, x: torch.Tensor,
