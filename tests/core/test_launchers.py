@@ -289,3 +289,14 @@ def test_the_programmatic_launch_hands_the_driver_its_geometry_stream_attribute_
     monkeypatch.setattr(not_sm90, "_launch", lambda *a: seen.append("plain"))
     not_sm90.after_previous((1, 1, 1), (256, 1, 1), 0, 5, 1, 2, 3, 4, 5, 6, 7, 0.5, 1, 1)
     assert seen[-1] == "plain"
+
+
+def test_a_forward_workspace_short_of_the_plan_is_refused(calls):
+    """The kernels write every piece of the forward workspace, the table kernel's act scratch last: a workspace one
+    byte short of `forward_bytes` (an old size) is refused before any launch, naming the size it needs."""
+    i = make(1, 64, "cpu")
+    H, (T, D) = i.x.shape[-1], i.temb.shape
+    nbytes = plan_module.forward_bytes(T, H, 64, D)
+    with pytest.raises(ValueError, match=str(nbytes)):
+        launch.forward(*i.args, 1e-5, "cupy", "cuda", torch.empty_like(i.x), torch.empty(nbytes - 1, dtype=torch.uint8))
+    assert calls == []

@@ -59,3 +59,13 @@ def test_a_mutated_argument_with_a_default_is_refused():
 
     with pytest.raises(TypeError, match="scratch"):
         library_op("adaln_lab_test::defaulted_scratch", mutates_args=("out", "scratch"))(body)
+
+
+def test_mutates_args_naming_no_argument_is_refused():
+    from adaln_lab.core.library import library_op
+
+    def body(x: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(x)
+
+    with pytest.raises(TypeError, match="outt"):
+        library_op("adaln_lab_test::misnamed", mutates_args=(a for a in ("outt",)))(body)

@@ -487,3 +487,13 @@ def test_out_of_range_index_gives_nan_not_a_wild_read():
     assert out[5].isnan().all() and not out[4].isnan().any()
     d_gate, d_y = gr_bwd(dy, gate, y, idx)
     assert d_y[5].isnan().all() and d_gate.isnan().any()
+
+
+def test_a_scratch_is_taken_only_where_it_holds_the_floats_from_a_16_byte_boundary():
+    """tensors.scratch: the partials given where they hold the floats from a 16-byte boundary (the kernels store
+    float4), else a new float32 tensor of that size (None, too short, or misaligned)."""
+    given = torch.empty(104, dtype=torch.float32)
+    assert tensors.scratch(given, 100, given.device) is given
+    for other in (None, given[:99], given[1:]):
+        made = tensors.scratch(other, 100, given.device)
+        assert made is not other and made.numel() == 100 and made.dtype == torch.float32

@@ -36,12 +36,17 @@ def library_op(name: str, *, mutates_args: Iterable[str], device_types: str | It
     a no-op fake; the returned function calls `fn` in eager code and the op's overload under torch.compile.
     The custom op itself is the returned function's `op` (for `torch.library.opcheck`)."""
 
+    mutated = tuple(mutates_args)
+
     def register(fn: Callable) -> Callable:
         parameters = inspect.signature(fn).parameters
-        defaulted = [n for n in mutates_args if parameters[n].default is not inspect.Parameter.empty]
+        unknown = [n for n in mutated if n not in parameters]
+        if unknown:
+            raise TypeError(f"{name}: mutates_args names no argument of {fn.__name__}: {unknown}")
+        defaulted = [n for n in mutated if parameters[n].default is not inspect.Parameter.empty]
         if defaulted:
             raise TypeError(f"{name}: mutated arguments take no default (every caller passes them), got {defaulted}")
-        op = torch.library.custom_op(name, fn, mutates_args=tuple(mutates_args), device_types=device_types)
+        op = torch.library.custom_op(name, fn, mutates_args=mutated, device_types=device_types)
         op.register_fake(_no_output)
         overload = op._opoverload  # dynamo inlines a plain function calling an OpOverload, also inside a Function
 

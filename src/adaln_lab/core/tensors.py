@@ -152,11 +152,26 @@ def row_setup(x: torch.Tensor, table_rows: int):
 
 
 def row_partials_floats(x: torch.Tensor, table_rows: int) -> int:
-    """Floats of the scratch a row op's sorted backward on x (..., S, H) and `table_rows` table rows needs: the
-    norm's row partials and the reduce's unused d_bias slot (the gated residual's partials are half of them)."""
+    """Floats of the scratch a row op's sorted backward on x (..., S, H) and `table_rows` table rows needs
+    (`partials_floats` of its plan)."""
     H = x.shape[-1]
     plan, rows, _ = context(x.device.index, H, 8, table_rows, x.numel() // H)
-    return launchers.sorted_slots(plan, rows) * 2 * H + H
+    return partials_floats(plan, rows)
+
+
+def partials_floats(plan, rows, gate: bool = False) -> int:
+    """Floats of a sorted row pass's partials: the norm's (slots x 2H, then the reduce's unused d_bias slot, H), or
+    with `gate` the gated residual's (slots x H), half of them."""
+    slots = launchers.sorted_slots(plan, rows)
+    return slots * plan.H if gate else slots * 2 * plan.H + plan.H
+
+
+def scratch(partials: torch.Tensor | None, floats: int, device) -> torch.Tensor:
+    """partials where it holds `floats` floats from a 16-byte boundary (the kernels store float4), else a new float32
+    tensor of that size."""
+    if partials is None or partials.numel() < floats or partials.data_ptr() % 16:
+        return torch.empty(floats, dtype=torch.float32, device=device)
+    return partials
 
 
 def shift_scale(shift: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, int]:

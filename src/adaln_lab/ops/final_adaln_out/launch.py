@@ -8,7 +8,8 @@
 Shapes: x, out, dy, dx (..., S, H); norm_weight, d_norm_weight (H,); temb, d_temb (T, D); weight, d_weight (2H, D);
 bias, d_bias (2H,); timestep_indices (S,) int64; workspace (bytes,) uint8, `plan.forward_workspace(T, H, rows, D)`:
 the bf16 table (T, 2H), table_f32 (T, 2H) (the table before its bf16 rounding) and rstd (rows,), which the forward
-writes and the backward reads, and the table kernel's act scratch (T, D) bf16. Inputs contiguous (the op's Function sees to it).
+writes and the backward reads, and the table kernel's act scratch (T, D) bf16. Inputs contiguous (the op's Function
+sees to it).
 
 route "cupy": kernels_cu on CUDA tensors (three launches forward, four to six backward by T, every reduction in a
 fixed order; the backward's workspace is one allocation of its own); route "numba": the Numba twin (`twin.op`): the
@@ -80,6 +81,9 @@ def forward(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tensor, weig
         out.copy_(result), saved_f32.copy_(table_f32), saved_rstd.copy_(rstd)
         return
     context = kernels_of(x, temb)
+    if workspace.numel() < context[1].fwd_bytes:  # the kernels write every piece, act last
+        raise ValueError(f"final_adaln_out_fwd: a workspace of {workspace.numel()} bytes, the plan needs "
+                         f"{context[1].fwd_bytes} (core.plan.forward_bytes(T, H, rows, D))")
     base, o = workspace.data_ptr(), context[1].fwd_offsets
     if table_backend == "torch":
         saved = saved_views(workspace, T, H, rows, D)

@@ -5,8 +5,9 @@
 
 Shapes: x, y, out, dout, d_y (..., S, H); gate (R, H) (any strides, float32 holding `table_dtype` values); row_index
 (S,) int64; order: None, or `row_order(row_index, R, H)`; d_table (R, W) with d_gate at columns [column, column + H)
-(an op's own (R, H), or a block's table gradient viewed (3T, 6H)). The residual's gradient is dout itself (the op's
-Function hands it on).
+(an op's own (R, H), or a block's table gradient viewed (3T, 6H)); partials: None, or float32 scratch for the
+sorted pass's partial sums (`core.tensors.partials_floats(..., gate=True)` floats, 16-byte aligned; else the launch
+allocates its own). The residual's gradient is dout itself (the op's Function hands it on).
 
 route "cupy": gated_residual.cu forward; backward its sorted pass (d_y per row; d_gate per table row, ordered
 per-range sums reduced in a fixed order). route "torch": diffusers' replay (the product rounded, then the sum) and
@@ -55,9 +56,7 @@ def backward(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index:
     dout, y, row_index = tensors.aligned(dout), tensors.aligned(y), row_index.contiguous()
     order = row_order(row_index, R, H) if order is None else order.contiguous()
     gate, stride = tensors.gate_pointer(gate)
-    floats = launchers.sorted_slots(plan, rows) * H
-    if partials is None or partials.numel() < floats:
-        partials = torch.empty(floats, dtype=torch.float32, device=y.device)
+    partials = tensors.scratch(partials, tensors.partials_floats(plan, rows, gate=True), y.device)
     launchers.launch_gated_residual_bwd(k, plan, rows, stream, dout.data_ptr(), gate.data_ptr(), y.data_ptr(),
                                         row_index.data_ptr(), order.data_ptr(), d_y.data_ptr(), partials.data_ptr(),
                                         d_table.data_ptr() + 4 * column, stride, y.shape[-2], d_table.stride(0))

@@ -52,13 +52,13 @@ class GatedResidual(torch.autograd.Function):
         dout = dout.contiguous()
         if ctx.table is None:
             dtype = torch.float32 if ctx.route == "cupy" else gate.dtype
-            d_table, column = table_gradient.standalone(R, H, dtype, y.device), 0
+            d_table, column, partials = table_gradient.standalone(R, H, dtype, y.device), 0, None
         else:
             buffer, partials = table_gradient.for_row_op(None, ctx.table, H, ctx.chunk + 1, ctx.route, y, R)
             d_table, column = table_gradient.columns(buffer, H, 0), ctx.chunk * H
         d_y = torch.empty_like(y)
         launch.backward(dout, gate, y, row_index, order, ctx.table_dtype, ctx.route, d_y, d_table, column,
-                        None if ctx.table is None else partials)
+                        partials)
         dx = tensors.as_dtype(dout, ctx.x_dtype)
         if ctx.table is None:
             return dx, tensors.as_dtype(d_table, gate.dtype), d_y, *(None,) * 6

@@ -60,7 +60,8 @@ def backward(d_x_out: torch.Tensor, d_out: torch.Tensor, x_out: torch.Tensor, ga
              d_y: torch.Tensor, d_norm_weight: torch.Tensor, d_table: torch.Tensor, column: int,
              partials: torch.Tensor | None) -> None:
     """dx (in x's dtype), d_y, d_norm_weight, and d_gate | d_shift | d_scale into d_table's columns; partials: the
-    two passes' scratch, one after the other (`modulated_rms_norm.launch.backward`'s)."""
+    scratch of the norm's pass and then of the gated residual's, the same memory used by each in turn (the norm's
+    size, `core.tensors.partials_floats`)."""
     residual_route, norm_route = parts(route)
     H = x_out.shape[-1]
     if order is None and route == "cupy":  # one sort for the two passes

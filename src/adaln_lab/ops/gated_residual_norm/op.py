@@ -74,7 +74,7 @@ class GatedResidualNorm(torch.autograd.Function):
         d_x_out = torch.zeros_like(x_out) if d_x_out is None else d_x_out.contiguous()
         if ctx.table is None:
             dtype = torch.float32 if "cupy" in ctx.route else torch.promote_types(gate.dtype, shift.dtype)
-            d_table, column = table_gradient.standalone(R, 3 * H, dtype, x_out.device), 0
+            d_table, column, partials = table_gradient.standalone(R, 3 * H, dtype, x_out.device), 0, None
         else:
             buffer, partials = table_gradient.for_row_op(d_link, ctx.table, H, ctx.chunk + 3, ctx.route, x_out, R)
             d_table, column = table_gradient.columns(buffer, H, 0), ctx.chunk * H
@@ -82,7 +82,7 @@ class GatedResidualNorm(torch.autograd.Function):
         d_y, d_norm_weight = torch.empty_like(y), torch.empty_like(norm_weight)
         launch.backward(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, order,
                         ctx.table_dtype, ctx.route, dx, d_y, d_norm_weight, d_table, column,
-                        None if ctx.table is None else partials)
+                        partials)
         if ctx.table is None:
             d_gate, d_shift, d_scale = (tensors.as_dtype(d_table[:, i * H:(i + 1) * H], t.dtype)
                                         for i, t in enumerate((gate, shift, scale)))

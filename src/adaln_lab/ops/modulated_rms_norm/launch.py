@@ -71,8 +71,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, shift
     d_residual = tensors.aligned(d_residual) if fused else d_residual
     slots = launchers.sorted_slots(plan, rows)
     # the row partials, and after them room for the reduce's d_bias output (2H bf16), which the blocks do not use
-    if partials is None or partials.numel() < slots * 2 * H + H:
-        partials = torch.empty(slots * 2 * H + H, dtype=torch.float32, device=x.device)
+    partials = tensors.scratch(partials, tensors.partials_floats(plan, rows), x.device)
     workspace = partials.data_ptr()
     launchers.launch_sorted_row_pass(k, plan, rows, stream, dy.data_ptr(), x.data_ptr(), rstd.data_ptr(),
                                      norm_weight.data_ptr(), table_f32.data_ptr(), row_index.data_ptr(),

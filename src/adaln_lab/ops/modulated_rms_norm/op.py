@@ -72,13 +72,13 @@ class ModulatedRMSNorm(torch.autograd.Function):
         d_residual = None if d_x is None else tensors.as_dtype(d_x, x.dtype).contiguous()
         if ctx.table is None:
             dtype = torch.float32 if ctx.route == "cupy" else torch.promote_types(shift.dtype, scale.dtype)
-            d_table, column = table_gradient.standalone(R, 2 * H, dtype, x.device), 0
+            d_table, column, partials = table_gradient.standalone(R, 2 * H, dtype, x.device), 0, None
         else:
             buffer, partials = table_gradient.for_row_op(d_link, ctx.table, H, ctx.chunk + 2, ctx.route, x, R)
             d_table, column = table_gradient.columns(buffer, H, 0), ctx.chunk * H
         dx, d_norm_weight = torch.empty_like(x), torch.empty_like(norm_weight)
         launch.backward(d_out.contiguous(), x, norm_weight, shift, scale, row_index, rstd, d_residual, order,
-                        ctx.route, dx, d_norm_weight, d_table, column, None if ctx.table is None else partials)
+                        ctx.route, dx, d_norm_weight, d_table, column, partials)
         if ctx.table is None:
             d_shift, d_scale = tensors.as_dtype(d_table[:, :H], shift.dtype), tensors.as_dtype(d_table[:, H:], scale.dtype)
             return dx, d_norm_weight, d_shift, d_scale, *(None,) * 9
