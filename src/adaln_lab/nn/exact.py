@@ -207,8 +207,10 @@ class ExactGradients:
             group.settle()
             weight, bias = self._target(group.weight), self._target(group.bias)
             norm_weights = [self._target(w) for w in group.norm_weights]
-            if _sharded(weight):  # FSDP2: no temb gradient (refused above), d_weight in the master's dtype
-                rows, d_temb, d_weight, d_bias = group.table.gradients(None, bias.dtype, weight.dtype)
+            if _sharded(weight):  # FSDP2: no temb gradient (refused above), d_weight in the master's dtype, and where
+                # the shard is a block of rows (FSDP2's Shard(0) on one mesh dimension) only this rank's rows
+                rows, d_temb, d_weight, d_bias = group.table.gradients(None, bias.dtype, weight.dtype,
+                                                                       _local_rows(weight))
             else:
                 rows, d_temb, d_weight, d_bias = group.table.gradients(group.weight, bias.dtype)
             grads += [(weight, d_weight), (bias, d_bias)]
@@ -242,13 +244,31 @@ def _sharded(p: torch.Tensor) -> bool:
     return isinstance(p, DTensor)
 
 
+def _local_rows(p: torch.Tensor) -> slice | None:
+    """The rows of p held on this rank where p is a DTensor sharded by rows on a 1-D mesh (FSDP2's Shard(0): torch's
+    chunking, ceil(N / W) rows a rank), checked against its local shard; None for any other layout (the whole
+    gradient is formed then, and each rank keeps its part)."""
+    from torch.distributed.tensor import Shard
+
+    if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+        return None
+    n, world, rank = p.shape[0], p.device_mesh.size(), p.device_mesh.get_local_rank()
+    chunk = -(-n // world)
+    rows = slice(min(n, rank * chunk), min(n, (rank + 1) * chunk))
+    return rows if rows.stop - rows.start == p.to_local().shape[0] else None
+
+
 def _as_grad_of(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """g (the whole gradient, in p's dtype) as p's .grad: on p's device, and for a DTensor its shards (each rank
-    keeps its own of the same full value: no communication)."""
+    """g (in p's dtype) as p's .grad: on p's device; for a DTensor, g is the whole gradient (each rank keeps its own
+    part of the same full value) or, where its rows are fewer than p's, this rank's shard (`_local_rows`); no
+    communication either way."""
     if not _sharded(p):
         return g.to(p.device)
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
+    if g.shape[0] != p.shape[0]:
+        return DTensor.from_local(g.to(p.device), p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
     return distribute_tensor(g.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
 
 

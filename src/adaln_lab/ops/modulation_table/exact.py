@@ -84,9 +84,12 @@ class TableSums:
         rank = dist.get_rank(group)
         return {key for key in keys if next(r for r, held in enumerate(everyone) if key in held) == rank}
 
-    def gradients(self, weight: torch.Tensor | None, bias_dtype: torch.dtype, weight_dtype: torch.dtype | None = None):
+    def gradients(self, weight: torch.Tensor | None, bias_dtype: torch.dtype, weight_dtype: torch.dtype | None = None,
+                  weight_rows: slice | None = None):
         """(rows (U, D), d_temb (U, D), d_weight (N, D), d_bias (N,)) over the distinct rows (module docstring).
-        weight None: no d_temb (None), d_weight in weight_dtype (the projection's values are not needed)."""
+        weight None: no d_temb (None), d_weight in weight_dtype (the projection's values are not needed), and with
+        `weight_rows` only those rows of it (a rank's shard: each row is its own sum over the distinct rows, so a
+        shard has the bits of the whole gradient's rows)."""
         if not self.rows:
             raise ValueError("no rows were added: the gradients of an empty batch are zeros, not computed here")
         keys = sorted(self.rows)
@@ -95,6 +98,7 @@ class TableSums:
         total = ExactSum.from_limbs(torch.cat([s.limbs for s in states], dim=1))  # (LIMBS, U, N): carried
         d_table = total.value(torch.float32).cpu()  # on the CPU, wherever the states are: the same float64 bits
         if weight is None:
-            return rows, None, table_weight_grad(d_table, rows).to(weight_dtype), total.total().value(bias_dtype)
+            columns = d_table if weight_rows is None else d_table[:, weight_rows]
+            return rows, None, table_weight_grad(columns, rows).to(weight_dtype), total.total().value(bias_dtype)
         d_temb, d_weight, _ = modulation_table_backward(d_table, rows.double(), weight.detach().cpu(), bias_dtype)
         return rows, d_temb, d_weight, total.total().value(bias_dtype)
