@@ -38,6 +38,18 @@ __device__ __forceinline__ uint4 pack8(const float* in) {
     return v;
 }
 
+// row r's terms of columns c0 .. c0 + 7: g = dy and p = dy (x rstd), each product rounded (no fma)
+__device__ __forceinline__ void row_terms(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ dy,
+                                          const float* __restrict__ rstd, const int r, const int c0, float* g,
+                                          float* p) {
+    float xf[8];
+    unpack8(*reinterpret_cast<const uint4*>(x + (size_t)r * H_COLS + c0), xf);
+    unpack8(*reinterpret_cast<const uint4*>(dy + (size_t)r * H_COLS + c0), g);
+    const float rs = rstd[r];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) p[j] = __fmul_rn(g[j], __fmul_rn(xf[j], rs));
+}
+
 extern "C" __global__ void pass_f32(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ dy,
                                     const float* __restrict__ rstd, const float* __restrict__ nw,
                                     const float* __restrict__ scale1, __nv_bfloat16* __restrict__ dx,
@@ -48,19 +60,15 @@ extern "C" __global__ void pass_f32(const __nv_bfloat16* __restrict__ x, const _
     for (int j = 0; j < 8; ++j) { ag[j] = 0.f; as_[j] = 0.f; aw[j] = 0.f; n[j] = nw[c0 + j]; s1[j] = scale1[c0 + j]; }
     const int r0 = blockIdx.x * rows_per, r1 = min(rows, r0 + rows_per);
     for (int r = r0; r < r1; ++r) {
-        float xf[8], g[8], o[8];
-        unpack8(*reinterpret_cast<const uint4*>(x + (size_t)r * H_COLS + c0), xf);
-        unpack8(*reinterpret_cast<const uint4*>(dy + (size_t)r * H_COLS + c0), g);
-        const float rs = rstd[r];
+        float g[8], p[8];
+        row_terms(x, dy, rstd, r, c0, g, p);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            const float p = __fmul_rn(g[j], __fmul_rn(xf[j], rs));
             ag[j] = __fadd_rn(ag[j], g[j]);
-            as_[j] = __fadd_rn(as_[j], __fmul_rn(p, n[j]));
-            aw[j] = __fadd_rn(aw[j], __fmul_rn(p, s1[j]));
-            o[j] = p;
+            as_[j] = __fadd_rn(as_[j], __fmul_rn(p[j], n[j]));
+            aw[j] = __fadd_rn(aw[j], __fmul_rn(p[j], s1[j]));
         }
-        *reinterpret_cast<uint4*>(dx + (size_t)r * H_COLS + c0) = pack8(o);
+        *reinterpret_cast<uint4*>(dx + (size_t)r * H_COLS + c0) = pack8(p);
     }
     float* out = partials + (size_t)blockIdx.x * 3 * H_COLS + c0;
 #pragma unroll
@@ -119,18 +127,14 @@ extern "C" __global__ void pass_exact(const __nv_bfloat16* __restrict__ x, const
     int bad = 0;
     const int r0 = blockIdx.x * rows_per, r1 = min(rows, r0 + rows_per);
     for (int r = r0; r < r1; ++r) {
-        float xf[8], g[8], o[8];
-        unpack8(*reinterpret_cast<const uint4*>(x + (size_t)r * H_COLS + c0), xf);
-        unpack8(*reinterpret_cast<const uint4*>(dy + (size_t)r * H_COLS + c0), g);
-        const float rs = rstd[r];
+        float g[8], p[8];
+        row_terms(x, dy, rstd, r, c0, g, p);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            const float p = __fmul_rn(g[j], __fmul_rn(xf[j], rs));
             add_one(sg[j], bad, g[j], g_to, g_limit);
-            add_two(sh[j], sl[j], bad, p, wp);
-            o[j] = p;
+            add_two(sh[j], sl[j], bad, p[j], wp);
         }
-        *reinterpret_cast<uint4*>(dx + (size_t)r * H_COLS + c0) = pack8(o);
+        *reinterpret_cast<uint4*>(dx + (size_t)r * H_COLS + c0) = pack8(p);
     }
     long long* out = partials + (size_t)blockIdx.x * 3 * H_COLS + c0;
 #pragma unroll
