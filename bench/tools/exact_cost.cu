@@ -12,6 +12,8 @@
 //                and |p| < 2^(q + 62)); a term outside its window sets the block's flag (the op would raise or take
 //                a wider path: never a wrong sum). P = hi 2^(q + 40) + lo 2^q exactly; states of any split add as
 //                integers.
+//   pass_exact_wide: pass_exact with P as one 128-bit integer a column, from the float's bits (a window of 88
+//                binades below the top: a flag is then as rare as a term 2^-88 of the largest);
 //   amax_dy:     the pass an exact mode needs first for its quanta: each column's largest |dy| (as the exponent
 //                bits of a float, atomicMax over blocks), reading dy alone.
 // Partials: f32 (blocks, 3, H) (g, s, w); exact (blocks, 3, H) int64 (D, P hi, P lo); flags (blocks,) int.
@@ -139,6 +141,53 @@ extern "C" __global__ void pass_exact(const __nv_bfloat16* __restrict__ x, const
     long long* out = partials + (size_t)blockIdx.x * 3 * H_COLS + c0;
 #pragma unroll
     for (int j = 0; j < 8; ++j) { out[j] = sg[j]; out[H_COLS + j] = sh[j]; out[2 * H_COLS + j] = sl[j]; }
+    if (__syncthreads_or(bad) && threadIdx.x == 0) flags[blockIdx.x] = 1;
+}
+
+// v (float32) as a 128-bit integer in units of 2^q added to st: v = +-m 2^E with m < 2^24 its significand and E its
+// lowest bit's exponent; exact when E >= q and m 2^(E - q) < 2^112 (headroom 2^15 terms a state): a window of 88
+// binades below the top, from the float's bits (no extraction), where two int64 states of spacing 40 give 39
+__device__ __forceinline__ void add_wide(__int128& st, int& bad, const float v, const int q) {
+    const unsigned bits = __float_as_uint(v);
+    const int e = (bits >> 23) & 0xff;
+    const unsigned m = (bits & 0x7fffffu) | (e ? 0x800000u : 0u);
+    const int s = max(e, 1) - 150 - q;
+    bad |= (m != 0u) & ((s < 0) | (s > 88));
+    const __int128 t = (__int128)m << (s & 127);
+    st += (bits >> 31) ? -t : t;
+}
+
+// pass_exact with P as one 128-bit state (add_wide): partials (blocks, 3, H) int64 (D, P's low and high words)
+extern "C" __global__ void pass_exact_wide(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ dy,
+                                           const float* __restrict__ rstd, const int* __restrict__ quanta,
+                                           __nv_bfloat16* __restrict__ dx, long long* __restrict__ partials,
+                                           int* __restrict__ flags, int rows, int rows_per) {
+    const int c0 = threadIdx.x * 8;
+    long long sg[8];
+    __int128 sp[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) { sg[j] = 0; sp[j] = 0; }
+    const float g_to = ldexpf(1.f, -quanta[0]), g_limit = ldexpf(1.f, quanta[0] + 47);
+    const int q_p = quanta[1];
+    int bad = 0;
+    const int r0 = blockIdx.x * rows_per, r1 = min(rows, r0 + rows_per);
+    for (int r = r0; r < r1; ++r) {
+        float g[8], p[8];
+        row_terms(x, dy, rstd, r, c0, g, p);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            add_one(sg[j], bad, g[j], g_to, g_limit);
+            add_wide(sp[j], bad, p[j], q_p);
+        }
+        *reinterpret_cast<uint4*>(dx + (size_t)r * H_COLS + c0) = pack8(p);
+    }
+    long long* out = partials + (size_t)blockIdx.x * 3 * H_COLS + c0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        out[j] = sg[j];
+        out[H_COLS + j] = (long long)(unsigned long long)sp[j];       // low word, two's complement
+        out[2 * H_COLS + j] = (long long)(sp[j] >> 64);                // high word, signed
+    }
     if (__syncthreads_or(bad) && threadIdx.x == 0) flags[blockIdx.x] = 1;
 }
 

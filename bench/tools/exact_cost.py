@@ -3,7 +3,8 @@
 # Issue 40's speed question before building it (NOTES v34, v36). bench/tools/exact_cost.cu holds three kernels over
 # the same (rows, 5376) bf16 x and dy (a stand-in for norm_out's backward row pass at one timestep, without its
 # row-wide dot product): pass_f32 (today's three fp32 sums a column), pass_exact (two exact sums a column as three
-# int64 states: dy in one, dy * xhat split in two, a per-tensor quantum each) and amax_dy (each column's largest
+# int64 states: dy in one, dy * xhat split in two, a per-tensor quantum each), pass_exact_wide (dy * xhat as one
+# 128-bit integer from the float's bits: a window of 88 binades against 39) and amax_dy (each column's largest
 # |dy|: the pass an exact mode needs for its quanta; a real mode also needs max |dy xhat| or a looser bound). Checked
 # before timing: pass_f32's sums within the fp32 accumulation bound of the float64 golden (a block adds rows_per
 # terms, the blocks are added in float64); pass_exact's states of the blocks it did not flag, summed as Python
@@ -36,7 +37,7 @@ CHECK_COLUMNS = list(range(32)) + list(range(H - 32, H))
 
 def module():
     source = (pathlib.Path(__file__).with_name("exact_cost.cu")).read_text()
-    return cupy.RawModule(code=source, options=("-std=c++17",))
+    return cupy.RawModule(code=source, options=("-std=c++17", "--device-int128"))
 
 
 def launch(kernel, rows: int, *args) -> None:
@@ -86,9 +87,20 @@ def exact_column_sums(t: torch.Tensor) -> list[int]:
     return [sum(col) for col in scaled]
 
 
-def check_exact(partials, flags, dy, p, quanta) -> int:
-    """pass_exact: over the blocks it did not flag, D and P of CHECK_COLUMNS equal the exact sums of the same terms
-    over those blocks' rows; returns the number of flagged blocks (raises if every block is flagged)."""
+def two_states(hi: int, lo: int) -> int:
+    """pass_exact's P in units of its quantum: hi 2^40 + lo."""
+    return hi * 2 ** 40 + lo
+
+
+def one_wide_state(low: int, high: int) -> int:
+    """pass_exact_wide's P in units of its quantum: the 128-bit integer of its two words (the low one unsigned)."""
+    return high * 2 ** 64 + (low % 2 ** 64)
+
+
+def check_exact(partials, flags, dy, p, quanta, p_of=two_states) -> int:
+    """An exact pass: over the blocks it did not flag, D and P of CHECK_COLUMNS (P from the two words by p_of) equal
+    the exact sums of the same terms over those blocks' rows; returns the number of flagged blocks (raises if every
+    block is flagged)."""
     rows_per = -(-dy.shape[0] // BLOCKS)
     kept = [b for b, flag in enumerate(flags.tolist()) if not flag and b * rows_per < dy.shape[0]]
     if not kept:
@@ -99,10 +111,8 @@ def check_exact(partials, flags, dy, p, quanta) -> int:
     q_g, q_p = quanta.tolist()
     n = len(CHECK_COLUMNS)
     d = [sum(b[0][c] for b in states) for c in range(n)]
-    hi = [sum(b[1][c] for b in states) for c in range(n)]
-    lo = [sum(b[2][c] for b in states) for c in range(n)]
     got_d = [v * 2 ** (q_g + 149) for v in d]
-    got_p = [(h * 2 ** 40 + v) * 2 ** (q_p + 149) for h, v in zip(hi, lo)]
+    got_p = [sum(p_of(b[1][c], b[2][c]) for b in states) * 2 ** (q_p + 149) for c in range(n)]
     if (got_d != exact_column_sums(dy[rows][:, columns].float())
             or got_p != exact_column_sums(p[rows][:, columns])):
         raise AssertionError("pass_exact's states differ from the exact sums of its terms")
@@ -118,31 +128,38 @@ def measure(rows: int, k, copy_TBps: float) -> dict:
     amax = torch.zeros(H, dtype=torch.int32, device="cuda")
     quanta = torch.tensor([exponent_of(dy.float()) + 1 - 47, exponent_of(p) + 1 - 62], dtype=torch.int32,
                           device="cuda")
+    quanta_wide = torch.tensor([exponent_of(dy.float()) + 1 - 47, exponent_of(p) + 1 - 112], dtype=torch.int32,
+                               device="cuda")
+    wide = torch.empty_like(states)
+    flags_wide = torch.zeros_like(flags)
     steps = {
         "f32": lambda: launch(k.get_function("pass_f32"), rows, x, dy, rstd, nw, scale1, dx, f32),
         "exact": lambda: launch(k.get_function("pass_exact"), rows, x, dy, rstd, quanta, dx, states, flags),
+        "exact_wide": lambda: launch(k.get_function("pass_exact_wide"), rows, x, dy, rstd, quanta_wide, dx, wide,
+                                     flags_wide),
         "amax_dy": lambda: launch(k.get_function("amax_dy"), rows, dy, amax),
     }
-    steps["f32"]()
-    steps["exact"]()
-    steps["amax_dy"]()
+    for step in steps.values():
+        step()
     torch.cuda.synchronize()
     share = check_f32(f32, dy, p, nw, scale1)
     flagged = check_exact(states, flags, dy, p, quanta)
+    flagged_wide = check_exact(wide, flags_wide, dy, p, quanta_wide, one_wide_state)
     if not torch.equal(amax.view(torch.float32), dy.float().abs().amax(0)):
         raise AssertionError("amax_dy differs from torch's amax")
     us = {name: graph_us(step) for name, step in steps.items()}
     floor = 6 * rows * H / (copy_TBps * 1e12) * 1e6
     return {"rows": rows, "us": us, "floor_us": floor, "f32_error_share_of_bound": share,
-            "exact_over_f32": us["exact"] / us["f32"],
+            "exact_over_f32": us["exact"] / us["f32"], "exact_wide_over_f32": us["exact_wide"] / us["f32"],
             "exact_and_amax_over_f32": (us["exact"] + us["amax_dy"]) / us["f32"],
-            "quanta": quanta.tolist(), "flagged_blocks": flagged}
+            "quanta": quanta.tolist(), "quanta_wide": quanta_wide.tolist(), "flagged_blocks": flagged,
+            "flagged_blocks_wide": flagged_wide}
 
 
 def registers(k) -> dict:
     return {name: {"regs": k.get_function(name).attributes["num_regs"],
                    "local_bytes": k.get_function(name).attributes["local_size_bytes"]}
-            for name in ("pass_f32", "pass_exact", "amax_dy")}
+            for name in ("pass_f32", "pass_exact", "pass_exact_wide", "amax_dy")}
 
 
 def main() -> None:
@@ -158,8 +175,9 @@ def main() -> None:
         entry = measure(rows, k, copy)
         result["sizes"].append(entry)
         print(f"rows {rows}: f32 {entry['us']['f32']:.1f} us, exact {entry['us']['exact']:.1f} "
-              f"({entry['exact_over_f32']:.2f}x), amax_dy {entry['us']['amax_dy']:.1f}, floor {entry['floor_us']:.1f}, "
-              f"{entry['flagged_blocks']} blocks flagged")
+              f"({entry['exact_over_f32']:.2f}x), exact_wide {entry['us']['exact_wide']:.1f} "
+              f"({entry['exact_wide_over_f32']:.2f}x), amax_dy {entry['us']['amax_dy']:.1f}, floor "
+              f"{entry['floor_us']:.1f}, blocks flagged {entry['flagged_blocks']} / {entry['flagged_blocks_wide']}")
     print(json.dumps(result["kernels"]))
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
