@@ -149,3 +149,52 @@ def test_the_vectorised_rounding_is_round_scaled_on_every_kind_of_integer():
     for precision in (24, 8):
         want = torch.tensor([round_scaled(n, E_MIN, precision) for n in ns], dtype=torch.float64)
         assert torch.equal(rounded(limbs, precision), want)
+
+
+def _fixed_point_words(t: torch.Tensor, q: int, rows_per: int):
+    """Each block of rows_per rows of t (n, cols) summed as the integer in units of 2^q a kernel's 128-bit state
+    holds (every term a multiple of 2^q), as that state's two int64 words (low two's complement, high signed):
+    (low (blocks, cols), high (blocks, cols))."""
+    low, high = [], []
+    for start in range(0, t.shape[0], rows_per):
+        block = t[start:start + rows_per].double().T.tolist()
+        sums = [sum(int(Fraction(v) / Fraction(2) ** q) for v in col) for col in block]
+        low.append([(s % 2 ** 64) - (2 ** 64 if s % 2 ** 64 >= 2 ** 63 else 0) for s in sums])
+        high.append([s >> 64 for s in sums])
+    return torch.tensor(low, dtype=torch.int64), torch.tensor(high, dtype=torch.int64)
+
+
+def test_fixed_point_words_add_to_the_same_state_as_the_terms():
+    """add_words: a kernel's per-block fixed-point states (a 128-bit integer in units of 2^q as two int64 words, or
+    two int64 states of quanta 2^(q + 40) and 2^q) give the limbs of adding the terms themselves."""
+    g = torch.Generator().manual_seed(7)
+    t = (torch.randn(50, 6, generator=g) * torch.exp2(torch.randint(-40, 10, (50, 6), generator=g).float())).float()
+    t[5] = -t[4]  # an exact cancellation
+    q = -100  # below every term's lowest bit (2^-40 scale, 24 bits: >= 2^-70), the top below 2^(q + 112)
+    direct = ExactSum((6,)).add(t)
+    low, high = _fixed_point_words(t, q, rows_per=7)
+    wide = ExactSum((6,)).add_words(low, q).add_words(high + (low < 0), q + 64)
+    assert torch.equal(wide.limbs, direct.limbs)
+    # the two-state form, P = hi 2^(q2 + 40) + lo 2^q2, on terms inside its narrower window (multiples of 2^-20)
+    q2 = -20
+    t2 = (torch.randint(-2 ** 23, 2 ** 23, (50, 6), generator=g).double()
+          * torch.exp2(torch.randint(-20, 10, (50, 6), generator=g).double())).float()
+    low2, high2 = _fixed_point_words(t2, q2, rows_per=7)
+    values = [[h * 2 ** 64 + (v % 2 ** 64) for h, v in zip(hr, lr)] for hr, lr in zip(high2.tolist(), low2.tolist())]
+    hi = torch.tensor([[v >> 40 for v in row] for row in values], dtype=torch.int64)
+    lo = torch.tensor([[v & (2 ** 40 - 1) for v in row] for row in values], dtype=torch.int64)
+    assert torch.equal(ExactSum((6,)).add_words(hi, q2 + 40).add_words(lo, q2).limbs, ExactSum((6,)).add(t2).limbs)
+    planted = low.clone()
+    planted[0, 0] += 1  # one unit of 2^q off in one block's state: caught
+    assert not torch.equal(ExactSum((6,)).add_words(planted, q).add_words(high + (planted < 0), q + 64).limbs,
+                           direct.limbs)
+
+
+def test_add_words_refuses_what_the_state_cannot_hold():
+    state = ExactSum((3,))
+    with pytest.raises(ValueError, match="int64"):
+        state.add_words(torch.zeros(2, 3, dtype=torch.int32), 0)
+    with pytest.raises(ValueError, match=str(E_MIN)):
+        state.add_words(torch.zeros(2, 3, dtype=torch.int64), E_MIN - 1)
+    with pytest.raises(ValueError, match=str(E_MIN)):
+        state.add_words(torch.zeros(2, 3, dtype=torch.int64), E_MIN + LIMB_BITS * (LIMBS - 2))

@@ -3,6 +3,7 @@
     state = ExactSum(shape, device)            # zero
     state.add(terms)                           # terms (n, *shape) float32: adds the n terms of every element
     state.add(terms, index)                    # terms (n, *shape[1:]), index (n,) int64: term i into row index[i]
+    state.add_words(words, exponent)           # integers (n, *shape) int64 worth words 2^exponent (a kernel's states)
     state.merge(other)                         # another part's state, in any order
     state.total()                              # the sum over the first dimension, exact
     state.value(torch.float32 | torch.bfloat16) -> (*shape,) the exact sum, rounded once to nearest even
@@ -115,6 +116,25 @@ class ExactSum:
             step = 1
         flat.scatter_add_(0, limb, value & (2 ** LIMB_BITS - 1))
         flat.scatter_add_(0, limb + step, value >> LIMB_BITS)  # floor: value = high 2^32 + low part
+        return self._carry()
+
+    def add_words(self, words: torch.Tensor, exponent: int) -> "ExactSum":
+        """Add integers words (n, *shape) int64 (signed), each worth words 2^exponent: a kernel's fixed-point states
+        (a block's sum in units of its quantum 2^exponent; a 128-bit state as its words at exponent, exponent + 64),
+        exactly. n <= MAX_TERMS; exponent >= E_MIN and the words' bits within the state's range (ValueError)."""
+        shift = exponent - E_MIN
+        if words.dtype != torch.int64 or words.shape[1:] != self.shape:
+            raise ValueError(f"words must be int64 of shape (n, {', '.join(map(str, self.shape))}), got "
+                             f"{words.dtype} {tuple(words.shape)}")
+        if shift < 0 or shift // LIMB_BITS + 3 > LIMBS or words.shape[0] > MAX_TERMS:
+            raise ValueError(f"words at 2^{exponent}: the state counts from 2^{E_MIN} in {LIMBS} limbs of "
+                             f"{LIMB_BITS} bits, at most {MAX_TERMS} words an element (got {words.shape[0]})")
+        limb, offset = divmod(shift, LIMB_BITS)
+        low_mask = 2 ** LIMB_BITS - 1
+        for k, part in enumerate((words & low_mask, words >> LIMB_BITS)):  # words = high 2^32 + low, low >= 0
+            value = part << offset                                           # |value| < 2^63
+            self.limbs[limb + k] += (value & low_mask).sum(0)
+            self.limbs[limb + k + 1] += (value >> LIMB_BITS).sum(0)
         return self._carry()
 
     def merge(self, other: "ExactSum") -> "ExactSum":
