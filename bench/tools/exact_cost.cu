@@ -16,7 +16,8 @@
 //                binades below the top: a flag is then as rare as a term 2^-88 of the largest);
 //   amax_dy:     the pass an exact mode needs first for its quanta: each column's largest |dy| (as the exponent
 //                bits of a float, atomicMax over blocks), reading dy alone.
-// Partials: f32 (blocks, 3, H) (g, s, w); exact (blocks, 3, H) int64 (D, P hi, P lo); flags (blocks,) int.
+// Partials: f32 (blocks, 3, H) (g, s, w); exact (blocks, 3, H) int64 (D, then P's two words: hi, lo or the
+// 128-bit low, high); flags (blocks,) int.
 
 #include <cuda_bf16.h>
 
@@ -113,37 +114,6 @@ __device__ __forceinline__ void add_one(long long& st, int& bad, const float v, 
     bad |= (__ll2float_rz(n) != s) | (fabsf(v) >= limit);
 }
 
-// Two sums, not three (NOTES v34's first cheaper form): D = sum of g and P = sum of p per column, exact;
-// d_scale = norm_weight P and d_norm_weight = sum_t (1 + scale_t) P_t follow from them exactly off the pass.
-// quanta: (q_g, q_p), one per sum for every column (a per-tensor anchor: 3 int64 states a column, 48 registers).
-extern "C" __global__ void pass_exact(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ dy,
-                                      const float* __restrict__ rstd, const int* __restrict__ quanta,
-                                      __nv_bfloat16* __restrict__ dx, long long* __restrict__ partials,
-                                      int* __restrict__ flags, int rows, int rows_per) {
-    const int c0 = threadIdx.x * 8;
-    long long sg[8], sh[8], sl[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) { sg[j] = 0; sh[j] = 0; sl[j] = 0; }
-    const float g_to = ldexpf(1.f, -quanta[0]), g_limit = ldexpf(1.f, quanta[0] + 47);
-    const Window wp = window_of(quanta[1]);
-    int bad = 0;
-    const int r0 = blockIdx.x * rows_per, r1 = min(rows, r0 + rows_per);
-    for (int r = r0; r < r1; ++r) {
-        float g[8], p[8];
-        row_terms(x, dy, rstd, r, c0, g, p);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            add_one(sg[j], bad, g[j], g_to, g_limit);
-            add_two(sh[j], sl[j], bad, p[j], wp);
-        }
-        *reinterpret_cast<uint4*>(dx + (size_t)r * H_COLS + c0) = pack8(p);
-    }
-    long long* out = partials + (size_t)blockIdx.x * 3 * H_COLS + c0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) { out[j] = sg[j]; out[H_COLS + j] = sh[j]; out[2 * H_COLS + j] = sl[j]; }
-    if (__syncthreads_or(bad) && threadIdx.x == 0) flags[blockIdx.x] = 1;
-}
-
 // v (float32) as a 128-bit integer in units of 2^q added to st: v = +-m 2^E with m < 2^24 its significand and E its
 // lowest bit's exponent; exact when E >= q and m 2^(E - q) < 2^112 (headroom 2^15 terms a state): a window of 88
 // binades below the top, from the float's bits (no extraction), where two int64 states of spacing 40 give 39
@@ -157,18 +127,51 @@ __device__ __forceinline__ void add_wide(__int128& st, int& bad, const float v, 
     st += (bits >> 31) ? -t : t;
 }
 
-// pass_exact with P as one 128-bit state (add_wide): partials (blocks, 3, H) int64 (D, P's low and high words)
-extern "C" __global__ void pass_exact_wide(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ dy,
+// P's state a thread, for its 8 columns: two int64 words of quanta 2^(q + 40) and 2^q (add_two), stored as (hi, lo)
+struct TwoStates {
+    long long hi[8], lo[8];
+    Window w;
+    __device__ __forceinline__ TwoStates(int q) : w(window_of(q)) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) { hi[j] = 0; lo[j] = 0; }
+    }
+    __device__ __forceinline__ void add(int j, int& bad, float v) { add_two(hi[j], lo[j], bad, v, w); }
+    __device__ __forceinline__ void store(long long* out, int j) const {
+        out[H_COLS + j] = hi[j];
+        out[2 * H_COLS + j] = lo[j];
+    }
+};
+
+// P's state a thread: one 128-bit integer a column in units of 2^q (add_wide), stored as (low word, high word)
+struct WideState {
+    __int128 s[8];
+    int q;
+    __device__ __forceinline__ WideState(int q_) : q(q_) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) s[j] = 0;
+    }
+    __device__ __forceinline__ void add(int j, int& bad, float v) { add_wide(s[j], bad, v, q); }
+    __device__ __forceinline__ void store(long long* out, int j) const {
+        out[H_COLS + j] = (long long)(unsigned long long)s[j];  // low word, two's complement
+        out[2 * H_COLS + j] = (long long)(s[j] >> 64);          // high word, signed
+    }
+};
+
+// Two sums, not three (NOTES v34's first cheaper form): D = sum of g and P = sum of p per column, exact;
+// d_scale = norm_weight P and d_norm_weight = sum_t (1 + scale_t) P_t follow from them exactly off the pass.
+// quanta: (q_g, q_p), one per sum for every column (a per-tensor anchor). D in one int64 state (add_one), P in the
+// State's; partials (blocks, 3, H) int64 (D, then P's two words), a flag a block.
+template <class State>
+__device__ __forceinline__ void exact_pass(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ dy,
                                            const float* __restrict__ rstd, const int* __restrict__ quanta,
                                            __nv_bfloat16* __restrict__ dx, long long* __restrict__ partials,
                                            int* __restrict__ flags, int rows, int rows_per) {
     const int c0 = threadIdx.x * 8;
     long long sg[8];
-    __int128 sp[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) { sg[j] = 0; sp[j] = 0; }
+    for (int j = 0; j < 8; ++j) sg[j] = 0;
+    State sp(quanta[1]);
     const float g_to = ldexpf(1.f, -quanta[0]), g_limit = ldexpf(1.f, quanta[0] + 47);
-    const int q_p = quanta[1];
     int bad = 0;
     const int r0 = blockIdx.x * rows_per, r1 = min(rows, r0 + rows_per);
     for (int r = r0; r < r1; ++r) {
@@ -177,7 +180,7 @@ extern "C" __global__ void pass_exact_wide(const __nv_bfloat16* __restrict__ x, 
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             add_one(sg[j], bad, g[j], g_to, g_limit);
-            add_wide(sp[j], bad, p[j], q_p);
+            sp.add(j, bad, p[j]);
         }
         *reinterpret_cast<uint4*>(dx + (size_t)r * H_COLS + c0) = pack8(p);
     }
@@ -185,10 +188,23 @@ extern "C" __global__ void pass_exact_wide(const __nv_bfloat16* __restrict__ x, 
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         out[j] = sg[j];
-        out[H_COLS + j] = (long long)(unsigned long long)sp[j];       // low word, two's complement
-        out[2 * H_COLS + j] = (long long)(sp[j] >> 64);                // high word, signed
+        sp.store(out, j);
     }
     if (__syncthreads_or(bad) && threadIdx.x == 0) flags[blockIdx.x] = 1;
+}
+
+#define EXACT_PASS_ARGS                                                                                       \
+    const __nv_bfloat16 *__restrict__ x, const __nv_bfloat16 *__restrict__ dy, const float *__restrict__ rstd, \
+        const int *__restrict__ quanta, __nv_bfloat16 *__restrict__ dx, long long *__restrict__ partials,     \
+        int *__restrict__ flags, int rows, int rows_per
+
+extern "C" __global__ void pass_exact(EXACT_PASS_ARGS) {
+    exact_pass<TwoStates>(x, dy, rstd, quanta, dx, partials, flags, rows, rows_per);
+}
+
+// pass_exact with P as one 128-bit integer a column (add_wide: a window of 88 binades)
+extern "C" __global__ void pass_exact_wide(EXACT_PASS_ARGS) {
+    exact_pass<WideState>(x, dy, rstd, quanta, dx, partials, flags, rows, rows_per);
 }
 
 extern "C" __global__ void amax_dy(const __nv_bfloat16* __restrict__ dy, int* __restrict__ amax, int rows,
