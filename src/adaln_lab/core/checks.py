@@ -194,11 +194,10 @@ def check_devices(op: str, first: str, tensors: dict) -> None:
 
 
 def check_rows(op: str, x: torch.Tensor, row_index: torch.Tensor, *, y: torch.Tensor | None = None,
-               norm_weight: torch.Tensor | None = None, norm_name: str = "norm_weight",
-               **tables: torch.Tensor) -> None:
+               norms: dict | None = None, **tables: torch.Tensor) -> None:
     """Raise ValueError / TypeError naming the argument unless x (..., S, H), row_index (S,) int64, each
-    table argument (R, H) (one R for all) and, where given, y (x's shape, floating point) and norm_weight
-    (H,) floating point (named `norm_name` in the messages) fit, all on x's device."""
+    table argument (R, H) (one R for all) and, where given, y (x's shape, floating point) and each norm weight of
+    `norms` ({name: (H,) floating point}: an op's norm_weight, a block's two) fit, all on x's device."""
     if x.dim() < 2:
         raise ValueError(f"{op} needs x of shape (..., S, H), got {tuple(x.shape)}")
     S, H = x.shape[-2], x.shape[-1]
@@ -216,10 +215,12 @@ def check_rows(op: str, x: torch.Tensor, row_index: torch.Tensor, *, y: torch.Te
                          + ", ".join(f"{name} {tuple(t.shape)}" for name, t in tables.items()))
     if y is not None and y.shape != x.shape:
         raise ValueError(f"{op} needs y of x's shape {tuple(x.shape)}, got {tuple(y.shape)}")
-    if norm_weight is not None and norm_weight.shape != (H,):
-        raise ValueError(f"{op} needs {norm_name} of shape (H,) = ({H},), H = {H} being x's last dimension (x has "
-                         f"shape {tuple(x.shape)}), got {tuple(norm_weight.shape)}")
-    floats = {"x": x, **tables, "y": y, norm_name: norm_weight}
+    norms = norms or {}
+    for name, norm_weight in norms.items():
+        if norm_weight.shape != (H,):
+            raise ValueError(f"{op} needs {name} of shape (H,) = ({H},), H = {H} being x's last dimension (x has "
+                             f"shape {tuple(x.shape)}), got {tuple(norm_weight.shape)}")
+    floats = {"x": x, **tables, "y": y, **norms}
     for name, t in floats.items():
         if t is not None and not t.dtype.is_floating_point:
             raise TypeError(f"{op} needs a floating-point {name}, got {t.dtype}")

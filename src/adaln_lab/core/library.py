@@ -57,6 +57,7 @@ def library_op(name: str, *, mutates_args: Iterable[str], device_types: str | It
             return fn(*args)
 
         call.op = op
+        call.body = fn  # for a launch body calling another from inside (already past the switch)
         return call
 
     return register

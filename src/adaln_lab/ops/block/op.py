@@ -106,8 +106,7 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
                              "diffusers' ops on weight and bias as given)")
         return replay_block_adaln(x, temb, weight, bias, norm1_weight, norm2_weight, row_index, attn, ff, eps1, eps2)
     check_table_inputs(temb, weight, bias)
-    check_rows(OP, x, row_index, norm_weight=norm1_weight, norm_name="norm1_weight")
-    check_rows(OP, x, row_index, norm_weight=norm2_weight, norm_name="norm2_weight")
+    check_rows(OP, x, row_index, norms={"norm1_weight": norm1_weight, "norm2_weight": norm2_weight})
     check_devices(OP, "x", {"x": x, "temb": temb})
     table_rows = MODALITIES * temb.shape[0]
     table_route, rows_ok, weight, bias, norm1_weight, norm2_weight = _routes(

@@ -122,7 +122,7 @@ def gated_residual_norm(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, no
         (x_out, out), both (..., S, H): x_out of dtype promote_types(x, table_dtype, y), out of
         promote_types(x_out, table_dtype); diffusers' values for `x = x + gate * y; h = norm2(x) * ...`.
     """
-    check_rows("gated_residual_norm", x, row_index, y=y, norm_weight=norm_weight, gate=gate, shift=shift,
+    check_rows("gated_residual_norm", x, row_index, y=y, norms={"norm_weight": norm_weight}, gate=gate, shift=shift,
                scale=scale)
     check_order("gated_residual_norm", row_order, row_index, gate.shape[0])
     check_option("backend", backend, BLOCK_BACKENDS)

@@ -113,7 +113,7 @@ def modulated_rms_norm(x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.
     Returns:
         (..., S, H) tensor of dtype promote_types(x.dtype, table_dtype), diffusers' output.
     """
-    check_rows("modulated_rms_norm", x, row_index, norm_weight=norm_weight, shift=shift, scale=scale)
+    check_rows("modulated_rms_norm", x, row_index, norms={"norm_weight": norm_weight}, shift=shift, scale=scale)
     check_option("backend", backend, BLOCK_BACKENDS)
     table_dtype = x.dtype if table_dtype is None else table_dtype
     route = norm_route(x, norm_weight, shift, scale, row_index, table_dtype, backend, "modulated_rms_norm")
@@ -135,7 +135,8 @@ def modulated_rms_norm_and_residual(x: torch.Tensor, norm_weight: torch.Tensor, 
     modifying it in place under grad mode raises. Arguments as `modulated_rms_norm`, and row_order: None, or
     `adaln_lab.row_order(row_index, R, H)` computed once for several ops (the CUDA backward's row order).
     """
-    check_rows("modulated_rms_norm_and_residual", x, row_index, norm_weight=norm_weight, shift=shift, scale=scale)
+    check_rows("modulated_rms_norm_and_residual", x, row_index, norms={"norm_weight": norm_weight}, shift=shift,
+               scale=scale)
     check_order("modulated_rms_norm_and_residual", row_order, row_index, shift.shape[0])
     check_option("backend", backend, BLOCK_BACKENDS)
     table_dtype = x.dtype if table_dtype is None else table_dtype
