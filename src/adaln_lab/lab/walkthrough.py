@@ -82,9 +82,14 @@ def big_batch_path(x, norm_weight, temb, weight, bias, timestep_indices):
     return out.to(x.dtype)
 
 
+_CALLS = [0]  # the "weight" plant's backward calls so far: its noise differs from each call to the next
+
+
 class _PlantedBackward(torch.autograd.Function):
     """Forward: the replay, untouched. Backward: torch's gradients, then one of them perturbed:
-    `how` = "dx" scales dx by a factor of the batch size; "weight" adds call-to-call noise to d_weight."""
+    `how` = "dx" scales dx by a factor of the batch size; "weight" scales d_weight by 1 + 2^-6 or 1 + 2^-5 on
+    alternate calls, as call-to-call noise: factors a bf16 d_weight keeps apart (a random factor near 1 rounds to
+    the same bf16 factor in a quarter of three-call runs, and the plant would go unseen)."""
 
     @staticmethod
     def forward(ctx, how, x, norm_weight, temb, weight, bias, timestep_indices):
@@ -101,7 +106,8 @@ class _PlantedBackward(torch.autograd.Function):
         if ctx.how == "dx":
             dx = dx * (1 + (x.shape[0] % 3) * 2.0 ** -7)
         else:
-            dw = dw * (1 + 2.0 ** -6 * torch.rand((), device=dw.device))
+            _CALLS[0] += 1
+            dw = dw * (1 + 2.0 ** -(5 + _CALLS[0] % 2))
         return None, dx, dnw, dtemb, dw, db, None
 
 
