@@ -34,17 +34,22 @@ def layout(sizes: dict) -> tuple[dict, int]:
     return offsets, max(total, ALIGN)
 
 
+def forward_pieces(T: int, H: int, rows: int, D: int) -> tuple[int, int, int, int]:
+    """Bytes of norm_out's forward workspace pieces, in their order: `table` (T, 2H) bf16, `table_f32` (T, 2H) fp32,
+    `rstd` (rows,) fp32 and `act` (T, D) bf16 (the table kernel's scratch: bf16(silu(temb)))."""
+    return T * 2 * H * 2, T * 2 * H * 4, rows * 4, T * D * 2
+
+
 def forward_workspace(T: int, H: int, rows: int, D: int) -> tuple[dict, int]:
-    """norm_out's forward workspace: `table` (T, 2H) bf16, `table_f32` (T, 2H) fp32, `rstd` (rows,) fp32 and `act`
-    (T, D) bf16 (the table kernel's scratch: bf16(silu(temb))) laid out one after another: (byte offsets, total
-    bytes). Integer arithmetic alone, no cache, so that torch.compile traces it on symbolic sizes."""
-    return layout({"table": T * 2 * H * 2, "table_f32": T * 2 * H * 4, "rstd": rows * 4, "act": T * D * 2})
+    """norm_out's forward workspace (`forward_pieces`) laid out one after another: (byte offsets, total bytes).
+    Integer arithmetic alone, no cache, so that torch.compile traces it on symbolic sizes."""
+    return layout(dict(zip(("table", "table_f32", "rstd", "act"), forward_pieces(T, H, rows, D))))
 
 
 def forward_bytes(T: int, H: int, rows: int, D: int) -> int:
     """forward_workspace(T, H, rows, D)'s total alone, without building the offsets (the op's Function allocates
     the workspace in eager and compiled code alike: a call's host time)."""
-    return max(aligned(T * 4 * H) + aligned(T * 8 * H) + aligned(rows * 4) + aligned(T * D * 2), ALIGN)
+    return max(sum(aligned(n) for n in forward_pieces(T, H, rows, D)), ALIGN)
 
 
 @dataclass(frozen=True)
