@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from adaln_lab import final_adaln_out
 from adaln_lab.core import tensors
-from adaln_lab.core.plan import row_tables_fit
 from adaln_lab.harness.accuracy import bf16_ulp
 from adaln_lab.harness.inputs import make
 from adaln_lab.ops.gated_residual import launch as residual_launch
@@ -31,13 +30,12 @@ BF16 = torch.bfloat16
 # ---------------------------------------------------------------- the launch bodies on route "cupy"
 
 def table_fwd(temb, weight, bias):
-    """table (T, N) fp32 holding bf16 values: table.cu (modulation_table.launch.forward), its bf16 output (the
-    block's two row tables (2, 3T, 2H) for N = 18H, else (T, N)) allocated as ModulationTable does."""
+    """table (T, N) fp32 holding bf16 values: table.cu (modulation_table.launch.forward), its bf16 buffer (the
+    block's two row tables (3T, 2H) for N = 18H, else (T, N), then act) allocated as ModulationTable does."""
     T_, N = temb.shape[0], weight.shape[0]
     table = torch.empty(T_, N, dtype=torch.float32, device=temb.device)
-    shape = (2, 3 * T_, 2 * (N // 18)) if row_tables_fit(N) else (T_, N)
-    table_bf16 = torch.empty(shape, dtype=BF16, device=temb.device)
-    table_launch.forward(temb, weight, bias, "cupy", "cuda", table, table_bf16, None)
+    table_bf16 = torch.empty(table_launch.bf16_elements(T_, N, temb.shape[1]), dtype=BF16, device=temb.device)
+    table_launch.forward(temb, weight, bias, "cupy", "cuda", table, table_bf16)
     return table
 
 

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from adaln_lab import modulation_table
-from adaln_lab.core.plan import row_tables_fit
 from adaln_lab.ops.modulation_table import launch
 from adaln_lab.reference import block as br
 
@@ -25,16 +24,13 @@ def _inputs(dtype=torch.bfloat16, temb_dtype=torch.float32, T_=T, H_=H, D_=D, se
 
 
 def _table_outputs(temb, weight, route):
-    """(table, table_bf16, act) of launch.forward: table (T, N) in promote_types(weight, float32); on the kernels the
-    table kernel's bf16 output, (2, 3T, 2H) for a block's table of N = 18H columns, else (T, N), and its act scratch
-    (T * D,) bf16 (ModulationTable allocates the two together); None and None in the torch code."""
+    """(table, table_bf16) of launch.forward: table (T, N) in promote_types(weight, float32); on the kernels the
+    table kernel's bf16 buffer (its output, then its act scratch: `launch.bf16_elements`), None in the torch code."""
     T_, N = temb.shape[0], weight.shape[0]
     table = torch.empty(T_, N, dtype=torch.promote_types(weight.dtype, torch.float32), device=temb.device)
     if route != "cupy":
-        return table, None, None
-    shape = (2, 3 * T_, 2 * (N // 18)) if row_tables_fit(N) else (T_, N)
-    return (table, torch.empty(shape, dtype=torch.bfloat16, device=temb.device),
-            torch.empty(temb.numel(), dtype=torch.bfloat16, device=temb.device))
+        return table, None
+    return table, torch.empty(launch.bf16_elements(T_, N, temb.shape[1]), dtype=torch.bfloat16, device=temb.device)
 
 
 def _grad_outputs(temb, weight, bias):

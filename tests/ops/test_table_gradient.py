@@ -126,8 +126,8 @@ def test_cuda_gradients_are_the_chunk_views_bits(sequence):
 
 def test_for_op_columns_and_standalone():
     """for_op: the link's gradient itself where the ops after this one made the buffer, else a new (T, 18H) buffer
-    of the table's dtype and device whose chunks from `end` on are zeros; columns: the (3T, 6H - first * H) view from
-    chunk `first` on, row stride 6H; standalone: an op's own (R, width) buffer."""
+    of the table's dtype and device whose chunks from `end` on are zeros; columns: the (3T, 6H) view, row stride 6H;
+    standalone: an op's own (R, width) buffer."""
     meta = (torch.Size((T, 18 * H)), torch.float32, torch.device("cpu"))
     link = torch.full((T, 18 * H), 7.0)
     assert table_gradient.for_op(link, meta, H, 2) is link
@@ -137,11 +137,10 @@ def test_for_op_columns_and_standalone():
         rows = buffer.view(3 * T, 6 * H)
         assert not rows[:, end * H:].any()  # the chunks of the ops after this one: zeros
     buffer = torch.arange(T * 18 * H, dtype=torch.float32).view(T, 18 * H)
-    for first in range(len(CHUNKS)):
-        view = table_gradient.columns(buffer, H, first)
-        assert view.shape == (3 * T, (6 - first) * H) and view.stride() == (6 * H, 1)
-        assert view.data_ptr() == buffer.data_ptr() + 4 * first * H
-        assert torch.equal(view, buffer.view(3 * T, 6 * H)[:, first * H:])
+    view = table_gradient.columns(buffer, H)
+    assert view.shape == (3 * T, 6 * H) and view.stride() == (6 * H, 1) and view.data_ptr() == buffer.data_ptr()
+    for chunk in range(len(CHUNKS)):  # chunk c of table row 3t + m: columns (6m + c) H of row t
+        assert torch.equal(view[1::3, chunk * H:(chunk + 1) * H], buffer[:, (6 + chunk) * H:(7 + chunk) * H])
     own = table_gradient.standalone(3 * T, 2 * H, torch.bfloat16, torch.device("cpu"))
     assert own.shape == (3 * T, 2 * H) and own.dtype == torch.bfloat16
     assert CHUNKS == REFERENCE_CHUNKS

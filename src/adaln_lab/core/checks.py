@@ -184,10 +184,10 @@ def check_option(name: str, value, choices: tuple) -> None:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
-def check_devices(op: str, first: str, tensors: dict) -> None:
-    """Raise ValueError naming the argument unless every tensor in `tensors` is on the device of `tensors[first]`."""
-    device = tensors[first].device
-    for name, t in tensors.items():
+def check_devices(op: str, first: str, device: torch.device, named) -> None:
+    """Raise ValueError naming the argument unless every tensor of `named` ((name, tensor or None) pairs) is on
+    `device`, the device of argument `first`."""
+    for name, t in named:
         if t is not None and t.device != device:
             raise ValueError(f"{op}: {name} is on {t.device} but {first} is on {device}: all inputs must share one "
                              "device")
@@ -220,11 +220,11 @@ def check_rows(op: str, x: torch.Tensor, row_index: torch.Tensor, *, y: torch.Te
         if norm_weight.shape != (H,):
             raise ValueError(f"{op} needs {name} of shape (H,) = ({H},), H = {H} being x's last dimension (x has "
                              f"shape {tuple(x.shape)}), got {tuple(norm_weight.shape)}")
-    floats = {"x": x, **tables, "y": y, **norms}
-    for name, t in floats.items():
+    named = (("x", x), *tables.items(), ("y", y), *norms.items())
+    for name, t in named:
         if t is not None and not t.dtype.is_floating_point:
             raise TypeError(f"{op} needs a floating-point {name}, got {t.dtype}")
-    check_devices(op, "x", {**floats, "row_index": row_index})
+    check_devices(op, "x", x.device, (*named, ("row_index", row_index)))
 
 
 def check_order(op: str, order: torch.Tensor | None, row_index: torch.Tensor, table_rows: int) -> None:
@@ -248,7 +248,8 @@ def check_table_inputs(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         raise ValueError(f"modulation_table: bias has N = {bias.shape[0]} (shape {tuple(bias.shape)}) but weight has "
                          f"N = {weight.shape[0]} rows (shape {tuple(weight.shape)}): bias (N,) and weight (N, D) "
                          "disagree")
-    for name, t in (("temb", temb), ("weight", weight), ("bias", bias)):
+    named = (("temb", temb), ("weight", weight), ("bias", bias))
+    for name, t in named:
         if not t.dtype.is_floating_point:
             raise TypeError(f"modulation_table needs a floating-point {name}, got {t.dtype}")
-    check_devices("modulation_table", "temb", {"temb": temb, "weight": weight, "bias": bias})
+    check_devices("modulation_table", "temb", temb.device, named)

@@ -61,6 +61,9 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 
 
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+# CUlaunchConfig's head (grid, block, shared memory, then the stream after 4 bytes of padding) in one write
+_CONFIG_HEAD = struct.Struct("<7I4xQ")
+assert (_LaunchConfig.shared_mem.offset, _LaunchConfig.stream.offset) == (24, 32)
 
 
 @lru_cache(maxsize=None)
@@ -103,7 +106,7 @@ class Kernel:
         config = _LaunchConfig()
         config.attrs, config.num_attrs = ctypes.pointer(self._attribute), 1
         self._config_address, self._launch_ex = ctypes.addressof(config), _launch_kernel_ex()
-        self._config = config
+        self._config, self._config_bytes = config, memoryview(config).cast("B")
         return config
 
     def __call__(self, grid, block, shared_mem: int, stream: int, *args) -> None:
@@ -120,10 +123,9 @@ class Kernel:
         if not self.programmatic:
             return self(grid, block, shared_mem, stream, *args)
         with self._lock:  # one configuration and argument block per kernel, rewritten in place (host time)
-            config = self._config or self._programmatic_config()
-            config.grid[0], config.grid[1], config.grid[2] = grid
-            config.block[0], config.block[1], config.block[2] = block
-            config.shared_mem, config.stream = shared_mem, stream
+            if self._config is None:
+                self._programmatic_config()
+            _CONFIG_HEAD.pack_into(self._config_bytes, 0, *grid, *block, shared_mem, stream)
             self._pack(self._buffer, 0, *args)
             status = self._launch_ex(self._config_address, self.function.ptr, self._params_address, None)
         if status:

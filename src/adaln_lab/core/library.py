@@ -3,7 +3,9 @@
 - `library_op(name, mutates_args=...)`: a torch.library custom op whose body writes outputs the caller
   allocated (so its fake is a no-op: nothing for torch.compile to trace into), returned as a plain function that
   calls the body directly in eager code (the dispatcher's fixed cost skipped) and the custom op while
-  torch.compile traces (an opaque node in the graph). Every op's one `autograd.Function` calls these, in eager and
+  torch.compile traces (an opaque node in the graph). Either way the body runs with its first tensor's CUDA device
+  current, and the caller's current device is back after (a block on cuda:1 run while cuda:0 is current leaves
+  cuda:0 current). Every op's one `autograd.Function` calls these, in eager and
   compiled code alike. A mutated argument takes no default (TypeError at registration): torch 2.11's
   ADInplaceOrView kernel indexes the mutated arguments by position without filling defaults, and dynamo drops an
   argument equal to its default, so every caller passes each one.
@@ -23,6 +25,7 @@ import torch
 
 _compiling = torch.compiler.is_compiling
 _transforms_active = torch._C._are_functorch_transforms_active
+_get_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
 def eager() -> bool:
@@ -46,7 +49,7 @@ def library_op(name: str, *, mutates_args: Iterable[str], device_types: str | It
         defaulted = [n for n in mutated if parameters[n].default is not inspect.Parameter.empty]
         if defaulted:
             raise TypeError(f"{name}: mutated arguments take no default (every caller passes them), got {defaulted}")
-        op = torch.library.custom_op(name, fn, mutates_args=mutated, device_types=device_types)
+        op = torch.library.custom_op(name, _on_its_device(fn), mutates_args=mutated, device_types=device_types)
         op.register_fake(_no_output)
         overload = op._opoverload  # dynamo inlines a plain function calling an OpOverload, also inside a Function
 
@@ -54,13 +57,37 @@ def library_op(name: str, *, mutates_args: Iterable[str], device_types: str | It
         def call(*args):
             if _compiling():
                 return overload(*args)
+            first = args[0]
+            if first.is_cuda and first.get_device() != _current_device():
+                with torch.cuda.device(first.device):
+                    return fn(*args)
             return fn(*args)
 
         call.op = op
-        call.body = fn  # for a launch body calling another from inside (already past the switch)
+        call.body = fn  # for a launch body calling another from inside (past the switch, on its device)
         return call
 
     return register
+
+
+def _on_its_device(fn: Callable) -> Callable:
+    """fn run with its first tensor argument's CUDA device current (the custom op's body: the dispatcher binds no
+    device for a Python custom op)."""
+
+    @functools.wraps(fn)
+    def on_its_device(first, *args):
+        if not first.is_cuda or first.get_device() == _current_device():
+            return fn(first, *args)
+        with torch.cuda.device(first.device):
+            return fn(first, *args)
+
+    return on_its_device
+
+
+def _current_device() -> int:
+    """torch's current CUDA device index, without torch.cuda.current_device's lazy-init check (the caller holds a
+    CUDA tensor, so CUDA is initialised)."""
+    return _get_device()
 
 
 def _no_output(*args) -> None:

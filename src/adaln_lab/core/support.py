@@ -75,9 +75,10 @@ def _shapes(H: int, D: int, T: int) -> Exception | None:
 
 def final_adaln_out(x, norm_weight, temb, weight, bias=None) -> Exception | None:
     """norm_out's kernels: bf16 x / norm_weight / weight / bias, fp32 temb, CUDA, shapes the plan takes."""
-    for name, t in (("x", x), ("norm_weight", norm_weight), ("weight", weight), ("bias", bias)):
-        if t is not None and t.dtype != _BF16:
-            return _dtype(name, t, _BF16)
+    if not (x.dtype == norm_weight.dtype == weight.dtype == _BF16 and (bias is None or bias.dtype == _BF16)):
+        for name, t in (("x", x), ("norm_weight", norm_weight), ("weight", weight), ("bias", bias)):
+            if t is not None and t.dtype != _BF16:
+                return _dtype(name, t, _BF16)
     return (_dtype("temb", temb, _F32) or _not_cuda("x", x)
             or _shapes(x.shape[-1], temb.shape[1], temb.shape[0]))
 
@@ -85,8 +86,13 @@ def final_adaln_out(x, norm_weight, temb, weight, bias=None) -> Exception | None
 def table(temb, weight, bias) -> Exception | None:
     """table.cu / table_bwd.cu for temb (T, D), weight (N, D), bias (N,): fp32 temb, bf16 weight and bias,
     one CUDA device, a plan of N columns."""
-    error = (_not_cuda("temb", temb) or _other_device("temb", temb, weight=weight, bias=bias)
-             or _dtype("temb", temb, _F32) or _dtype("weight", weight, _BF16) or _dtype("bias", bias, _BF16))
+    device = temb.device
+    if (temb.dtype != _F32 or weight.dtype != _BF16 or bias.dtype != _BF16 or weight.device != device
+            or bias.device != device):  # the reason, in this order
+        error = (_not_cuda("temb", temb) or _other_device("temb", temb, weight=weight, bias=bias)
+                 or _dtype("temb", temb, _F32) or _dtype("weight", weight, _BF16) or _dtype("bias", bias, _BF16))
+    else:
+        error = _not_cuda("temb", temb)
     if error is not None:
         return error
     try:
@@ -102,10 +108,10 @@ def rows(x, table_rows: int, **bf16_tensors) -> Exception | None:
     error = _not_cuda("x", x) or _dtype("x", x, _BF16)
     if error is not None:
         return error
+    device = x.device
     for name, t in bf16_tensors.items():
-        error = _other_device("x", x, **{name: t}) or _dtype(name, t, _BF16)
-        if error is not None:
-            return error
+        if t.device != device or t.dtype != _BF16:
+            return _other_device("x", x, **{name: t}) or _dtype(name, t, _BF16)
     if table_rows > T_MAX:
         return ValueError(f"the CUDA kernels take at most {T_MAX} table rows, got {table_rows} (an H3 block has "
                           f"3 per timestep: T = temb.shape[0] <= {T_MAX // 3})")

@@ -38,14 +38,13 @@ def for_op(d_link: torch.Tensor | None, table: tuple, hidden_size: int, end: int
     autograd orders them by), 0 for none."""
     if d_link is not None:
         return d_link
-    shape, dtype, device = table
-    if partials:
-        numel = shape.numel()
-        both = torch.empty(numel + partials, dtype=dtype, device=device)
-        buffer = both[:numel].view(shape)
-        buffer.adaln_partials = both[numel:]  # `partials_of`: this buffer's own scratch, none for any other tensor
+    (T, N), dtype, device = table
+    if partials:  # (views by as_strided: a slice and a view cost the eager host a few microseconds more)
+        both = torch.empty(T * N + partials, dtype=dtype, device=device)
+        buffer = both.as_strided((T, N), (N, 1))
+        buffer.adaln_partials = both.as_strided((partials,), (1,), T * N)  # `partials_of`: this buffer's own scratch
     else:
-        buffer = torch.empty(shape, dtype=dtype, device=device)
+        buffer = torch.empty(T, N, dtype=dtype, device=device)
     if end < len(CHUNKS):
         buffer.view(-1, len(CHUNKS) * hidden_size)[:, end * hidden_size:].zero_()
     return buffer
@@ -72,9 +71,10 @@ def for_row_op(d_link: torch.Tensor | None, table: tuple, hidden_size: int, end:
     return d_link, partials_of(d_link)
 
 
-def columns(buffer: torch.Tensor, hidden_size: int, first: int) -> torch.Tensor:
-    """The (3T, 6H - first * H) view of `buffer` from chunk `first` on (row stride 6H): where an op writes."""
-    return buffer.view(-1, len(CHUNKS) * hidden_size)[:, first * hidden_size:]
+def columns(buffer: torch.Tensor, hidden_size: int) -> torch.Tensor:
+    """The (3T, 6H) view of `buffer` (T, 18H): the six chunks of each of the 3T table rows side by side, where the
+    ops write their chunks' columns (row stride 6H)."""
+    return buffer.view(-1, len(CHUNKS) * hidden_size)
 
 
 def standalone(rows: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

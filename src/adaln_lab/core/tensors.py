@@ -1,9 +1,8 @@
 """The torch side of every launch: torch allocates, `launchers` launch on torch's current stream of the tensors'
 device. What the ops' launch modules (`ops/<op>/launch.py`) share:
 
-- `current_device`, `current_stream`, `keeps_device` (a launch body binds its first tensor's device, the caller's
-  current device back after), `aligned` (contiguous and 16-byte aligned: the kernels load 8 bf16 at a time),
-  `as_dtype`;
+- `current_stream`, `promoted`, `as_dtype`, `aligned` / `all_aligned` (contiguous and 16-byte aligned: the kernels
+  load 8 bf16 at a time);
 - `context(device, H, D, T, rows, ...)`: (plan, its Rows, the compiled kernels) of one call's shapes, one cache
   lookup keyed on integers (the eager host time); `row_setup` / `table_setup`: the row kernels' and the table
   kernels' (plan, ..., kernels, stream);
@@ -19,7 +18,6 @@ table_row_tables=row_tables_fit(N))` (its row kernels unused); the rows' `plan(H
 
 from __future__ import annotations
 
-import functools
 from functools import lru_cache
 
 import torch
@@ -28,19 +26,12 @@ from . import launchers
 from .plan import plan as make_plan, row_tables_fit
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-_get_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
 def gpu(t: torch.Tensor) -> bool:
     """Whether a launch body runs the kernels for t's device (CUDA tensors; a CPU stand-in of the GPU says yes for
     CPU tensors: `adaln_lab.bench.host_model`)."""
     return t.is_cuda
-
-
-def current_device() -> int:
-    """torch's current CUDA device index (torch.cuda.current_device without its lazy-init check: the callers hold
-    CUDA tensors, so CUDA is initialised)."""
-    return _get_device() if _get_device is not None else torch.cuda.current_device()
 
 
 def current_stream(device_index: int) -> int:
@@ -55,11 +46,26 @@ def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def promoted(a: torch.dtype, b: torch.dtype, c: torch.dtype | None = None) -> torch.dtype:
+    """torch.promote_types over two or three dtypes, without the call where they agree (the eager host time)."""
+    ab = a if a == b else torch.promote_types(a, b)
+    return ab if c is None or c == ab else torch.promote_types(ab, c)
+
+
 def aligned(t: torch.Tensor) -> torch.Tensor:
     """t contiguous and starting on a 16-byte boundary (the kernels load 16 bytes at a time: 8 bf16, 4 fp32); a copy
     only if not."""
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def all_aligned(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`aligned` of each of ts, in one call: ts themselves where all are contiguous and 16-byte aligned (the eager
+    host time: no call per tensor)."""
+    for t in ts:
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            return tuple(aligned(t) for t in ts)
+    return ts
 
 
 @lru_cache(maxsize=4096)
@@ -113,25 +119,6 @@ def norm_modulate(x, norm_weight, table_bf16, timestep_indices, eps: float, D: i
                                    x.data_ptr(), norm_weight.data_ptr(), table_bf16.data_ptr(),
                                    timestep_indices.data_ptr(), out.data_ptr(), rstd.data_ptr(), x.shape[-2], eps)
     return out, rstd
-
-
-def keeps_device(fn):
-    """fn's launches bind the device of its first tensor argument; the caller's current device is back after (a
-    block on cuda:1 run while cuda:0 is current leaves cuda:0 current). CPU tensors: fn as it is."""
-
-    @functools.wraps(fn)
-    def on_its_device(first, *args, **kwargs):
-        if not first.is_cuda or first.get_device() == current_device():
-            return fn(first, *args, **kwargs)
-        with torch.cuda.device(first.device):
-            return fn(first, *args, **kwargs)
-
-    return on_its_device
-
-
-def setup(device: torch.device, plan):
-    launchers.bind(device.index)
-    return launchers.kernels(device.index, plan), current_stream(device.index)
 
 
 def table_setup(temb: torch.Tensor, N: int):
@@ -194,12 +181,14 @@ def shift_scale_bf16(shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def row_table_address(shift: torch.Tensor, row_table) -> int:
-    """Address of row table `row_table[1]` of modulation_table_fwd's row tables `row_table[0]` (2, R, 2H) bf16: the
-    contiguous shift | scale the forward kernels read, the values of the fp32 chunks shift and scale."""
+    """Address of row table `row_table[1]` (0 or 1) of a block's row tables `row_table[0]`: the table kernel's bf16
+    buffer (`ops.modulation_table.launch.bf16_elements`) starting with the two (R, 2H) row tables, the contiguous
+    shift | scale the forward kernels read, the values of the fp32 chunks shift and scale."""
     tables, which = row_table
     R, H = shift.shape
-    if tables.shape != (2, R, 2 * H) or tables.dtype != torch.bfloat16:
-        raise ValueError(f"row tables of shape (2, {R}, {2 * H}) bf16 needed, got {tuple(tables.shape)} {tables.dtype}")
+    if tables.numel() < 4 * R * H or tables.dtype != torch.bfloat16:
+        raise ValueError(f"row tables of at least 2 x {R} x {2 * H} bf16 elements needed, got {tables.numel()} "
+                         f"{tables.dtype}")
     return tables.data_ptr() + which * R * 2 * H * 2
 
 

@@ -49,7 +49,9 @@ def forward_workspace(T: int, H: int, rows: int, D: int) -> tuple[dict, int]:
 def forward_bytes(T: int, H: int, rows: int, D: int) -> int:
     """forward_workspace(T, H, rows, D)'s total alone, without building the offsets (the op's Function allocates
     the workspace in eager and compiled code alike: a call's host time)."""
-    return max(sum(aligned(n) for n in forward_pieces(T, H, rows, D)), ALIGN)
+    table, table_f32, rstd, act = forward_pieces(T, H, rows, D)
+    total = (-(-table // ALIGN) - (-table_f32 // ALIGN) - (-rstd // ALIGN) - (-act // ALIGN)) * ALIGN  # `aligned` each
+    return max(total, ALIGN)
 
 
 @dataclass(frozen=True)

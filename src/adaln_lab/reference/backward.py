@@ -33,9 +33,12 @@ def rows_index(row_index: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return row_index.repeat(x.numel() // H // S) if S else row_index
 
 
+_NARROW = frozenset((torch.bfloat16, torch.float16, torch.float32))
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the per-row sums run in: promote_types(x.dtype, float32)."""
-    return torch.promote_types(x.dtype, torch.float32)
+    return torch.float32 if x.dtype in _NARROW else torch.promote_types(x.dtype, torch.float32)
 
 
 def rstd_of(x: torch.Tensor, eps: float) -> torch.Tensor:

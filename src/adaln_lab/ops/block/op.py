@@ -48,14 +48,13 @@ def _check_branch(name: str, y: torch.Tensor, x: torch.Tensor) -> None:
         raise ValueError(f"block_adaln_path needs {name}(h) of x's shape {tuple(x.shape)}, got {got}")
 
 
-def _routes(x, temb, weight, bias, norm1_weight, norm2_weight, row_index, backend: str):
+def _routes(x, temb, weight, bias, norm1_weight, norm2_weight, backend: str):
     """(table route, whether the rows run on the kernels, weight, bias, norm1_weight, norm2_weight as the ops take
     them): the kernel rule asked once for the table and once for the rows; under autocast fp32 parameters are cast to
     bf16 for the kernels (`core.autocast`), and kept as given where the kernels cannot run."""
     cast = autocast_params(x, weight, bias, norm1_weight, norm2_weight)
     table_error = support.table(support.kernel_temb(temb, cast[0]), cast[0], cast[1])
-    rows_error = support.on_device(x, row_index=row_index, temb=temb) or support.rows(
-        x, MODALITIES * temb.shape[0], norm1_weight=cast[2], norm2_weight=cast[3])
+    rows_error = support.rows(x, MODALITIES * temb.shape[0], norm1_weight=cast[2], norm2_weight=cast[3])
     if table_error is None and rows_error is None:
         return ("cupy", True, *cast)
     support.route(OP, backend, x, table_error or rows_error)  # raises for backend "cupy", else warns
@@ -107,10 +106,10 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
         return replay_block_adaln(x, temb, weight, bias, norm1_weight, norm2_weight, row_index, attn, ff, eps1, eps2)
     check_table_inputs(temb, weight, bias)
     check_rows(OP, x, row_index, norms={"norm1_weight": norm1_weight, "norm2_weight": norm2_weight})
-    check_devices(OP, "x", {"x": x, "temb": temb})
+    check_devices(OP, "x", x.device, (("temb", temb),))
     table_rows = MODALITIES * temb.shape[0]
     table_route, rows_ok, weight, bias, norm1_weight, norm2_weight = _routes(
-        x, temb, weight, bias, norm1_weight, norm2_weight, row_index, backend)
+        x, temb, weight, bias, norm1_weight, norm2_weight, backend)
     table_dtype = weight.dtype
     # on the kernels the table kernel also writes the norms' bf16 row tables, read in place of casting the chunks
     with_row_tables = table_route == "cupy" and rows_ok and table_backend == "cuda" and adapt_table is None

@@ -59,7 +59,6 @@ def saved_views(workspace: torch.Tensor, T: int, H: int, rows: int, D: int):
 
 
 @library_op("adaln_lab::final_adaln_out_fwd", mutates_args=("out", "workspace"))
-@tensors.keeps_device
 def forward(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor,
             bias: torch.Tensor, timestep_indices: torch.Tensor, eps: float, route: str, table_backend: str,
             out: torch.Tensor, workspace: torch.Tensor) -> None:
@@ -80,17 +79,20 @@ def forward(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tensor, weig
         result, table_f32, rstd = reference_forward(x, norm_weight, temb, weight, bias, timestep_indices, eps)
         out.copy_(result), saved_f32.copy_(table_f32), saved_rstd.copy_(rstd)
         return
-    context = kernels_of(x, temb)
-    if workspace.numel() < context[1].fwd_bytes:  # the kernels write every piece, act last
+    device = x.get_device()
+    context = tensors.context(device, H, D, T, rows)
+    layout = context[1]
+    if workspace.numel() < layout.fwd_bytes:  # the kernels write every piece, act last
         raise ValueError(f"final_adaln_out_fwd: a workspace of {workspace.numel()} bytes, the plan needs "
-                         f"{context[1].fwd_bytes} (core.plan.forward_bytes(T, H, rows, D))")
-    base, o = workspace.data_ptr(), context[1].fwd_offsets
+                         f"{layout.fwd_bytes} (core.plan.forward_bytes(T, H, rows, D))")
+    launchers.bind(device)
+    base, o = workspace.data_ptr(), layout.fwd_offsets
     if table_backend == "torch":
         saved = saved_views(workspace, T, H, rows, D)
         for piece, value in zip(saved, table_from_torch(temb, weight, bias)):
             piece.copy_(value)
     kernels_forward(x, norm_weight, temb, weight, bias, timestep_indices, eps, out.data_ptr(), base + o["table"],
-                    base + o["table_f32"], base + o["rstd"], tensors.current_stream(x.get_device()),
+                    base + o["table_f32"], base + o["rstd"], tensors.current_stream(device),
                     table_written=table_backend == "torch", context=context, act=base + o["act"])
 
 
@@ -107,10 +109,9 @@ def kernels_forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: f
                     act: int = 0) -> None:
     """table.cu (unless `table_written`: the bf16 table and table_f32 already at their addresses), then
     norm_modulate.cu, on `stream`, writing out, table, table_f32 and rstd at the given addresses (the op's
-    workspace, or `adaln_lab.dlpack`'s arrays). context: `kernels_of(x, temb)` where the caller has it. act: the
-    table kernel's scratch address (the workspace's), or 0 (`tensors.table_launch` makes one)."""
-    aligned = tensors.aligned
-    x, norm_weight, temb, weight, bias = aligned(x), aligned(norm_weight), aligned(temb), aligned(weight), aligned(bias)
+    workspace, or `adaln_lab.dlpack`'s arrays). context: `kernels_of(x, temb)` where the caller has it (its device
+    bound). act: the table kernel's scratch address (the workspace's), or 0 (`tensors.table_launch` makes one)."""
+    x, norm_weight, temb, weight, bias = tensors.all_aligned(x, norm_weight, temb, weight, bias)
     plan, rows, k = context or kernels_of(x, temb)
     if not table_written:
         tensors.table_launch(k, plan, stream, temb, weight.data_ptr(), bias.data_ptr(), table, table_f32, act)
@@ -121,7 +122,6 @@ def kernels_forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: f
 
 @library_op("adaln_lab::final_adaln_out_bwd",
             mutates_args=("dx", "d_norm_weight", "d_temb", "d_weight", "d_bias"))
-@tensors.keeps_device
 def backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor,
              timestep_indices: torch.Tensor, workspace: torch.Tensor, route: str, dx: torch.Tensor,
              d_norm_weight: torch.Tensor, d_temb: torch.Tensor, d_weight: torch.Tensor, d_bias: torch.Tensor) -> None:
@@ -141,10 +141,12 @@ def backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, temb:
         for output, grad in zip(outputs, grads):
             output.copy_(grad)
         return
-    context = kernels_of(x, temb)
+    device = x.get_device()
+    context = tensors.context(device, H, D, T, rows)
+    launchers.bind(device)
     base, o = workspace.data_ptr(), context[1].fwd_offsets
     kernels_backward(dy, x, norm_weight, temb, weight, timestep_indices, base + o["table_f32"], base + o["rstd"],
-                     outputs, tensors.current_stream(x.get_device()), context=context)
+                     outputs, tensors.current_stream(device), context=context)
 
 
 def kernels_backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f32: int, rstd: int, outputs,
@@ -152,8 +154,7 @@ def kernels_backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f
     """The four backward kernels on `stream`: outputs = (dx, d_norm_weight, d_temb, d_weight, d_bias) tensors,
     from the forward's table_f32 and rstd at their addresses; workspace: None (one torch allocation here), or a
     tensor of at least the plan's `bwd_bytes`. context: `kernels_of(x, temb)` where the caller has it."""
-    aligned = tensors.aligned
-    dy, x, norm_weight, weight = aligned(dy), aligned(x), aligned(norm_weight), aligned(weight)
+    dy, x, norm_weight, weight = tensors.all_aligned(dy, x, norm_weight, weight)
     plan, rows, k = context or kernels_of(x, temb)
     if workspace is None:
         workspace = torch.empty(rows.bwd_bytes, dtype=torch.uint8, device=x.device)

@@ -39,7 +39,7 @@ class FinalAdaLNOut(torch.autograd.Function):
     def forward(ctx, x, norm_weight, temb, weight, bias, timestep_indices, eps, route, table_backend):
         (T, D), H = temb.shape, x.shape[-1]
         out = torch.empty_like(x)
-        workspace = torch.empty(forward_bytes(T, H, x.numel() // H, D), dtype=torch.uint8, device=x.device)
+        workspace = x.new_empty(forward_bytes(T, H, x.numel() // H, D), dtype=torch.uint8)
         launch.forward(x, norm_weight, temb, weight, bias, timestep_indices, eps, route, table_backend, out, workspace)
         ctx.route = route
         ctx.save_for_backward(x, norm_weight, temb, weight, timestep_indices, workspace)
@@ -52,7 +52,7 @@ class FinalAdaLNOut(torch.autograd.Function):
         if ctx.route == "cupy":
             support.check_saved("final_adaln_out", x, norm_weight=norm_weight, weight=weight)
         grads = (torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(temb), torch.empty_like(weight),
-                 weight.new_empty(weight.shape[:1]))
+                 weight.new_empty(weight.shape[0]))
         launch.backward(dy.contiguous(), x, norm_weight, temb, weight, timestep_indices, workspace, ctx.route, *grads)
         needs = ctx.needs_input_grad
         return (*(g if need else None for g, need in zip(grads, needs)), None, None, None, None)

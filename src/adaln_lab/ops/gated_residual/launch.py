@@ -26,7 +26,6 @@ from ..row_order import row_order
 
 
 @library_op("adaln_lab::gated_residual_fwd", mutates_args=("out",))
-@tensors.keeps_device
 def forward(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: torch.Tensor, table_dtype: torch.dtype,
             route: str, out: torch.Tensor) -> None:
     """out (..., S, H) = x + gate[row_index] * y (module docstring)."""
@@ -34,14 +33,14 @@ def forward(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: tor
         out.copy_(replay_gated_residual(x, gate.to(table_dtype), y, row_index))
         return
     plan, rows, k, stream = tensors.row_setup(x, gate.shape[0])
-    x, y, row_index = tensors.aligned(x), tensors.aligned(y), row_index.contiguous()
+    x, y = tensors.all_aligned(x, y)
+    row_index = row_index.contiguous()
     gate, stride = tensors.gate_pointer(gate)
     launchers.launch_gated_residual(k, plan, rows, stream, x.data_ptr(), gate.data_ptr(), y.data_ptr(),
                                     row_index.data_ptr(), out.data_ptr(), stride, x.shape[-2])
 
 
 @library_op("adaln_lab::gated_residual_bwd", mutates_args=("d_y", "d_table", "partials"))
-@tensors.keeps_device
 def backward(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: torch.Tensor,
              order: torch.Tensor | None, table_dtype: torch.dtype, route: str, d_y: torch.Tensor,
              d_table: torch.Tensor, column: int, partials: torch.Tensor | None) -> None:
@@ -53,7 +52,8 @@ def backward(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index:
         d_y.copy_(grad_y), d_table[:, column:column + H].copy_(d_gate)
         return
     plan, rows, k, stream = tensors.row_setup(y, R)
-    dout, y, row_index = tensors.aligned(dout), tensors.aligned(y), row_index.contiguous()
+    dout, y = tensors.all_aligned(dout, y)
+    row_index = row_index.contiguous()
     order = row_order(row_index, R, H) if order is None else order.contiguous()
     gate, stride = tensors.gate_pointer(gate)
     partials = tensors.scratch(partials, tensors.partials_floats(plan, rows, gate=True), y.device)

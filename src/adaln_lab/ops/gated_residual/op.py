@@ -36,8 +36,8 @@ class GatedResidual(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gate, y, row_index, table_dtype, route, order, table, chunk):
-        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, torch.promote_types(table_dtype, y.dtype)),
-                          device=x.device)
+        dtype = tensors.promoted(x.dtype, table_dtype, y.dtype)
+        out = torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
         launch.forward(x, gate, y, row_index, table_dtype, route, out)
         ctx.x_dtype, ctx.table_dtype, ctx.route, ctx.chunk = x.dtype, table_dtype, route, chunk
         ctx.table = None if table is None else (table.shape, table.dtype, table.device)
@@ -55,8 +55,8 @@ class GatedResidual(torch.autograd.Function):
             d_table, column, partials = table_gradient.standalone(R, H, dtype, y.device), 0, None
         else:
             buffer, partials = table_gradient.for_row_op(None, ctx.table, H, ctx.chunk + 1, ctx.route, y, R)
-            d_table, column = table_gradient.columns(buffer, H, 0), ctx.chunk * H
-        d_y = torch.empty_like(y)
+            d_table, column = table_gradient.columns(buffer, H), ctx.chunk * H
+        d_y = torch.empty_like(y, memory_format=torch.contiguous_format)
         launch.backward(dout, gate, y, row_index, order, ctx.table_dtype, ctx.route, d_y, d_table, column,
                         partials)
         dx = tensors.as_dtype(dout, ctx.x_dtype)

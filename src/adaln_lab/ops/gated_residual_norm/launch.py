@@ -34,7 +34,6 @@ def parts(route: str) -> tuple[str, str]:
 
 
 @library_op("adaln_lab::gated_residual_norm_fwd", mutates_args=("x_out", "out", "rstd"))
-@tensors.keeps_device
 def forward(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: torch.Tensor, norm_weight: torch.Tensor,
             shift: torch.Tensor, scale: torch.Tensor, eps: float, table_dtype: torch.dtype, route: str,
             row_tables: torch.Tensor | None, x_out: torch.Tensor, out: torch.Tensor, rstd: torch.Tensor) -> None:
@@ -45,7 +44,7 @@ def forward(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: tor
         _norm_forward(x_out, norm_weight, shift, scale, row_index, eps, table_dtype, norm_route, None, 0, out, rstd)
         return
     plan, rows, k, stream = tensors.row_setup(x, shift.shape[0])
-    x, y, norm_weight = tensors.aligned(x), tensors.aligned(y), tensors.aligned(norm_weight)
+    x, y, norm_weight = tensors.all_aligned(x, y, norm_weight)
     row_index = row_index.contiguous()
     gate, stride = tensors.gate_pointer(gate)
     table = tensors.shift_scale_bf16(shift, scale) if row_tables is None else None
@@ -57,7 +56,6 @@ def forward(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: tor
 
 @library_op("adaln_lab::gated_residual_norm_bwd",
             mutates_args=("dx", "d_y", "d_norm_weight", "d_table", "partials"))
-@tensors.keeps_device
 def backward(d_x_out: torch.Tensor, d_out: torch.Tensor, x_out: torch.Tensor, gate: torch.Tensor, y: torch.Tensor,
              row_index: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
              rstd: torch.Tensor, order: torch.Tensor | None, table_dtype: torch.dtype, route: str, dx: torch.Tensor,

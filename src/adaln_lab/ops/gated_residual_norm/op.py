@@ -51,9 +51,9 @@ class GatedResidualNorm(torch.autograd.Function):
     def forward(ctx, x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, route, order, table, chunk,
                 row_tables):
         H = x.shape[-1]
-        x_dtype = torch.promote_types(x.dtype, torch.promote_types(table_dtype, y.dtype))
-        x_out = torch.empty(x.shape, dtype=x_dtype, device=x.device)
-        out = torch.empty(x.shape, dtype=torch.promote_types(x_dtype, table_dtype), device=x.device)
+        x_dtype = tensors.promoted(x.dtype, table_dtype, y.dtype)
+        x_out = torch.empty_like(x, dtype=x_dtype, memory_format=torch.contiguous_format)
+        out = torch.empty_like(x, dtype=tensors.promoted(x_dtype, table_dtype), memory_format=torch.contiguous_format)
         rstd = torch.empty(x.numel() // H, dtype=compute_dtype(x_out), device=x.device)
         launch.forward(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, route, row_tables, x_out,
                        out, rstd)
@@ -77,9 +77,9 @@ class GatedResidualNorm(torch.autograd.Function):
             d_table, column, partials = table_gradient.standalone(R, 3 * H, dtype, x_out.device), 0, None
         else:
             buffer, partials = table_gradient.for_row_op(d_link, ctx.table, H, ctx.chunk + 3, ctx.route, x_out, R)
-            d_table, column = table_gradient.columns(buffer, H, 0), ctx.chunk * H
-        dx = torch.empty(x_out.shape, dtype=ctx.x_dtype, device=x_out.device)
-        d_y, d_norm_weight = torch.empty_like(y), torch.empty_like(norm_weight)
+            d_table, column = table_gradient.columns(buffer, H), ctx.chunk * H
+        dx = torch.empty_like(x_out, dtype=ctx.x_dtype, memory_format=torch.contiguous_format)
+        d_y, d_norm_weight = torch.empty_like(y, memory_format=torch.contiguous_format), torch.empty_like(norm_weight)
         launch.backward(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, order,
                         ctx.table_dtype, ctx.route, dx, d_y, d_norm_weight, d_table, column,
                         partials)

@@ -30,7 +30,6 @@ from ..row_order import row_order
 
 
 @library_op("adaln_lab::modulated_rms_norm_fwd", mutates_args=("out", "rstd"))
-@tensors.keeps_device
 def forward(x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
             row_index: torch.Tensor, eps: float, table_dtype: torch.dtype, route: str,
             row_tables: torch.Tensor | None, which: int, out: torch.Tensor, rstd: torch.Tensor) -> None:
@@ -41,7 +40,8 @@ def forward(x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor, sca
         rstd.copy_(rstd_of(x, eps))
         return
     plan, rows, k, stream = tensors.row_setup(x, shift.shape[0])
-    x, norm_weight, row_index = tensors.aligned(x), tensors.aligned(norm_weight), row_index.contiguous()
+    x, norm_weight = tensors.all_aligned(x, norm_weight)
+    row_index = row_index.contiguous()
     table = tensors.shift_scale_bf16(shift, scale) if row_tables is None else None
     table_ptr = table.data_ptr() if row_tables is None else tensors.row_table_address(shift, (row_tables, which))
     launchers.launch_norm_modulate(k, plan, rows, stream, x.data_ptr(), norm_weight.data_ptr(), table_ptr,
@@ -49,7 +49,6 @@ def forward(x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor, sca
 
 
 @library_op("adaln_lab::modulated_rms_norm_bwd", mutates_args=("dx", "d_norm_weight", "d_table", "partials"))
-@tensors.keeps_device
 def backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
              row_index: torch.Tensor, rstd: torch.Tensor, d_residual: torch.Tensor | None, order: torch.Tensor | None,
              route: str, dx: torch.Tensor, d_norm_weight: torch.Tensor, d_table: torch.Tensor, column: int,
@@ -63,7 +62,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, shift
         d_table[:, column:column + H].copy_(grads[2]), d_table[:, column + H:column + 2 * H].copy_(grads[3])
         return
     plan, rows, k, stream = tensors.row_setup(x, R)
-    dy, x, norm_weight = tensors.aligned(dy), tensors.aligned(x), tensors.aligned(norm_weight)
+    dy, x, norm_weight = tensors.all_aligned(dy, x, norm_weight)
     table_f32, table_stride = tensors.shift_scale(shift, scale)
     row_index, rstd = row_index.contiguous(), rstd.contiguous()
     order = row_order(row_index, R, H) if order is None else order.contiguous()

@@ -50,7 +50,7 @@ class ModulatedRMSNorm(torch.autograd.Function):
     def forward(ctx, x, norm_weight, shift, scale, row_index, eps, table_dtype, route, order, residual, table, chunk,
                 row_tables):
         H = x.shape[-1]
-        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, table_dtype), device=x.device)
+        out = torch.empty_like(x, dtype=tensors.promoted(x.dtype, table_dtype), memory_format=torch.contiguous_format)
         rstd = torch.empty(x.numel() // H, dtype=compute_dtype(x), device=x.device)
         launch.forward(x, norm_weight, shift, scale, row_index, eps, table_dtype, route, row_tables,
                        int(chunk == table_gradient.SHIFT_MLP), out, rstd)
@@ -75,8 +75,8 @@ class ModulatedRMSNorm(torch.autograd.Function):
             d_table, column, partials = table_gradient.standalone(R, 2 * H, dtype, x.device), 0, None
         else:
             buffer, partials = table_gradient.for_row_op(d_link, ctx.table, H, ctx.chunk + 2, ctx.route, x, R)
-            d_table, column = table_gradient.columns(buffer, H, 0), ctx.chunk * H
-        dx, d_norm_weight = torch.empty_like(x), torch.empty_like(norm_weight)
+            d_table, column = table_gradient.columns(buffer, H), ctx.chunk * H
+        dx, d_norm_weight = torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(norm_weight)
         launch.backward(d_out.contiguous(), x, norm_weight, shift, scale, row_index, rstd, d_residual, order,
                         ctx.route, dx, d_norm_weight, d_table, column, partials)
         if ctx.table is None:

@@ -1,12 +1,13 @@
 """The modulation table's two launch ops, writing outputs the caller allocated (`core.library.library_op`):
 
-    forward(temb, weight, bias, route, table_backend, table, table_bf16, act)
+    forward(temb, weight, bias, route, table_backend, table, table_bf16)
     backward(d_table, temb, weight, route, d_temb, d_weight, d_bias)
 
 Shapes: temb, d_temb (T, D); weight, d_weight (N, D); bias, d_bias (N,); table, d_table (T, N) float32 (float64 for
-float64 parameters) holding values of weight's dtype; table_bf16: None, or (route "cupy") the table kernel's bf16
-output, (2, 3T, 2H) for a block's table of N = 18H columns (the norms' two row tables: `core.plan.row_tables_fit`),
-else (T, N); act: None, or the table kernel's (T * D,) bf16 scratch (the op allocates it with table_bf16).
+float64 parameters) holding values of weight's dtype; table_bf16: None, or (route "cupy") a flat bf16 buffer of
+`bf16_elements(T, N, D)`: the table kernel's bf16 output, the two (3T, 2H) row tables one after the other for a
+block's table of N = 18H columns (what the norms read: `core.plan.row_tables_fit`, `core.tensors.row_table_address`),
+else (T, N), then its (T, D) act scratch.
 
 route "cupy": table.cu (tensor cores in an order fixed by D: each row independent of T) and table_bwd.cu (temb
 widened to float32 where it has weight's dtype: `core.support.kernel_temb`); route "torch": diffusers' table upcast,
@@ -18,30 +19,43 @@ from __future__ import annotations
 import torch
 
 from ...core import launchers, support, tensors
+from ...core.plan import row_tables_fit
 from ...core.library import library_op
 from ...reference.backward import modulation_table_backward
 from ...reference.block import replay_table
 
 
-@library_op("adaln_lab::modulation_table_fwd", mutates_args=("table", "table_bf16", "act"))
-@tensors.keeps_device
+def bf16_elements(T: int, N: int, D: int) -> int:
+    """Elements of the forward's bf16 buffer for temb (T, D) and N columns: the table kernel's bf16 output (a block's
+    two (3T, 2H) row tables where `row_tables_fit(N)`, else (T, N)), then its (T, D) act scratch. The output's size
+    is a 16-byte multiple (N % 8 == 0), so act starts 16-byte aligned."""
+    return (12 * T * (N // 18) if row_tables_fit(N) else T * N) + T * D
+
+
+@library_op("adaln_lab::modulation_table_fwd", mutates_args=("table", "table_bf16"))
 def forward(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, route: str, table_backend: str,
-            table: torch.Tensor, table_bf16: torch.Tensor | None, act: torch.Tensor | None) -> None:
-    """table (T, N) and, on the kernels, the table kernel's bf16 output (module docstring); act: None, or the table
-    kernel's (T * D,) bf16 scratch, 16-byte aligned (else one allocation here)."""
+            table: torch.Tensor, table_bf16: torch.Tensor | None) -> None:
+    """table (T, N) and, on the kernels, table_bf16: the bf16 output and the act scratch (module docstring)."""
     if route != "cupy" or table_backend == "torch":
         table.copy_(replay_table(temb, weight, bias))
         return
     temb = tensors.aligned(support.kernel_temb(temb, weight))  # table.cu loads temb 16 bytes at a time
-    weight, bias = tensors.aligned(weight), tensors.aligned(bias)
-    plan, k, stream = tensors.table_setup(temb, weight.shape[0])
-    tensors.table_launch(k, plan, stream, temb, weight.data_ptr(), bias.data_ptr(), table_bf16.data_ptr(),
-                         table.data_ptr(), 0 if act is None or act.data_ptr() % 16 or act.numel() < temb.numel()
-                         else act.data_ptr())
+    weight, bias = tensors.all_aligned(weight, bias)
+    T, D = temb.shape
+    N = weight.shape[0]
+    need = bf16_elements(T, N, D)
+    if (table_bf16 is None or table_bf16.numel() < need or table_bf16.dtype != torch.bfloat16
+            or table_bf16.data_ptr() % 16):
+        got = "None" if table_bf16 is None else f"{table_bf16.numel()} {table_bf16.dtype} elements"
+        raise ValueError(f"modulation_table_fwd: table_bf16 must be a 16-byte aligned bf16 buffer of bf16_elements(T, "
+                         f"N, D) = {need} elements on route 'cupy', got {got}")
+    plan, k, stream = tensors.table_setup(temb, N)
+    base = table_bf16.data_ptr()
+    tensors.table_launch(k, plan, stream, temb, weight.data_ptr(), bias.data_ptr(), base, table.data_ptr(),
+                         base + 2 * (need - T * D))
 
 
 @library_op("adaln_lab::modulation_table_bwd", mutates_args=("d_temb", "d_weight", "d_bias"))
-@tensors.keeps_device
 def backward(d_table: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, route: str, d_temb: torch.Tensor,
              d_weight: torch.Tensor, d_bias: torch.Tensor) -> None:
     """d_temb (in temb's dtype), d_weight, d_bias (in the parameters' dtypes) from d_table (module docstring)."""

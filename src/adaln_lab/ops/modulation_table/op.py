@@ -31,28 +31,25 @@ from torch.autograd.function import once_differentiable
 from ...core import support
 from ...core.checks import BLOCK_BACKENDS, TABLE_BACKENDS, check_option, check_table_inputs
 from ...core.library import apply
-from ...core.plan import row_tables_fit
 from ...reference.block import table_dtype_of
 from . import launch
 
 
 class ModulationTable(torch.autograd.Function):
-    """forward(temb, weight, bias, route, table_backend, row_tables) -> (table (T, N), the table kernel's bf16 row
-    tables (2, 3T, 2H) where row_tables (an H3 block's table on the kernels), else None); backward(d_table) ->
-    d_temb, d_weight, d_bias (module docstring). The row tables are not differentiable."""
+    """forward(temb, weight, bias, route, table_backend, row_tables) -> (table (T, N), where row_tables (an H3 block's
+    table on the kernels) the table kernel's bf16 buffer holding its two (3T, 2H) row tables (`launch.bf16_elements`),
+    else None); backward(d_table) -> d_temb, d_weight, d_bias (module docstring). The row tables are not
+    differentiable."""
 
     @staticmethod
     def forward(ctx, temb, weight, bias, route, table_backend, row_tables):
         T, N = temb.shape[0], weight.shape[0]
         table = torch.empty(T, N, dtype=table_dtype_of(weight), device=temb.device)
-        table_bf16 = act = None
+        table_bf16 = None
         if route == "cupy" and table_backend != "torch":  # one allocation: the bf16 output, then the kernel's act
-            rows = row_tables_fit(N)
-            shape, strides = ((2, 3 * T, N // 9), (3 * T * (N // 9), N // 9, 1)) if rows else ((T, N), (N, 1))
-            n = shape[0] * strides[0]  # a 16-byte multiple (N % 8 == 0)
-            both = torch.empty(n + temb.numel(), dtype=torch.bfloat16, device=temb.device)
-            table_bf16, act = both.as_strided(shape, strides), both.as_strided((temb.numel(),), (1,), n)
-        launch.forward(temb, weight, bias, route, table_backend, table, table_bf16, act)
+            table_bf16 = torch.empty(launch.bf16_elements(T, N, temb.shape[1]), dtype=torch.bfloat16,
+                                     device=temb.device)
+        launch.forward(temb, weight, bias, route, table_backend, table, table_bf16)
         ctx.route, ctx.bias_dtype = route, bias.dtype
         ctx.set_materialize_grads(False)  # no zeros made for the row tables' gradient on every backward
         ctx.save_for_backward(temb, weight)
@@ -70,7 +67,7 @@ class ModulationTable(torch.autograd.Function):
         if ctx.route == "cupy":
             support.check_saved("modulation_table", temb, weight=weight)
         grads = (torch.empty_like(temb), torch.empty_like(weight),
-                 torch.empty(weight.shape[0], dtype=ctx.bias_dtype, device=weight.device))
+                 weight.new_empty(weight.shape[0], dtype=ctx.bias_dtype))
         launch.backward(d_table.contiguous(), temb, weight, ctx.route, *grads)
         return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None, None, None)
 

@@ -29,7 +29,6 @@ import torch
 from ...core import launchers, tensors
 from ...core.library import library_op
 from ...core.plan import ROWS_MAX, supported
-from ...core.plan import plan as make_plan
 
 
 def order_torch(row_index: torch.Tensor, table_rows: int) -> torch.Tensor:
@@ -41,12 +40,13 @@ def order_torch(row_index: torch.Tensor, table_rows: int) -> torch.Tensor:
 
 
 @library_op("adaln_lab::row_order", mutates_args=("order",))
-@tensors.keeps_device
 def launch(row_index: torch.Tensor, table_rows: int, H: int, order: torch.Tensor) -> None:
     """order (R + 1 + S,) int32 of row_index (S,) int64 (module docstring)."""
     if tensors.gpu(row_index) and row_index.shape[0] <= ROWS_MAX and supported(H, 8, max(table_rows, 1)):
-        plan = make_plan(H, 8, table_rows)
-        k, stream = tensors.setup(row_index.device, plan)
+        device = row_index.get_device()
+        plan, _, k = tensors.context(device, H, 8, table_rows, 0)
+        launchers.bind(device)
+        stream = tensors.current_stream(device)
         S = row_index.shape[0]
         nbytes = plan.row_order_scratch(S)  # 0 for the one-block kernel: no allocation
         scratch = torch.empty(nbytes, dtype=torch.uint8, device=row_index.device) if nbytes else None
