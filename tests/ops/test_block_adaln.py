@@ -167,3 +167,32 @@ def test_cuda_compile_and_cuda_graph_replay_match_eager():
     torch.cuda.synchronize()
     assert torch.equal(captured, eager_out)
     assert all(torch.equal(p.grad, g) for p, g in zip(params, eager))
+
+
+def _permuted(t: torch.Tensor) -> torch.Tensor:
+    """t's values with its two leading dimensions' strides swapped: dense, not contiguous."""
+    return t.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+@pytest.mark.gpu
+def test_cuda_permuted_x_and_branch_outputs_give_the_contiguous_bits():
+    """x (2, S, H) and the attention and feed-forward outputs with permuted strides: the kernels read contiguous
+    copies and every op allocates its outputs and dx / d_y contiguous, so the output and every gradient equal the
+    contiguous inputs' (an output or gradient allocated with x's strides would be written in the wrong order)."""
+    leaves, row_index, _ = _path_case(10, 500, H=256, D=128)
+    x = torch.stack([leaves[0], leaves[0].flip(0)])  # (2, S, H)
+    leaves = [x.cuda(), *(t.cuda() for t in leaves[1:])]
+    row_index, dy = row_index.cuda(), torch.randn_like(x, dtype=torch.float32).bfloat16().cuda()
+
+    def run(x_layout, branch):
+        params = [t.detach().clone().requires_grad_(True) for t in (x_layout(leaves[0]), *leaves[1:])]
+        assert params[0].stride() == x_layout(leaves[0]).stride()
+        out = block_adaln_path(*params, row_index, lambda h: branch(rowwise_attn(h)), lambda h: branch(rowwise_ff(h)),
+                               1e-5, 1e-6, backend="cupy")
+        out.backward(dy)
+        return out.detach(), [p.grad for p in params]
+
+    out, grads = run(lambda t: t, lambda t: t)
+    out_p, grads_p = run(_permuted, _permuted)
+    assert not _permuted(leaves[0]).is_contiguous()
+    assert torch.equal(out, out_p) and all(torch.equal(a, b) for a, b in zip(grads, grads_p))
