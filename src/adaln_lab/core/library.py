@@ -25,6 +25,8 @@ import torch
 
 _compiling = torch.compiler.is_compiling
 _transforms_active = torch._C._are_functorch_transforms_active
+# torch's current CUDA device index, without torch.cuda.current_device's lazy-init check (asked only holding a CUDA
+# tensor, so CUDA is initialised)
 _get_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
@@ -49,7 +51,8 @@ def library_op(name: str, *, mutates_args: Iterable[str], device_types: str | It
         defaulted = [n for n in mutated if parameters[n].default is not inspect.Parameter.empty]
         if defaulted:
             raise TypeError(f"{name}: mutated arguments take no default (every caller passes them), got {defaulted}")
-        op = torch.library.custom_op(name, _on_its_device(fn), mutates_args=mutated, device_types=device_types)
+        kept = _on_its_device(fn)
+        op = torch.library.custom_op(name, kept, mutates_args=mutated, device_types=device_types)
         op.register_fake(_no_output)
         overload = op._opoverload  # dynamo inlines a plain function calling an OpOverload, also inside a Function
 
@@ -58,9 +61,8 @@ def library_op(name: str, *, mutates_args: Iterable[str], device_types: str | It
             if _compiling():
                 return overload(*args)
             first = args[0]
-            if first.is_cuda and first.get_device() != _current_device():
-                with torch.cuda.device(first.device):
-                    return fn(*args)
+            if first.is_cuda and first.get_device() != _get_device():  # another device: bound around the body
+                return kept(*args)
             return fn(*args)
 
         call.op = op
@@ -76,18 +78,12 @@ def _on_its_device(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def on_its_device(first, *args):
-        if not first.is_cuda or first.get_device() == _current_device():
+        if not first.is_cuda or first.get_device() == _get_device():
             return fn(first, *args)
         with torch.cuda.device(first.device):
             return fn(first, *args)
 
     return on_its_device
-
-
-def _current_device() -> int:
-    """torch's current CUDA device index, without torch.cuda.current_device's lazy-init check (the caller holds a
-    CUDA tensor, so CUDA is initialised)."""
-    return _get_device()
 
 
 def _no_output(*args) -> None:
