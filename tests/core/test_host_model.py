@@ -3,6 +3,7 @@ shipped glue end to end (every kernel of norm_out and of one block reached, each
 written) and puts every stand-in back afterwards. And adaln_lab.bench.host_breakdown's bounds, run under those
 stand-ins: each bare Function makes the launches it names."""
 
+import pytest
 import torch
 
 from adaln_lab.bench import host_breakdown, host_model
@@ -39,3 +40,33 @@ def test_the_bounds_make_the_launches_they_name(monkeypatch, capsys):
         "bound Bare, 1+1 launches, 1+5 allocations"]
     assert lines[0].endswith("(1.00x the floor)")
     assert len(host_model.LAUNCHES) == 3 * ((2 + 4) + (2 + 1) + (1 + 1))  # the op runs torch's code on a CPU
+
+
+def test_host_model_ab_finds_each_trees_host_model(tmp_path):
+    from adaln_lab.bench import host_model_ab
+
+    (tmp_path / "src" / "adaln_lab").mkdir(parents=True)
+    (tmp_path / "flat" / "adaln_lab").mkdir(parents=True)
+    assert host_model_ab.tree_layout(tmp_path) == (tmp_path / "src",
+                                                   tmp_path / "src" / "adaln_lab" / "bench" / "host_model.py")
+    assert host_model_ab.tree_layout(tmp_path / "flat") == (tmp_path / "flat",
+                                                            tmp_path / "flat" / "bench" / "scripts" / "host_model.py")
+    with pytest.raises(SystemExit, match="holds neither"):
+        host_model_ab.tree_layout(tmp_path / "flat" / "adaln_lab")
+
+
+@pytest.mark.integration
+def test_host_model_ab_times_both_phases_of_both_steps(capsys):
+    """One round of this tree against itself (processes of their own): forward and backward of both steps."""
+    from pathlib import Path
+
+    from adaln_lab.bench import host_model_ab
+
+    here = Path(__file__).resolve().parents[2]
+    host_model_ab.main(["--base", str(here), "--tree", str(here), "--rounds", "1", "--calls", "5"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in lines[1:]] == [["norm_out", "forward"], ["norm_out", "backward"],
+                                                        ["block", "forward"], ["block", "backward"]]
+    for line in lines[1:]:
+        cells = line.split()
+        assert cells[2] == "base" and cells[6] == "this" and all(float(cells[i]) > 0 for i in (3, 5, 7, 9))
