@@ -47,26 +47,36 @@ def test_host_model_ab_finds_each_trees_host_model(tmp_path):
 
     (tmp_path / "src" / "adaln_lab").mkdir(parents=True)
     (tmp_path / "flat" / "adaln_lab").mkdir(parents=True)
-    assert host_model_ab.tree_layout(tmp_path) == (tmp_path / "src",
-                                                   tmp_path / "src" / "adaln_lab" / "bench" / "host_model.py")
-    assert host_model_ab.tree_layout(tmp_path / "flat") == (tmp_path / "flat",
-                                                            tmp_path / "flat" / "bench" / "scripts" / "host_model.py")
+    path, script = host_model_ab.tree_layout(tmp_path)
+    assert path == tmp_path / "src" and script.relative_to(path).parts == ("adaln_lab", "bench", "host_model.py")
+    path, script = host_model_ab.tree_layout(tmp_path / "flat")
+    assert path == tmp_path / "flat" and script.relative_to(path).parts == ("bench", "scripts", "host_model.py")
     with pytest.raises(SystemExit, match="holds neither"):
         host_model_ab.tree_layout(tmp_path / "flat" / "adaln_lab")
 
 
+def test_host_model_ab_prints_min_and_median_of_the_rounds(monkeypatch, capsys):
+    """The table: per step and phase, each tree's min / median over the rounds of its runs' medians."""
+    from adaln_lab.bench import host_model_ab
+
+    runs = iter([{("norm_out", "forward"): v, ("norm_out", "backward"): 2 * v} for v in (10.0, 1.0, 30.0, 2.0, 20.0,
+                                                                                          9.0)])
+    monkeypatch.setattr(host_model_ab, "run_tree", lambda tree, H, D, calls: next(runs))
+    host_model_ab.main(["--base", "a", "--tree", "b", "--rounds", "3"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["norm_out", "forward", "base", "10.0", "/", "20.0", "this", "1.0", "/", "2.0"]
+    assert lines[2].split() == ["norm_out", "backward", "base", "20.0", "/", "40.0", "this", "2.0", "/", "4.0"]
+    with pytest.raises(SystemExit):
+        host_model_ab.main(["--rounds", "0"])
+
+
 @pytest.mark.integration
-def test_host_model_ab_times_both_phases_of_both_steps(capsys):
-    """One round of this tree against itself (processes of their own): forward and backward of both steps."""
+def test_host_model_ab_times_both_phases_of_both_steps_in_a_process_of_its_own():
     from pathlib import Path
 
     from adaln_lab.bench import host_model_ab
 
-    here = Path(__file__).resolve().parents[2]
-    host_model_ab.main(["--base", str(here), "--tree", str(here), "--rounds", "1", "--calls", "5"])
-    lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[:2] for line in lines[1:]] == [["norm_out", "forward"], ["norm_out", "backward"],
-                                                        ["block", "forward"], ["block", "backward"]]
-    for line in lines[1:]:
-        cells = line.split()
-        assert cells[2] == "base" and cells[6] == "this" and all(float(cells[i]) > 0 for i in (3, 5, 7, 9))
+    found = host_model_ab.run_tree(Path(__file__).resolve().parents[2], 64, 32, 5)
+    assert sorted(found) == [("block", "backward"), ("block", "forward"), ("norm_out", "backward"),
+                             ("norm_out", "forward")]
+    assert all(us > 0 for us in found.values())
