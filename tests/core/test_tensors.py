@@ -61,7 +61,7 @@ def norm_bwd(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual=None,
     dx, d_norm_weight = torch.empty_like(x), torch.empty_like(norm_weight)
     d_table = torch.empty(R_, 2 * H_, dtype=torch.float32, device=x.device)
     norm_launch.backward(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual, order, "cupy", dx,
-                         d_norm_weight, d_table, 0)
+                         d_norm_weight, d_table, 0, None)
     return dx, d_norm_weight, d_table[:, :H_], d_table[:, H_:]
 
 
@@ -76,7 +76,7 @@ def gr_bwd(dout, gate, y, row_index, order=None):
     """(d_gate (R, H) fp32, d_y): gated_residual.cu's sorted backward (gated_residual.launch.backward)."""
     d_y = torch.empty_like(y)
     d_gate = torch.empty(gate.shape, dtype=torch.float32, device=y.device)
-    residual_launch.backward(dout, gate, y, row_index, order, BF16, "cupy", d_y, d_gate, 0)
+    residual_launch.backward(dout, gate, y, row_index, order, BF16, "cupy", d_y, d_gate, 0, None)
     return d_gate, d_y
 
 

@@ -40,9 +40,9 @@ def _workspace(x, T, D=SHAPE["D"]):
     return torch.empty(forward_bytes(T, H, x.numel() // H, D), dtype=torch.uint8, device=x.device)
 
 
-def _outputs(x, T):
-    """(out, workspace) of launch.forward for x (..., S, H) and T table rows (out contiguous)."""
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device), _workspace(x, T)
+def _outputs(x, T, D=SHAPE["D"]):
+    """(out, workspace) of launch.forward for x (..., S, H), T table rows and temb width D (out contiguous)."""
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), _workspace(x, T, D)
 
 
 def _grad_outputs(x, norm_weight, temb, weight):
@@ -160,6 +160,15 @@ def test_compile_fullgraph_traces_the_op_forward_and_backward():
     for graph, name in zip(graphs, ("final_adaln_out_fwd", "final_adaln_out_bwd")):
         assert sum(f"adaln_lab.{name}.default" in call for call in graph) == 1, graph
         assert not any("adaln_lab." in call and name not in call for call in graph), graph
+
+
+@pytest.mark.parametrize("route", ["cupy", "torch"])
+def test_a_workspace_one_byte_short_is_refused(route):
+    """On the CPU as on the kernels (whose check a GPU test sized the workspace for another D and met first)."""
+    inputs = make(2, 5, "cpu", **SHAPE)
+    out, workspace = _outputs(inputs.x, 3)
+    with pytest.raises(ValueError, match=f"a workspace of {workspace.numel() - 1} bytes, the plan needs"):
+        launch.forward(*inputs.args, 1e-5, route, "cuda", out, workspace[:-1])
 
 
 def test_opcheck_of_the_backward_op_and_of_non_contiguous_inputs():
@@ -376,7 +385,7 @@ def test_torch_compile_fullgraph_equals_eager():
 def test_custom_ops_pass_opcheck_on_cuda(table_backend):
     """The launch ops on the kernels (route "cupy" on CUDA tensors), the backward on the forward's workspace."""
     inputs = make(1, 65, "cuda", H=264, D=64, T=3)
-    out, workspace = _outputs(inputs.x, 3)
+    out, workspace = _outputs(inputs.x, 3, 64)
     args = (*_leaves(inputs), inputs.timestep_indices, 1e-5, "cupy", table_backend, out, workspace)
     torch.library.opcheck(launch.forward.op, args)
     launch.forward(*inputs.args, 1e-5, "cupy", table_backend, out, workspace)

@@ -47,7 +47,8 @@ def reference_forward(x, norm_weight, temb, weight, bias, timestep_indices, eps:
 
 def saved_views(workspace: torch.Tensor, T: int, H: int, rows: int, D: int):
     """(table (T, 2H) bf16, table_f32 (T, 2H) fp32, rstd (rows,) fp32): the forward workspace's pieces as tensors."""
-    offsets, _ = forward_workspace(T, H, rows, D)
+    offsets, total = forward_workspace(T, H, rows, D)
+    _check_size(workspace, total)
 
     def piece(name, dtype, shape):
         start = offsets[name]
@@ -56,6 +57,12 @@ def saved_views(workspace: torch.Tensor, T: int, H: int, rows: int, D: int):
 
     return (piece("table", torch.bfloat16, (T, 2 * H)), piece("table_f32", torch.float32, (T, 2 * H)),
             piece("rstd", torch.float32, (rows,)))
+
+
+def _check_size(workspace: torch.Tensor, needed: int) -> None:
+    if workspace.numel() < needed:
+        raise ValueError(f"final_adaln_out: a workspace of {workspace.numel()} bytes, the plan needs {needed} "
+                         "(core.plan.forward_bytes(T, H, rows, D))")
 
 
 @library_op("adaln_lab::final_adaln_out_fwd", mutates_args=("out", "workspace"))
@@ -82,9 +89,7 @@ def forward(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tensor, weig
     device = x.get_device()
     context = tensors.context(device, H, D, T, rows)
     layout = context[1]
-    if workspace.numel() < layout.fwd_bytes:  # the kernels write every piece, act last
-        raise ValueError(f"final_adaln_out_fwd: a workspace of {workspace.numel()} bytes, the plan needs "
-                         f"{layout.fwd_bytes} (core.plan.forward_bytes(T, H, rows, D))")
+    _check_size(workspace, layout.fwd_bytes)  # the kernels write every piece, act last
     launchers.bind(device)
     base, o = workspace.data_ptr(), layout.fwd_offsets
     if table_backend == "torch":
