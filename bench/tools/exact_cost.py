@@ -13,7 +13,7 @@
 # of these inputs, where the op would raise or take a wider path). Times: CUDA-graph replays between CUDA
 # events (GPU time), medians; floor = the pass's bytes (x, dy read, dx written) at the run's copy bandwidth.
 #
-#     python3 bench/tools/exact_cost.py [--rows 4097,32768] [--out FILE.json]
+#     python3 bench/tools/exact_cost.py [--rows 4097,32768] [--blocks 132,264] [--out FILE.json]
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from adaln_lab.harness.latency import copy_bandwidth
 
 H = 5376
 THREADS = H // 8
-BLOCKS = 264  # two row ranges an SM on an H100 (132 SMs), as the row pass's plan
+BLOCKS = 264  # row ranges by default: two an SM on an H100 (132 SMs), as the row pass's plan
 CHECK_COLUMNS = list(range(32)) + list(range(H - 32, H))
 
 
@@ -40,11 +40,11 @@ def module():
     return cupy.RawModule(code=source, options=("-std=c++17", "--device-int128"))
 
 
-def launch(kernel, rows: int, *args) -> None:
-    rows_per = -(-rows // BLOCKS)
+def launch(kernel, blocks: int, rows: int, *args) -> None:
+    rows_per = -(-rows // blocks)
     ptrs = [numpy.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else a for a in args]
     with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-        kernel((BLOCKS,), (THREADS,), (*ptrs, numpy.int32(rows), numpy.int32(rows_per)))
+        kernel((blocks,), (THREADS,), (*ptrs, numpy.int32(rows), numpy.int32(rows_per)))
 
 
 def exponent_of(t: torch.Tensor) -> int:
@@ -65,12 +65,12 @@ def inputs(rows: int):
     return x, dy, rstd, nw, scale1, p
 
 
-def check_f32(partials, dy, p, nw, scale1) -> float:
+def check_f32(partials, blocks, dy, p, nw, scale1) -> float:
     """The largest error of pass_f32's sums (each block's rows_per terms in fp32, the blocks reduced in float64)
     against the float64 sums of its terms, as a share of the bound (rows_per + 1) u sum |term|; raises past 1."""
-    got = partials.view(BLOCKS, 3, H).double().sum(0)
+    got = partials.view(blocks, 3, H).double().sum(0)
     terms = (dy.double(), (p * nw).double(), (p * scale1).double())
-    rows_per = -(-dy.shape[0] // BLOCKS)
+    rows_per = -(-dy.shape[0] // blocks)
     worst = 0.0
     for k, t in enumerate(terms):
         bound = (rows_per + 1) * 2.0 ** -24 * t.abs().sum(0)
@@ -97,16 +97,16 @@ def one_wide_state(low: int, high: int) -> int:
     return high * 2 ** 64 + (low % 2 ** 64)
 
 
-def check_exact(partials, flags, dy, p, quanta, p_of=two_states) -> int:
+def check_exact(partials, flags, blocks, dy, p, quanta, p_of=two_states) -> int:
     """An exact pass: over the blocks it did not flag, D and P of CHECK_COLUMNS (P from the two words by p_of) equal
     the exact sums of the same terms over those blocks' rows; returns the number of flagged blocks (raises if every
     block is flagged)."""
-    rows_per = -(-dy.shape[0] // BLOCKS)
+    rows_per = -(-dy.shape[0] // blocks)
     kept = [b for b, flag in enumerate(flags.tolist()) if not flag and b * rows_per < dy.shape[0]]
     if not kept:
         raise AssertionError("pass_exact flagged every block")
     columns = torch.tensor(CHECK_COLUMNS, device=partials.device)
-    states = partials.view(BLOCKS, 3, H)[kept][:, :, columns].cpu().tolist()
+    states = partials.view(blocks, 3, H)[kept][:, :, columns].cpu().tolist()
     rows = torch.cat([torch.arange(b * rows_per, min(dy.shape[0], (b + 1) * rows_per)) for b in kept]).to(dy.device)
     q_g, q_p = quanta.tolist()
     n = len(CHECK_COLUMNS)
@@ -116,15 +116,15 @@ def check_exact(partials, flags, dy, p, quanta, p_of=two_states) -> int:
     if (got_d != exact_column_sums(dy[rows][:, columns].float())
             or got_p != exact_column_sums(p[rows][:, columns])):
         raise AssertionError("pass_exact's states differ from the exact sums of its terms")
-    return BLOCKS - len(kept) - sum(1 for b in range(BLOCKS) if b * rows_per >= dy.shape[0])
+    return blocks - len(kept) - sum(1 for b in range(blocks) if b * rows_per >= dy.shape[0])
 
 
-def measure(rows: int, k, copy_TBps: float) -> dict:
+def measure(rows: int, blocks: int, k, copy_TBps: float) -> dict:
     x, dy, rstd, nw, scale1, p = inputs(rows)
     dx = torch.empty_like(x)
-    f32 = torch.empty(BLOCKS * 3 * H, dtype=torch.float32, device="cuda")
-    states = torch.empty(BLOCKS * 3 * H, dtype=torch.int64, device="cuda")
-    flags = torch.zeros(BLOCKS, dtype=torch.int32, device="cuda")
+    f32 = torch.empty(blocks * 3 * H, dtype=torch.float32, device="cuda")
+    states = torch.empty(blocks * 3 * H, dtype=torch.int64, device="cuda")
+    flags = torch.zeros(blocks, dtype=torch.int32, device="cuda")
     amax = torch.zeros(H, dtype=torch.int32, device="cuda")
     quanta = torch.tensor([exponent_of(dy.float()) + 1 - 47, exponent_of(p) + 1 - 62], dtype=torch.int32,
                           device="cuda")
@@ -133,23 +133,24 @@ def measure(rows: int, k, copy_TBps: float) -> dict:
     wide = torch.empty_like(states)
     flags_wide = torch.zeros_like(flags)
     steps = {
-        "f32": lambda: launch(k.get_function("pass_f32"), rows, x, dy, rstd, nw, scale1, dx, f32),
-        "exact": lambda: launch(k.get_function("pass_exact"), rows, x, dy, rstd, quanta, dx, states, flags),
-        "exact_wide": lambda: launch(k.get_function("pass_exact_wide"), rows, x, dy, rstd, quanta_wide, dx, wide,
-                                     flags_wide),
-        "amax_dy": lambda: launch(k.get_function("amax_dy"), rows, dy, amax),
+        "f32": lambda: launch(k.get_function("pass_f32"), blocks, rows, x, dy, rstd, nw, scale1, dx, f32),
+        "exact": lambda: launch(k.get_function("pass_exact"), blocks, rows, x, dy, rstd, quanta, dx, states,
+                                flags),
+        "exact_wide": lambda: launch(k.get_function("pass_exact_wide"), blocks, rows, x, dy, rstd, quanta_wide, dx,
+                                     wide, flags_wide),
+        "amax_dy": lambda: launch(k.get_function("amax_dy"), blocks, rows, dy, amax),
     }
     for step in steps.values():
         step()
     torch.cuda.synchronize()
-    share = check_f32(f32, dy, p, nw, scale1)
-    flagged = check_exact(states, flags, dy, p, quanta)
-    flagged_wide = check_exact(wide, flags_wide, dy, p, quanta_wide, one_wide_state)
+    share = check_f32(f32, blocks, dy, p, nw, scale1)
+    flagged = check_exact(states, flags, blocks, dy, p, quanta)
+    flagged_wide = check_exact(wide, flags_wide, blocks, dy, p, quanta_wide, one_wide_state)
     if not torch.equal(amax.view(torch.float32), dy.float().abs().amax(0)):
         raise AssertionError("amax_dy differs from torch's amax")
     us = {name: graph_us(step) for name, step in steps.items()}
     floor = 6 * rows * H / (copy_TBps * 1e12) * 1e6
-    return {"rows": rows, "us": us, "floor_us": floor, "f32_error_share_of_bound": share,
+    return {"rows": rows, "blocks": blocks, "us": us, "floor_us": floor, "f32_error_share_of_bound": share,
             "exact_over_f32": us["exact"] / us["f32"], "exact_wide_over_f32": us["exact_wide"] / us["f32"],
             "exact_and_amax_over_f32": (us["exact"] + us["amax_dy"]) / us["f32"],
             "quanta": quanta.tolist(), "quanta_wide": quanta_wide.tolist(), "flagged_blocks": flagged,
@@ -165,16 +166,18 @@ def registers(k) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", default="4097,32768")
+    parser.add_argument("--blocks", default=str(BLOCKS),
+                        help="row ranges (blocks) of every pass, a comma list: each size runs at each")
     parser.add_argument("--out")
     args = parser.parse_args()
     k = module()
     copy = copy_bandwidth(torch.device("cuda"), 2 ** 31)
-    result = {"gpu": torch.cuda.get_device_name(0), "copy_TBps": copy, "H": H, "blocks": BLOCKS,
+    result = {"gpu": torch.cuda.get_device_name(0), "copy_TBps": copy, "H": H,
               "kernels": registers(k), "sizes": []}
-    for rows in (int(r) for r in args.rows.split(",")):
-        entry = measure(rows, k, copy)
+    for rows, blocks in ((int(r), int(b)) for r in args.rows.split(",") for b in args.blocks.split(",")):
+        entry = measure(rows, blocks, k, copy)
         result["sizes"].append(entry)
-        print(f"rows {rows}: f32 {entry['us']['f32']:.1f} us, exact {entry['us']['exact']:.1f} "
+        print(f"rows {rows}, {blocks} blocks: f32 {entry['us']['f32']:.1f} us, exact {entry['us']['exact']:.1f} "
               f"({entry['exact_over_f32']:.2f}x), exact_wide {entry['us']['exact_wide']:.1f} "
               f"({entry['exact_wide_over_f32']:.2f}x), amax_dy {entry['us']['amax_dy']:.1f}, floor "
               f"{entry['floor_us']:.1f}, blocks flagged {entry['flagged_blocks']} / {entry['flagged_blocks_wide']}")
