@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .context import BASE_MARK, STDOUT, TIMED_OUT, Context
+from .host_ab_summary import table as host_ab_table
 
 PY = sys.executable
 SANITIZE_TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
@@ -229,6 +230,13 @@ def host_ab(ctx: Context) -> int:
                 ctx.show_tail("host_ab.txt", 5)
                 return rc
     ctx.show_matching("host_ab.txt", r"^==|host (cpu )?fwd\+bwd")
+    try:  # each tree against its rounds' identity floor
+        verdict = host_ab_table((ctx.out / "host_ab.txt").read_text())
+    except ValueError as error:
+        ctx.say(f"host-ab: {error}")
+        return 1
+    for line in verdict.splitlines():
+        ctx.say(line)
     return 0
 
 
