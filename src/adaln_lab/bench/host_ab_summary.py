@@ -25,9 +25,8 @@ FIGURE = re.compile(r"^(\w+) (adaln_lab|identity floor): host (cpu )?(fwd\+bwd|f
 
 
 def parse(text: str) -> tuple[list[str], dict]:
-    """(commits in order of first appearance, {(commit, step, clock, phase): [value of each round]}); clock is
-    "wall" or "cpu", phase "fwd+bwd" or "fwd", step the host_breakdown step ("final_adaln_out", "block"), with
-    name "adaln_lab" or "floor" folded into the step as (step, name)."""
+    """(commits in order of first appearance, {(commit, step, name, clock, phase): [value of each round]}): step
+    "final_adaln_out" or "block", name "adaln_lab" or "floor", clock "wall" or "cpu", phase "fwd+bwd" or "fwd"."""
     commits, figures, commit = [], defaultdict(list), None
     for line in text.splitlines():
         header = HEADER.match(line)
@@ -39,8 +38,8 @@ def parse(text: str) -> tuple[list[str], dict]:
         figure = FIGURE.match(line)
         if figure and commit is not None:
             step, name, cpu, phase, value = figure.groups()
-            key = (commit, (step, "floor" if name == "identity floor" else name), "cpu" if cpu else "wall", phase)
-            figures[key].append(float(value))
+            name = "floor" if name == "identity floor" else name
+            figures[(commit, step, name, "cpu" if cpu else "wall", phase)].append(float(value))
     return commits, figures
 
 
@@ -51,14 +50,13 @@ def rows(text: str) -> list[dict]:
     if len(commits) != 2:
         raise ValueError(f"host_ab_summary: expected two trees in the file, found {commits or 'none'}")
     out = []
-    steps = sorted({key[1][0] for key in figures})
-    for step in steps:
+    for step in sorted({key[1] for key in figures}):
         for clock in ("wall", "cpu"):
             for phase in ("fwd+bwd", "fwd"):
                 row = {"step": step, "clock": clock, "phase": phase}
                 for label, commit in zip(("base", "this"), commits):
-                    values = figures.get((commit, (step, "adaln_lab"), clock, phase), [])
-                    floors = figures.get((commit, (step, "floor"), clock, "fwd+bwd"), [])
+                    values = figures.get((commit, step, "adaln_lab", clock, phase), [])
+                    floors = figures.get((commit, step, "floor", clock, "fwd+bwd"), [])
                     if not values or len(floors) != len(values):
                         break
                     row[label] = {"commit": commit, "rounds": values, "median": statistics.median(values),
