@@ -197,7 +197,23 @@ def _plant_wrong_column(monkeypatch):
     monkeypatch.setattr(gated_residual_launch, "backward", one_chunk_left)
 
 
+def _poison_new_buffers(monkeypatch):
+    """for_op's new buffers NaN in the chunks the ops must write (uninitialised memory, which otherwise may hold the
+    right values: the CPU allocator hands back the buffer a previous run just freed, so columns a planted fault
+    leaves unwritten could still read right)."""
+    original = table_gradient.for_op
+
+    def poisoned(d_link, table, hidden_size, end, partials=0):
+        buffer = original(d_link, table, hidden_size, end, partials)
+        if d_link is None:
+            buffer.view(-1, len(CHUNKS) * hidden_size)[:, :end * hidden_size].fill_(float("nan"))
+        return buffer
+
+    monkeypatch.setattr(table_gradient, "for_op", poisoned)
+
+
 def test_a_planted_wrong_column_is_caught(monkeypatch):
+    _poison_new_buffers(monkeypatch)
     _check("cpu", "full")
     _plant_wrong_column(monkeypatch)
     with pytest.raises(AssertionError):
