@@ -78,7 +78,7 @@ def test_a_planted_float32_accumulation_fails_the_same_check():
                for n in (2, 3, 8) for parts in (by_sample(batch, n), within(batch, n)))
 
 
-def test_write_refuses_a_gradient_set_before_and_the_kernels_route_refuses_to_record():
+def test_write_refuses_a_gradient_set_before_and_refusals_name_the_route():
     params, embed, (x, feats, idx, cot) = model()
     params[0].grad = torch.zeros_like(params[0])
     acc = ExactGradients()
@@ -86,7 +86,9 @@ def test_write_refuses_a_gradient_set_before_and_the_kernels_route_refuses_to_re
         (final_adaln_out(x, *params[:1], embed(feats), *params[1:], idx).float() * cot).sum().backward()
     with pytest.raises(ValueError, match=r"norm_weight.grad is set already"):
         acc.write()
-    with acc, pytest.raises(NotImplementedError, match="backend='torch'"):
+    with acc, pytest.raises(NotImplementedError, match="not on the Numba twin"):
+        final_adaln_out(x, *params[:1], embed(feats), *params[1:], idx, backend="numba")
+    with acc, pytest.raises(Exception, match="CUDA"):  # the kernels' own refusal, as without the recorder
         final_adaln_out(x, *params[:1], embed(feats), *params[1:], idx, backend="cupy")
 
 
@@ -104,31 +106,58 @@ def test_write_says_when_tembs_graph_was_freed_by_another_consumer():
 
 
 @pytest.mark.gpu
-def test_cuda_torch_route_gives_the_same_bits_for_every_split():
-    """On CUDA (backend "torch": the kernels do not record yet) the states live on the GPU and the table's
-    parameter gradients are formed on the CPU: one batch and its splits into 2, 3 and 8 parts give the same bits,
-    and the gradients land on the parameters' device."""
+@pytest.mark.parametrize("backend", ["torch", "cupy"])
+def test_cuda_routes_give_the_same_bits_for_every_split(backend):
+    """On CUDA, backend "torch" (the replay) and "cupy" (the kernels, exact_sums.cu): the states live on the GPU and
+    the table's parameter gradients are formed on the CPU. One batch, its rows permuted, the temb rows permuted
+    (indices remapped) and its splits into 2, 3 and 8 parts by sample and within samples, in reversed order, give
+    the same bits, on the parameters' device; plain autograd over the same splits (the planted float32
+    accumulation) changes them."""
     params, embed, batch = model()
     params = [torch.nn.Parameter(p.detach().cuda()) for p in params]
     embed = embed.cuda()
     batch = tuple(t.cuda() for t in batch)
 
-    def cuda_step(parts):
+    def cuda_step(parts, exact=True):
         for p in [*params, *embed.parameters()]:
             p.grad = None
         acc = ExactGradients()
         for x, feats, idx, cot in parts:
-            with acc:
-                out = final_adaln_out(x, *params[:1], embed(feats), *params[1:], idx, backend="torch")
+            with acc if exact else torch.enable_grad():
+                out = final_adaln_out(x, *params[:1], embed(feats), *params[1:], idx, backend=backend)
                 (out.float() * cot).sum().backward()
-        acc.write()
+        if exact:
+            acc.write()
         return [p.grad for p in params]
 
     one = cuda_step([batch])
     assert all(g.is_cuda and bool(torch.isfinite(g.float()).all()) for g in one)
-    for n in (2, 3, 8):
-        for parts in (by_sample(batch, n), within(batch, n)):
-            assert same(cuda_step(parts), one), n
+    x, feats, idx, cot = batch
+    perm = torch.randperm(S, generator=torch.Generator().manual_seed(1)).cuda()
+    assert same(cuda_step([(x[:, perm], feats, idx[perm], cot[:, perm])]), one)
+    remap = torch.tensor([2, 0, 1], device="cuda")
+    moved = torch.empty_like(feats)
+    moved[remap] = feats
+    assert same(cuda_step([(x, moved, remap[idx], cot)]), one)
+    splits = [parts for n in (2, 3, 8) for parts in (by_sample(batch, n), within(batch, n))]
+    for parts in splits:
+        assert same(cuda_step(parts), one) and same(cuda_step(parts[::-1]), one), len(parts)
+    plain = cuda_step([batch], exact=False)
+    assert any(not same(cuda_step(parts, exact=False), plain) for parts in splits)
+
+
+@pytest.mark.gpu
+def test_the_kernels_flags_raise_at_write_and_leave_the_gradients_unset():
+    params, embed, batch = model()
+    params = [torch.nn.Parameter(p.detach().cuda()) for p in params]
+    x, feats, idx, cot = (t.cuda() for t in batch)
+    acc = ExactGradients()
+    with acc:
+        out = final_adaln_out(x, *params[:1], embed.cuda()(feats), *params[1:], idx, backend="cupy")
+        (out.float() * cot * torch.nan).sum().backward()
+    with pytest.raises(ValueError, match="non-finite"):
+        acc.write()
+    assert all(p.grad is None for p in params)
 
 
 def test_a_patched_h3_model_gives_the_same_adaln_gradients_for_every_split_by_sample():

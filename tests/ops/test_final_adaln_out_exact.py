@@ -145,3 +145,65 @@ def test_the_tables_parameter_gradients_are_the_same_for_any_split_of_the_timest
         assert all(torch.equal(a, b) for a, b in zip(got, one))
     assert one[0].shape == (T, 8)  # three distinct rows
     assert torch.equal(one[3], NormOutSums(T, H).add(x, dy, norm_weight, table_f32, idx).gradients()[2])
+
+
+def kernel_case(B_, S_, H_, D_, T_, seed=0):
+    """CUDA inputs of the kernels (bf16 x, dy, norm_weight, weight, bias; fp32 temb) and the forward's workspace."""
+    from adaln_lab.core.plan import forward_bytes
+    from adaln_lab.ops.final_adaln_out import launch
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(B_, S_, H_, generator=g) * torch.exp2(torch.randint(-6, 7, (B_, S_, 1), generator=g))).bfloat16()
+    dy = (torch.randn(B_, S_, H_, generator=g) * torch.exp2(torch.randint(-20, 4, (B_, S_, H_), generator=g))).bfloat16()
+    nw = (1 + 0.1 * torch.randn(H_, generator=g)).bfloat16()
+    temb = torch.randn(T_, D_, generator=g)
+    weight = (0.1 * torch.randn(2 * H_, D_, generator=g)).bfloat16()
+    bias = (0.1 * torch.randn(2 * H_, generator=g)).bfloat16()
+    idx = torch.randint(0, T_, (S_,), generator=g)
+    x, dy, nw, temb, weight, bias, idx = (t.cuda() for t in (x, dy, nw, temb, weight, bias, idx))
+    workspace = x.new_empty(forward_bytes(T_, H_, B_ * S_, D_), dtype=torch.uint8)
+    launch.forward(x, nw, temb, weight, bias, idx, 1e-5, "cupy", "cuda", torch.empty_like(x), workspace)
+    return x, dy, nw, temb, idx, workspace
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2, 37, 64, 32, 3), (3, 50, 64, 32, 12), (1, 300, 5376, 2688, 2),
+                                   (0, 5, 64, 32, 3)])
+def test_the_kernels_states_are_the_exact_sums_of_their_terms(shape):
+    """exact_sums.cu's carried integers equal ExactSum.add's of the same float32 terms formed by torch from the
+    forward's saved rstd and table_f32 (module docstring), limb for limb; one limb moved is seen."""
+    from adaln_lab.core.exact import ExactSum
+    from adaln_lab.ops.final_adaln_out import launch
+    from adaln_lab.ops.final_adaln_out.exact import kernel_sums
+
+    B_, S_, H_, D_, T_ = shape
+    x, dy, nw, temb, idx, workspace = kernel_case(*shape)
+    got = kernel_sums(dy, x, nw, idx, workspace, T_, D_)
+    got.check()
+    _, table_f32, rstd = launch.saved_views(workspace, T_, H_, B_ * S_, D_)
+    xf, g = x.reshape(-1, H_).float(), dy.reshape(-1, H_).float()
+    p = g * (xf * rstd[:, None])
+    t = idx.repeat(B_)
+    table = ExactSum((T_, 2 * H_), x.device).add(torch.cat([g, p * nw.float()], dim=1), t)
+    weight = ExactSum((H_,), x.device).add(p * (1.0 + table_f32[t, H_:]))
+    assert torch.equal(got.table.limbs, table.limbs) and torch.equal(got.norm_weight.limbs, weight.limbs)
+    if B_:
+        moved = got.norm_weight.limbs.clone()
+        moved[1, 0] += 1
+        assert not torch.equal(ExactSum.from_limbs(moved)._carry().limbs, weight.limbs)
+
+
+@pytest.mark.gpu
+def test_the_kernels_flag_a_non_finite_term_and_an_index_out_of_range():
+    from adaln_lab.ops.final_adaln_out.exact import kernel_sums
+
+    x, dy, nw, temb, idx, workspace = kernel_case(2, 16, 64, 32, 3)
+    bad = dy.clone()
+    bad[1, 3, 5] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        kernel_sums(bad, x, nw, idx, workspace, 3, 32).check()
+    out_of_range = idx.clone()
+    out_of_range[4] = 3
+    with pytest.raises(IndexError, match=r"outside \[0, T\)"):
+        kernel_sums(dy, x, nw, out_of_range, workspace, 3, 32).check()
+    kernel_sums(dy, x, nw, idx, workspace, 3, 32).check()  # the same call, clean: nothing raised

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
+from .exact import LIMBS as EXACT_LIMBS
 from .workspace import ALIGN, ROWS_MAX, Rows, aligned, forward_bytes, forward_workspace, layout, rows_of  # noqa: F401
 
 # Constants of the kernels: the one place they live. Changing one changes the compiled unit
@@ -54,6 +55,9 @@ TUNING = {
     "SUM_GROUPS": 16,           # adaln_common.cuh: row groups of an ordered column sum
     "RP_T_MAX": 12,             # reduce_partials.cu: most timesteps summed in one pass (8 KiB of shared memory each)
     "GR_THREADS_MAX": 256,      # gated_residual.cu: block size cap (H = 5376: 3 column tiles of 224 threads)
+    "EXACT_THREADS": 64,        # exact_sums.cu: block size (two columns a thread; its states 480 B a thread)
+    "EXACT_AHEAD": 4,           # exact_sums.cu: rows whose x and dy a thread loads before adding their terms
+    "EXACT_CHUNKS": 32,         # exact_sums.cu: most row chunks (integer sums: no bit depends on it)
 }
 SMEM_BLOCK_MAX = 227 * 1024       # dynamic + static shared memory one block may opt in to (sm_90, sm_100)
 BWD_STAGE_BUDGET = 200 * 1024     # dynamic shared memory of the backward's stages (static scratch beside it)
@@ -295,7 +299,21 @@ class Plan:
                     ROW_ORDER_THREADS=ROW_ORDER_THREADS, ROW_ORDER_KEYS_MAX=ROW_ORDER_KEYS_MAX,
                     ROW_ORDER_WIDE=int(self.row_order_wide),
                     GR_THREADS=self.gr_threads, SUM_GROUPS=t["SUM_GROUPS"], RP_T=self.rp_t, TABLE_N=self.columns,
-                    TABLE_F32_ROUNDED=int(self.table_f32_rounded), TABLE_ROW_TABLES=int(self.table_row_tables))
+                    TABLE_F32_ROUNDED=int(self.table_f32_rounded), TABLE_ROW_TABLES=int(self.table_row_tables),
+                    EXACT_THREADS=t["EXACT_THREADS"], EXACT_AHEAD=t["EXACT_AHEAD"], EXACT_LIMBS=EXACT_LIMBS)
+
+    @cached_property
+    def exact_smem(self) -> int:
+        """Dynamic shared memory of exact_sums.cu: LIMBS int64 limbs of 3 sums x 2 columns a thread."""
+        return EXACT_LIMBS * 6 * dict(self.tuning)["EXACT_THREADS"] * 8
+
+    def exact_grid(self, rows: int) -> tuple[int, int, int]:
+        """exact_sums.cu's (column blocks, row chunks, rows a chunk) over `rows` rows: chunks of at least 64 rows, at
+        most EXACT_CHUNKS (no chunk with no rows). Any geometry gives the same integers."""
+        threads = dict(self.tuning)["EXACT_THREADS"]
+        chunks = min(dict(self.tuning)["EXACT_CHUNKS"], -(-rows // 64))
+        per_chunk = -(-rows // chunks) if chunks else 0
+        return -(-self.H // (2 * threads)), (-(-rows // per_chunk) if chunks else 0), per_chunk
 
     @cached_property
     def table_act_grid(self) -> int:

@@ -7,7 +7,7 @@
     acc.write()                                      # each one's .grad, once; temb's gradient into its producer
 
 Inside `with acc` norm_out (`final_adaln_out`) and each block's AdaLN (`block_adaln_path`), on the torch route
-(any CPU call, or backend="torch"), keep the exact states of their cross-row sums (per-row float32 terms added as
+(any CPU call, or backend="torch") and, for norm_out, on the kernels (CUDA; exact_sums.cu), keep the exact states of their cross-row sums (per-row float32 terms added as
 integers: ops/final_adaln_out/exact.py, ops/block/exact.py) and their temb, graph and all. `write` rounds each sum
 once: the norm weights' and the table's gradient per distinct temb row (identical rows are one timestep, merged),
 then d_weight, d_bias and d_temb as fixed functions of those (ops/modulation_table/exact.py); the tembs' gradients,
@@ -16,7 +16,7 @@ be None before the first part (zero_grad(set_to_none=True)): write sets them, on
 accumulator's states (another group of micro-batches), in any order; `all_reduce(group)` sums every rank's states
 (integers over torch.distributed), so that each rank's write gives one process's bits; under FSDP2 write sets the
 sharded masters' gradients (`own`; the time embedding frozen). Not recorded yet, and
-refused inside `with acc` (NotImplementedError naming it): the kernels' route, LoRA adapters, diffusers' own forward
+refused inside `with acc` (NotImplementedError naming it): a block's kernels' route, LoRA adapters, diffusers' own forward
 (hooks on a patched module) and AdaLNOut's temb dtypes other than float32 / float64. A parameter shared by two
 AdaLNs is refused.
 temb's graph must live until write, so every op that reads temb must record (an H3 model whose AdaLNs all run
@@ -45,6 +45,7 @@ class _Group:
         self.tembs: list[torch.Tensor] = []
         self.pending: list = []
         self.owned = None  # after all_reduce: the temb rows (keys) whose gradient this rank sends back
+        self.checks: list = []  # norm_out parts whose kernels' flags are read before their states are used
 
     def keep(self, temb: torch.Tensor) -> None:
         if temb.requires_grad and not any(t is temb for t in self.tembs):
@@ -120,6 +121,8 @@ class ExactGradients:
         """Merge a norm_out part's NormOutSums (its temb rows as the table states' keys); params as keep_temb's."""
         norm_weight, weight, bias = params
         group = self._group(weight, bias, (norm_weight,))
+        if sums.flags:
+            group.checks.append(sums)
         group.norms[0].merge(sums.norm_weight)
         group.table.add(temb, sums.table)
 
@@ -140,6 +143,7 @@ class ExactGradients:
                 a.merge(b)
             mine.table.merge(theirs.table)
             mine.pending += theirs.pending  # none once their `with` ended
+            mine.checks += theirs.checks
             for t in theirs.tembs:
                 mine.keep(t)
         self.owners.update(other.owners)
@@ -168,6 +172,7 @@ class ExactGradients:
         self._open("all_reduce")
         for mine in self.groups.values():
             mine.settle()
+            _check(mine)
         shapes = [(tuple(g.weight.shape), len(g.norms)) for g in self.groups.values()]
         everyone = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, shapes, group=group)
@@ -185,6 +190,7 @@ class ExactGradients:
         """Set each recorded parameter's .grad from the exact sums, send d_temb to the kept tembs, forget all.
         Every gradient is formed before any is set: an error leaves every .grad as it was."""
         for group in self.groups.values():
+            _check(group)
             params = {"weight": group.weight, "bias": group.bias}
             params.update(zip(group.norm_names, group.norm_weights))
             for name, p in params.items():
@@ -223,6 +229,13 @@ class ExactGradients:
         self.owners.clear()
         self.reduced = False
         _temb_backward(temb_grads)
+
+
+def _check(group: _Group) -> None:
+    """Raise what a part's kernels flagged (`NormOutSums.check`: a non-finite term, an index outside [0, T))."""
+    for sums in group.checks:
+        sums.check()
+    group.checks.clear()
 
 
 def _fsdp_unsharded(owners: dict, p: torch.Tensor) -> bool:

@@ -11,21 +11,33 @@ float32 as written):
 
     sums = NormOutSums(T, H)
     sums.add(x, dy, norm_weight, table_f32, timestep_indices, eps)   # a part's rows (any number of calls)
+    sums = kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T, D)  # the same terms on the kernels
     sums.merge(other)                                                # another part's state, in any order
     d_table, d_norm_weight, d_bias = sums.gradients(torch.bfloat16)  # (T, 2H) fp32, (H,), (2H,) rounded once
 
 Shapes: x, dy (..., S, H); norm_weight (H,); table_f32 (T, 2H) float32 (shift | scale); timestep_indices (S,)
 int64 in [0, T). The states are integers (core.exact.ExactSum), so merging parts is associative: micro-batches and
-ranks give one answer. The CPU reference of the exact-gradient contract; the kernels are to give its bits.
+ranks give one answer. The CPU reference of the exact-gradient contract.
+
+On the kernels (route "cupy", `kernel_sums`: kernels_cu/exact_sums.cu) the terms are the same products of the same
+float32 values, with the kernels' rstd (the forward's, from its own reduction tree) in place of torch's: the same
+integers wherever the two rstd agree, and on CUDA fp32 subnormal products flush to zero (-ftz). So a batch's CPU
+and GPU gradients may differ in the last bits; each route alone gives one answer for every order and split.
+A call takes at most MAX_TERMS (2^30) rows on the kernels (every limb stays below 2^62); a non-finite term or a
+timestep index outside [0, T) raises when the sums are read (`NormOutSums.check`), never a wrong sum.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...core.exact import ExactSum
+from ...core import launchers, tensors
+from ...core.exact import LIMBS, MAX_TERMS, ExactSum
+from ...core.library import eager
+from ...core.plan import forward_bytes
 from ...reference.backward import rows_index
 from ...reference.final_adaln_out import replay, table_rows
+from . import launch
 
 
 def normed_terms(x, dy, eps):
@@ -51,6 +63,7 @@ class NormOutSums:
     def __init__(self, T: int, H: int, device=None):
         self.table = ExactSum((T, 2 * H), device)
         self.norm_weight = ExactSum((H,), device)
+        self.flags: list[torch.Tensor] = []  # the kernels' error flags (kernel_sums), read by `check`
 
     def add(self, x, dy, norm_weight, table_f32, timestep_indices, eps: float = 1e-5) -> "NormOutSums":
         """Add the rows of x and dy (..., S, H) (their terms, module docstring)."""
@@ -63,39 +76,102 @@ class NormOutSums:
         """Add another part's states (any order of merging gives the same state)."""
         self.table.merge(other.table)
         self.norm_weight.merge(other.norm_weight)
+        self.flags += other.flags
         return self
+
+    def check(self) -> None:
+        """Raise what the kernels flagged (a host read of each flag): ValueError for a non-finite term,
+        IndexError for a timestep index outside [0, T); the states are then not sums of every term."""
+        for flag in self.flags:
+            bits = int(flag)
+            if bits & 1:
+                raise ValueError("final_adaln_out: a non-finite gradient term (inf or NaN in x, dy or the table): "
+                                 "an exact sum of it does not exist")
+            if bits & 2:
+                raise IndexError("final_adaln_out: a timestep index outside [0, T) (check_indices=True finds it "
+                                 "before the kernels run)")
+        self.flags.clear()
 
     def gradients(self, dtype: torch.dtype = torch.bfloat16):
         """(d_table (T, 2H) float32, d_norm_weight (H,), d_bias (2H,)) in `dtype`, each rounded once from its
         exact sum."""
+        self.check()
         return self.table.value(torch.float32), self.norm_weight.value(dtype), self.table.total().value(dtype)
+
+
+def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int) -> NormOutSums:
+    """This part's NormOutSums from kernels_cu/exact_sums.cu on CUDA tensors: dy, x (..., S, H) bf16 contiguous,
+    norm_weight (H,) bf16, timestep_indices (S,) int64, workspace the forward's (`launch.saved_views`: table_f32,
+    rstd). The states' limbs are added by integer atomics and carried here; the kernels' flags are kept for
+    `NormOutSums.check`. At most MAX_TERMS rows (ValueError)."""
+    H = x.shape[-1]
+    rows = x.numel() // H
+    if rows > MAX_TERMS:
+        raise ValueError(f"final_adaln_out: exact gradients on the kernels take at most {MAX_TERMS} rows a call (every "
+                         f"limb of the integer states below 2^62), got {rows}: split the batch into micro-batches")
+    device = x.get_device()
+    plan, _, k = tensors.context(device, H, D, T, rows)
+    launchers.bind(device)
+    _, table_f32, rstd = launch.saved_views(workspace, T, H, rows, D)
+    sums = NormOutSums.__new__(NormOutSums)
+    table = torch.zeros((LIMBS, T, 2 * H), dtype=torch.int64, device=x.device)
+    weight = torch.zeros((LIMBS, H), dtype=torch.int64, device=x.device)
+    flags = torch.zeros(1, dtype=torch.int32, device=x.device)
+    dy, x, norm_weight = tensors.all_aligned(dy, x, norm_weight)
+    launchers.launch_exact_sums(k, plan, tensors.current_stream(device), x.data_ptr(), dy.data_ptr(), rstd.data_ptr(),
+                                norm_weight.data_ptr(), table_f32.data_ptr(), timestep_indices.data_ptr(),
+                                table.data_ptr(), weight.data_ptr(), flags.data_ptr(), rows, x.shape[-2])
+    sums.table, sums.norm_weight = ExactSum.from_limbs(table)._carry(), ExactSum.from_limbs(weight)._carry()
+    sums.flags = [flags]
+    return sums
 
 
 class ExactNormOut(torch.autograd.Function):
     """norm_out recording its exact sums (inside `adaln_lab.nn.ExactGradients`): forward(x, norm_weight, temb, weight,
-    bias, timestep_indices, eps, recorder, params) -> the replay's out on the table computed a row at a time
-    (`table_rows`: diffusers' bits for each row alone); backward(dy) -> dx (the replay's, at once)
-    and no other gradient: the recorder gets this part's NormOutSums under `params` (the caller's norm_weight,
-    weight, bias) and writes them all once (`ExactGradients.write`). temb comes detached: the recorder keeps the
-    caller's (`keep_temb`) and sends d_temb through it when it writes."""
+    bias, timestep_indices, eps, route, recorder, params) -> out; backward(dy) -> dx at once and no other gradient:
+    the recorder gets this part's NormOutSums under `params` (the caller's norm_weight, weight, bias) and writes them
+    all once (`ExactGradients.write`). temb comes detached: the recorder keeps the caller's (`keep_temb`) and sends
+    d_temb through it when it writes.
+    route "torch": the replay's out on the table computed a row at a time (`table_rows`: diffusers' bits for each row
+    alone), dx the replay's, the sums `NormOutSums.add`'s. route "cupy" (bf16 CUDA inputs the kernels take, in
+    eager code): the kernels' out and dx (their table rows do not depend on T), the sums `kernel_sums`'."""
 
     @staticmethod
-    def forward(ctx, x, norm_weight, temb, weight, bias, timestep_indices, eps, recorder, params):
+    def forward(ctx, x, norm_weight, temb, weight, bias, timestep_indices, eps, route, recorder, params):
+        ctx.eps, ctx.route, ctx.recorder, ctx.params = eps, route, recorder, params
+        if route == "cupy":
+            if not eager():
+                raise NotImplementedError("final_adaln_out: exact gradients on the kernels run in eager code, not "
+                                          "under torch.compile")
+            (T, D), H = temb.shape, x.shape[-1]
+            out = torch.empty_like(x)
+            workspace = x.new_empty(forward_bytes(T, H, x.numel() // H, D), dtype=torch.uint8)
+            launch.forward(x, norm_weight, temb, weight, bias, timestep_indices, eps, route, "cuda", out, workspace)
+            ctx.save_for_backward(x, norm_weight, temb, weight, timestep_indices, workspace)
+            return out
         table = table_rows(temb, weight, bias)  # each row's bits whatever T (the parts may hold other timesteps)
         out = replay(x, norm_weight, temb, weight, bias, timestep_indices, eps, table=table)
         ctx.save_for_backward(x, norm_weight, temb, table, timestep_indices)
-        ctx.eps, ctx.recorder, ctx.params = eps, recorder, params
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        x, norm_weight, temb, table, timestep_indices = ctx.saved_tensors
-        with torch.enable_grad():
-            xg = x.detach().requires_grad_(True)
-            out = replay(xg, norm_weight.detach(), temb, None, None, timestep_indices, ctx.eps, table=table)
-            (dx,) = torch.autograd.grad(out, xg, dy)
-        with torch.no_grad():
-            sums = NormOutSums(temb.shape[0], x.shape[-1], x.device).add(x, dy, norm_weight, table.float(),
-                                                                         timestep_indices, ctx.eps)
+        if ctx.route == "cupy":
+            x, norm_weight, temb, weight, timestep_indices, workspace = ctx.saved_tensors
+            dy = dy.contiguous()
+            dx = torch.empty_like(x)  # the kernels' backward also forms the fp32-order gradients: not returned
+            launch.backward(dy, x, norm_weight, temb, weight, timestep_indices, workspace, "cupy", dx,
+                            torch.empty_like(norm_weight), torch.empty_like(temb), torch.empty_like(weight),
+                            weight.new_empty(weight.shape[0]))
+            sums = kernel_sums(dy, x, norm_weight, timestep_indices, workspace, *temb.shape)
+        else:
+            x, norm_weight, temb, table, timestep_indices = ctx.saved_tensors
+            with torch.enable_grad():
+                xg = x.detach().requires_grad_(True)
+                out = replay(xg, norm_weight.detach(), temb, None, None, timestep_indices, ctx.eps, table=table)
+                (dx,) = torch.autograd.grad(out, xg, dy)
+            with torch.no_grad():
+                sums = NormOutSums(temb.shape[0], x.shape[-1], x.device).add(x, dy, norm_weight, table.float(),
+                                                                             timestep_indices, ctx.eps)
         ctx.recorder.add_norm_out(ctx.params, temb, sums)
-        return dx, None, None, None, None, None, None, None, None
+        return dx, None, None, None, None, None, None, None, None, None

@@ -1,0 +1,99 @@
+"""What the shipped exact sums (kernels_cu/exact_sums.cu) cost beside norm_out's kernels' forward+backward."""
+
+# Issue 40, the kernels' route (NOTES v39). At MiniMax-H3's width (H 5376, D 2688, T 3) and each row count: the
+# states of `kernel_sums` checked first against ExactSum.add of the same float32 terms formed by torch (limb for limb),
+# then CUDA-graph replays between CUDA events (GPU time, medians) of
+#   fwd_bwd     the launch ops' forward and backward (what norm_out's graph fwd+bwd runs)
+#   exact_sums  zeroing the states and exact_sums_bf16 (what the exact route adds in the backward)
+#   carry       the states' carries (core.exact.ExactSum._carry, torch ops)
+# and the exact route's GPU time as a ratio: (fwd_bwd + exact_sums + carry) / fwd_bwd. The route's backward also
+# runs the fixed-order parameter sums it does not return, and the recorder's host work (one state per temb row,
+# read on the CPU) is not in these figures. Floor: exact_sums' bytes (x and dy read) at the run's copy bandwidth.
+#
+#     python3 bench/tools/exact_kernel_cost.py [--rows 4097,32768] [--out FILE.json]
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+import torch
+
+from adaln_lab.bench.timing import graph_us
+from adaln_lab.core import launchers, tensors
+from adaln_lab.core.exact import LIMBS, ExactSum
+from adaln_lab.core.plan import forward_bytes
+from adaln_lab.harness.latency import copy_bandwidth
+from adaln_lab.ops.final_adaln_out import launch
+from adaln_lab.ops.final_adaln_out.exact import kernel_sums
+
+H, D, T = 5376, 2688, 3
+
+
+def measure(rows: int, copy_TBps: float) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(1, rows, H, device="cuda", generator=g).bfloat16()
+    dy = (torch.randn(1, rows, H, device="cuda", generator=g) * 1e-3).bfloat16()
+    nw = (1 + 0.1 * torch.randn(H, device="cuda", generator=g)).bfloat16()
+    temb = torch.randn(T, D, device="cuda", generator=g)
+    weight = (0.02 * torch.randn(2 * H, D, device="cuda", generator=g)).bfloat16()
+    bias = (0.02 * torch.randn(2 * H, device="cuda", generator=g)).bfloat16()
+    idx = torch.randint(0, T, (rows,), device="cuda", generator=g)
+    out, workspace = torch.empty_like(x), x.new_empty(forward_bytes(T, H, rows, D), dtype=torch.uint8)
+    grads = (torch.empty_like(x), torch.empty_like(nw), torch.empty_like(temb), torch.empty_like(weight),
+             torch.empty_like(bias))
+    launch.forward(x, nw, temb, weight, bias, idx, 1e-5, "cupy", "cuda", out, workspace)
+    got = kernel_sums(dy, x, nw, idx, workspace, T, D)
+    got.check()
+    _, table_f32, rstd = launch.saved_views(workspace, T, H, rows, D)
+    p = dy[0].float() * (x[0].float() * rstd[:, None])
+    want_table = ExactSum((T, 2 * H), x.device).add(torch.cat([dy[0].float(), p * nw.float()], dim=1), idx)
+    want_weight = ExactSum((H,), x.device).add(p * (1.0 + table_f32[idx, H:]))
+    if not (torch.equal(got.table.limbs, want_table.limbs) and torch.equal(got.norm_weight.limbs, want_weight.limbs)):
+        raise AssertionError(f"exact_sums at {rows} rows: the states differ from the exact sums of their terms")
+    del p, want_table, want_weight
+    plan, _, k = tensors.context(x.get_device(), H, D, T, rows)
+    table = torch.zeros((LIMBS, T, 2 * H), dtype=torch.int64, device="cuda")
+    weights = torch.zeros((LIMBS, H), dtype=torch.int64, device="cuda")
+    flags = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def fwd_bwd():
+        launch.forward(x, nw, temb, weight, bias, idx, 1e-5, "cupy", "cuda", out, workspace)
+        launch.backward(dy, x, nw, temb, weight, idx, workspace, "cupy", *grads)
+
+    def exact_sums():
+        table.zero_(), weights.zero_(), flags.zero_()
+        launchers.launch_exact_sums(k, plan, tensors.current_stream(x.get_device()), x.data_ptr(), dy.data_ptr(),
+                                    rstd.data_ptr(), nw.data_ptr(), table_f32.data_ptr(), idx.data_ptr(),
+                                    table.data_ptr(), weights.data_ptr(), flags.data_ptr(), rows, rows)
+
+    def carry():
+        ExactSum.from_limbs(table)._carry(), ExactSum.from_limbs(weights)._carry()
+
+    us = {name: graph_us(step) for name, step in (("fwd_bwd", fwd_bwd), ("exact_sums", exact_sums),
+                                                  ("carry", carry))}
+    return {"rows": rows, "us": us, "exact_floor_us": 4 * rows * H / (copy_TBps * 1e12) * 1e6,
+            "grid": list(plan.exact_grid(rows)),
+            "exact_route_over_fwd_bwd": (us["fwd_bwd"] + us["exact_sums"] + us["carry"]) / us["fwd_bwd"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", default="4097,32768")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    copy = copy_bandwidth(torch.device("cuda"), 2 ** 31)
+    result = {"gpu": torch.cuda.get_device_name(0), "copy_TBps": copy, "H": H, "D": D, "T": T, "sizes": []}
+    for rows in (int(r) for r in args.rows.split(",")):
+        entry = measure(rows, copy)
+        result["sizes"].append(entry)
+        print(f"rows {rows}: fwd_bwd {entry['us']['fwd_bwd']:.1f} us, exact_sums {entry['us']['exact_sums']:.1f} "
+              f"(floor {entry['exact_floor_us']:.1f}), carry {entry['us']['carry']:.1f}: exact route "
+              f"{entry['exact_route_over_fwd_bwd']:.2f}x", flush=True)
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+// exact_sums.cu: norm_out's cross-row sums as exact integers (the exact-gradient contract, adaln_lab.nn.ExactGradients).
+//
+// Per row r (table row t = timestep_indices[r % S]) and column h, the float32 terms the row alone gives
+// (ops/final_adaln_out/exact.py's, with this kernel's rstd: the forward's saved one), each product rounded
+// once, no contraction:
+//   xhat = x * rstd[r]      p = dy * xhat
+//   shift term dy           scale term p * norm_weight[h]        weight term p * (1 + scale[t, h])
+// A finite float32 is m 2^(k - 149) with |m| < 2^24 and 0 <= k < 277 (core/exact.py's `decompose`): the term is
+// the integer v = m << (k % 32) (|v| < 2^56) in limb k / 32 of a state that counts in units of 2^-149, added as
+// core/exact.py's ExactSum.add adds it: v's low 32 bits (unsigned) to limb k / 32, v >> 32 (signed) to the next.
+// Outputs (zeroed by the caller; LIMBS = ADALN_EXACT_LIMBS, uncarried: the caller carries them):
+//   table_limbs (LIMBS, T, 2H) int64: limb l of table row t's sums, shift at column h, scale at H + h
+//   nw_limbs    (LIMBS, H) int64:     limb l of d_norm_weight's sum over every row
+//   flags       (1,) int32:           bit 0 a non-finite term, bit 1 a timestep index outside [0, T) (its row left
+//                                     out): the op raises on either, it never returns a wrong sum
+// Order: none matters. Each thread keeps its two columns' states in shared memory (its own slots), adds its rows'
+// terms there, and adds a table row's limbs to the outputs with integer atomics when the rows' table row changes and
+// at the end, the norm weight's at the end: integer addition is associative, so the blocks, rows and chunks may
+// meet in any order and the sums are the same integers. Bounds: a limb gains less than 2^32 a term, so a call of at
+// most 2^30 rows (the op refuses more) keeps every limb below 2^62 in magnitude.
+//
+// Geometry (core/plan.py): block ADALN_EXACT_THREADS threads, two columns each; grid (ceil(H / (2 threads)),
+// chunks), chunk c taking rows [c * rows_per_chunk, (c + 1) * rows_per_chunk). Dynamic shared memory:
+// LIMBS x 3 sums x 2 columns x threads int64 (plan.exact_smem). ADALN_EXACT_AHEAD rows' x and dy are loaded before
+// their terms are added (their loads in flight together).
+// Run: adaln_lab.core.launchers.launch_exact_sums.
+
+#define EXACT_SLOTS (3 * 2)  // (sum, column) states of a thread: shift, scale, weight x its two columns
+
+// add float32 term f to the state whose limb l sits at st[l * stride] (slots of one thread): exactly
+__device__ __forceinline__ void exact_add(long long* st, int stride, float f, int& flags) {
+    const unsigned bits = __float_as_uint(f);
+    const unsigned biased = (bits >> 23) & 0xffu;
+    if (biased == 0xffu) {  // inf or NaN: no exact sum exists
+        flags |= 1;
+        return;
+    }
+    long long m = (long long)(bits & 0x7fffffu);
+    int k = 0;                                  // subnormal or zero: m 2^-149
+    if (biased != 0u) {
+        m |= 0x800000LL;                        // the implicit bit
+        k = (int)biased - 1;                    // m 2^(biased - 150) = m 2^(k - 149)
+    }
+    if (m == 0) return;
+    if (bits >> 31) m = -m;
+    const long long v = m << (k & 31);          // |v| < 2^56, arithmetic on two's complement
+    long long* at = st + (k >> 5) * stride;
+    at[0] += v & 0xffffffffLL;
+    at[stride] += v >> 32;
+}
+
+__device__ __forceinline__ void exact_flush(long long* st, int stride, unsigned long long* out, size_t out_stride) {
+#pragma unroll 1
+    for (int l = 0; l < ADALN_EXACT_LIMBS; ++l) {
+        const long long v = st[l * stride];
+        if (v != 0) {
+            atomicAdd(out + l * out_stride, (unsigned long long)v);  // two's complement: a signed integer addition
+            st[l * stride] = 0;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ADALN_EXACT_THREADS)
+exact_sums_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ dy, const float* __restrict__ rstd,
+                const bf16_t* __restrict__ norm_weight, const float* __restrict__ table_f32, int table_stride,
+                const index_t* __restrict__ timestep_indices, unsigned long long* __restrict__ table_limbs,
+                unsigned long long* __restrict__ nw_limbs, int* __restrict__ flags, int rows, int S,
+                int rows_per_chunk) {
+    extern __shared__ long long exact_smem[];  // [LIMBS][EXACT_SLOTS][threads]
+    const int stride = EXACT_SLOTS * ADALN_EXACT_THREADS;  // from one limb to the next of one state
+    long long* const mine = exact_smem + threadIdx.x;
+    for (int i = 0; i < ADALN_EXACT_LIMBS * EXACT_SLOTS; ++i) mine[i * ADALN_EXACT_THREADS] = 0;
+    const int h = 2 * (blockIdx.x * ADALN_EXACT_THREADS + threadIdx.x);
+    const bool valid = h < ADALN_H;
+    int bad = 0;
+    float w[2] = {0.0f, 0.0f}, s1[2] = {0.0f, 0.0f};
+    if (valid) {
+        w[0] = bf16_to_float(norm_weight[h]);
+        w[1] = bf16_to_float(norm_weight[h + 1]);
+    }
+    const size_t table_size = (size_t)ADALN_T * 2 * ADALN_H;  // one limb of table_limbs
+    const int r0 = blockIdx.y * rows_per_chunk;
+    const int r1 = min(rows, r0 + rows_per_chunk);
+    int current = -1;  // the table row whose sums the shift and scale states hold
+    for (int base = r0; base < r1; base += ADALN_EXACT_AHEAD) {
+        unsigned xs[ADALN_EXACT_AHEAD], ds[ADALN_EXACT_AHEAD];
+        float rs[ADALN_EXACT_AHEAD];
+        int ts[ADALN_EXACT_AHEAD];
+#pragma unroll
+        for (int j = 0; j < ADALN_EXACT_AHEAD; ++j) {
+            const int r = base + j;
+            const bool here = r < r1;
+            ts[j] = here ? (int)timestep_indices[r % S] : -1;
+            rs[j] = here ? rstd[r] : 0.0f;
+            const bool load = here && valid;
+            xs[j] = load ? *reinterpret_cast<const unsigned*>(x + (size_t)r * ADALN_H + h) : 0u;
+            ds[j] = load ? *reinterpret_cast<const unsigned*>(dy + (size_t)r * ADALN_H + h) : 0u;
+        }
+#pragma unroll
+        for (int j = 0; j < ADALN_EXACT_AHEAD; ++j) {
+            if (base + j >= r1) break;
+            const int t = ts[j];
+            if (t < 0 || t >= ADALN_T) {
+                bad |= 2;
+                continue;
+            }
+            if (t != current) {
+                if (current >= 0 && valid) {
+                    for (int c = 0; c < 2; ++c) {
+                        exact_flush(mine + (0 * 2 + c) * ADALN_EXACT_THREADS, stride,
+                                    table_limbs + (size_t)current * 2 * ADALN_H + h + c, table_size);
+                        exact_flush(mine + (1 * 2 + c) * ADALN_EXACT_THREADS, stride,
+                                    table_limbs + (size_t)current * 2 * ADALN_H + ADALN_H + h + c, table_size);
+                    }
+                }
+                current = t;
+                if (valid) {
+                    const float* scale = table_f32 + (size_t)t * table_stride + ADALN_H + h;
+                    s1[0] = __fadd_rn(1.0f, scale[0]);
+                    s1[1] = __fadd_rn(1.0f, scale[1]);
+                }
+            }
+            if (!valid) continue;
+            const float xv[2] = {__uint_as_float(xs[j] << 16), __uint_as_float(xs[j] & 0xffff0000u)};
+            const float dv[2] = {__uint_as_float(ds[j] << 16), __uint_as_float(ds[j] & 0xffff0000u)};
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const float p = __fmul_rn(dv[c], __fmul_rn(xv[c], rs[j]));
+                exact_add(mine + (0 * 2 + c) * ADALN_EXACT_THREADS, stride, dv[c], bad);
+                exact_add(mine + (1 * 2 + c) * ADALN_EXACT_THREADS, stride, __fmul_rn(p, w[c]), bad);
+                exact_add(mine + (2 * 2 + c) * ADALN_EXACT_THREADS, stride, __fmul_rn(p, s1[c]), bad);
+            }
+        }
+    }
+    if (valid) {
+        for (int c = 0; c < 2; ++c) {
+            if (current >= 0) {
+                exact_flush(mine + (0 * 2 + c) * ADALN_EXACT_THREADS, stride,
+                            table_limbs + (size_t)current * 2 * ADALN_H + h + c, table_size);
+                exact_flush(mine + (1 * 2 + c) * ADALN_EXACT_THREADS, stride,
+                            table_limbs + (size_t)current * 2 * ADALN_H + ADALN_H + h + c, table_size);
+            }
+            exact_flush(mine + (2 * 2 + c) * ADALN_EXACT_THREADS, stride, nw_limbs + h + c, (size_t)ADALN_H);
+        }
+    }
+    if (bad) atomicOr(flags, bad);
+}
