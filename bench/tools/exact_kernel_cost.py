@@ -4,7 +4,8 @@
 # states of `kernel_sums` checked first against ExactSum.add of the same float32 terms formed by torch (limb for limb),
 # then CUDA-graph replays between CUDA events (GPU time, medians) of
 #   fwd_bwd     the launch ops' forward and backward (what norm_out's graph fwd+bwd runs)
-#   exact_sums  zeroing the states and exact_sums_bf16 (what the exact route adds in the backward)
+#   exact_sums  zeroing the states and exact_sums_bf16 (what the exact route adds in the backward), shipped
+#   exact_sums_nocache  the same with TUNING's EXACT_CACHE = 0 (every add in shared memory), checked the same way
 #   carry       the states' carries (core.exact.ExactSum._carry, torch ops)
 # and the exact route's GPU time as a ratio: (fwd_bwd + exact_sums + carry) / fwd_bwd. The route's backward also
 # runs the fixed-order parameter sums it does not return, and the recorder's host work (one state per temb row,
@@ -21,7 +22,7 @@ import pathlib
 import torch
 
 from adaln_lab.bench.timing import graph_us
-from adaln_lab.core import launchers, tensors
+from adaln_lab.core import launchers, plan as plan_module, tensors
 from adaln_lab.core.exact import LIMBS, ExactSum
 from adaln_lab.core.plan import forward_bytes
 from adaln_lab.harness.latency import copy_bandwidth
@@ -29,6 +30,12 @@ from adaln_lab.ops.final_adaln_out import launch
 from adaln_lab.ops.final_adaln_out.exact import kernel_sums
 
 H, D, T = 5376, 2688, 3
+
+
+def cache_knob(value: int) -> None:
+    """TUNING's EXACT_CACHE set to value, every plan and compiled kernel forgotten."""
+    plan_module.TUNING["EXACT_CACHE"] = value
+    launchers.forget_compiled()
 
 
 def measure(rows: int, copy_TBps: float) -> dict:
@@ -44,16 +51,25 @@ def measure(rows: int, copy_TBps: float) -> dict:
     grads = (torch.empty_like(x), torch.empty_like(nw), torch.empty_like(temb), torch.empty_like(weight),
              torch.empty_like(bias))
     launch.forward(x, nw, temb, weight, bias, idx, 1e-5, "cupy", "cuda", out, workspace)
-    got = kernel_sums(dy, x, nw, idx, workspace, T, D)
-    got.check()
     _, table_f32, rstd = launch.saved_views(workspace, T, H, rows, D)
     p = dy[0].float() * (x[0].float() * rstd[:, None])
     want_table = ExactSum((T, 2 * H), x.device).add(torch.cat([dy[0].float(), p * nw.float()], dim=1), idx)
     want_weight = ExactSum((H,), x.device).add(p * (1.0 + table_f32[idx, H:]))
-    if not (torch.equal(got.table.limbs, want_table.limbs) and torch.equal(got.norm_weight.limbs, want_weight.limbs)):
-        raise AssertionError(f"exact_sums at {rows} rows: the states differ from the exact sums of their terms")
+    shipped = plan_module.TUNING["EXACT_CACHE"]
+    for knob in (1 - shipped, shipped):  # the shipped kernel last: the steps below launch it
+        cache_knob(knob)
+        got = kernel_sums(dy, x, nw, idx, workspace, T, D)
+        got.check()
+        if not (torch.equal(got.table.limbs, want_table.limbs)
+                and torch.equal(got.norm_weight.limbs, want_weight.limbs)):
+            raise AssertionError(f"exact_sums (EXACT_CACHE {knob}) at {rows} rows: the states differ from the exact "
+                                 "sums of their terms")
     del p, want_table, want_weight
-    plan, _, k = tensors.context(x.get_device(), H, D, T, rows)
+    kernels = {}
+    for knob in (1 - shipped, shipped):
+        cache_knob(knob)
+        kernels[knob] = tensors.context(x.get_device(), H, D, T, rows)
+    plan, _, k = kernels[shipped]
     table = torch.zeros((LIMBS, T, 2 * H), dtype=torch.int64, device="cuda")
     weights = torch.zeros((LIMBS, H), dtype=torch.int64, device="cuda")
     flags = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -62,17 +78,18 @@ def measure(rows: int, copy_TBps: float) -> dict:
         launch.forward(x, nw, temb, weight, bias, idx, 1e-5, "cupy", "cuda", out, workspace)
         launch.backward(dy, x, nw, temb, weight, idx, workspace, "cupy", *grads)
 
-    def exact_sums():
+    def exact_sums(context=kernels[shipped]):
         table.zero_(), weights.zero_(), flags.zero_()
-        launchers.launch_exact_sums(k, plan, tensors.current_stream(x.get_device()), x.data_ptr(), dy.data_ptr(),
-                                    rstd.data_ptr(), nw.data_ptr(), table_f32.data_ptr(), idx.data_ptr(),
+        launchers.launch_exact_sums(context[2], context[0], tensors.current_stream(x.get_device()), x.data_ptr(),
+                                    dy.data_ptr(), rstd.data_ptr(), nw.data_ptr(), table_f32.data_ptr(), idx.data_ptr(),
                                     table.data_ptr(), weights.data_ptr(), flags.data_ptr(), rows, rows)
 
     def carry():
         ExactSum.from_limbs(table)._carry(), ExactSum.from_limbs(weights)._carry()
 
-    us = {name: graph_us(step) for name, step in (("fwd_bwd", fwd_bwd), ("exact_sums", exact_sums),
-                                                  ("carry", carry))}
+    steps = (("fwd_bwd", fwd_bwd), ("exact_sums", exact_sums),
+             ("exact_sums_nocache", lambda: exact_sums(kernels[1 - shipped])), ("carry", carry))
+    us = {name: graph_us(step) for name, step in steps}
     return {"rows": rows, "us": us, "exact_floor_us": 4 * rows * H / (copy_TBps * 1e12) * 1e6,
             "grid": list(plan.exact_grid(rows)),
             "exact_route_over_fwd_bwd": (us["fwd_bwd"] + us["exact_sums"] + us["carry"]) / us["fwd_bwd"]}
@@ -89,6 +106,7 @@ def main() -> None:
         entry = measure(rows, copy)
         result["sizes"].append(entry)
         print(f"rows {rows}: fwd_bwd {entry['us']['fwd_bwd']:.1f} us, exact_sums {entry['us']['exact_sums']:.1f} "
+              f"(EXACT_CACHE 0: {entry['us']['exact_sums_nocache']:.1f}) "
               f"(floor {entry['exact_floor_us']:.1f}), carry {entry['us']['carry']:.1f}: exact route "
               f"{entry['exact_route_over_fwd_bwd']:.2f}x", flush=True)
     if args.out:

@@ -58,6 +58,7 @@ TUNING = {
     "EXACT_THREADS": 64,        # exact_sums.cu: block size (two columns a thread; its states 480 B a thread)
     "EXACT_AHEAD": 4,           # exact_sums.cu: rows whose x and dy a thread loads before adding their terms
     "EXACT_CHUNKS": 32,         # exact_sums.cu: most row chunks (integer sums: no bit depends on it)
+    "EXACT_CACHE": 1,           # exact_sums.cu: each state's last limb pair in registers (1) or every add in shared memory
 }
 SMEM_BLOCK_MAX = 227 * 1024       # dynamic + static shared memory one block may opt in to (sm_90, sm_100)
 BWD_STAGE_BUDGET = 200 * 1024     # dynamic shared memory of the backward's stages (static scratch beside it)
@@ -300,7 +301,8 @@ class Plan:
                     ROW_ORDER_WIDE=int(self.row_order_wide),
                     GR_THREADS=self.gr_threads, SUM_GROUPS=t["SUM_GROUPS"], RP_T=self.rp_t, TABLE_N=self.columns,
                     TABLE_F32_ROUNDED=int(self.table_f32_rounded), TABLE_ROW_TABLES=int(self.table_row_tables),
-                    EXACT_THREADS=t["EXACT_THREADS"], EXACT_AHEAD=t["EXACT_AHEAD"], EXACT_LIMBS=EXACT_LIMBS)
+                    EXACT_THREADS=t["EXACT_THREADS"], EXACT_AHEAD=t["EXACT_AHEAD"], EXACT_LIMBS=EXACT_LIMBS,
+                    EXACT_CACHE=t["EXACT_CACHE"])
 
     @cached_property
     def exact_smem(self) -> int:

@@ -14,7 +14,8 @@
 //   flags       (1,) int32:           bit 0 a non-finite term, bit 1 a timestep index outside [0, T) (its row left
 //                                     out): the op raises on either, it never returns a wrong sum
 // Order: none matters. Each thread keeps its two columns' states in shared memory (its own slots), adds its rows'
-// terms there, and adds a table row's limbs to the outputs with integer atomics when the rows' table row changes and
+// terms there (through a register cache of the limb pair last used, ADALN_EXACT_CACHE), and adds a table row's
+// limbs to the outputs with integer atomics when the rows' table row changes and
 // at the end, the norm weight's at the end: integer addition is associative, so the blocks, rows and chunks may
 // meet in any order and the sums are the same integers. Bounds: a limb gains less than 2^32 a term, so a call of at
 // most 2^30 rows (the op refuses more) keeps every limb below 2^62 in magnitude.
@@ -27,8 +28,27 @@
 
 #define EXACT_SLOTS (3 * 2)  // (sum, column) states of a thread: shift, scale, weight x its two columns
 
-// add float32 term f to the state whose limb l sits at st[l * stride] (slots of one thread): exactly
-__device__ __forceinline__ void exact_add(long long* st, int stride, float f, int& flags) {
+// One state's register cache (ADALN_EXACT_CACHE): the limb pair (k, k + 1) the last term landed in and what the
+// terms since added to them; a term in another pair first moves the cache into the shared-memory state. Terms of one
+// column mostly share a pair (32 binades), so most adds touch no shared memory. k < 0: empty.
+struct ExactCache {
+    int k;
+    long long lo, hi;
+};
+
+__device__ __forceinline__ void cache_spill(ExactCache& c, long long* st, int stride) {
+    if (c.k >= 0) {
+        st[c.k * stride] += c.lo;
+        st[(c.k + 1) * stride] += c.hi;
+    }
+    c.k = -1;
+    c.lo = 0;
+    c.hi = 0;
+}
+
+// add float32 term f to the state whose limb l sits at st[l * stride] (slots of one thread), through its cache c:
+// exactly
+__device__ __forceinline__ void exact_add(ExactCache& c, long long* st, int stride, float f, int& flags) {
     const unsigned bits = __float_as_uint(f);
     const unsigned biased = (bits >> 23) & 0xffu;
     if (biased == 0xffu) {  // inf or NaN: no exact sum exists
@@ -44,9 +64,19 @@ __device__ __forceinline__ void exact_add(long long* st, int stride, float f, in
     if (m == 0) return;
     if (bits >> 31) m = -m;
     const long long v = m << (k & 31);          // |v| < 2^56, arithmetic on two's complement
-    long long* at = st + (k >> 5) * stride;
+    const int limb = k >> 5;
+#if ADALN_EXACT_CACHE
+    if (limb != c.k) {
+        cache_spill(c, st, stride);
+        c.k = limb;
+    }
+    c.lo += v & 0xffffffffLL;
+    c.hi += v >> 32;
+#else
+    long long* at = st + limb * stride;
     at[0] += v & 0xffffffffLL;
     at[stride] += v >> 32;
+#endif
 }
 
 __device__ __forceinline__ void exact_flush(long long* st, int stride, unsigned long long* out, size_t out_stride) {
@@ -82,6 +112,12 @@ exact_sums_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ dy, con
     const int r0 = blockIdx.y * rows_per_chunk;
     const int r1 = min(rows, r0 + rows_per_chunk);
     int current = -1;  // the table row whose sums the shift and scale states hold
+    ExactCache cache[3][2];  // (sum, column)
+#pragma unroll
+    for (int q = 0; q < 3; ++q) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) cache[q][c] = ExactCache{-1, 0, 0};
+    }
     for (int base = r0; base < r1; base += ADALN_EXACT_AHEAD) {
         unsigned xs[ADALN_EXACT_AHEAD], ds[ADALN_EXACT_AHEAD];
         float rs[ADALN_EXACT_AHEAD];
@@ -106,7 +142,10 @@ exact_sums_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ dy, con
             }
             if (t != current) {
                 if (current >= 0 && valid) {
+#pragma unroll
                     for (int c = 0; c < 2; ++c) {
+                        cache_spill(cache[0][c], mine + (0 * 2 + c) * ADALN_EXACT_THREADS, stride);
+                        cache_spill(cache[1][c], mine + (1 * 2 + c) * ADALN_EXACT_THREADS, stride);
                         exact_flush(mine + (0 * 2 + c) * ADALN_EXACT_THREADS, stride,
                                     table_limbs + (size_t)current * 2 * ADALN_H + h + c, table_size);
                         exact_flush(mine + (1 * 2 + c) * ADALN_EXACT_THREADS, stride,
@@ -126,14 +165,17 @@ exact_sums_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ dy, con
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 const float p = __fmul_rn(dv[c], __fmul_rn(xv[c], rs[j]));
-                exact_add(mine + (0 * 2 + c) * ADALN_EXACT_THREADS, stride, dv[c], bad);
-                exact_add(mine + (1 * 2 + c) * ADALN_EXACT_THREADS, stride, __fmul_rn(p, w[c]), bad);
-                exact_add(mine + (2 * 2 + c) * ADALN_EXACT_THREADS, stride, __fmul_rn(p, s1[c]), bad);
+                exact_add(cache[0][c], mine + (0 * 2 + c) * ADALN_EXACT_THREADS, stride, dv[c], bad);
+                exact_add(cache[1][c], mine + (1 * 2 + c) * ADALN_EXACT_THREADS, stride, __fmul_rn(p, w[c]), bad);
+                exact_add(cache[2][c], mine + (2 * 2 + c) * ADALN_EXACT_THREADS, stride, __fmul_rn(p, s1[c]), bad);
             }
         }
     }
     if (valid) {
+#pragma unroll
         for (int c = 0; c < 2; ++c) {
+#pragma unroll
+            for (int q = 0; q < 3; ++q) cache_spill(cache[q][c], mine + (q * 2 + c) * ADALN_EXACT_THREADS, stride);
             if (current >= 0) {
                 exact_flush(mine + (0 * 2 + c) * ADALN_EXACT_THREADS, stride,
                             table_limbs + (size_t)current * 2 * ADALN_H + h + c, table_size);
