@@ -154,7 +154,8 @@ def kernel_case(B_, S_, H_, D_, T_, seed=0):
 
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(B_, S_, H_, generator=g) * torch.exp2(torch.randint(-6, 7, (B_, S_, 1), generator=g))).bfloat16()
-    dy = (torch.randn(B_, S_, H_, generator=g) * torch.exp2(torch.randint(-20, 4, (B_, S_, H_), generator=g))).bfloat16()
+    spread = torch.exp2(torch.randint(-20, 4, (B_, S_, H_), generator=g))
+    dy = (torch.randn(B_, S_, H_, generator=g) * spread).bfloat16()
     nw = (1 + 0.1 * torch.randn(H_, generator=g)).bfloat16()
     temb = torch.randn(T_, D_, generator=g)
     weight = (0.1 * torch.randn(2 * H_, D_, generator=g)).bfloat16()

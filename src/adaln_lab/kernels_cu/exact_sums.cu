@@ -1,4 +1,4 @@
-// exact_sums.cu: norm_out's cross-row sums as exact integers (the exact-gradient contract, adaln_lab.nn.ExactGradients).
+// exact_sums.cu: norm_out's cross-row sums as exact integers (the contract of adaln_lab.nn.ExactGradients).
 //
 // Per row r (table row t = timestep_indices[r % S]) and column h, the float32 terms the row alone gives
 // (ops/final_adaln_out/exact.py's, with this kernel's rstd: the forward's saved one), each product rounded
