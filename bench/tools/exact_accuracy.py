@@ -5,9 +5,9 @@
 # torch route: every cross-row sum exact, rounded once) and by the torch route's plain autograd (diffusers' ops), each
 # against the float64 `pure` golden: max|err| / max|ref| and the share of elements equal to the golden rounded once
 # (`adaln_lab.harness.accuracy`). Beside them, the kernels' (backend "cupy", plain autograd): on a GPU computed on
-# the same inputs, moved there; without one read off a committed report at the same rows (--report, default
-# bench/results/h100/report.json, candidate adaln_lab), whose inputs CUDA's generator drew: other values, so only
-# the shares compare, not the errors. And whether every exact gradient's error is at most the kernels'.
+# the same inputs, moved there, with the kernels' exact route (exact_sums.cu) on them too; without one read off a
+# committed report at the same rows (--report, default bench/results/h100/report.json, candidate adaln_lab), whose
+# inputs CUDA's generator drew: other values, so only the shares compare, not the errors. And whether every exact gradient's error is at most the kernels'.
 #
 #     PYTHONPATH=src python3 bench/tools/exact_accuracy.py [--rows 4097] [--report FILE] --out FILE.json
 
@@ -58,9 +58,10 @@ def main() -> None:
     result = {"rows": args.rows, "shape": FULL.shape, "device": "cpu", "torch": torch.__version__,
               "exact": figures(gradients(inputs, dy, True), ref),
               "torch_plain": figures(gradients(inputs, dy, False), ref)}
-    if torch.cuda.is_available():  # the kernels on the same inputs
+    if torch.cuda.is_available():  # the kernels on the same inputs, plain and exact (exact_sums.cu)
         result["kernels"] = dict(figures(gradients(inputs, dy, False, "cupy", "cuda"), ref),
                                  inputs="the same", gpu=torch.cuda.get_device_name())
+        result["exact_kernels"] = figures(gradients(inputs, dy, True, "cupy", "cuda"), ref)
     else:
         report = json.loads(args.report.read_text())
         kernels = report["results"]["plain"]["adaln_lab"]["accuracy_latency"].get(str(args.rows))
@@ -70,16 +71,19 @@ def main() -> None:
                                  "commit": report.get("adaln_lab_commit"), "grad_rel_err": kernels["grad_rel_err"],
                                  "grad_correctly_rounded": kernels["grad_correctly_rounded"]}
     if result.get("kernels", {}).get("inputs") == "the same":
-        result["exact_no_worse_than_kernels"] = {
-            key: result["exact"]["grad_rel_err"][key] <= err for key, err in result["kernels"]["grad_rel_err"].items()}
+        for exact in ("exact", "exact_kernels"):
+            result[f"{exact}_no_worse_than_kernels"] = {
+                key: result[exact]["grad_rel_err"][key] <= err
+                for key, err in result["kernels"]["grad_rel_err"].items()}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    for name in ("exact", "torch_plain", "kernels"):
+    for name in ("exact", "torch_plain", "kernels", "exact_kernels"):
         if name in result:
             errs = ", ".join(f"{k} {v:.3g}" for k, v in result[name]["grad_rel_err"].items())
             shares = ", ".join(f"{k} {v:.4f}" for k, v in result[name]["grad_correctly_rounded"].items())
             print(f"{name}: grad_rel_err {errs}; correctly rounded {shares}")
-    if "exact_no_worse_than_kernels" in result:
-        print(f"exact no worse than the kernels: {result['exact_no_worse_than_kernels']}")
+    for exact in ("exact", "exact_kernels"):
+        if f"{exact}_no_worse_than_kernels" in result:
+            print(f"{exact} no worse than the kernels: {result[f'{exact}_no_worse_than_kernels']}")
 
 
 if __name__ == "__main__":
