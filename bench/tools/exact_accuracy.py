@@ -7,7 +7,8 @@
 # (`adaln_lab.harness.accuracy`). Beside them, the kernels' (backend "cupy", plain autograd): on a GPU computed on
 # the same inputs, moved there, with the kernels' exact route (exact_sums.cu) on them too; without one read off a
 # committed report at the same rows (--report, default bench/results/h100/report.json, candidate adaln_lab), whose
-# inputs CUDA's generator drew: other values, so only the shares compare, not the errors. And whether every exact gradient's error is at most the kernels'.
+# inputs CUDA's generator drew: other values, so only the shares compare, not the errors. And whether every exact
+# gradient's error is at most the kernels'.
 #
 #     PYTHONPATH=src python3 bench/tools/exact_accuracy.py [--rows 4097] [--report FILE] --out FILE.json
 
