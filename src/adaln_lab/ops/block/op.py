@@ -92,11 +92,14 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
         raise ValueError(f"block_adaln_path needs weight of shape (18H, D) = ({18 * H}, D), got {tuple(weight.shape)}")
     recorder = exact.recorder() if torch.is_grad_enabled() else None
     if recorder is not None:  # inside adaln_lab.nn.ExactGradients: record the exact sums (the torch route)
-        if adapt_table is not None or (backend != "torch" and (backend != "auto" or x.is_cuda)):
-            raise NotImplementedError("block_adaln_path: exact gradients (adaln_lab.nn.ExactGradients) run on the "
-                                      "torch route, without adapters on the table, for now; pass backend='torch' "
-                                      f"(got backend={backend!r} on {x.device}, adapt_table "
+        if adapt_table is not None or backend == "cupy":
+            raise NotImplementedError("block_adaln_path: exact gradients (adaln_lab.nn.ExactGradients) of a block run "
+                                      "on the torch route, without adapters on the table, for now; pass backend="
+                                      f"'torch' or 'auto' (got backend={backend!r} on {x.device}, adapt_table "
                                       f"{'given' if adapt_table is not None else 'None'})")
+        if backend == "auto":  # the kernels do not record a block's sums yet: the torch route, warned on CUDA
+            support.warn_fallback(OP, x, NotImplementedError("a block's exact gradients are recorded on the torch "
+                                                             "route only"))
         return block_exact(x, temb, weight, bias, norm1_weight, norm2_weight, row_index, attn, ff, float(eps1),
                            float(eps2), recorder)
     if backend == "torch":
