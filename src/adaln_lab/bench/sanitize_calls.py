@@ -5,6 +5,8 @@ of adaln_lab at small shapes, 0 and 1 rows included.
 - `final_adaln_out` (backend "cupy"), forward+backward: (H, D, T) = (264, 64, 3), (1024, 256, 1), the real
   (5376, 2688, 3), (1024, 256, 12) and (264, 64, 32) (the sorted backward, table_bwd's narrower lanes), at 0, 1, 7
   and 300 rows (300 not at the real size), plus x (2, 7, H) (leading dims);
+- norm_out's exact route (inside `adaln_lab.nn.ExactGradients`: exact_sums.cu) at (264, 64, 3) and (1024, 256, 12),
+  0, 1, 7 and 300 rows;
 - the blocks' kernels through the ops' launch ops (route "cupy"): modulation_table (H 264, D 64, T 3, N = 18H; the
   table also on three other tile shapes, the same bits), modulated_rms_norm (with and without d_residual),
   gated_residual and gated_residual_norm on R = 3T table rows (strided shift / scale / gate slices of the table; and
@@ -52,6 +54,23 @@ def op_calls() -> None:
     inputs = make(2, 14, "cuda", **OP_SHAPES[0])
     _op(inputs, x=inputs.x.view(2, 7, -1), idx=inputs.timestep_indices[:7].contiguous())
     print("final_adaln_out: done")
+
+
+def exact_calls() -> None:
+    """norm_out's exact route: forward, backward (exact_sums.cu), write; every gradient finite."""
+    from adaln_lab.nn import ExactGradients
+
+    for shape in (OP_SHAPES[0], OP_SHAPES[3]):
+        for rows in ROWS:
+            inputs = make(3, rows, "cuda", **shape)
+            leaves = [t.detach().clone().requires_grad_(True) for t in inputs.leaves]
+            acc = ExactGradients()
+            with acc:
+                out = final_adaln_out(*leaves, inputs.timestep_indices, backend="cupy")
+                out.backward(upstream(1, out))
+            acc.write()
+            _finite(*(leaf.grad for leaf in leaves))
+    print("final_adaln_out, exact: done")
 
 
 def other_table_tiles(table_fwd, temb, weight, bias, table) -> None:
@@ -187,5 +206,6 @@ def block_calls() -> None:
 
 if __name__ == "__main__":
     op_calls()
+    exact_calls()
     block_calls()
     print("small calls done")
