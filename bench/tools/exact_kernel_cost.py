@@ -7,9 +7,10 @@
 #   exact_sums  zeroing the states and exact_sums_bf16 (what the exact route adds in the backward), shipped
 #   exact_sums_nocache  the same with TUNING's EXACT_CACHE = 0 (every add in shared memory), checked the same way
 #   carry       the states' carries (core.exact.ExactSum._carry, torch ops)
-# and the exact route's GPU time as a ratio: (fwd_bwd + exact_sums + carry) / fwd_bwd. The route's backward also
-# runs the fixed-order parameter sums it does not return, and the recorder's host work (one state per temb row,
-# read on the CPU) is not in these figures. Floor: exact_sums' bytes (x and dy read) at the run's copy bandwidth.
+#   exact_route the exact route's kernels as ExactNormOut runs them: the forward, then `kernel_sums` with dx (the
+#               backward's row pass and fixed-order reduce, no table_bwd; exact_sums; the carries)
+# and exact_route / fwd_bwd, the issue's ratio (bar 1.10x at 32768 rows, 1.15x at 4097). The recorder's host work
+# (one state per temb row, read on the CPU at write) is not in these figures. Floor: exact_sums' bytes (x and dy read) at the run's copy bandwidth.
 #
 #     python3 bench/tools/exact_kernel_cost.py [--rows 4097,32768] [--out FILE.json]
 
@@ -64,7 +65,12 @@ def measure(rows: int, copy_TBps: float) -> dict:
                 and torch.equal(got.norm_weight.limbs, want_weight.limbs)):
             raise AssertionError(f"exact_sums (EXACT_CACHE {knob}) at {rows} rows: the states differ from the exact "
                                  "sums of their terms")
-    del p, want_table, want_weight
+    launch.backward(dy, x, nw, temb, weight, idx, workspace, "cupy", *grads)
+    dx = torch.empty_like(x)
+    kernel_sums(dy, x, nw, idx, workspace, T, D, dx=dx, temb=temb, weight=weight).check()
+    if not torch.equal(dx, grads[0]):
+        raise AssertionError(f"the exact route's dx differs from the backward's at {rows} rows")
+    del p, want_table, want_weight, dx
     kernels = {}
     for knob in (1 - shipped, shipped):
         cache_knob(knob)
@@ -84,15 +90,20 @@ def measure(rows: int, copy_TBps: float) -> dict:
                                     dy.data_ptr(), rstd.data_ptr(), nw.data_ptr(), table_f32.data_ptr(), idx.data_ptr(),
                                     table.data_ptr(), weights.data_ptr(), flags.data_ptr(), rows, rows)
 
+    def exact_route():
+        launch.forward(x, nw, temb, weight, bias, idx, 1e-5, "cupy", "cuda", out, workspace)
+        kernel_sums(dy, x, nw, idx, workspace, T, D, dx=grads[0], temb=temb, weight=weight)
+
     def carry():
         ExactSum.from_limbs(table)._carry(), ExactSum.from_limbs(weights)._carry()
 
     steps = (("fwd_bwd", fwd_bwd), ("exact_sums", exact_sums),
-             ("exact_sums_nocache", lambda: exact_sums(kernels[1 - shipped])), ("carry", carry))
+             ("exact_sums_nocache", lambda: exact_sums(kernels[1 - shipped])), ("carry", carry),
+             ("exact_route", exact_route))
     us = {name: graph_us(step) for name, step in steps}
     return {"rows": rows, "us": us, "exact_floor_us": 4 * rows * H / (copy_TBps * 1e12) * 1e6,
             "grid": list(plan.exact_grid(rows)),
-            "exact_route_over_fwd_bwd": (us["fwd_bwd"] + us["exact_sums"] + us["carry"]) / us["fwd_bwd"]}
+            "exact_route_over_fwd_bwd": us["exact_route"] / us["fwd_bwd"]}
 
 
 def main() -> None:

@@ -172,7 +172,8 @@ def kernel_case(B_, S_, H_, D_, T_, seed=0):
                                    (0, 5, 64, 32, 3)])
 def test_the_kernels_states_are_the_exact_sums_of_their_terms(shape):
     """exact_sums.cu's carried integers equal ExactSum.add's of the same float32 terms formed by torch from the
-    forward's saved rstd and table_f32 (module docstring), limb for limb; one limb moved is seen."""
+    forward's saved rstd and table_f32 (module docstring), limb for limb; one limb moved is seen; with dx asked
+    for, the backward's row pass writes the same dx as the whole backward."""
     from adaln_lab.core.exact import ExactSum
     from adaln_lab.ops.final_adaln_out import launch
     from adaln_lab.ops.final_adaln_out.exact import kernel_sums
@@ -188,6 +189,12 @@ def test_the_kernels_states_are_the_exact_sums_of_their_terms(shape):
     table = ExactSum((T_, 2 * H_), x.device).add(torch.cat([g, p * nw.float()], dim=1), t)
     weight = ExactSum((H_,), x.device).add(p * (1.0 + table_f32[t, H_:]))
     assert torch.equal(got.table.limbs, table.limbs) and torch.equal(got.norm_weight.limbs, weight.limbs)
+    w = torch.randn(2 * H_, D_, device="cuda").bfloat16()  # values the backward's row pass does not read
+    grads = (torch.empty_like(x), torch.empty_like(nw), torch.empty_like(temb), w.clone(), w.new_empty(2 * H_))
+    launch.backward(dy, x, nw, temb, w, idx, workspace, "cupy", *grads)
+    dx = torch.empty_like(x)
+    kernel_sums(dy, x, nw, idx, workspace, T_, D_, dx=dx, temb=temb, weight=w).check()
+    assert torch.equal(dx, grads[0])  # the exact route's dx: the backward's, without table_bwd
     if B_:
         moved = got.norm_weight.limbs.clone()
         moved[1, 0] += 1

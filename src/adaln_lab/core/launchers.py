@@ -333,8 +333,9 @@ def launch_table_bwd(k: dict, plan: Plan, stream: int, d_table: int, temb: int, 
 
 def launch_backward(k: dict, plan: Plan, rows: Rows, stream: int, *, dy: int, x: int, rstd: int, norm_weight: int,
                     table_f32: int, timestep_indices: int, temb: int, weight: int, workspace: int, dx: int,
-                    d_norm_weight: int, d_temb: int, d_weight: int, d_bias: int, S: int) -> None:
-    """dx and the four parameter gradients; every reduction in a fixed order (see kernels_cu/).
+                    d_norm_weight: int, d_temb: int, d_weight: int, d_bias: int, S: int, table: bool = True) -> None:
+    """dx and the four parameter gradients; every reduction in a fixed order (see kernels_cu/). table False: no
+    table_bwd (d_weight and d_temb left unwritten: the exact route's backward, which keeps only dx).
 
     `workspace` holds rows.bwd_bytes bytes laid out by `rows.bwd_offsets`. With no rows the row
     pass launches nothing and every parameter gradient is exactly zero: the unsorted pass zeroes one
@@ -355,7 +356,8 @@ def launch_backward(k: dict, plan: Plan, rows: Rows, stream: int, *, dy: int, x:
                         row_partials, S)
         launch_reduce_partials(k, plan, rows, stream, row_partials, norm_weight, table_f32, d_table, d_norm_weight,
                                d_bias)
-    launch_table_bwd(k, plan, stream, d_table, temb, weight, d_weight, workspace + o["dact_partials"], d_temb)
+    if table:
+        launch_table_bwd(k, plan, stream, d_table, temb, weight, d_weight, workspace + o["dact_partials"], d_temb)
 
 
 def launch_gated_residual(k: dict, plan: Plan, rows: Rows, stream: int, x: int, gate: int, y: int, row_index: int,

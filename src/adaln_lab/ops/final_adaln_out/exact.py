@@ -99,26 +99,33 @@ class NormOutSums:
         return self.table.value(torch.float32), self.norm_weight.value(dtype), self.table.total().value(dtype)
 
 
-def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int) -> NormOutSums:
+def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int, dx=None, temb=None,
+                weight=None) -> NormOutSums:
     """This part's NormOutSums from kernels_cu/exact_sums.cu on CUDA tensors: dy, x (..., S, H) bf16 contiguous,
     norm_weight (H,) bf16, timestep_indices (S,) int64, workspace the forward's (`launch.saved_views`: table_f32,
     rstd). The states' limbs are added by integer atomics and carried here; the kernels' flags are kept for
-    `NormOutSums.check`. At most MAX_TERMS rows (ValueError)."""
+    `NormOutSums.check`. At most MAX_TERMS rows (ValueError). With dx (x's shape) given, the backward's row pass
+    writes dx there first (`launch.kernels_backward` without table_bwd; temb and weight as the forward's)."""
     H = x.shape[-1]
     rows = x.numel() // H
     if rows > MAX_TERMS:
         raise ValueError(f"final_adaln_out: exact gradients on the kernels take at most {MAX_TERMS} rows a call (every "
                          f"limb of the integer states below 2^62), got {rows}: split the batch into micro-batches")
     device = x.get_device()
-    plan, _, k = tensors.context(device, H, D, T, rows)
+    plan, rows_plan, k = tensors.context(device, H, D, T, rows)
     launchers.bind(device)
     _, table_f32, rstd = launch.saved_views(workspace, T, H, rows, D)
+    stream = tensors.current_stream(device)
+    if dx is not None:  # dx and the fixed-order sums, which go unread: the row pass needs their workspace
+        unread = (dx, torch.empty_like(norm_weight), None, None, weight.new_empty(weight.shape[0]))
+        launch.kernels_backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f32.data_ptr(),
+                                rstd.data_ptr(), unread, stream, context=(plan, rows_plan, k), table=False)
     sums = NormOutSums.__new__(NormOutSums)
     table = torch.zeros((LIMBS, T, 2 * H), dtype=torch.int64, device=x.device)
     weight = torch.zeros((LIMBS, H), dtype=torch.int64, device=x.device)
     flags = torch.zeros(1, dtype=torch.int32, device=x.device)
     dy, x, norm_weight = tensors.all_aligned(dy, x, norm_weight)
-    launchers.launch_exact_sums(k, plan, tensors.current_stream(device), x.data_ptr(), dy.data_ptr(), rstd.data_ptr(),
+    launchers.launch_exact_sums(k, plan, stream, x.data_ptr(), dy.data_ptr(), rstd.data_ptr(),
                                 norm_weight.data_ptr(), table_f32.data_ptr(), timestep_indices.data_ptr(),
                                 table.data_ptr(), weight.data_ptr(), flags.data_ptr(), rows, x.shape[-2])
     sums.table, sums.norm_weight = ExactSum.from_limbs(table)._carry(), ExactSum.from_limbs(weight)._carry()
@@ -159,11 +166,9 @@ class ExactNormOut(torch.autograd.Function):
         if ctx.route == "cupy":
             x, norm_weight, temb, weight, timestep_indices, workspace = ctx.saved_tensors
             dy = dy.contiguous()
-            dx = torch.empty_like(x)  # the kernels' backward also forms the fp32-order gradients: not returned
-            launch.backward(dy, x, norm_weight, temb, weight, timestep_indices, workspace, "cupy", dx,
-                            torch.empty_like(norm_weight), torch.empty_like(temb), torch.empty_like(weight),
-                            weight.new_empty(weight.shape[0]))
-            sums = kernel_sums(dy, x, norm_weight, timestep_indices, workspace, *temb.shape)
+            dx = torch.empty_like(x)
+            sums = kernel_sums(dy, x, norm_weight, timestep_indices, workspace, *temb.shape, dx=dx, temb=temb,
+                               weight=weight)
         else:
             x, norm_weight, temb, table, timestep_indices = ctx.saved_tensors
             with torch.enable_grad():

@@ -155,10 +155,11 @@ def backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, temb:
 
 
 def kernels_backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f32: int, rstd: int, outputs,
-                     stream: int, workspace=None, context=None) -> None:
+                     stream: int, workspace=None, context=None, table: bool = True) -> None:
     """The four backward kernels on `stream`: outputs = (dx, d_norm_weight, d_temb, d_weight, d_bias) tensors,
     from the forward's table_f32 and rstd at their addresses; workspace: None (one torch allocation here), or a
-    tensor of at least the plan's `bwd_bytes`. context: `kernels_of(x, temb)` where the caller has it."""
+    tensor of at least the plan's `bwd_bytes`. context: `kernels_of(x, temb)` where the caller has it. table False:
+    no table_bwd (d_temb and d_weight not written: they may be None)."""
     dy, x, norm_weight, weight = tensors.all_aligned(dy, x, norm_weight, weight)
     plan, rows, k = context or kernels_of(x, temb)
     if workspace is None:
@@ -168,5 +169,6 @@ def kernels_backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f
                               norm_weight=norm_weight.data_ptr(), table_f32=table_f32,
                               timestep_indices=timestep_indices.data_ptr(), temb=temb.data_ptr(),
                               weight=weight.data_ptr(), workspace=workspace.data_ptr(), dx=dx.data_ptr(),
-                              d_norm_weight=d_norm_weight.data_ptr(), d_temb=d_temb.data_ptr(),
-                              d_weight=d_weight.data_ptr(), d_bias=d_bias.data_ptr(), S=x.shape[-2])
+                              d_norm_weight=d_norm_weight.data_ptr(), d_temb=0 if d_temb is None else d_temb.data_ptr(),
+                              d_weight=0 if d_weight is None else d_weight.data_ptr(), d_bias=d_bias.data_ptr(),
+                              S=x.shape[-2], table=table)
