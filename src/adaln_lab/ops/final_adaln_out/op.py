@@ -129,38 +129,27 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
     if table_backend not in TABLE_BACKENDS:
         check_option("table_backend", table_backend, TABLE_BACKENDS)
     exact_recorder = exact.recorder() if torch.is_grad_enabled() else None
-    if exact_recorder is not None:  # inside adaln_lab.nn.ExactGradients: record the exact sums
-        return _exact(x, norm_weight, temb, weight, bias, timestep_indices, eps, backend, exact_recorder)
-    if backend == "torch" or (backend == "auto" and not x.is_cuda):
-        return replay(*dense(x, norm_weight, temb, weight, bias, timestep_indices), eps)
     if backend == "numba":
+        if exact_recorder is not None:
+            raise NotImplementedError("final_adaln_out: exact gradients (adaln_lab.nn.ExactGradients) run on routes "
+                                      "'cupy' and 'torch', not on the Numba twin; pass backend='auto'")
         from .twin import op as twin
 
         simulating = twin.simulating()
         support.refuse(support.numba_final_adaln_out(x, norm_weight, temb, weight, bias, simulating=simulating))
         return _kernels(x, norm_weight, temb, weight, bias, timestep_indices, eps, "numba", table_backend)
-    cast = autocast_params(x, norm_weight, weight, bias)  # fp32 parameters under autocast (`core.autocast`)
-    route = support.route("final_adaln_out", backend, x, support.final_adaln_out(x, *cast[:1], temb, *cast[1:]))
+    route, cast = "torch", None
+    if backend == "cupy" or (backend == "auto" and x.is_cuda):  # "cupy" on what the kernels refuse raises here
+        cast = autocast_params(x, norm_weight, weight, bias)  # fp32 parameters under autocast (`core.autocast`)
+        route = support.route("final_adaln_out", backend, x, support.final_adaln_out(x, *cast[:1], temb, *cast[1:]))
+    if exact_recorder is not None:  # inside adaln_lab.nn.ExactGradients: the exact node on the same route
+        params = (norm_weight, weight, bias)  # the caller's: the recorder writes their .grad
+        if route == "cupy":
+            norm_weight, weight, bias = cast
+        exact_recorder.keep_temb(params, temb)
+        args = dense(x, norm_weight, temb.detach(), weight, bias, timestep_indices)
+        return ExactNormOut.apply(*args, float(eps), route, exact_recorder, params)
     if route == "torch":
         return replay(*dense(x, norm_weight, temb, weight, bias, timestep_indices), eps)
     norm_weight, weight, bias = cast
     return _kernels(x, norm_weight, temb, weight, bias, timestep_indices, eps, route, table_backend)
-
-
-def _exact(x, norm_weight, temb, weight, bias, timestep_indices, eps, backend, recorder):
-    """The exact-gradient node `ExactNormOut` on the route decided here once: "cupy" where the kernels take the
-    inputs (backend "auto" on CUDA, or "cupy"), else "torch" (backend "torch", CPU tensors, or "auto"'s fallback with
-    its warning); backend "numba" does not record (NotImplementedError)."""
-    if backend == "numba":
-        raise NotImplementedError("final_adaln_out: exact gradients (adaln_lab.nn.ExactGradients) run on routes "
-                                  "'cupy' and 'torch', not on the Numba twin; pass backend='auto'")
-    params = (norm_weight, weight, bias)  # the caller's: the recorder writes their .grad
-    route = "torch"
-    if backend == "cupy" or (backend == "auto" and x.is_cuda):  # "cupy" on what the kernels refuse raises here
-        cast = autocast_params(x, norm_weight, weight, bias)
-        route = support.route("final_adaln_out", backend, x, support.final_adaln_out(x, *cast[:1], temb, *cast[1:]))
-        if route == "cupy":
-            norm_weight, weight, bias = cast
-    recorder.keep_temb(params, temb)
-    args = dense(x, norm_weight, temb.detach(), weight, bias, timestep_indices)
-    return ExactNormOut.apply(*args, float(eps), route, recorder, params)
