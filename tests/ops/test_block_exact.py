@@ -133,12 +133,10 @@ def test_the_norm_weights_gradients_are_the_correctly_rounded_exact_sums_of_thei
         assert torch.equal(got, want)
 
 
-def test_backend_cupy_and_adapters_refuse_to_record():
+def test_backend_cupy_refuses_to_record():
     params, embed, maps, (x, feats, row_index, cot) = model()
     with ExactGradients(), pytest.raises(NotImplementedError, match="backend='torch'"):
         block_adaln_path(x, embed(feats), *params, row_index, *maps, backend="cupy")
-    with ExactGradients(), pytest.raises(NotImplementedError, match="adapt_table given"):
-        block_adaln_path(x, embed(feats), *params, row_index, *maps, backend="torch", adapt_table=lambda t: t)
 
 
 def test_parts_that_hold_only_their_own_timesteps_give_the_same_bits():

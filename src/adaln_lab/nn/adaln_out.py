@@ -34,6 +34,7 @@ from ..core.autocast import autocast_params
 from ..core.exact import recorder, refuse_unrecorded
 from ..core.checks import BACKENDS, TABLE_BACKENDS, check_option
 from ..ops.final_adaln_out import final_adaln_out
+from ..ops.final_adaln_out.exact import record as exact_record
 from ..ops.modulated_rms_norm import modulated_rms_norm
 from ..ops.modulation_table import modulation_table
 from ..reference.final_adaln_out import replay
@@ -136,7 +137,9 @@ class AdaLNOut(nn.Module):
         if eps is None:  # what F.rms_norm does with eps=None: the epsilon of its compute dtype
             eps = torch.finfo(torch.promote_types(hidden_states.dtype, torch.float32)).eps
         if names:
-            refuse_unrecorded("AdaLNOut", f"adapters on linear ({', '.join(names)})")
+            exact = recorder()
+            if exact is not None:
+                return self._exact_adapted_forward(hidden_states, temb, timestep_indices, base, names, eps, exact)
             return self._adapted_forward(hidden_states, temb, timestep_indices, base, names, eps)
         if temb.dtype not in _EXACT_TEMB_DTYPES:
             refuse_unrecorded("AdaLNOut", f"temb is {temb.dtype}")
@@ -175,6 +178,30 @@ class AdaLNOut(nn.Module):
         shift, scale = adapters.adapted_table(table, temb, self.linear, names, weight.dtype).chunk(2, dim=-1)
         return modulated_rms_norm(hidden_states, norm_weight, shift, scale, timestep_indices, eps,
                                   table_dtype=weight.dtype, backend=backend)
+
+    def _exact_adapted_forward(self, hidden_states, temb, timestep_indices, base, names, eps, exact):
+        """Inside `ExactGradients` with LoRA adapters on `linear`: norm_out's exact node on the torch route (a warning
+        on CUDA with backend "auto"; "cupy" raises) with the adapters' terms on each table row
+        (`adapters.adapted_table`); the recorder forms the adapters' gradients (`adapters.exact_terms`)."""
+        terms = adapters.exact_terms(self.linear, names)
+        if isinstance(terms, str):
+            refuse_unrecorded("AdaLNOut", f"linear: {terms}")
+        if temb.dtype not in _EXACT_TEMB_DTYPES:
+            refuse_unrecorded("AdaLNOut", f"temb is {temb.dtype}")
+        if hidden_states.is_cuda:
+            error = NotImplementedError("LoRA adapters' exact gradients are recorded on the torch route only")
+            if self.backend == "cupy":
+                raise error
+            support.warn_fallback(type(self).__name__, hidden_states, error)
+        exact.own(self, ("linear.base_layer.weight", "linear.base_layer.bias", "norm.weight"))
+        exact.adapt((base.weight, base.bias, self.norm.weight), terms)
+        linear, dtype = self.linear, base.weight.dtype
+
+        def adapt(table, temb_rows):
+            return adapters.adapted_table(table.float(), temb_rows, linear, names, dtype).to(table.dtype)
+
+        return exact_record(hidden_states, self.norm.weight, temb, base.weight, base.bias, timestep_indices, eps,
+                            exact, adapt=adapt, watched=[t for A, B, _ in terms for t in (A, B) if t.requires_grad])
 
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}, table_backend={self.table_backend!r}"

@@ -85,3 +85,18 @@ def adapted_table(table: torch.Tensor, temb: torch.Tensor, linear: nn.Module, na
         dtype = torch.promote_types(dtype, term.dtype)
         table = _round(table + term.to(table.dtype), dtype)
     return _round(table, weight_dtype)
+
+
+def exact_terms(linear: nn.Module, names: tuple[str, ...]) -> list[tuple] | str:
+    """[(lora_A weight (r, D), lora_B weight (N, r), scaling)] of the active adapters `names`, what
+    `adaln_lab.nn.ExactGradients` forms their gradients from (the exact table gradient, over the distinct temb rows),
+    or why it cannot: a LoRA layer with a bias, or an active dropout (another mask in every micro-batch)."""
+    terms = []
+    for a in names:
+        lora_A, lora_B, dropout = linear.lora_A[a], linear.lora_B[a], linear.lora_dropout[a]
+        if lora_A.bias is not None or lora_B.bias is not None:
+            return f"adapter {a!r} has a bias"
+        if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0:
+            return f"adapter {a!r} has an active dropout (p={dropout.p}): each part would draw its own mask"
+        terms.append((lora_A.weight, lora_B.weight, float(linear.scaling[a])))
+    return terms

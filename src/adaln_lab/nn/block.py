@@ -133,7 +133,8 @@ class AdaLNTransformerBlock(nn.Module):
         if found is None:
             found = adapters.layout(self.adaln_proj.linear)
             found = f"adaln_proj.linear {found}" if isinstance(found, str) else found
-        if isinstance(found, str) or (self.backend == "torch" and found[1]):
+        exact = recorder()
+        if isinstance(found, str) or (self.backend == "torch" and found[1] and exact is None):
             refuse_unrecorded("AdaLNTransformerBlock", found if isinstance(found, str) else "adapters, backend 'torch'")
             if isinstance(found, str):  # hooks or a wrapper on a submodule it reads: diffusers' forward, so they act
                 warn_once(self, found)
@@ -149,9 +150,14 @@ class AdaLNTransformerBlock(nn.Module):
             return adapters.adapted_table(table, temb, linear, names,
                                           autocast_params(hidden_states, base.weight)[0].dtype)
 
-        exact = recorder()
-        if exact is not None and not names:  # inside ExactGradients: where these parameters live (FSDP2 reshards them)
-            exact.own(self, ("adaln_proj.linear.weight", "adaln_proj.linear.bias", "norm1.weight", "norm2.weight"))
+        if exact is not None:  # inside ExactGradients: where these parameters live (FSDP2 reshards them), adapters
+            proj = "adaln_proj.linear.base_layer" if names else "adaln_proj.linear"
+            exact.own(self, (f"{proj}.weight", f"{proj}.bias", "norm1.weight", "norm2.weight"))
+            if names:
+                terms = adapters.exact_terms(linear, names)
+                if isinstance(terms, str):
+                    refuse_unrecorded("AdaLNTransformerBlock", f"adaln_proj.linear: {terms}")
+                exact.adapt((base.weight, base.bias, self.norm1.weight, self.norm2.weight), terms)
         return block_adaln_path(hidden_states, temb, base.weight, base.bias, self.norm1.weight, self.norm2.weight,
                                 adaln_indices, attn, self.ff, _eps(self.norm1, hidden_states),
                                 _eps(self.norm2, hidden_states), backend=self.backend,

@@ -7,16 +7,20 @@
     acc.write()                                      # each one's .grad, once; temb's gradient into its producer
 
 Inside `with acc` norm_out (`final_adaln_out`) and each block's AdaLN (`block_adaln_path`), on the torch route
-(any CPU call, or backend="torch") and, for norm_out, on the kernels (CUDA; exact_sums.cu), keep the exact states of their cross-row sums (per-row float32 terms added as
-integers: ops/final_adaln_out/exact.py, ops/block/exact.py) and their temb, graph and all. `write` rounds each sum
+(any CPU call, or backend="torch") and, for norm_out, on the kernels (CUDA; exact_sums.cu), keep the exact states
+of their cross-row sums (per-row float32 terms added as integers: ops/final_adaln_out/exact.py,
+ops/block/exact.py) and their temb, graph and all. `write` rounds each sum
 once: the norm weights' and the table's gradient per distinct temb row (identical rows are one timestep, merged),
 then d_weight, d_bias and d_temb as fixed functions of those (ops/modulation_table/exact.py); the tembs' gradients,
 added over the AdaLNs in the order they were first recorded, go back in one backward. The parameters' .grad must
 be None before the first part (zero_grad(set_to_none=True)): write sets them, once. `merge` adds another
 accumulator's states (another group of micro-batches), in any order; `all_reduce(group)` sums every rank's states
 (integers over torch.distributed), so that each rank's write gives one process's bits; under FSDP2 write sets the
-sharded masters' gradients (`own`; the time embedding frozen). Not recorded yet, and
-refused inside `with acc` (NotImplementedError naming it): a block's kernels' route, LoRA adapters, diffusers' own forward
+sharded masters' gradients (`own`; the time embedding frozen). LoRA adapters on a projection
+(`adapt`, noted by the nn layers) get their gradients from the exact table gradient at write
+(`TableSums.lora_gradients`). Not recorded yet, and refused inside `with acc` (NotImplementedError naming it): a
+block's kernels' route (backend "auto" on CUDA takes the torch route, warned), adapters with a bias or an active
+dropout, adapters on FSDP2-sharded projections, diffusers' own forward
 (hooks on a patched module) and AdaLNOut's temb dtypes other than float32 / float64. A parameter shared by two
 AdaLNs is refused.
 temb's graph must live until write, so every op that reads temb must record (an H3 model whose AdaLNs all run
@@ -29,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..core.exact import ExactSum, recording, reset_recording
-from ..ops.modulation_table.exact import TableSums, row_key
+from ..ops.modulation_table.exact import TableSums, row_key, silu_grad
 
 
 class _Group:
@@ -46,6 +50,7 @@ class _Group:
         self.pending: list = []
         self.owned = None  # after all_reduce: the temb rows (keys) whose gradient this rank sends back
         self.checks: list = []  # norm_out parts whose kernels' flags are read before their states are used
+        self.adapters: list = []  # LoRA adapters on the projection: (lora_A weight, lora_B weight, scaling)
 
     def keep(self, temb: torch.Tensor) -> None:
         if temb.requires_grad and not any(t is temb for t in self.tembs):
@@ -111,6 +116,17 @@ class ExactGradients:
             self.groups[key] = _Group(weight, bias, norm_weights)
         return self.groups[key]
 
+    def adapt(self, params, terms) -> None:
+        """Note the LoRA adapters [(lora_A weight, lora_B weight, scaling)] on the projection of the AdaLN whose
+        params are (weight, bias, *norm weights) (`adapters.exact_terms`): write forms their gradients from the
+        exact table gradient (`TableSums.lora_gradients`). The same adapters on every part."""
+        weight, bias, *norm_weights = params
+        group = self._group(weight, bias, norm_weights)
+        ids = [tuple(id(t) for t in term[:2]) + term[2:] for term in terms]
+        if group.adapters and ids != [tuple(id(t) for t in term[:2]) + term[2:] for term in group.adapters]:
+            raise ValueError("ExactGradients: another part ran other LoRA adapters on the same projection")
+        group.adapters = list(terms)
+
     def keep_temb(self, params, temb: torch.Tensor) -> None:
         """Keep a norm_out part's temb (with its graph) for write's temb gradient; params (norm_weight, weight,
         bias)."""
@@ -144,6 +160,7 @@ class ExactGradients:
             mine.table.merge(theirs.table)
             mine.pending += theirs.pending  # none once their `with` ended
             mine.checks += theirs.checks
+            mine.adapters = mine.adapters or theirs.adapters
             for t in theirs.tembs:
                 mine.keep(t)
         self.owners.update(other.owners)
@@ -193,6 +210,8 @@ class ExactGradients:
             _check(group)
             params = {"weight": group.weight, "bias": group.bias}
             params.update(zip(group.norm_names, group.norm_weights))
+            for k, (A, B, _) in enumerate(group.adapters):
+                params.update({f"lora_A[{k}]": A, f"lora_B[{k}]": B})
             for name, p in params.items():
                 p = self._target(p)
                 if p.requires_grad and p.grad is not None:
@@ -202,6 +221,9 @@ class ExactGradients:
                 raise ValueError("ExactGradients.write: the AdaLN parameters are FSDP2's unsharded ones (no reshard "
                                  "after the backward: set_reshard_after_backward(False)); call model.reshard() "
                                  "before write, so that it writes the sharded masters' gradients")
+            if group.adapters and _sharded(self._target(group.weight)):
+                raise NotImplementedError("ExactGradients.write: LoRA adapters on FSDP2-sharded AdaLN projections are "
+                                          "not written yet; nothing was written")
             if group.tembs and _sharded(self._target(group.weight)):
                 raise NotImplementedError(
                     "ExactGradients.write: temb requires grad and the AdaLN parameters are FSDP2-sharded; FSDP2's "
@@ -219,6 +241,11 @@ class ExactGradients:
                                                                        _local_rows(weight))
             else:
                 rows, d_temb, d_weight, d_bias = group.table.gradients(group.weight, bias.dtype)
+                d_act, lora = group.table.lora_gradients(group.adapters)
+                if d_act is not None:  # the adapters' part of temb's gradient
+                    d_temb = d_temb + d_act * silu_grad(rows)
+                for (A, B, _), (d_A, d_B) in zip(group.adapters, lora):
+                    grads += [(A, d_A.to(A.dtype)), (B, d_B.to(B.dtype))]
             grads += [(weight, d_weight), (bias, d_bias)]
             grads += [(w, state.value(w.dtype)) for w, state in zip(norm_weights, group.norms)]
             _temb_grads(group.tembs, rows, d_temb, temb_grads, group.owned)

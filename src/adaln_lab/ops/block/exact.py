@@ -93,8 +93,10 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
 
 
 def block_exact(x, temb, weight, bias, norm1_weight, norm2_weight, row_index, attn, ff, eps1: float, eps2: float,
-                recorder):
-    """The block's forward (diffusers' bits), recording its exact sums with `recorder` (module docstring)."""
+                recorder, adapt_table=None):
+    """The block's forward (diffusers' bits), recording its exact sums with `recorder` (module docstring).
+    adapt_table: None, or `block_adaln_path`'s (LoRA adapters' terms, applied to each table row's values without a
+    graph: the recorder forms the adapters' gradients from the exact table gradient)."""
     for name, p in (("weight", weight), ("bias", bias), ("norm1_weight", norm1_weight),
                     ("norm2_weight", norm2_weight)):
         if p.dtype not in (torch.float32, torch.bfloat16):
@@ -105,7 +107,11 @@ def block_exact(x, temb, weight, bias, norm1_weight, norm2_weight, row_index, at
     recorder.add_block((weight, bias, norm1_weight, norm2_weight), temb, sums)
     # the table a temb row at a time (its rows' bits whatever T), from detached inputs, as a leaf (_leaf): the hooks
     # record, nothing reaches weight, bias or temb
-    table = _leaf(table_rows(temb.detach(), weight.detach(), bias.detach()))
+    table = table_rows(temb.detach(), weight.detach(), bias.detach())
+    if adapt_table is not None:
+        with torch.no_grad():
+            table = adapt_table(table.float()).to(table.dtype)
+    table = _leaf(table)
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
         _Gathered(chunk, sums, c, tuple(x.shape[:-2])) for c, chunk in enumerate(table_chunks(table, H)))
     h = replay_modulated_rms_norm(x, _leaf(norm1_weight), shift_msa, scale_msa, row_index, eps1,

@@ -80,7 +80,8 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
         Under torch.autocast("cuda", torch.bfloat16) with bf16 CUDA x, fp32 weight, bias and norm weights are
         cast to bf16 for the kernels as autocast casts a linear's (`adaln_lab.core.autocast`).
         adapt_table: None, or a map of the (T, 18H) float32 table to the table the rows read (same shape and
-            dtype): where the nn layer adds LoRA adapters' terms (`adaln_lab.nn.adapters`). Not with "torch".
+            dtype): where the nn layer adds LoRA adapters' terms (`adaln_lab.nn.adapters`). Not with "torch",
+            except inside `adaln_lab.nn.ExactGradients` (the caller notes the adapters: `ExactGradients.adapt`).
 
     Returns:
         (..., S, H), diffusers' block output for these attn and ff.
@@ -92,16 +93,15 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
         raise ValueError(f"block_adaln_path needs weight of shape (18H, D) = ({18 * H}, D), got {tuple(weight.shape)}")
     recorder = exact.recorder() if torch.is_grad_enabled() else None
     if recorder is not None:  # inside adaln_lab.nn.ExactGradients: record the exact sums (the torch route)
-        if adapt_table is not None or backend == "cupy":
+        if backend == "cupy":
             raise NotImplementedError("block_adaln_path: exact gradients (adaln_lab.nn.ExactGradients) of a block run "
-                                      "on the torch route, without adapters on the table, for now; pass backend="
-                                      f"'torch' or 'auto' (got backend={backend!r} on {x.device}, adapt_table "
-                                      f"{'given' if adapt_table is not None else 'None'})")
+                                      "on the torch route for now; pass backend='torch' or 'auto' (got backend='cupy' "
+                                      f"on {x.device})")
         if backend == "auto":  # the kernels do not record a block's sums yet: the torch route, warned on CUDA
             support.warn_fallback(OP, x, NotImplementedError("a block's exact gradients are recorded on the torch "
                                                              "route only"))
         return block_exact(x, temb, weight, bias, norm1_weight, norm2_weight, row_index, attn, ff, float(eps1),
-                           float(eps2), recorder)
+                           float(eps2), recorder, adapt_table)
     if backend == "torch":
         if adapt_table is not None:
             raise ValueError("block_adaln_path: adapt_table needs backend 'auto' or 'cupy' (backend 'torch' runs "

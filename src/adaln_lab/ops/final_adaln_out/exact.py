@@ -133,20 +133,42 @@ def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int,
     return sums
 
 
+def record(x, norm_weight, temb, weight, bias, timestep_indices, eps: float, recorder, route: str = "torch",
+           cast=None, adapt=None, watched=()) -> torch.Tensor:
+    """norm_out inside `adaln_lab.nn.ExactGradients`: `ExactNormOut` on `route` (the caller's decision; "cupy" runs
+    on `cast`, the parameters as the kernels take them), the recorder keeping temb and writing the caller's
+    (norm_weight, weight, bias). adapt: `ExactNormOut`'s (LoRA adapters; route "torch"); watched: more leaves whose
+    gradients the recorder writes (the adapters' weights), inputs of the node so that its backward runs when only
+    they want a gradient."""
+    params = (norm_weight, weight, bias)
+    if route == "cupy":
+        norm_weight, weight, bias = cast
+    recorder.keep_temb(params, temb)
+    x, norm_weight, temb, weight, bias, timestep_indices = (
+        t.contiguous() for t in (x, norm_weight, temb.detach(), weight, bias, timestep_indices))
+    return ExactNormOut.apply(x, norm_weight, temb, weight, bias, timestep_indices, float(eps), route, recorder,
+                              params, adapt, *watched)
+
+
 class ExactNormOut(torch.autograd.Function):
     """norm_out recording its exact sums (inside `adaln_lab.nn.ExactGradients`): forward(x, norm_weight, temb, weight,
     bias, timestep_indices, eps, route, recorder, params) -> out; backward(dy) -> dx at once and no other gradient:
     the recorder gets this part's NormOutSums under `params` (the caller's norm_weight, weight, bias) and writes them
     all once (`ExactGradients.write`). temb comes detached: the recorder keeps the caller's (`keep_temb`) and sends
-    d_temb through it when it writes.
+    d_temb through it when it writes. adapt: None, or (table, temb) -> the table with LoRA adapters' terms (route
+    "torch" only; the recorder forms their gradients, `ExactGradients.adapt`); watched: leaves that get no gradient
+    here (the recorder writes theirs), inputs so that the backward runs when only they want one.
     route "torch": the replay's out on the table computed a row at a time (`table_rows`: diffusers' bits for each row
     alone), dx the replay's, the sums `NormOutSums.add`'s. route "cupy" (bf16 CUDA inputs the kernels take, in
     eager code): the kernels' out and dx (their table rows do not depend on T), the sums `kernel_sums`'."""
 
     @staticmethod
-    def forward(ctx, x, norm_weight, temb, weight, bias, timestep_indices, eps, route, recorder, params):
-        ctx.eps, ctx.route, ctx.recorder, ctx.params = eps, route, recorder, params
+    def forward(ctx, x, norm_weight, temb, weight, bias, timestep_indices, eps, route, recorder, params, adapt,
+                *watched):
+        ctx.eps, ctx.route, ctx.recorder, ctx.params, ctx.watched = eps, route, recorder, params, len(watched)
         if route == "cupy":
+            if adapt is not None:
+                raise ValueError("ExactNormOut: adapters' tables run on route 'torch'")
             if not eager():
                 raise NotImplementedError("final_adaln_out: exact gradients on the kernels run in eager code, not "
                                           "under torch.compile")
@@ -157,6 +179,8 @@ class ExactNormOut(torch.autograd.Function):
             ctx.save_for_backward(x, norm_weight, temb, weight, timestep_indices, workspace)
             return out
         table = table_rows(temb, weight, bias)  # each row's bits whatever T (the parts may hold other timesteps)
+        if adapt is not None:  # LoRA adapters' terms on the projection (`adaln_lab.nn.adapters.adapted_table`)
+            table = adapt(table, temb)
         out = replay(x, norm_weight, temb, weight, bias, timestep_indices, eps, table=table)
         ctx.save_for_backward(x, norm_weight, temb, table, timestep_indices)
         return out
@@ -179,4 +203,4 @@ class ExactNormOut(torch.autograd.Function):
                 sums = NormOutSums(temb.shape[0], x.shape[-1], x.device).add(x, dy, norm_weight, table.float(),
                                                                              timestep_indices, ctx.eps)
         ctx.recorder.add_norm_out(ctx.params, temb, sums)
-        return dx, None, None, None, None, None, None, None, None, None
+        return (dx, *([None] * (10 + ctx.watched)))

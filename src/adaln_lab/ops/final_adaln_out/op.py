@@ -26,7 +26,7 @@ from ...core.library import apply
 from ...core.plan import forward_bytes
 from ...reference.final_adaln_out import replay
 from . import launch
-from .exact import ExactNormOut
+from .exact import record
 
 
 class FinalAdaLNOut(torch.autograd.Function):
@@ -143,12 +143,7 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
         cast = autocast_params(x, norm_weight, weight, bias)  # fp32 parameters under autocast (`core.autocast`)
         route = support.route("final_adaln_out", backend, x, support.final_adaln_out(x, *cast[:1], temb, *cast[1:]))
     if exact_recorder is not None:  # inside adaln_lab.nn.ExactGradients: the exact node on the same route
-        params = (norm_weight, weight, bias)  # the caller's: the recorder writes their .grad
-        if route == "cupy":
-            norm_weight, weight, bias = cast
-        exact_recorder.keep_temb(params, temb)
-        args = dense(x, norm_weight, temb.detach(), weight, bias, timestep_indices)
-        return ExactNormOut.apply(*args, float(eps), route, exact_recorder, params)
+        return record(x, norm_weight, temb, weight, bias, timestep_indices, eps, exact_recorder, route, cast)
     if route == "torch":
         return replay(*dense(x, norm_weight, temb, weight, bias, timestep_indices), eps)
     norm_weight, weight, bias = cast

@@ -4,6 +4,7 @@
     sums.add(temb, state)        # temb (T, D); state: core.exact.ExactSum (T, N), table row t's exact sum
     sums.merge(other)            # another part's, in any order
     rows, d_temb, d_weight, d_bias = sums.gradients(weight, bias_dtype)
+    d_act, lora = sums.lora_gradients(adapters)   # LoRA adapters on the projection: their gradients, temb's part
 
 Rows of temb with the same bits are one timestep: their states are merged (integers: any order), so the parts of a
 batch (micro-batches, ranks) may hold a timestep each, or several, in any order. `gradients` takes the distinct rows
@@ -11,6 +12,9 @@ in the order of their bytes (a function of the set of rows alone), rounds each r
 (d_table), and forms d_weight and d_temb from those with the reference's float64 backward
 (reference.backward.modulation_table_backward, on the CPU for states on any device) on that order; d_bias is the
 exact sum over every row, rounded once.
+LoRA adapters (A (r, D), B (N, r), scaling s: table += s B A act, act = silu(temb)) get theirs from the same
+d_table and rows in float64: dB = s d_table^T (act A^T), dA = s (d_table B)^T act, and temb's gradient the part
+s (d_table B) A of d_act (the caller adds it times SiLU's derivative, `silu_grad`).
 rows (U, D) are the distinct temb rows, d_temb (U, D) their gradient (float64, rounded by the caller), d_weight
 (N, D) in weight's dtype, d_bias (N,) in bias_dtype.
 """
@@ -18,9 +22,18 @@ rows (U, D) are the distinct temb rows, d_temb (U, D) their gradient (float64, r
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ...core.exact import LIMBS, ExactSum
 from ...reference.backward import modulation_table_backward, table_weight_grad
+
+_F64 = torch.float64
+
+
+def silu_grad(rows: torch.Tensor) -> torch.Tensor:
+    """d silu(t) / dt at rows, float64 (the factor modulation_table_backward applies to d_act)."""
+    sig = torch.sigmoid(rows.to(_F64))
+    return sig * (1.0 + rows.to(_F64) * (1.0 - sig))
 
 
 def row_key(row: torch.Tensor) -> bytes:
@@ -83,6 +96,29 @@ class TableSums:
                      enumerate(keys)}
         rank = dist.get_rank(group)
         return {key for key in keys if next(r for r, held in enumerate(everyone) if key in held) == rank}
+
+    def _d_table(self):
+        """(rows (U, D), d_table (U, N) float32 on the CPU) over the distinct rows in the order of their bytes."""
+        if not self.rows:
+            raise ValueError("no rows were added: the gradients of an empty batch are zeros, not computed here")
+        keys = sorted(self.rows)
+        total = ExactSum.from_limbs(torch.cat([self.rows[k][1].limbs for k in keys], dim=1))
+        return torch.stack([self.rows[k][0] for k in keys]), total.value(torch.float32).cpu()
+
+    def lora_gradients(self, adapters):
+        """(d_act (U, D) float64 or None, [(dA (r, D), dB (N, r)) float64]) of the LoRA adapters [(A, B, scaling)]
+        over the distinct rows (module docstring), in `gradients`' row order."""
+        if not adapters:
+            return None, []
+        rows, d_table = self._d_table()
+        d_table, act = d_table.to(_F64), F.silu(rows.to(_F64))
+        d_act, grads = torch.zeros_like(act), []
+        for A, B, s in adapters:
+            A, B = A.detach().cpu().to(_F64), B.detach().cpu().to(_F64)
+            g = s * (d_table @ B)  # (U, r): d of A act
+            grads.append((g.T @ act, s * (d_table.T @ (act @ A.T))))
+            d_act += g @ A
+        return d_act, grads
 
     def gradients(self, weight: torch.Tensor | None, bias_dtype: torch.dtype, weight_dtype: torch.dtype | None = None,
                   weight_rows: slice | None = None):
