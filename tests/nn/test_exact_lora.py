@@ -148,3 +148,15 @@ def test_a_patched_h3_model_with_lora_gives_the_same_adapter_gradients_for_every
         assert same(run(parts), one), parts
     plain = run([slice(0, 4)], exact=False)
     assert any(not same(run(parts, exact=False), plain) for parts in splits)
+
+
+def test_parts_with_other_adapters_are_refused():
+    """The adapters' gradients are formed once at write from every part's table gradient: a part that ran another
+    scaling on the same projection would be written with the wrong one, so it raises."""
+    module, embed, (x, feats, idx, cot) = setup(3)
+    acc = ExactGradients()
+    with acc:
+        (module(x, embed(feats), idx).float() * cot).sum().backward()
+    module.linear.scaling["a"] = 1.0
+    with acc, pytest.raises(ValueError, match="other LoRA adapters"):
+        module(x, embed(feats), idx)

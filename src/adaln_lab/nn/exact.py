@@ -122,8 +122,8 @@ class ExactGradients:
         exact table gradient (`TableSums.lora_gradients`). The same adapters on every part."""
         weight, bias, *norm_weights = params
         group = self._group(weight, bias, norm_weights)
-        ids = [tuple(id(t) for t in term[:2]) + term[2:] for term in terms]
-        if group.adapters and ids != [tuple(id(t) for t in term[:2]) + term[2:] for term in group.adapters]:
+        if group.adapters and [(id(A), id(B), s) for A, B, s in terms] != [(id(A), id(B), s) for A, B, s in
+                                                                            group.adapters]:
             raise ValueError("ExactGradients: another part ran other LoRA adapters on the same projection")
         group.adapters = list(terms)
 

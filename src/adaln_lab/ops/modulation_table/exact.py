@@ -98,19 +98,20 @@ class TableSums:
         return {key for key in keys if next(r for r, held in enumerate(everyone) if key in held) == rank}
 
     def _d_table(self):
-        """(rows (U, D), d_table (U, N) float32 on the CPU) over the distinct rows in the order of their bytes."""
+        """(rows (U, D), their states as one ExactSum (U, N), d_table (U, N) float32 on the CPU) over the distinct
+        rows in the order of their bytes (on the CPU, wherever the states are: the same float64 bits after)."""
         if not self.rows:
             raise ValueError("no rows were added: the gradients of an empty batch are zeros, not computed here")
         keys = sorted(self.rows)
-        total = ExactSum.from_limbs(torch.cat([self.rows[k][1].limbs for k in keys], dim=1))
-        return torch.stack([self.rows[k][0] for k in keys]), total.value(torch.float32).cpu()
+        total = ExactSum.from_limbs(torch.cat([self.rows[k][1].limbs for k in keys], dim=1))  # carried
+        return torch.stack([self.rows[k][0] for k in keys]), total, total.value(torch.float32).cpu()
 
     def lora_gradients(self, adapters):
         """(d_act (U, D) float64 or None, [(dA (r, D), dB (N, r)) float64]) of the LoRA adapters [(A, B, scaling)]
         over the distinct rows (module docstring), in `gradients`' row order."""
         if not adapters:
             return None, []
-        rows, d_table = self._d_table()
+        rows, _, d_table = self._d_table()
         d_table, act = d_table.to(_F64), F.silu(rows.to(_F64))
         d_act, grads = torch.zeros_like(act), []
         for A, B, s in adapters:
@@ -126,13 +127,7 @@ class TableSums:
         weight None: no d_temb (None), d_weight in weight_dtype (the projection's values are not needed), and with
         `weight_rows` only those rows of it (a rank's shard: each row is its own sum over the distinct rows, so a
         shard has the bits of the whole gradient's rows)."""
-        if not self.rows:
-            raise ValueError("no rows were added: the gradients of an empty batch are zeros, not computed here")
-        keys = sorted(self.rows)
-        rows = torch.stack([self.rows[k][0] for k in keys])
-        states = [self.rows[k][1] for k in keys]
-        total = ExactSum.from_limbs(torch.cat([s.limbs for s in states], dim=1))  # (LIMBS, U, N): carried
-        d_table = total.value(torch.float32).cpu()  # on the CPU, wherever the states are: the same float64 bits
+        rows, total, d_table = self._d_table()
         if weight is None:
             columns = d_table if weight_rows is None else d_table[:, weight_rows]
             return rows, None, table_weight_grad(columns, rows).to(weight_dtype), total.total().value(bias_dtype)
