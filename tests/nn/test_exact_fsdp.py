@@ -5,7 +5,8 @@ order): after `all_reduce(group)` and `write()`
 every AdaLN parameter's sharded fp32 gradient, gathered, is the same bits in every layout (FSDP2's divide factor 1:
 sums, as the exact gradients are). Plain FSDP2 (its fp32 reduce-scatter of the ranks' gradients) over the same
 layouts is caught by the same check. A trainable time embedding is refused at write (NotImplementedError), no
-gradient written; so is a write while the parameters are still unsharded."""
+gradient written; so is a write while the parameters are still unsharded. With PEFT LoRA on every AdaLN projection
+(a spawn of 2), the adapters' sharded gradients are the same bits on one and two ranks."""
 
 import pytest
 import torch
@@ -19,25 +20,31 @@ PER_SAMPLE = ("hidden_states", "audio_hidden_states", "encoder_hidden_states")
 LAYOUTS = (("exact", 1, 4), ("exact", 2, 2), ("exact", 4, 1), ("plain", 1, 1), ("plain", 4, 1))  # (how, W, micro)
 
 
-def _model(device: str):
+def _model(device: str, lora: bool = False):
     """(the patched tiny H3 model, its inputs, a cotangent of its sample) on `device` (CUDA: the torch route, which
-    records; the kernels do not yet)."""
+    records; the kernels do not yet); lora: PEFT LoRA on every AdaLN projection first (only the adapters train)."""
     import adaln_lab
     from adaln_lab.testing import tiny_h3_model
 
     model, inputs = tiny_h3_model(batch=4)
+    if lora:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=["adaln_proj.linear", "norm_out.linear"],
+                                           init_lora_weights=False), model, adapter_name="a")
     adaln_lab.patch(model, backend="torch" if device == "cuda" else "auto")
     cot = torch.randn(4, *model(**inputs).sample.shape[1:], generator=torch.Generator().manual_seed(5))
     return model.to(device), {k: v.to(device) for k, v in inputs.items()}, cot.to(device)
 
 
-def _step(how, group, mesh, micro, frozen_time=True, reshard=True, written=None, device="cpu"):
-    """One step of the sharded model on this rank's samples: {AdaLN parameter: its gradient in full}."""
+def _step(how, group, mesh, micro, frozen_time=True, reshard=True, written=None, device="cpu", lora=False):
+    """One step of the sharded model on this rank's samples: {AdaLN parameter (lora: adapter): its gradient in
+    full}."""
     from adaln_lab.bench.multi_gpu import adaln_keys  # in the rank's process (it sets a CUDA environment variable)
     from adaln_lab.nn import ExactGradients, fsdp2_shard
 
-    model, inputs, cot = _model(device)
-    names = adaln_keys(model)
+    model, inputs, cot = _model(device, lora)
+    names = [n for n, p in model.named_parameters() if "lora_" in n] if lora else adaln_keys(model)
     if frozen_time:
         model.time_embedder.requires_grad_(False)
     fsdp2_shard(model, mesh, divide_factor=1.0)  # the ranks' gradients summed, as the exact ones
@@ -162,3 +169,33 @@ def test_cuda_fsdp2_one_nccl_rank_writes_the_exact_gradients_as_sharded_masters(
     pytest.importorskip("diffusers")
     found = ranks(_cuda_worker, 1, tmp_path, backend="nccl")
     assert_the_exact_sums_of(found["reference"], found["exact"])
+
+
+def _lora_worker(rank, world, out):
+    """LoRA on every AdaLN projection: world sizes 1 (two micro-batches) and 2 (one each), exact and plain."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    singles = [dist.new_group([r]) for r in range(2)]
+    found = {}
+    with sdpa_kernel(SDPBackend.MATH):
+        for how in ("exact", "plain"):
+            if rank == 0:
+                found[(how, 1)] = _step(how, singles[0], DeviceMesh.from_group(singles[0], "cpu"), 2, lora=True)
+            found[(how, 2)] = _step(how, dist.group.WORLD, DeviceMesh.from_group(dist.group.WORLD, "cpu"), 1,
+                                    lora=True)
+    if rank == 0:
+        torch.save(found, out)
+
+
+def test_fsdp2_lora_gradients_are_one_bits_on_one_and_two_ranks(tmp_path):
+    """PEFT LoRA on every AdaLN projection under FSDP2 (the adapters sharded, fp32 masters): the 6 adapters'
+    gradients, gathered, are the same bits on one rank with two micro-batches and on two ranks; plain FSDP2 over the
+    same layouts is not."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("peft")
+    found = ranks(_lora_worker, 2, tmp_path)
+    one, two = found[("exact", 1)], found[("exact", 2)]
+    assert len(one) == 6 and all(g.dtype == torch.float32 and g.any() for g in one.values())
+    assert all(torch.equal(two[n], one[n]) for n in one)
+    assert not all(torch.equal(found[("plain", 2)][n], found[("plain", 1)][n]) for n in one)

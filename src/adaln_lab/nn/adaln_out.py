@@ -193,7 +193,8 @@ class AdaLNOut(nn.Module):
             if self.backend == "cupy":
                 raise error
             support.warn_fallback(type(self).__name__, hidden_states, error)
-        exact.own(self, ("linear.base_layer.weight", "linear.base_layer.bias", "norm.weight"))
+        exact.own(self, ("linear.base_layer.weight", "linear.base_layer.bias", "norm.weight",
+                         *(f"linear.lora_{m}.{a}.weight" for a in names for m in "AB")))
         exact.adapt((base.weight, base.bias, self.norm.weight), terms)
         linear, dtype = self.linear, base.weight.dtype
 

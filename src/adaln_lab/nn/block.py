@@ -152,7 +152,8 @@ class AdaLNTransformerBlock(nn.Module):
 
         if exact is not None:  # inside ExactGradients: where these parameters live (FSDP2 reshards them), adapters
             proj = "adaln_proj.linear.base_layer" if names else "adaln_proj.linear"
-            exact.own(self, (f"{proj}.weight", f"{proj}.bias", "norm1.weight", "norm2.weight"))
+            exact.own(self, (f"{proj}.weight", f"{proj}.bias", "norm1.weight", "norm2.weight",
+                             *(f"adaln_proj.linear.lora_{m}.{a}.weight" for a in names for m in "AB")))
             if names:
                 terms = adapters.exact_terms(linear, names)
                 if isinstance(terms, str):

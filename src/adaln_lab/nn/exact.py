@@ -20,7 +20,7 @@ sharded masters' gradients (`own`; the time embedding frozen). LoRA adapters on 
 (`adapt`, noted by the nn layers) get their gradients from the exact table gradient at write
 (`TableSums.lora_gradients`). Not recorded yet, and refused inside `with acc` (NotImplementedError naming it): a
 block's kernels' route (backend "auto" on CUDA takes the torch route, warned), adapters with a bias or an active
-dropout, adapters on FSDP2-sharded projections, diffusers' own forward
+dropout, diffusers' own forward
 (hooks on a patched module) and AdaLNOut's temb dtypes other than float32 / float64. A parameter shared by two
 AdaLNs is refused.
 temb's graph must live until write, so every op that reads temb must record (an H3 model whose AdaLNs all run
@@ -51,6 +51,7 @@ class _Group:
         self.owned = None  # after all_reduce: the temb rows (keys) whose gradient this rank sends back
         self.checks: list = []  # norm_out parts whose kernels' flags are read before their states are used
         self.adapters: list = []  # LoRA adapters on the projection: (lora_A weight, lora_B weight, scaling)
+        self.factors: list = []  # their values as the forward saw them (copies: FSDP2 frees its unsharded ones)
 
     def keep(self, temb: torch.Tensor) -> None:
         if temb.requires_grad and not any(t is temb for t in self.tembs):
@@ -122,10 +123,12 @@ class ExactGradients:
         exact table gradient (`TableSums.lora_gradients`). The same adapters on every part."""
         weight, bias, *norm_weights = params
         group = self._group(weight, bias, norm_weights)
-        if group.adapters and [(id(A), id(B), s) for A, B, s in terms] != [(id(A), id(B), s) for A, B, s in
-                                                                            group.adapters]:
-            raise ValueError("ExactGradients: another part ran other LoRA adapters on the same projection")
+        if group.adapters:
+            if [(id(A), id(B), s) for A, B, s in terms] != [(id(A), id(B), s) for A, B, s in group.adapters]:
+                raise ValueError("ExactGradients: another part ran other LoRA adapters on the same projection")
+            return
         group.adapters = list(terms)
+        group.factors = [(A.detach().clone(), B.detach().clone(), s) for A, B, s in terms]
 
     def keep_temb(self, params, temb: torch.Tensor) -> None:
         """Keep a norm_out part's temb (with its graph) for write's temb gradient; params (norm_weight, weight,
@@ -160,7 +163,8 @@ class ExactGradients:
             mine.table.merge(theirs.table)
             mine.pending += theirs.pending  # none once their `with` ended
             mine.checks += theirs.checks
-            mine.adapters = mine.adapters or theirs.adapters
+            if not mine.adapters:
+                mine.adapters, mine.factors = theirs.adapters, theirs.factors
             for t in theirs.tembs:
                 mine.keep(t)
         self.owners.update(other.owners)
@@ -221,9 +225,6 @@ class ExactGradients:
                 raise ValueError("ExactGradients.write: the AdaLN parameters are FSDP2's unsharded ones (no reshard "
                                  "after the backward: set_reshard_after_backward(False)); call model.reshard() "
                                  "before write, so that it writes the sharded masters' gradients")
-            if group.adapters and _sharded(self._target(group.weight)):
-                raise NotImplementedError("ExactGradients.write: LoRA adapters on FSDP2-sharded AdaLN projections are "
-                                          "not written yet; nothing was written")
             if group.tembs and _sharded(self._target(group.weight)):
                 raise NotImplementedError(
                     "ExactGradients.write: temb requires grad and the AdaLN parameters are FSDP2-sharded; FSDP2's "
@@ -235,17 +236,18 @@ class ExactGradients:
             group.settle()
             weight, bias = self._target(group.weight), self._target(group.bias)
             norm_weights = [self._target(w) for w in group.norm_weights]
+            d_act, lora = group.table.lora_gradients(group.factors)  # LoRA adapters: from the forward's values
             if _sharded(weight):  # FSDP2: no temb gradient (refused above), d_weight in the master's dtype, and where
                 # the shard is a block of rows (FSDP2's Shard(0) on one mesh dimension) only this rank's rows
                 rows, d_temb, d_weight, d_bias = group.table.gradients(None, bias.dtype, weight.dtype,
                                                                        _local_rows(weight))
             else:
                 rows, d_temb, d_weight, d_bias = group.table.gradients(group.weight, bias.dtype)
-                d_act, lora = group.table.lora_gradients(group.adapters)
                 if d_act is not None:  # the adapters' part of temb's gradient
                     d_temb = d_temb + d_act * silu_grad(rows)
-                for (A, B, _), (d_A, d_B) in zip(group.adapters, lora):
-                    grads += [(A, d_A.to(A.dtype)), (B, d_B.to(B.dtype))]
+            for (A, B, _), (d_A, d_B) in zip(group.adapters, lora):  # the masters (`own`), in their dtype
+                A, B = self._target(A), self._target(B)
+                grads += [(A, d_A.to(A.dtype)), (B, d_B.to(B.dtype))]
             grads += [(weight, d_weight), (bias, d_bias)]
             grads += [(w, state.value(w.dtype)) for w, state in zip(norm_weights, group.norms)]
             _temb_grads(group.tembs, rows, d_temb, temb_grads, group.owned)
