@@ -122,13 +122,13 @@ def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int,
                                 rstd.data_ptr(), unread, stream, context=(plan, rows_plan, k), table=False)
     sums = NormOutSums.__new__(NormOutSums)
     table = torch.zeros((LIMBS, T, 2 * H), dtype=torch.int64, device=x.device)
-    weight = torch.zeros((LIMBS, H), dtype=torch.int64, device=x.device)
+    nw_limbs = torch.zeros((LIMBS, H), dtype=torch.int64, device=x.device)
     flags = torch.zeros(1, dtype=torch.int32, device=x.device)
     dy, x, norm_weight = tensors.all_aligned(dy, x, norm_weight)
     launchers.launch_exact_sums(k, plan, stream, x.data_ptr(), dy.data_ptr(), rstd.data_ptr(),
                                 norm_weight.data_ptr(), table_f32.data_ptr(), timestep_indices.data_ptr(),
-                                table.data_ptr(), weight.data_ptr(), flags.data_ptr(), rows, x.shape[-2])
-    sums.table, sums.norm_weight = ExactSum.from_limbs(table)._carry(), ExactSum.from_limbs(weight)._carry()
+                                table.data_ptr(), nw_limbs.data_ptr(), flags.data_ptr(), rows, x.shape[-2])
+    sums.table, sums.norm_weight = ExactSum.from_limbs(table)._carry(), ExactSum.from_limbs(nw_limbs)._carry()
     sums.flags = [flags]
     return sums
 
@@ -152,7 +152,7 @@ def record(x, norm_weight, temb, weight, bias, timestep_indices, eps: float, rec
 
 class ExactNormOut(torch.autograd.Function):
     """norm_out recording its exact sums (inside `adaln_lab.nn.ExactGradients`): forward(x, norm_weight, temb, weight,
-    bias, timestep_indices, eps, route, recorder, params) -> out; backward(dy) -> dx at once and no other gradient:
+    bias, timestep_indices, eps, route, recorder, params, adapt, *watched) -> out; backward(dy) -> dx at once and no other gradient:
     the recorder gets this part's NormOutSums under `params` (the caller's norm_weight, weight, bias) and writes them
     all once (`ExactGradients.write`). temb comes detached: the recorder keeps the caller's (`keep_temb`) and sends
     d_temb through it when it writes. adapt: None, or (table, temb) -> the table with LoRA adapters' terms (route
