@@ -183,9 +183,6 @@ class AdaLNOut(nn.Module):
         """Inside `ExactGradients` with LoRA adapters on `linear`: norm_out's exact node on the torch route (a warning
         on CUDA with backend "auto"; "cupy" raises) with the adapters' terms on each table row
         (`adapters.adapted_table`); the recorder forms the adapters' gradients (`adapters.exact_terms`)."""
-        terms = adapters.exact_terms(self.linear, names)
-        if isinstance(terms, str):
-            refuse_unrecorded("AdaLNOut", f"linear: {terms}")
         if temb.dtype not in _EXACT_TEMB_DTYPES:
             refuse_unrecorded("AdaLNOut", f"temb is {temb.dtype}")
         if hidden_states.is_cuda:
@@ -193,9 +190,9 @@ class AdaLNOut(nn.Module):
             if self.backend == "cupy":
                 raise error
             support.warn_fallback(type(self).__name__, hidden_states, error)
-        exact.own(self, ("linear.base_layer.weight", "linear.base_layer.bias", "norm.weight",
-                         *(f"linear.lora_{m}.{a}.weight" for a in names for m in "AB")))
-        exact.adapt((base.weight, base.bias, self.norm.weight), terms)
+        exact.own(self, ("linear.base_layer.weight", "linear.base_layer.bias", "norm.weight"))
+        terms = adapters.note_exact(exact, self, "linear", names, (base.weight, base.bias, self.norm.weight),
+                                    "AdaLNOut")
         linear, dtype = self.linear, base.weight.dtype
 
         def adapt(table, temb_rows):

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..core.exact import refuse_unrecorded
 from .fallback import foreign
 
 _LORA_ATTRS = ("base_layer", "lora_A", "lora_B", "lora_dropout", "scaling", "merged", "disable_adapters",
@@ -99,4 +100,17 @@ def exact_terms(linear: nn.Module, names: tuple[str, ...]) -> list[tuple] | str:
         if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0:
             return f"adapter {a!r} has an active dropout (p={dropout.p}): each part would draw its own mask"
         terms.append((lora_A.weight, lora_B.weight, float(linear.scaling[a])))
+    return terms
+
+
+def note_exact(exact, module: nn.Module, prefix: str, names: tuple[str, ...], params, who: str) -> list[tuple]:
+    """Inside `adaln_lab.nn.ExactGradients` (`exact`): the adapters `names` of the LoRA layer at `prefix` in
+    `module` noted for write (`exact_terms`, refused by name if they cannot be recorded), where their weights live
+    (`own`: FSDP2 reshards them) and on which AdaLN's table (`params`: weight, bias, *norm weights). Returns the
+    terms."""
+    terms = exact_terms(module.get_submodule(prefix), names)
+    if isinstance(terms, str):
+        refuse_unrecorded(who, f"{prefix}: {terms}")
+    exact.own(module, tuple(f"{prefix}.lora_{m}.{a}.weight" for a in names for m in "AB"))
+    exact.adapt(params, terms)
     return terms

@@ -152,13 +152,11 @@ class AdaLNTransformerBlock(nn.Module):
 
         if exact is not None:  # inside ExactGradients: where these parameters live (FSDP2 reshards them), adapters
             proj = "adaln_proj.linear.base_layer" if names else "adaln_proj.linear"
-            exact.own(self, (f"{proj}.weight", f"{proj}.bias", "norm1.weight", "norm2.weight",
-                             *(f"adaln_proj.linear.lora_{m}.{a}.weight" for a in names for m in "AB")))
+            exact.own(self, (f"{proj}.weight", f"{proj}.bias", "norm1.weight", "norm2.weight"))
             if names:
-                terms = adapters.exact_terms(linear, names)
-                if isinstance(terms, str):
-                    refuse_unrecorded("AdaLNTransformerBlock", f"adaln_proj.linear: {terms}")
-                exact.adapt((base.weight, base.bias, self.norm1.weight, self.norm2.weight), terms)
+                adapters.note_exact(exact, self, "adaln_proj.linear", names,
+                                    (base.weight, base.bias, self.norm1.weight, self.norm2.weight),
+                                    "AdaLNTransformerBlock")
         return block_adaln_path(hidden_states, temb, base.weight, base.bias, self.norm1.weight, self.norm2.weight,
                                 adaln_indices, attn, self.ff, _eps(self.norm1, hidden_states),
                                 _eps(self.norm2, hidden_states), backend=self.backend,
