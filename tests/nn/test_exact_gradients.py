@@ -3,6 +3,8 @@ batch, the rows permuted, the timesteps' temb rows permuted (indices remapped), 
 parts by sample and within samples, written in any order of the parts; temb's gradient reaches its producer; a
 planted float32 accumulation (plain autograd over the same micro-batches) fails the same check; misuse refused."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -160,22 +162,33 @@ def test_the_kernels_flags_raise_at_write_and_leave_the_gradients_unset():
     assert all(p.grad is None for p in params)
 
 
-def test_a_patched_h3_model_gives_the_same_adaln_gradients_for_every_split_by_sample():
-    """A patched tiny MiniMax-H3 model (fp32, CPU: every AdaLN on the torch route): its 11 AdaLN parameters'
-    gradients the same bits for one batch of 4 samples, the timesteps' order permuted (indices remapped), 2 parts in
-    both orders, 3 uneven parts and 4 parts of one sample shuffled; plain autograd over the same parts changes them
-    all. (A split within a sample is no split of a model: attention mixes its rows.)"""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_patched_h3_model_gives_the_same_adaln_gradients_for_every_split_by_sample(device):
+    """A patched tiny MiniMax-H3 model: its 11 AdaLN parameters' gradients the same bits for one batch of 4 samples,
+    the timesteps' order permuted (indices remapped), 2 parts in both orders, 3 uneven parts and 4 parts of one
+    sample shuffled; plain autograd over the same parts changes them all. (A split within a sample is no split of a
+    model: attention mixes its rows.) On the CPU fp32, every AdaLN on the torch route; on CUDA the checkpoint's
+    layout (bf16, its fp32 modules kept), norm_out on the kernels (no fallback warning names it) and the blocks on
+    the torch route (warned)."""
     pytest.importorskip("diffusers")
     import adaln_lab
+    from adaln_lab.core.support import KernelFallbackWarning
     from adaln_lab.testing import tiny_h3_model
 
     model, inputs = tiny_h3_model(batch=4)
+    if device == "cuda":
+        model.to(torch.bfloat16)
+        for name, module in model.named_modules():
+            if name and any(key in name for key in model._keep_in_fp32_modules):
+                module.float()
+        model.cuda()
+        inputs = {k: v.cuda() for k, v in inputs.items()}
     adaln_lab.patch(model)
     adaln = {n: p for n, p in model.named_parameters() if n.startswith("norm_out.") or (
         n.startswith("transformer_blocks.") and any(k in n for k in (".norm1.", ".norm2.", ".adaln_proj.")))}
     assert len(adaln) == 11
     per_sample = ("hidden_states", "audio_hidden_states", "encoder_hidden_states")
-    cot = torch.randn(4, *model(**inputs).sample.shape[1:], generator=torch.Generator().manual_seed(5))
+    cot = torch.randn(4, *model(**inputs).sample.shape[1:], generator=torch.Generator().manual_seed(5)).to(device)
 
     def run(parts, exact=True, given=inputs):
         model.zero_grad(set_to_none=True)
@@ -191,8 +204,13 @@ def test_a_patched_h3_model_gives_the_same_adaln_gradients_for_every_split_by_sa
     def same(a, b):
         return all(torch.equal(a[n], b[n]) for n in adaln)
 
-    one = run([slice(0, 4)])
-    remap = torch.tensor([2, 0, 1])  # timestep t -> remap[t]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        one = run([slice(0, 4)])
+    fallbacks = [str(w.message) for w in caught if issubclass(w.category, KernelFallbackWarning)]
+    assert not any(m.startswith("final_adaln_out") for m in fallbacks), fallbacks
+    assert all(g.is_cuda == (device == "cuda") and bool(torch.isfinite(g).all()) for g in one.values())
+    remap = torch.tensor([2, 0, 1], device=device)  # timestep t -> remap[t]
     moved = dict(inputs, timestep_indices=remap[inputs["timestep_indices"]])
     moved["timestep"] = torch.empty_like(inputs["timestep"]).index_copy_(0, remap, inputs["timestep"])
     assert same(run([slice(0, 4)], given=moved), one)
