@@ -4,13 +4,15 @@
 # states of `kernel_sums` checked first against ExactSum.add of the same float32 terms formed by torch (limb for limb),
 # then CUDA-graph replays between CUDA events (GPU time, medians) of
 #   fwd_bwd     the launch ops' forward and backward (what norm_out's graph fwd+bwd runs)
-#   exact_sums  zeroing the states and exact_sums_bf16 (what the exact route adds in the backward), shipped
+#   exact_sums  zeroing the states, the rows' sort by timestep and exact_sums_bf16 (what the exact route adds in the
+#               backward), shipped
 #   exact_sums_nocache  the same with TUNING's EXACT_CACHE = 0 (every add in shared memory), checked the same way
 #   carry       the states' carries (core.exact.ExactSum._carry, torch ops)
 #   exact_route the exact route's kernels as ExactNormOut runs them: the forward, then `kernel_sums` with dx (the
 #               backward's row pass and fixed-order reduce, no table_bwd; exact_sums; the carries)
 # and exact_route / fwd_bwd, the issue's ratio (bar 1.10x at 32768 rows, 1.15x at 4097). The recorder's host work
-# (one state per temb row, read on the CPU at write) is not in these figures. Floor: exact_sums' bytes (x and dy read) at the run's copy bandwidth.
+# (one state per temb row, read on the CPU at write) is not in these figures. Floor: exact_sums' bytes (x and dy
+# read) at the run's copy bandwidth.
 #
 #     python3 bench/tools/exact_kernel_cost.py [--rows 4097,32768] [--out FILE.json]
 
@@ -28,7 +30,7 @@ from adaln_lab.core.exact import LIMBS, ExactSum
 from adaln_lab.core.plan import forward_bytes
 from adaln_lab.harness.latency import copy_bandwidth
 from adaln_lab.ops.final_adaln_out import launch
-from adaln_lab.ops.final_adaln_out.exact import kernel_sums
+from adaln_lab.ops.final_adaln_out.exact import kernel_sums, row_order
 
 H, D, T = 5376, 2688, 3
 
@@ -86,9 +88,11 @@ def measure(rows: int, copy_TBps: float) -> dict:
 
     def exact_sums(context=kernels[shipped]):
         table.zero_(), weights.zero_(), flags.zero_()
+        order = row_order(idx, rows)
         launchers.launch_exact_sums(context[2], context[0], tensors.current_stream(x.get_device()), x.data_ptr(),
                                     dy.data_ptr(), rstd.data_ptr(), nw.data_ptr(), table_f32.data_ptr(), idx.data_ptr(),
-                                    table.data_ptr(), weights.data_ptr(), flags.data_ptr(), rows, rows)
+                                    order.data_ptr(), table.data_ptr(), weights.data_ptr(), flags.data_ptr(), rows,
+                                    rows)
 
     def exact_route():
         launch.forward(x, nw, temb, weight, bias, idx, 1e-5, "cupy", "cuda", out, workspace)

@@ -21,9 +21,12 @@
 // most 2^30 rows (the op refuses more) keeps every limb below 2^62 in magnitude.
 //
 // Geometry (core/plan.py): block ADALN_EXACT_THREADS threads, two columns each; grid (ceil(H / (2 threads)),
-// chunks), chunk c taking rows [c * rows_per_chunk, (c + 1) * rows_per_chunk). Dynamic shared memory:
-// LIMBS x 3 sums x 2 columns x threads int64 (plan.exact_smem). ADALN_EXACT_AHEAD rows' x and dy are loaded before
-// their terms are added (their loads in flight together).
+// chunks), chunk c taking positions [c * rows_per_chunk, (c + 1) * rows_per_chunk) of row_order (rows,) int32, the
+// rows in table-row order (the caller's stable sort), so that a chunk's timestep changes at most T times: a table
+// row's limbs go out once a chunk, not once a row (rows in their own order sent them out at every change of t,
+// 64-bit atomics on the same addresses from every chunk: 5.4 ms at 32768 rows, exact_kernel_cost.json at 483b579).
+// Dynamic shared memory: LIMBS x 3 sums x 2 columns x threads int64 (plan.exact_smem). ADALN_EXACT_AHEAD rows' x
+// and dy are loaded before their terms are added (their loads in flight together).
 // Run: adaln_lab.core.launchers.launch_exact_sums.
 
 #define EXACT_SLOTS (3 * 2)  // (sum, column) states of a thread: shift, scale, weight x its two columns
@@ -93,9 +96,9 @@ __device__ __forceinline__ void exact_flush(long long* st, int stride, unsigned 
 extern "C" __global__ void __launch_bounds__(ADALN_EXACT_THREADS)
 exact_sums_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ dy, const float* __restrict__ rstd,
                 const bf16_t* __restrict__ norm_weight, const float* __restrict__ table_f32, int table_stride,
-                const index_t* __restrict__ timestep_indices, unsigned long long* __restrict__ table_limbs,
-                unsigned long long* __restrict__ nw_limbs, int* __restrict__ flags, int rows, int S,
-                int rows_per_chunk) {
+                const index_t* __restrict__ timestep_indices, const int* __restrict__ row_order,
+                unsigned long long* __restrict__ table_limbs, unsigned long long* __restrict__ nw_limbs,
+                int* __restrict__ flags, int rows, int S, int rows_per_chunk) {
     extern __shared__ long long exact_smem[];  // [LIMBS][EXACT_SLOTS][threads]
     const int stride = EXACT_SLOTS * ADALN_EXACT_THREADS;  // from one limb to the next of one state
     long long* const mine = exact_smem + threadIdx.x;
@@ -124,8 +127,8 @@ exact_sums_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ dy, con
         int ts[ADALN_EXACT_AHEAD];
 #pragma unroll
         for (int j = 0; j < ADALN_EXACT_AHEAD; ++j) {
-            const int r = base + j;
-            const bool here = r < r1;
+            const bool here = base + j < r1;
+            const int r = here ? row_order[base + j] : 0;
             ts[j] = here ? (int)timestep_indices[r % S] : -1;
             rs[j] = here ? rstd[r] : 0.0f;
             const bool load = here && valid;

@@ -99,6 +99,15 @@ class NormOutSums:
         return self.table.value(torch.float32), self.norm_weight.value(dtype), self.table.total().value(dtype)
 
 
+def row_order(timestep_indices: torch.Tensor, rows: int) -> torch.Tensor:
+    """(rows,) int32: the rows of x (..., S, H) stably sorted by their table row timestep_indices[r % S] (exact_sums.cu
+    walks them in this order: a chunk's timestep changes at most T times)."""
+    S = timestep_indices.shape[0]
+    if rows == 0:
+        return timestep_indices.new_empty(0, dtype=torch.int32)
+    return torch.sort(timestep_indices.repeat(rows // S), stable=True).indices.to(torch.int32)
+
+
 def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int, dx=None, temb=None,
                 weight=None) -> NormOutSums:
     """This part's NormOutSums from kernels_cu/exact_sums.cu on CUDA tensors: dy, x (..., S, H) bf16 contiguous,
@@ -125,9 +134,11 @@ def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int,
     nw_limbs = torch.zeros((LIMBS, H), dtype=torch.int64, device=x.device)
     flags = torch.zeros(1, dtype=torch.int32, device=x.device)
     dy, x, norm_weight = tensors.all_aligned(dy, x, norm_weight)
+    order = row_order(timestep_indices, rows)
     launchers.launch_exact_sums(k, plan, stream, x.data_ptr(), dy.data_ptr(), rstd.data_ptr(),
                                 norm_weight.data_ptr(), table_f32.data_ptr(), timestep_indices.data_ptr(),
-                                table.data_ptr(), nw_limbs.data_ptr(), flags.data_ptr(), rows, x.shape[-2])
+                                order.data_ptr(), table.data_ptr(), nw_limbs.data_ptr(), flags.data_ptr(), rows,
+                                x.shape[-2])
     sums.table, sums.norm_weight = ExactSum.from_limbs(table)._carry(), ExactSum.from_limbs(nw_limbs)._carry()
     sums.flags = [flags]
     return sums
