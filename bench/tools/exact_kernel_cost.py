@@ -7,7 +7,7 @@
 #   exact_sums  zeroing the states, the rows' sort by timestep and exact_sums_bf16 (what the exact route adds in the
 #               backward), shipped
 #   exact_sums_nocache  the same with TUNING's EXACT_CACHE = 0 (every add in shared memory), checked the same way
-#   carry       the states' carries (core.exact.ExactSum._carry, torch ops)
+#   carry       the states' carries (exact_sums.cu's exact_carry, one launch a state)
 #   exact_route the exact route's kernels as ExactNormOut runs them: the forward, then `kernel_sums` with dx (the
 #               backward's row pass and fixed-order reduce, no table_bwd; exact_sums; the carries)
 # and exact_route / fwd_bwd, the issue's ratio (bar 1.10x at 32768 rows, 1.15x at 4097). The recorder's host work
@@ -30,7 +30,7 @@ from adaln_lab.core.exact import LIMBS, ExactSum
 from adaln_lab.core.plan import forward_bytes
 from adaln_lab.harness.latency import copy_bandwidth
 from adaln_lab.ops.final_adaln_out import launch
-from adaln_lab.ops.final_adaln_out.exact import kernel_sums, row_order
+from adaln_lab.ops.final_adaln_out.exact import kernel_sums, launch_carry, launch_sums, row_order
 
 H, D, T = 5376, 2688, 3
 
@@ -89,7 +89,7 @@ def measure(rows: int, copy_TBps: float) -> dict:
     def exact_sums(context=kernels[shipped]):
         table.zero_(), weights.zero_(), flags.zero_()
         order = row_order(idx, rows)
-        launchers.launch_exact_sums(context[2], context[0], tensors.current_stream(x.get_device()), x.data_ptr(),
+        launch_sums(context[2], context[0], tensors.current_stream(x.get_device()), x.data_ptr(),
                                     dy.data_ptr(), rstd.data_ptr(), nw.data_ptr(), table_f32.data_ptr(), idx.data_ptr(),
                                     order.data_ptr(), table.data_ptr(), weights.data_ptr(), flags.data_ptr(), rows,
                                     rows)
@@ -99,7 +99,9 @@ def measure(rows: int, copy_TBps: float) -> dict:
         kernel_sums(dy, x, nw, idx, workspace, T, D, dx=grads[0], temb=temb, weight=weight)
 
     def carry():
-        ExactSum.from_limbs(table)._carry(), ExactSum.from_limbs(weights)._carry()
+        stream = tensors.current_stream(x.get_device())
+        launch_carry(kernels[shipped][2], stream, table.data_ptr(), T * 2 * H)
+        launch_carry(kernels[shipped][2], stream, weights.data_ptr(), H)
 
     steps = (("fwd_bwd", fwd_bwd), ("exact_sums", exact_sums),
              ("exact_sums_nocache", lambda: exact_sums(kernels[1 - shipped])), ("carry", carry),

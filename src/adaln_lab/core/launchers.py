@@ -49,6 +49,7 @@ SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
     "gated_residual_reduce_sorted": "pppiii",
     "gated_residual_norm_bf16": "pppppppppiifi",
     "exact_sums_bf16": "pppppipppppiii",
+    "exact_carry": "pi",
 }
 
 
@@ -230,19 +231,6 @@ def launch_row_pass(k: dict, plan: Plan, rows: Rows, stream: int, dy: int, x: in
         from cupy.cuda import runtime
 
         runtime.memsetAsync(row_partials, 0, plan.T * 2 * plan.H * 4, stream)
-
-
-def launch_exact_sums(k: dict, plan: Plan, stream: int, x: int, dy: int, rstd: int, norm_weight: int, table_f32: int,
-                      timestep_indices: int, row_order: int, table_limbs: int, nw_limbs: int, flags: int, rows: int,
-                      S: int) -> None:
-    """exact_sums.cu: norm_out's cross-row sums as uncarried int64 limbs added into table_limbs (LIMBS, T, 2H) and
-    nw_limbs (LIMBS, H), flags (1,) int32 or'd (the caller zeroes all three), over the rows in the order row_order
-    (rows,) int32 (table-row order); nothing with no rows."""
-    columns, chunks, per_chunk = plan.exact_grid(rows)
-    if chunks:
-        k["exact_sums_bf16"]((columns, chunks, 1), (dict(plan.tuning)["EXACT_THREADS"], 1, 1), plan.exact_smem,
-                             stream, x, dy, rstd, norm_weight, table_f32, 2 * plan.H, timestep_indices, row_order,
-                             table_limbs, nw_limbs, flags, rows, S, per_chunk)
 
 
 def launch_row_order(k: dict, plan: Plan, stream: int, row_index: int, row_order: int, S: int,

@@ -27,7 +27,7 @@
 // 64-bit atomics on the same addresses from every chunk: 5.4 ms at 32768 rows, exact_kernel_cost.json at 483b579).
 // Dynamic shared memory: LIMBS x 3 sums x 2 columns x threads int64 (plan.exact_smem). ADALN_EXACT_AHEAD rows' x
 // and dy are loaded before their terms are added (their loads in flight together).
-// Run: adaln_lab.core.launchers.launch_exact_sums.
+// Run: adaln_lab.ops.final_adaln_out.exact.launch_sums.
 
 #define EXACT_SLOTS (3 * 2)  // (sum, column) states of a thread: shift, scale, weight x its two columns
 
@@ -189,4 +189,23 @@ exact_sums_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ dy, con
         }
     }
     if (bad) atomicOr(flags, bad);
+}
+
+// exact_carry: core/exact.py's ExactSum._carry on limbs (ADALN_EXACT_LIMBS, n) int64 in place, one thread an element:
+// from the lowest limb up, the carry v >> 32 (floor) moves to the next limb, so limbs 0 .. LIMBS - 2 end in
+// [0, 2^32) and the top limb holds the sign; the same integers as the torch loop (9 steps of 3 ops each: 27 launches
+// a state). Run: adaln_lab.ops.final_adaln_out.exact.launch_carry.
+extern "C" __global__ void __launch_bounds__(256) exact_carry(long long* __restrict__ limbs, int n) {
+    const int i = blockIdx.x * 256 + threadIdx.x;
+    if (i >= n) return;
+    long long carry = 0;
+#pragma unroll
+    for (int l = 0; l < ADALN_EXACT_LIMBS; ++l) {
+        long long v = limbs[(size_t)l * n + i] + carry;
+        if (l < ADALN_EXACT_LIMBS - 1) {
+            carry = v >> 32;
+            v -= carry << 32;
+        }
+        limbs[(size_t)l * n + i] = v;
+    }
 }

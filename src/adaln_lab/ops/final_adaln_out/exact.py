@@ -99,6 +99,25 @@ class NormOutSums:
         return self.table.value(torch.float32), self.norm_weight.value(dtype), self.table.total().value(dtype)
 
 
+def launch_sums(k: dict, plan, stream: int, x: int, dy: int, rstd: int, norm_weight: int, table_f32: int,
+                      timestep_indices: int, row_order: int, table_limbs: int, nw_limbs: int, flags: int, rows: int,
+                      S: int) -> None:
+    """exact_sums.cu: norm_out's cross-row sums as uncarried int64 limbs added into table_limbs (LIMBS, T, 2H) and
+    nw_limbs (LIMBS, H), flags (1,) int32 or'd (the caller zeroes all three), over the rows in the order row_order
+    (rows,) int32 (table-row order); nothing with no rows."""
+    columns, chunks, per_chunk = plan.exact_grid(rows)
+    if chunks:
+        k["exact_sums_bf16"]((columns, chunks, 1), (dict(plan.tuning)["EXACT_THREADS"], 1, 1), plan.exact_smem,
+                             stream, x, dy, rstd, norm_weight, table_f32, 2 * plan.H, timestep_indices, row_order,
+                             table_limbs, nw_limbs, flags, rows, S, per_chunk)
+
+
+def launch_carry(k: dict, stream: int, limbs: int, n: int) -> None:
+    """exact_sums.cu's exact_carry: limbs (LIMBS, n) int64 carried in place (core.exact.ExactSum._carry's integers)."""
+    if n:
+        k["exact_carry"]((-(-n // 256), 1, 1), (256, 1, 1), 0, stream, limbs, n)
+
+
 def row_order(timestep_indices: torch.Tensor, rows: int) -> torch.Tensor:
     """(rows,) int32: the rows of x (..., S, H) stably sorted by their table row timestep_indices[r % S] (exact_sums.cu
     walks them in this order: a chunk's timestep changes at most T times)."""
@@ -112,7 +131,7 @@ def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int,
                 weight=None) -> NormOutSums:
     """This part's NormOutSums from kernels_cu/exact_sums.cu on CUDA tensors: dy, x (..., S, H) bf16 contiguous,
     norm_weight (H,) bf16, timestep_indices (S,) int64, workspace the forward's (`launch.saved_views`: table_f32,
-    rstd). The states' limbs are added by integer atomics and carried here; the kernels' flags are kept for
+    rstd). The states' limbs are added by integer atomics and carried by exact_carry; the kernels' flags are kept for
     `NormOutSums.check`. At most MAX_TERMS rows (ValueError). With dx (x's shape) given, the backward's row pass
     writes dx there first (`launch.kernels_backward` without table_bwd; temb and weight as the forward's)."""
     H = x.shape[-1]
@@ -135,11 +154,13 @@ def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int,
     flags = torch.zeros(1, dtype=torch.int32, device=x.device)
     dy, x, norm_weight = tensors.all_aligned(dy, x, norm_weight)
     order = row_order(timestep_indices, rows)
-    launchers.launch_exact_sums(k, plan, stream, x.data_ptr(), dy.data_ptr(), rstd.data_ptr(),
+    launch_sums(k, plan, stream, x.data_ptr(), dy.data_ptr(), rstd.data_ptr(),
                                 norm_weight.data_ptr(), table_f32.data_ptr(), timestep_indices.data_ptr(),
                                 order.data_ptr(), table.data_ptr(), nw_limbs.data_ptr(), flags.data_ptr(), rows,
                                 x.shape[-2])
-    sums.table, sums.norm_weight = ExactSum.from_limbs(table)._carry(), ExactSum.from_limbs(nw_limbs)._carry()
+    launch_carry(k, stream, table.data_ptr(), T * 2 * H)
+    launch_carry(k, stream, nw_limbs.data_ptr(), H)
+    sums.table, sums.norm_weight = ExactSum.from_limbs(table), ExactSum.from_limbs(nw_limbs)
     sums.flags = [flags]
     return sums
 
