@@ -6,7 +6,9 @@
 #   fwd_bwd     the launch ops' forward and backward (what norm_out's graph fwd+bwd runs)
 #   exact_sums  zeroing the states, the rows' sort by timestep and exact_sums_bf16 (what the exact route adds in the
 #               backward), shipped
-#   exact_sums_nocache  the same with TUNING's EXACT_CACHE = 0 (every add in shared memory), checked the same way
+#   exact_sums_cache<k>  the same with TUNING's EXACT_CACHE = k for the other forms (0: every add in shared memory,
+#               1: a register cache of the last limb pair, 2: the caches alone, sent out by integer atomics), each
+#               checked the same way
 #   carry       the states' carries (exact_sums.cu's exact_carry, one launch a state)
 #   exact_route the exact route's kernels as ExactNormOut runs them: the forward, then `kernel_sums` with dx (the
 #               backward's row pass and fixed-order reduce, no table_bwd; exact_sums; the carries)
@@ -35,6 +37,9 @@ from adaln_lab.ops.final_adaln_out.exact import kernel_sums, launch_carry, launc
 H, D, T = 5376, 2688, 3
 
 
+KNOBS = (0, 1, 2)  # TUNING's EXACT_CACHE forms
+
+
 def cache_knob(value: int) -> None:
     """TUNING's EXACT_CACHE set to value, every plan and compiled kernel forgotten."""
     plan_module.TUNING["EXACT_CACHE"] = value
@@ -59,7 +64,8 @@ def measure(rows: int, copy_TBps: float) -> dict:
     want_table = ExactSum((T, 2 * H), x.device).add(torch.cat([dy[0].float(), p * nw.float()], dim=1), idx)
     want_weight = ExactSum((H,), x.device).add(p * (1.0 + table_f32[idx, H:]))
     shipped = plan_module.TUNING["EXACT_CACHE"]
-    for knob in (1 - shipped, shipped):  # the shipped kernel last: the steps below launch it
+    others = [knob for knob in KNOBS if knob != shipped]
+    for knob in (*others, shipped):  # the shipped kernel last: the steps below launch it
         cache_knob(knob)
         got = kernel_sums(dy, x, nw, idx, workspace, T, D)
         got.check()
@@ -74,7 +80,7 @@ def measure(rows: int, copy_TBps: float) -> dict:
         raise AssertionError(f"the exact route's dx differs from the backward's at {rows} rows")
     del p, want_table, want_weight, dx
     kernels = {}
-    for knob in (1 - shipped, shipped):
+    for knob in (*others, shipped):
         cache_knob(knob)
         kernels[knob] = tensors.context(x.get_device(), H, D, T, rows)
     plan, _, k = kernels[shipped]
@@ -104,7 +110,8 @@ def measure(rows: int, copy_TBps: float) -> dict:
         launch_carry(kernels[shipped][2], stream, weights.data_ptr(), H)
 
     steps = (("fwd_bwd", fwd_bwd), ("exact_sums", exact_sums),
-             ("exact_sums_nocache", lambda: exact_sums(kernels[1 - shipped])), ("carry", carry),
+             *((f"exact_sums_cache{knob}", lambda knob=knob: exact_sums(kernels[knob])) for knob in others),
+             ("carry", carry),
              ("exact_route", exact_route))
     us = {name: graph_us(step) for name, step in steps}
     return {"rows": rows, "us": us, "exact_floor_us": 4 * rows * H / (copy_TBps * 1e12) * 1e6,
@@ -123,7 +130,7 @@ def main() -> None:
         entry = measure(rows, copy)
         result["sizes"].append(entry)
         print(f"rows {rows}: fwd_bwd {entry['us']['fwd_bwd']:.1f} us, exact_sums {entry['us']['exact_sums']:.1f} "
-              f"(EXACT_CACHE 0: {entry['us']['exact_sums_nocache']:.1f}) "
+              f"({', '.join(f'{k}: {v:.1f}' for k, v in entry['us'].items() if k.startswith('exact_sums_cache'))}) "
               f"(floor {entry['exact_floor_us']:.1f}), carry {entry['us']['carry']:.1f}: exact route "
               f"{entry['exact_route_over_fwd_bwd']:.2f}x", flush=True)
     if args.out:

@@ -58,7 +58,8 @@ TUNING = {
     "EXACT_THREADS": 64,        # exact_sums.cu: block size (two columns a thread; its states 480 B a thread)
     "EXACT_AHEAD": 4,           # exact_sums.cu: rows whose x and dy a thread loads before adding their terms
     "EXACT_CHUNKS": 32,         # exact_sums.cu: most row chunks (integer sums: no bit depends on it)
-    "EXACT_CACHE": 1,           # exact_sums.cu: each state's last limb pair in registers (1) or every add in shared memory
+    "EXACT_CACHE": 1,           # exact_sums.cu: every add in shared memory (0), each state's last limb pair in
+                                # registers (1), or the pairs alone, sent out by integer atomics (2, no shared memory)
 }
 SMEM_BLOCK_MAX = 227 * 1024       # dynamic + static shared memory one block may opt in to (sm_90, sm_100)
 BWD_STAGE_BUDGET = 200 * 1024     # dynamic shared memory of the backward's stages (static scratch beside it)
@@ -306,8 +307,10 @@ class Plan:
 
     @cached_property
     def exact_smem(self) -> int:
-        """Dynamic shared memory of exact_sums.cu: LIMBS int64 limbs of 3 sums x 2 columns a thread."""
-        return EXACT_LIMBS * 6 * dict(self.tuning)["EXACT_THREADS"] * 8
+        """Dynamic shared memory of exact_sums.cu: LIMBS int64 limbs of 3 sums x 2 columns a thread (none with
+        EXACT_CACHE 2)."""
+        t = dict(self.tuning)
+        return 0 if t["EXACT_CACHE"] == 2 else EXACT_LIMBS * 6 * t["EXACT_THREADS"] * 8
 
     def exact_grid(self, rows: int) -> tuple[int, int, int]:
         """exact_sums.cu's (column blocks, row chunks, rows a chunk) over `rows` rows: chunks of at least 64 rows, at

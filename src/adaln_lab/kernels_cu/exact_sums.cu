@@ -25,7 +25,8 @@
 // rows in table-row order (the caller's stable sort), so that a chunk's timestep changes at most T times: a table
 // row's limbs go out once a chunk, not once a row (rows in their own order sent them out at every change of t,
 // 64-bit atomics on the same addresses from every chunk: 5.4 ms at 32768 rows, exact_kernel_cost.json at 483b579).
-// Dynamic shared memory: LIMBS x 3 sums x 2 columns x threads int64 (plan.exact_smem). ADALN_EXACT_AHEAD rows' x
+// Dynamic shared memory: LIMBS x 3 sums x 2 columns x threads int64 (plan.exact_smem; none with
+// ADALN_EXACT_CACHE 2, whose caches go straight to the outputs). ADALN_EXACT_AHEAD rows' x
 // and dy are loaded before their terms are added (their loads in flight together).
 // Run: adaln_lab.ops.final_adaln_out.exact.launch_sums.
 
@@ -51,7 +52,20 @@ __device__ __forceinline__ void cache_spill(ExactCache& c, long long* st, int st
 
 // add float32 term f to the state whose limb l sits at st[l * stride] (slots of one thread), through its cache c:
 // exactly
-__device__ __forceinline__ void exact_add(ExactCache& c, long long* st, int stride, float f, int& flags) {
+// ADALN_EXACT_CACHE 2: no shared-memory state; a cache leaving its pair adds it to the output at g (limb l at
+// g[l * gstride]) with integer atomics instead (rare where a column's terms share a pair).
+__device__ __forceinline__ void cache_out(ExactCache& c, unsigned long long* g, size_t gstride) {
+    if (c.k >= 0) {
+        if (c.lo) atomicAdd(g + c.k * gstride, (unsigned long long)c.lo);  // two's complement: signed addition
+        if (c.hi) atomicAdd(g + (c.k + 1) * gstride, (unsigned long long)c.hi);
+    }
+    c.k = -1;
+    c.lo = 0;
+    c.hi = 0;
+}
+
+__device__ __forceinline__ void exact_add(ExactCache& c, long long* st, int stride, unsigned long long* g,
+                                          size_t gstride, float f, int& flags) {
     const unsigned bits = __float_as_uint(f);
     const unsigned biased = (bits >> 23) & 0xffu;
     if (biased == 0xffu) {  // inf or NaN: no exact sum exists
@@ -70,7 +84,11 @@ __device__ __forceinline__ void exact_add(ExactCache& c, long long* st, int stri
     const int limb = k >> 5;
 #if ADALN_EXACT_CACHE
     if (limb != c.k) {
+#if ADALN_EXACT_CACHE == 2
+        cache_out(c, g, gstride);
+#else
         cache_spill(c, st, stride);
+#endif
         c.k = limb;
     }
     c.lo += v & 0xffffffffLL;
@@ -102,7 +120,9 @@ exact_sums_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ dy, con
     extern __shared__ long long exact_smem[];  // [LIMBS][EXACT_SLOTS][threads]
     const int stride = EXACT_SLOTS * ADALN_EXACT_THREADS;  // from one limb to the next of one state
     long long* const mine = exact_smem + threadIdx.x;
+#if ADALN_EXACT_CACHE != 2
     for (int i = 0; i < ADALN_EXACT_LIMBS * EXACT_SLOTS; ++i) mine[i * ADALN_EXACT_THREADS] = 0;
+#endif
     const int h = 2 * (blockIdx.x * ADALN_EXACT_THREADS + threadIdx.x);
     const bool valid = h < ADALN_H;
     int bad = 0;
@@ -147,12 +167,16 @@ exact_sums_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ dy, con
                 if (current >= 0 && valid) {
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
+                        unsigned long long* row = table_limbs + (size_t)current * 2 * ADALN_H + h + c;
+#if ADALN_EXACT_CACHE == 2
+                        cache_out(cache[0][c], row, table_size);
+                        cache_out(cache[1][c], row + ADALN_H, table_size);
+#else
                         cache_spill(cache[0][c], mine + (0 * 2 + c) * ADALN_EXACT_THREADS, stride);
                         cache_spill(cache[1][c], mine + (1 * 2 + c) * ADALN_EXACT_THREADS, stride);
-                        exact_flush(mine + (0 * 2 + c) * ADALN_EXACT_THREADS, stride,
-                                    table_limbs + (size_t)current * 2 * ADALN_H + h + c, table_size);
-                        exact_flush(mine + (1 * 2 + c) * ADALN_EXACT_THREADS, stride,
-                                    table_limbs + (size_t)current * 2 * ADALN_H + ADALN_H + h + c, table_size);
+                        exact_flush(mine + (0 * 2 + c) * ADALN_EXACT_THREADS, stride, row, table_size);
+                        exact_flush(mine + (1 * 2 + c) * ADALN_EXACT_THREADS, stride, row + ADALN_H, table_size);
+#endif
                     }
                 }
                 current = t;
@@ -168,24 +192,32 @@ exact_sums_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ dy, con
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 const float p = __fmul_rn(dv[c], __fmul_rn(xv[c], rs[j]));
-                exact_add(cache[0][c], mine + (0 * 2 + c) * ADALN_EXACT_THREADS, stride, dv[c], bad);
-                exact_add(cache[1][c], mine + (1 * 2 + c) * ADALN_EXACT_THREADS, stride, __fmul_rn(p, w[c]), bad);
-                exact_add(cache[2][c], mine + (2 * 2 + c) * ADALN_EXACT_THREADS, stride, __fmul_rn(p, s1[c]), bad);
+                unsigned long long* row = table_limbs + (size_t)t * 2 * ADALN_H + h + c;
+                exact_add(cache[0][c], mine + (0 * 2 + c) * ADALN_EXACT_THREADS, stride, row, table_size, dv[c], bad);
+                exact_add(cache[1][c], mine + (1 * 2 + c) * ADALN_EXACT_THREADS, stride, row + ADALN_H, table_size,
+                          __fmul_rn(p, w[c]), bad);
+                exact_add(cache[2][c], mine + (2 * 2 + c) * ADALN_EXACT_THREADS, stride, nw_limbs + h + c,
+                          (size_t)ADALN_H, __fmul_rn(p, s1[c]), bad);
             }
         }
     }
     if (valid) {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
+            unsigned long long* row = table_limbs + (size_t)(current < 0 ? 0 : current) * 2 * ADALN_H + h + c;
+#if ADALN_EXACT_CACHE == 2
+            cache_out(cache[0][c], row, table_size);  // empty when no row was added (current < 0)
+            cache_out(cache[1][c], row + ADALN_H, table_size);
+            cache_out(cache[2][c], nw_limbs + h + c, (size_t)ADALN_H);
+#else
 #pragma unroll
             for (int q = 0; q < 3; ++q) cache_spill(cache[q][c], mine + (q * 2 + c) * ADALN_EXACT_THREADS, stride);
             if (current >= 0) {
-                exact_flush(mine + (0 * 2 + c) * ADALN_EXACT_THREADS, stride,
-                            table_limbs + (size_t)current * 2 * ADALN_H + h + c, table_size);
-                exact_flush(mine + (1 * 2 + c) * ADALN_EXACT_THREADS, stride,
-                            table_limbs + (size_t)current * 2 * ADALN_H + ADALN_H + h + c, table_size);
+                exact_flush(mine + (0 * 2 + c) * ADALN_EXACT_THREADS, stride, row, table_size);
+                exact_flush(mine + (1 * 2 + c) * ADALN_EXACT_THREADS, stride, row + ADALN_H, table_size);
             }
             exact_flush(mine + (2 * 2 + c) * ADALN_EXACT_THREADS, stride, nw_limbs + h + c, (size_t)ADALN_H);
+#endif
         }
     }
     if (bad) atomicOr(flags, bad);
