@@ -154,10 +154,9 @@ def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int,
     flags = torch.zeros(1, dtype=torch.int32, device=x.device)
     dy, x, norm_weight = tensors.all_aligned(dy, x, norm_weight)
     order = row_order(timestep_indices, rows)
-    launch_sums(k, plan, stream, x.data_ptr(), dy.data_ptr(), rstd.data_ptr(),
-                                norm_weight.data_ptr(), table_f32.data_ptr(), timestep_indices.data_ptr(),
-                                order.data_ptr(), table.data_ptr(), nw_limbs.data_ptr(), flags.data_ptr(), rows,
-                                x.shape[-2])
+    launch_sums(k, plan, stream, x.data_ptr(), dy.data_ptr(), rstd.data_ptr(), norm_weight.data_ptr(),
+                table_f32.data_ptr(), timestep_indices.data_ptr(), order.data_ptr(), table.data_ptr(),
+                nw_limbs.data_ptr(), flags.data_ptr(), rows, x.shape[-2])
     launch_carry(k, stream, table.data_ptr(), T * 2 * H)
     launch_carry(k, stream, nw_limbs.data_ptr(), H)
     sums.table, sums.norm_weight = ExactSum.from_limbs(table), ExactSum.from_limbs(nw_limbs)
