@@ -151,6 +151,63 @@ def test_the_vectorised_rounding_is_round_scaled_on_every_kind_of_integer():
         assert torch.equal(rounded(limbs, precision), want)
 
 
+def as_limbs(ns, count: int) -> torch.Tensor:
+    """Python integers as carried limbs (count, len(ns)): LIMB_BITS-bit limbs, the top one signed."""
+    limbs = torch.zeros(count, len(ns), dtype=torch.int64)
+    for i, n in enumerate(ns):
+        for k in range(count - 1):
+            limbs[k, i] = n & (2 ** LIMB_BITS - 1)
+            n >>= LIMB_BITS
+        limbs[count - 1, i] = n
+    return limbs
+
+
+def test_the_rounding_of_wide_states_in_other_units_is_round_scaled():
+    """`rounded` of 2 LIMBS limbs in units 2^(2 E_MIN) (the product states): results far below float32's least
+    subnormal (zero), at its half (ties), subnormal, normal, inf, with the round bit in every limb."""
+    rng = random.Random(4)
+    ns = [0, 1, -1, 2 ** 148, 2 ** 148 + 1, 3 * 2 ** 148, 2 ** 149, 2 ** 620, -(2 ** 447 + 2 ** 200)]
+    for _ in range(3000):
+        n = rng.getrandbits(rng.randint(1, 630))
+        if rng.random() < 0.3:
+            cut = rng.randint(1, max(1, n.bit_length() - 1))
+            n = (n >> cut << cut) | rng.choice([0, 1 << (cut - 1), (1 << (cut - 1)) - 1, (1 << (cut - 1)) + 1])
+        ns.append(-n if rng.random() < 0.5 else n)
+    limbs = as_limbs(ns, 2 * LIMBS)
+    for precision in (24, 8):
+        want = torch.tensor([round_scaled(n, 2 * E_MIN, precision) for n in ns], dtype=torch.float64)
+        assert torch.equal(rounded(limbs, precision, 2 * E_MIN), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_products_are_the_exact_products_rounded_once(dtype):
+    """products(state, factors): each value the exact sum times the exact factor, rounded once (Fractions), for
+    factors of every kind (subnormal, tiny, huge, negative, zero), a state's total of products the exact sum of the
+    products; a planted product of the rounded sum is caught; products of a product state refused."""
+    t = terms(120, 24, 5)
+    g = torch.Generator().manual_seed(9)
+    factors = torch.randn(24, generator=g) * torch.exp2(torch.randint(-60, 20, (24,), generator=g).float())
+    factors[:4] = torch.tensor([2.0 ** -149, -3 * 2.0 ** -140, 0.0, 2.0 ** 20])  # the sums stay below 2^108
+    state = ExactSum((24,)).add(t)
+    got = exact.products(state, factors).value(dtype)
+    want = [nearest_even(x * Fraction(f), dtype) for x, f in zip(exact_sums(t), factors.tolist())]
+    assert got.tolist() == want
+    planted = (state.value(dtype).double() * factors.double()).to(dtype)  # the sum rounded first: twice
+    assert not torch.equal(planted, got)
+    rows = ExactSum((3, 24)).add(t, torch.arange(120) % 3)
+    by_row = factors[None] * torch.tensor([1.0, -0.5, 3.0])[:, None]
+    total = exact.products(rows, by_row).total().value(dtype)
+    sums = [exact_sums(t[r::3]) for r in range(3)]
+    want = [nearest_even(sum((sums[r][c] * Fraction(by_row[r, c].item()) for r in range(3)), Fraction(0)), dtype)
+            for c in range(24)]
+    assert total.tolist() == want
+    assert exact.products(state, torch.full((24,), 2.0 ** 127)).value(dtype)[4:].isinf().any()  # past the largest
+    with pytest.raises(ValueError, match="sum of terms"):
+        exact.products(exact.products(state, factors), factors)
+    with pytest.raises(ValueError, match="finite"):
+        exact.products(state, torch.full((24,), float("nan")))
+
+
 def _fixed_point_words(t: torch.Tensor, q: int, rows_per: int):
     """Each block of rows_per rows of t (n, cols) summed as the integer in units of 2^q a kernel's 128-bit state
     holds (every term a multiple of 2^q), as that state's two int64 words (low two's complement, high signed):

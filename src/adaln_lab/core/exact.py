@@ -6,6 +6,7 @@
     state.add_words(words, exponent)           # integers (n, *shape) int64 worth words 2^exponent (a kernel's states)
     state.merge(other)                         # another part's state, in any order
     state.total()                              # the sum over the first dimension, exact
+    products(state, factors)                   # state x float32 factors (broadcast), exactly: a wide state
     state.value(torch.float32 | torch.bfloat16) -> (*shape,) the exact sum, rounded once to nearest even
 
 Why: integer addition is associative, so a sum kept as integers has one value for every order of its terms, every
@@ -17,7 +18,9 @@ is an integer below 2^277; the state keeps that integer per element as LIMBS sig
 after each `add` or `merge` the carries move up so that limbs 0 .. LIMBS - 2 lie in [0, 2^32) and the top limb holds
 the sign. Bounds: one `add` takes at most MAX_TERMS terms per element (no limb can overflow before its carry); the
 top limb keeps sums up to 2^(32 LIMBS - 149 - 1) = 2^170 in magnitude, far past float32's 2^128 times 2^31 terms.
-Non-finite terms raise ValueError (never a wrong sum).
+Non-finite terms raise ValueError (never a wrong sum). `products` multiplies a state by float32 factors exactly: the
+result counts in units of 2^(2 E_MIN) in 2 LIMBS limbs (a float32 factor is m 2^(k + E_MIN), m < 2^24, k < 277), a
+state of its own (`e_min`) that merges, totals and rounds like the others but takes no terms.
 
 Rounding (`value`): the integer is rounded once to the dtype's precision (24 bits for float32, 8 for bfloat16; their
 common least normal exponent -126 sets the subnormal quantum), ties to even; past the largest finite value, inf.
@@ -79,13 +82,19 @@ class ExactSum:
 
     def __init__(self, shape, device=None):
         self.limbs = torch.zeros((LIMBS, *shape), dtype=torch.int64, device=device)
+        self.e_min = E_MIN  # the unit: limb k weighs 2^(LIMB_BITS k + e_min)
 
     @classmethod
-    def from_limbs(cls, limbs: torch.Tensor) -> "ExactSum":
-        """A state holding `limbs` (LIMBS, *shape) int64 as they are (carried, or carried by the caller)."""
+    def from_limbs(cls, limbs: torch.Tensor, e_min: int = E_MIN) -> "ExactSum":
+        """A state holding `limbs` (L, *shape) int64 as they are (carried, or carried by the caller), limb k worth
+        2^(LIMB_BITS k + e_min): L = LIMBS and e_min = E_MIN for sums of terms, `products`' wide states otherwise."""
         out = cls.__new__(cls)
-        out.limbs = limbs
+        out.limbs, out.e_min = limbs, e_min
         return out
+
+    def _terms_state(self, what: str) -> None:
+        if self.e_min != E_MIN or self.limbs.shape[0] != LIMBS:
+            raise ValueError(f"ExactSum.{what}: a product state (units 2^{self.e_min}) takes no terms")
 
     @property
     def shape(self) -> torch.Size:
@@ -94,6 +103,7 @@ class ExactSum:
     def add(self, terms: torch.Tensor, index: torch.Tensor | None = None) -> "ExactSum":
         """Add terms (n, *shape) float32: the n terms of every element (0 <= n <= MAX_TERMS); with index (n,) int64
         in [0, shape[0]), terms (n, *shape[1:]): term i goes to row index[i] (a table row's sum over its rows)."""
+        self._terms_state("add")
         rows = self.shape if index is None else self.shape[1:]
         if terms.dtype != torch.float32 or terms.shape[1:] != rows:
             raise ValueError(f"terms must be float32 of shape (n, {', '.join(map(str, rows))}), got "
@@ -122,6 +132,7 @@ class ExactSum:
         """Add integers words (n, *shape) int64 (signed), each worth words 2^exponent: a kernel's fixed-point states
         (a block's sum in units of its quantum 2^exponent; a 128-bit state as its words at exponent, exponent + 64),
         exactly. n <= MAX_TERMS; exponent >= E_MIN and the words' bits within the state's range (ValueError)."""
+        self._terms_state("add_words")
         shift = exponent - E_MIN
         if words.dtype != torch.int64 or words.shape[1:] != self.shape:
             raise ValueError(f"words must be int64 of shape (n, {', '.join(map(str, self.shape))}), got "
@@ -139,18 +150,19 @@ class ExactSum:
 
     def merge(self, other: "ExactSum") -> "ExactSum":
         """Add another state of the same shape (one part's sum): the same result in any order of merging."""
-        if other.shape != self.shape:
-            raise ValueError(f"cannot merge a state of shape {tuple(other.shape)} into {tuple(self.shape)}")
+        if other.shape != self.shape or other.limbs.shape[0] != self.limbs.shape[0] or other.e_min != self.e_min:
+            raise ValueError(f"cannot merge a state of shape {tuple(other.shape)} (units 2^{other.e_min}) into "
+                             f"{tuple(self.shape)} (units 2^{self.e_min})")
         self.limbs += other.limbs.to(self.limbs.device)
         return self._carry()
 
     def total(self) -> "ExactSum":
         """The exact sum over the first dimension (shape[1:]): every row's terms in one sum (a bias over the
         timesteps' table rows), as exact as the rows."""
-        return ExactSum.from_limbs(self.limbs.sum(1))._carry()  # each limb < 2^32: up to 2^30 rows fit in int64
+        return ExactSum.from_limbs(self.limbs.sum(1), self.e_min)._carry()  # limbs < 2^32: 2^30 rows fit in int64
 
     def _carry(self) -> "ExactSum":
-        for k in range(LIMBS - 1):
+        for k in range(self.limbs.shape[0] - 1):
             carry = self.limbs[k] >> LIMB_BITS
             self.limbs[k] -= carry << LIMB_BITS
             self.limbs[k + 1] += carry
@@ -160,43 +172,75 @@ class ExactSum:
         """The exact sums rounded once to `dtype` (float32 or bfloat16), to nearest, ties to even."""
         if dtype not in _PRECISION:
             raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
-        limbs = self.limbs.reshape(LIMBS, -1)
-        return rounded(limbs, _PRECISION[dtype]).to(dtype).reshape(self.shape)
+        limbs = self.limbs.reshape(self.limbs.shape[0], -1)
+        return rounded(limbs, _PRECISION[dtype], self.e_min).to(dtype).reshape(self.shape)
 
 
-def rounded(limbs: torch.Tensor, precision: int) -> torch.Tensor:
-    """`round_scaled(n, E_MIN, precision)` of every column's integer n of carried limbs (LIMBS, n), in torch integer
-    ops (float64 results, exact in the target dtype). |n| in sign-magnitude limbs; its leading limb k and the next
-    one form a 64-bit window holding the kept bits, the round bit and the bits below it (`sticky` the limbs
-    further down); ties to even; inf past the largest finite value."""
+def rounded(limbs: torch.Tensor, precision: int, e_min: int = E_MIN) -> torch.Tensor:
+    """`round_scaled(n, e_min, precision)` of every column's integer n of carried limbs (L, n) (limb k worth
+    2^(LIMB_BITS k + e_min)), in torch integer ops (float64 results, exact in the target dtype). |n| in
+    sign-magnitude limbs; `drop` low bits of it go (those below the target's last kept bit); the kept bits sit in the
+    two limbs from bit `drop` up, the round bit is bit drop - 1 and `sticky` any bit below it; ties to even; inf
+    past the largest finite value."""
+    L = limbs.shape[0]
     negative = limbs[-1] < 0
     mag = ExactSum.from_limbs(torch.where(negative, -limbs, limbs).clone())._carry().limbs  # |n|, limbs >= 0
     nonzero = mag != 0
-    order = torch.arange(LIMBS, device=limbs.device).unsqueeze(1)
+    order = torch.arange(L, device=limbs.device).unsqueeze(1)
     k = torch.where(nonzero, order, -1).amax(0)                      # the leading limb (-1: n = 0)
-    kk = k.clamp(min=0)
-    hi = mag.gather(0, kk.unsqueeze(0))[0]
-    lo = torch.where(k >= 1, mag.gather(0, (kk - 1).clamp(min=0).unsqueeze(0))[0], 0)
-    below = torch.cumsum(nonzero.long(), 0)                          # nonzero limbs at or below each index
-    sticky = torch.where(k >= 2, below.gather(0, (kk - 2).clamp(min=0).unsqueeze(0))[0] > 0, False)
+    hi = mag.gather(0, k.clamp(min=0).unsqueeze(0))[0]
     shifts = torch.arange(LIMB_BITS + 1, device=limbs.device).unsqueeze(1)
-    hi_bits = ((hi.unsqueeze(0) >> shifts) > 0).sum(0)               # hi's bit length (hi < 2^32)
-    top = LIMB_BITS * kk + hi_bits - 1 + E_MIN                       # the leading bit's exponent
-    drop = torch.clamp(top, min=_EMIN_NORMAL) - (precision - 1) - E_MIN  # low bits of n to drop (>= 0)
-    s = drop - LIMB_BITS * (kk - 1)                                  # their count inside the window hi | lo
-    wide = s >= LIMB_BITS
-    kept = torch.where(wide, hi >> (s - LIMB_BITS).clamp(min=0, max=63),
-                       (hi << (LIMB_BITS - s).clamp(min=0, max=63)) | (lo >> s.clamp(min=0, max=63)))
-    rest = torch.where(wide, ((hi & ((1 << (s - LIMB_BITS).clamp(min=0, max=62)) - 1)) << LIMB_BITS) | lo,
-                       lo & ((1 << s.clamp(min=0, max=62)) - 1))
-    half = torch.where(s > 0, 1 << (s - 1).clamp(min=0, max=62), 0)
-    up = (s > 0) & ((rest > half) | ((rest == half) & (sticky | (kept & 1).bool())))
+    length = LIMB_BITS * k.clamp(min=0) + ((hi.unsqueeze(0) >> shifts) > 0).sum(0)  # |n|'s bit length
+    top = length - 1 + e_min                                         # the leading bit's exponent
+    drop = (torch.clamp(top, min=_EMIN_NORMAL) - (precision - 1) - e_min).clamp(min=0)  # low bits of n to drop
+
+    def limb(j):  # mag's limb j per column, 0 outside [0, L)
+        inside = (j >= 0) & (j < L)
+        return torch.where(inside, mag.gather(0, j.clamp(0, L - 1).unsqueeze(0))[0], 0)
+
+    j, o = drop // LIMB_BITS, drop % LIMB_BITS
+    kept = (limb(j) >> o) | (limb(j + 1) << (LIMB_BITS - o))        # |n| >> drop: below 2^precision
+    r = (drop - 1).clamp(min=0)                                      # the round bit's index in |n|
+    rj, ro = r // LIMB_BITS, r % LIMB_BITS
+    round_limb = limb(rj)
+    below = torch.cumsum(nonzero.long(), 0)                          # nonzero limbs at or below each index
+    lower = torch.where(rj >= 1, below.gather(0, (rj - 1).clamp(0, L - 1).unsqueeze(0))[0], 0)  # limbs under rj
+    sticky = ((round_limb & ((1 << ro) - 1)) != 0) | (lower > 0)
+    up = (drop > 0) & (((round_limb >> ro) & 1) == 1) & (sticky | (kept & 1).bool())
     kept = kept + up.long()
-    value = torch.ldexp(kept.double(), (drop + E_MIN).double())
+    value = torch.ldexp(kept.double(), (drop + e_min).double())
     largest = (2 ** precision - 1) * 2.0 ** (128 - precision)
     value = torch.where(value > largest, torch.inf, value)
     value = torch.where(k < 0, 0.0, value)
     return torch.where(negative, -value, value)
+
+
+def products(state: ExactSum, factors: torch.Tensor) -> ExactSum:
+    """The exact products of a sum-of-terms state (shape) and finite float32 `factors` (broadcast to the state's
+    shape): a state of 2 LIMBS limbs in units 2^(2 E_MIN) (module docstring), on the state's device. A factor
+    m 2^(k + E_MIN) multiplies |n| limb by limb by |m| (each below 2^56), carried, then shifted up k bits (a limb
+    below 2^32 moves into two, < 2^63); the sign last."""
+    if state.e_min != E_MIN or state.limbs.shape[0] != LIMBS:
+        raise ValueError("products: the state must be a sum of terms (units 2^E_MIN, LIMBS limbs)")
+    factors = factors.to(device=state.limbs.device, dtype=torch.float32).expand(state.shape).contiguous()
+    if not bool(torch.isfinite(factors).all()):
+        raise ValueError("products: the factors must be finite")
+    m, shift = decompose(factors)
+    negative = (state.limbs[-1] < 0) ^ (m < 0)
+    mag = ExactSum.from_limbs(torch.where(state.limbs[-1] < 0, -state.limbs, state.limbs).clone())._carry().limbs
+    wide = torch.zeros((2 * LIMBS, *state.shape), dtype=torch.int64, device=state.limbs.device)
+    wide[:LIMBS] = mag * m.abs()                                     # |n| |m|, uncarried: each below 2^56
+    wide = ExactSum.from_limbs(wide, 2 * E_MIN)._carry().limbs       # limbs in [0, 2^32)
+    step, offset = shift // LIMB_BITS, shift % LIMB_BITS             # |n m| 2^shift: limbs up `step`, bits `offset`
+    moved = wide << offset                                           # each below 2^63
+    out = torch.zeros_like(wide)
+    at = torch.arange(2 * LIMBS, device=wide.device).view(-1, *([1] * len(state.shape))) + step
+    for part, lift in ((moved & (2 ** LIMB_BITS - 1), 0), (moved >> LIMB_BITS, 1)):
+        target = at + lift
+        keep = target < 2 * LIMBS  # what lands past the top is zero: |n m| 2^shift < 2^(320 + 24 + 276)
+        out.scatter_add_(0, target.clamp(max=2 * LIMBS - 1), torch.where(keep, part, 0))
+    out = torch.where(negative, -out, out)
+    return ExactSum.from_limbs(out, 2 * E_MIN)._carry()
 
 
 def round_scaled(n: int, scale: int, precision: int) -> float:
