@@ -1,7 +1,8 @@
 """norm_out's exact cross-row sums (ops/final_adaln_out/exact.py) on the CPU: the same bits for the rows in one
 batch, permuted, with the timesteps' table rows permuted (indices remapped), and split into 2, 3 and 8 parts by
 sample and within samples, the parts merged in reversed and shuffled orders; each value the correctly rounded
-exact sum of the same float32 terms; a planted float32 accumulation fails the same checks."""
+exact value of the same float32 terms (sums times the norm weight or 1 + scale[t], exactly), rounded once; a
+planted float32 accumulation fails the same checks."""
 
 import random
 from fractions import Fraction
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from adaln_lab.core.exact import round_scaled
-from adaln_lab.ops.final_adaln_out.exact import NormOutSums, row_terms
+from adaln_lab.ops.final_adaln_out.exact import NormOutSums, column_factors, row_terms
 
 T, H, S, B = 3, 16, 24, 4  # B samples of S rows each (x (B, S, H))
 
@@ -69,34 +70,42 @@ def test_same_bits_for_any_order_split_and_merge_order(seed):
 
 
 def test_each_value_is_the_exact_sum_of_the_terms_rounded_once():
+    """d_shift[t] = B[t], d_scale[t] = w A[t], d_norm_weight = sum_t s1[t] A[t] and d_bias = sum_t (B | w A), with
+    A and B the exact sums of a table row's terms (dy xhat and dy), w the norm weight and s1 = float32(1 + scale),
+    each value computed in Python fractions and rounded once."""
     x, dy, norm_weight, table_f32, idx = case(7)
     d_table, d_nw, d_bias = sums_of([(x, dy, norm_weight, table_f32, idx)])
-    table, weight, t = row_terms(x, dy, norm_weight, table_f32, idx, 1e-5)
-    exact_table = [[sum((Fraction(v) for v, tt in zip(table[:, j].tolist(), t.tolist()) if tt == r), Fraction(0))
-                    for j in range(2 * H)] for r in range(T)]
-    exact_nw = [sum(map(Fraction, weight[:, h].tolist()), Fraction(0)) for h in range(H)]
+    terms, t = row_terms(x, dy, idx, 1e-5)
+    sums = [[sum((Fraction(v) for v, tt in zip(terms[:, j].tolist(), t.tolist()) if tt == r), Fraction(0))
+             for j in range(2 * H)] for r in range(T)]
+    w = [Fraction(v) for v in norm_weight.float().tolist()]
+    s1 = (1.0 + table_f32[:, H:]).tolist()
+    exact_table = [row[:H] + [w[h] * row[H + h] for h in range(H)] for row in sums]
+    exact_nw = [sum((Fraction(s1[r][h]) * sums[r][H + h] for r in range(T)), Fraction(0)) for h in range(H)]
     exact_bias = [sum((exact_table[r][j] for r in range(T)), Fraction(0)) for j in range(2 * H)]
 
-    def rounded(v: Fraction, precision: int) -> float:  # v = n 2^-149 exactly (sums of float32 values)
-        n = v * 2 ** 149
+    def rounded(v: Fraction, precision: int) -> float:  # v = n 2^-298 exactly (float32 products of such sums)
+        n = v * 2 ** 298
         assert n.denominator == 1
-        return round_scaled(int(n), -149, precision)
+        return round_scaled(int(n), -298, precision)
 
     assert d_table.tolist() == [[rounded(v, 24) for v in row] for row in exact_table]
     assert d_nw.float().tolist() == [rounded(v, 8) for v in exact_nw]
     assert d_bias.float().tolist() == [rounded(v, 8) for v in exact_bias]
+    planted = (terms[:, H:] * (1.0 + table_f32[t, H:])).sum(0)  # a float32 sum of the rows' products: caught
+    assert planted.tolist() != [rounded(v, 24) for v in exact_nw]
 
 
 def test_a_planted_float32_accumulation_fails_the_same_split_check():
     """The check above on a float32 accumulation of the same terms (index_add_ per part, the parts' sums added, as
     a reduce would): some split changes its bits, so the check can fail."""
     args = case(11)
-    table, _, t = row_terms(*args, 1e-5)
+    table, t = row_terms(args[0], args[1], args[4], 1e-5)
 
     def fp32(parts):
         out = torch.zeros(T, 2 * H)
         for p in parts:
-            terms, _, tt = row_terms(*p, 1e-5)
+            terms, tt = row_terms(p[0], p[1], p[4], 1e-5)
             out += torch.zeros(T, 2 * H).index_add_(0, tt, terms)
         return out
 
@@ -130,8 +139,8 @@ def test_the_tables_parameter_gradients_are_the_same_for_any_split_of_the_timest
     def table_sums(parts):  # (x, dy, temb, table_f32, idx) each
         total = TableSums()
         for px, pdy, ptemb, ptable, pidx in parts:
-            state = NormOutSums(ptemb.shape[0], H).add(px, pdy, norm_weight, ptable, pidx).table
-            total.merge(TableSums().add(ptemb, state))
+            sums = NormOutSums(ptemb.shape[0], H).add(px, pdy, norm_weight, ptable, pidx)
+            total.merge(TableSums().add(ptemb, sums.table, sums.scale, column_factors(sums.norm_weight)))
         return total.gradients(weight, torch.bfloat16)
 
     one = table_sums([(x, dy, temb, table_f32, idx)])
@@ -186,9 +195,9 @@ def test_the_kernels_states_are_the_exact_sums_of_their_terms(shape):
     xf, g = x.reshape(-1, H_).float(), dy.reshape(-1, H_).float()
     p = g * (xf * rstd[:, None])
     t = idx.repeat(B_)
-    table = ExactSum((T_, 2 * H_), x.device).add(torch.cat([g, p * nw.float()], dim=1), t)
-    weight = ExactSum((H_,), x.device).add(p * (1.0 + table_f32[t, H_:]))
-    assert torch.equal(got.table.limbs, table.limbs) and torch.equal(got.norm_weight.limbs, weight.limbs)
+    table = ExactSum((T_, 2 * H_), x.device).add(torch.cat([g, p], dim=1), t)
+    assert torch.equal(got.table.limbs, table.limbs)
+    assert torch.equal(got.scale, 1.0 + table_f32[:, H_:]) and torch.equal(got.norm_weight, nw.float())
     w = torch.randn(2 * H_, D_, device="cuda").bfloat16()  # values the backward's row pass does not read
     grads = (torch.empty_like(x), torch.empty_like(nw), torch.empty_like(temb), w.clone(), w.new_empty(2 * H_))
     launch.backward(dy, x, nw, temb, w, idx, workspace, "cupy", *grads)
@@ -196,9 +205,9 @@ def test_the_kernels_states_are_the_exact_sums_of_their_terms(shape):
     kernel_sums(dy, x, nw, idx, workspace, T_, D_, dx=dx, temb=temb, weight=w).check()
     assert torch.equal(dx, grads[0])  # the exact route's dx: the backward's, without table_bwd
     if B_:
-        moved = got.norm_weight.limbs.clone()
-        moved[1, 0] += 1
-        assert not torch.equal(ExactSum.from_limbs(moved)._carry().limbs, weight.limbs)
+        moved = got.table.limbs.clone()
+        moved[1, 0, 0] += 1
+        assert not torch.equal(ExactSum.from_limbs(moved)._carry().limbs, table.limbs)
 
 
 @pytest.mark.gpu

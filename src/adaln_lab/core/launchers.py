@@ -48,7 +48,7 @@ SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
     "gated_residual_bwd_sorted_bf16": "pppppppiiii",
     "gated_residual_reduce_sorted": "pppiii",
     "gated_residual_norm_bf16": "pppppppppiifi",
-    "exact_sums_bf16": "pppppipppppiii",
+    "exact_sums_bf16": "pppppppiii",
     "exact_carry": "pi",
 }
 

@@ -55,7 +55,7 @@ TUNING = {
     "SUM_GROUPS": 16,           # adaln_common.cuh: row groups of an ordered column sum
     "RP_T_MAX": 12,             # reduce_partials.cu: most timesteps summed in one pass (8 KiB of shared memory each)
     "GR_THREADS_MAX": 256,      # gated_residual.cu: block size cap (H = 5376: 3 column tiles of 224 threads)
-    "EXACT_THREADS": 64,        # exact_sums.cu: block size (two columns a thread; its states 480 B a thread)
+    "EXACT_THREADS": 64,        # exact_sums.cu: block size (two columns a thread; its states 320 B a thread)
     "EXACT_AHEAD": 4,           # exact_sums.cu: rows whose x and dy a thread loads before adding their terms
     "EXACT_CHUNKS": 32,         # exact_sums.cu: most row chunks (integer sums: no bit depends on it)
     "EXACT_CACHE": 1,           # exact_sums.cu: every add in shared memory (0), each state's last limb pair in
@@ -307,10 +307,10 @@ class Plan:
 
     @cached_property
     def exact_smem(self) -> int:
-        """Dynamic shared memory of exact_sums.cu: LIMBS int64 limbs of 3 sums x 2 columns a thread (none with
+        """Dynamic shared memory of exact_sums.cu: LIMBS int64 limbs of 2 sums x 2 columns a thread (none with
         EXACT_CACHE 2)."""
         t = dict(self.tuning)
-        return 0 if t["EXACT_CACHE"] == 2 else EXACT_LIMBS * 6 * t["EXACT_THREADS"] * 8
+        return 0 if t["EXACT_CACHE"] == 2 else EXACT_LIMBS * 4 * t["EXACT_THREADS"] * 8
 
     def exact_grid(self, rows: int) -> tuple[int, int, int]:
         """exact_sums.cu's (column blocks, row chunks, rows a chunk) over `rows` rows: chunks of at least 64 rows, at

@@ -1,36 +1,36 @@
 // exact_sums.cu: norm_out's cross-row sums as exact integers (the contract of adaln_lab.nn.ExactGradients).
 //
-// Per row r (table row t = timestep_indices[r % S]) and column h, the float32 terms the row alone gives
-// (ops/final_adaln_out/exact.py's, with this kernel's rstd: the forward's saved one), each product rounded
-// once, no contraction:
-//   xhat = x * rstd[r]      p = dy * xhat
-//   shift term dy           scale term p * norm_weight[h]        weight term p * (1 + scale[t, h])
+// Per row r (table row t = timestep_indices[r % S]) and column h, the two float32 terms the row alone gives
+// (ops/final_adaln_out/exact.py's, with this kernel's rstd: the forward's saved one), each product rounded once, no
+// contraction:
+//   xhat = x * rstd[r]      shift term dy      scale term p = dy * xhat
+// (the backward row pass's own partial sums, norm_modulate_bwd.cu; the gradients are fixed exact functions of these
+// sums: d_scale = norm_weight A, d_norm_weight = sum_t (1 + scale[t]) A[t], formed by the caller).
 // A finite float32 is m 2^(k - 149) with |m| < 2^24 and 0 <= k < 277 (core/exact.py's `decompose`): the term is
 // the integer v = m << (k % 32) (|v| < 2^56) in limb k / 32 of a state that counts in units of 2^-149, added as
 // core/exact.py's ExactSum.add adds it: v's low 32 bits (unsigned) to limb k / 32, v >> 32 (signed) to the next.
 // Outputs (zeroed by the caller; LIMBS = ADALN_EXACT_LIMBS, uncarried: the caller carries them):
-//   table_limbs (LIMBS, T, 2H) int64: limb l of table row t's sums, shift at column h, scale at H + h
-//   nw_limbs    (LIMBS, H) int64:     limb l of d_norm_weight's sum over every row
+//   table_limbs (LIMBS, T, 2H) int64: limb l of table row t's sums, dy at column h, p at H + h
 //   flags       (1,) int32:           bit 0 a non-finite term, bit 1 a timestep index outside [0, T) (its row left
 //                                     out): the op raises on either, it never returns a wrong sum
 // Order: none matters. Each thread keeps its two columns' states in shared memory (its own slots), adds its rows'
 // terms there (through a register cache of the limb pair last used, ADALN_EXACT_CACHE), and adds a table row's
-// limbs to the outputs with integer atomics when the rows' table row changes and
-// at the end, the norm weight's at the end: integer addition is associative, so the blocks, rows and chunks may
-// meet in any order and the sums are the same integers. Bounds: a limb gains less than 2^32 a term, so a call of at
-// most 2^30 rows (the op refuses more) keeps every limb below 2^62 in magnitude.
+// limbs to the outputs with integer atomics when the rows' table row changes and at the end: integer addition is
+// associative, so the blocks, rows and chunks may meet in any order and the sums are the same integers. Bounds: a
+// limb gains less than 2^32 a term, so a call of at most 2^30 rows (the op refuses more) keeps every limb below
+// 2^62 in magnitude.
 //
 // Geometry (core/plan.py): block ADALN_EXACT_THREADS threads, two columns each; grid (ceil(H / (2 threads)),
 // chunks), chunk c taking positions [c * rows_per_chunk, (c + 1) * rows_per_chunk) of row_order (rows,) int32, the
 // rows in table-row order (the caller's stable sort), so that a chunk's timestep changes at most T times: a table
 // row's limbs go out once a chunk, not once a row (rows in their own order sent them out at every change of t,
 // 64-bit atomics on the same addresses from every chunk: 5.4 ms at 32768 rows, exact_kernel_cost.json at 483b579).
-// Dynamic shared memory: LIMBS x 3 sums x 2 columns x threads int64 (plan.exact_smem; none with
+// Dynamic shared memory: LIMBS x 2 sums x 2 columns x threads int64 (plan.exact_smem; none with
 // ADALN_EXACT_CACHE 2, whose caches go straight to the outputs). ADALN_EXACT_AHEAD rows' x
 // and dy are loaded before their terms are added (their loads in flight together).
 // Run: adaln_lab.ops.final_adaln_out.exact.launch_sums.
 
-#define EXACT_SLOTS (3 * 2)  // (sum, column) states of a thread: shift, scale, weight x its two columns
+#define EXACT_SLOTS (2 * 2)  // (sum, column) states of a thread: shift, scale x its two columns
 
 // One state's register cache (ADALN_EXACT_CACHE): the limb pair (k, k + 1) the last term landed in and what the
 // terms since added to them; a term in another pair first moves the cache into the shared-memory state. Terms of one
@@ -113,10 +113,9 @@ __device__ __forceinline__ void exact_flush(long long* st, int stride, unsigned 
 
 extern "C" __global__ void __launch_bounds__(ADALN_EXACT_THREADS)
 exact_sums_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ dy, const float* __restrict__ rstd,
-                const bf16_t* __restrict__ norm_weight, const float* __restrict__ table_f32, int table_stride,
                 const index_t* __restrict__ timestep_indices, const int* __restrict__ row_order,
-                unsigned long long* __restrict__ table_limbs, unsigned long long* __restrict__ nw_limbs,
-                int* __restrict__ flags, int rows, int S, int rows_per_chunk) {
+                unsigned long long* __restrict__ table_limbs, int* __restrict__ flags, int rows, int S,
+                int rows_per_chunk) {
     extern __shared__ long long exact_smem[];  // [LIMBS][EXACT_SLOTS][threads]
     const int stride = EXACT_SLOTS * ADALN_EXACT_THREADS;  // from one limb to the next of one state
     long long* const mine = exact_smem + threadIdx.x;
@@ -126,18 +125,13 @@ exact_sums_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ dy, con
     const int h = 2 * (blockIdx.x * ADALN_EXACT_THREADS + threadIdx.x);
     const bool valid = h < ADALN_H;
     int bad = 0;
-    float w[2] = {0.0f, 0.0f}, s1[2] = {0.0f, 0.0f};
-    if (valid) {
-        w[0] = bf16_to_float(norm_weight[h]);
-        w[1] = bf16_to_float(norm_weight[h + 1]);
-    }
     const size_t table_size = (size_t)ADALN_T * 2 * ADALN_H;  // one limb of table_limbs
     const int r0 = blockIdx.y * rows_per_chunk;
     const int r1 = min(rows, r0 + rows_per_chunk);
-    int current = -1;  // the table row whose sums the shift and scale states hold
-    ExactCache cache[3][2];  // (sum, column)
+    int current = -1;  // the table row whose sums the states hold
+    ExactCache cache[2][2];  // (sum, column)
 #pragma unroll
-    for (int q = 0; q < 3; ++q) {
+    for (int q = 0; q < 2; ++q) {
 #pragma unroll
         for (int c = 0; c < 2; ++c) cache[q][c] = ExactCache{-1, 0, 0};
     }
@@ -168,23 +162,19 @@ exact_sums_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ dy, con
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
                         unsigned long long* row = table_limbs + (size_t)current * 2 * ADALN_H + h + c;
+#pragma unroll
+                        for (int q = 0; q < 2; ++q) {
 #if ADALN_EXACT_CACHE == 2
-                        cache_out(cache[0][c], row, table_size);
-                        cache_out(cache[1][c], row + ADALN_H, table_size);
+                            cache_out(cache[q][c], row + q * ADALN_H, table_size);
 #else
-                        cache_spill(cache[0][c], mine + (0 * 2 + c) * ADALN_EXACT_THREADS, stride);
-                        cache_spill(cache[1][c], mine + (1 * 2 + c) * ADALN_EXACT_THREADS, stride);
-                        exact_flush(mine + (0 * 2 + c) * ADALN_EXACT_THREADS, stride, row, table_size);
-                        exact_flush(mine + (1 * 2 + c) * ADALN_EXACT_THREADS, stride, row + ADALN_H, table_size);
+                            cache_spill(cache[q][c], mine + (q * 2 + c) * ADALN_EXACT_THREADS, stride);
+                            exact_flush(mine + (q * 2 + c) * ADALN_EXACT_THREADS, stride, row + q * ADALN_H,
+                                        table_size);
 #endif
+                        }
                     }
                 }
                 current = t;
-                if (valid) {
-                    const float* scale = table_f32 + (size_t)t * table_stride + ADALN_H + h;
-                    s1[0] = __fadd_rn(1.0f, scale[0]);
-                    s1[1] = __fadd_rn(1.0f, scale[1]);
-                }
             }
             if (!valid) continue;
             const float xv[2] = {__uint_as_float(xs[j] << 16), __uint_as_float(xs[j] & 0xffff0000u)};
@@ -195,29 +185,23 @@ exact_sums_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ dy, con
                 unsigned long long* row = table_limbs + (size_t)t * 2 * ADALN_H + h + c;
                 exact_add(cache[0][c], mine + (0 * 2 + c) * ADALN_EXACT_THREADS, stride, row, table_size, dv[c], bad);
                 exact_add(cache[1][c], mine + (1 * 2 + c) * ADALN_EXACT_THREADS, stride, row + ADALN_H, table_size,
-                          __fmul_rn(p, w[c]), bad);
-                exact_add(cache[2][c], mine + (2 * 2 + c) * ADALN_EXACT_THREADS, stride, nw_limbs + h + c,
-                          (size_t)ADALN_H, __fmul_rn(p, s1[c]), bad);
+                          p, bad);
             }
         }
     }
-    if (valid) {
+    if (valid && current >= 0) {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-            unsigned long long* row = table_limbs + (size_t)(current < 0 ? 0 : current) * 2 * ADALN_H + h + c;
-#if ADALN_EXACT_CACHE == 2
-            cache_out(cache[0][c], row, table_size);  // empty when no row was added (current < 0)
-            cache_out(cache[1][c], row + ADALN_H, table_size);
-            cache_out(cache[2][c], nw_limbs + h + c, (size_t)ADALN_H);
-#else
+            unsigned long long* row = table_limbs + (size_t)current * 2 * ADALN_H + h + c;
 #pragma unroll
-            for (int q = 0; q < 3; ++q) cache_spill(cache[q][c], mine + (q * 2 + c) * ADALN_EXACT_THREADS, stride);
-            if (current >= 0) {
-                exact_flush(mine + (0 * 2 + c) * ADALN_EXACT_THREADS, stride, row, table_size);
-                exact_flush(mine + (1 * 2 + c) * ADALN_EXACT_THREADS, stride, row + ADALN_H, table_size);
-            }
-            exact_flush(mine + (2 * 2 + c) * ADALN_EXACT_THREADS, stride, nw_limbs + h + c, (size_t)ADALN_H);
+            for (int q = 0; q < 2; ++q) {
+#if ADALN_EXACT_CACHE == 2
+                cache_out(cache[q][c], row + q * ADALN_H, table_size);
+#else
+                cache_spill(cache[q][c], mine + (q * 2 + c) * ADALN_EXACT_THREADS, stride);
+                exact_flush(mine + (q * 2 + c) * ADALN_EXACT_THREADS, stride, row + q * ADALN_H, table_size);
 #endif
+            }
         }
     }
     if (bad) atomicOr(flags, bad);

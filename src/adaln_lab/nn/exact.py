@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..core.exact import ExactSum, recording, reset_recording
+from ..ops.final_adaln_out.exact import column_factors
 from ..ops.modulation_table.exact import TableSums, row_key, silu_grad
 
 
@@ -44,7 +45,8 @@ class _Group:
     def __init__(self, weight, bias, norm_weights):
         self.weight, self.bias, self.norm_weights = weight, bias, tuple(norm_weights)
         self.norm_names = ("norm_weight",) if len(self.norm_weights) == 1 else ("norm1_weight", "norm2_weight")
-        self.norms = [ExactSum(w.shape, w.device) for w in self.norm_weights]
+        # a block's norm weights' states; norm_out's norm weight takes its gradient from the table's scale sums
+        self.norms = [ExactSum(w.shape, w.device) for w in self.norm_weights] if len(self.norm_weights) > 1 else []
         self.table = TableSums()
         self.tembs: list[torch.Tensor] = []
         self.pending: list = []
@@ -56,6 +58,14 @@ class _Group:
     def keep(self, temb: torch.Tensor) -> None:
         if temb.requires_grad and not any(t is temb for t in self.tembs):
             self.tembs.append(temb)
+
+    def norm_gradients(self, targets) -> list[torch.Tensor]:
+        """The norm weights' gradients in their targets' dtypes, each rounded once: a block's from its states,
+        norm_out's the exact sum over the distinct rows of (1 + scale[t]) times the table's scale sums."""
+        if self.norms:
+            return [state.value(w.dtype) for w, state in zip(targets, self.norms)]
+        H = targets[0].shape[0]
+        return [self.table.norm_weight_sum(slice(H, 2 * H)).value(targets[0].dtype)]
 
     def settle(self) -> None:
         """Fold the blocks' parts in, their backwards done (a later hook of theirs raises)."""
@@ -142,8 +152,7 @@ class ExactGradients:
         group = self._group(weight, bias, (norm_weight,))
         if sums.flags:
             group.checks.append(sums)
-        group.norms[0].merge(sums.norm_weight)
-        group.table.add(temb, sums.table)
+        group.table.add(temb, sums.table, sums.scale, column_factors(sums.norm_weight))
 
     def add_block(self, params, temb: torch.Tensor, sums) -> None:
         """Take a block part's BlockSums (filled by its backward) and keep its temb; params (weight, bias,
@@ -249,7 +258,7 @@ class ExactGradients:
                 A, B = self._target(A), self._target(B)
                 grads += [(A, d_A.to(A.dtype)), (B, d_B.to(B.dtype))]
             grads += [(weight, d_weight), (bias, d_bias)]
-            grads += [(w, state.value(w.dtype)) for w, state in zip(norm_weights, group.norms)]
+            grads += list(zip(norm_weights, group.norm_gradients(norm_weights)))
             _temb_grads(group.tembs, rows, d_temb, temb_grads, group.owned)
         grads = [(p, _as_grad_of(p, g)) for p, g in grads if p.requires_grad]
         for p, g in grads:

@@ -1,13 +1,16 @@
 """norm_out's cross-row sums as exact states: the same bits for any order of the rows and any split into parts.
 
-Per row r of table row t = timestep_indices[s] (s the row's position in its sequence), the float32 terms the
-row alone gives (the CUDA row pass's: xhat = x rstd, rstd the forward's `rms_norm` one, products rounded to
-float32 as written):
+Per row r of table row t = timestep_indices[s] (s the row's position in its sequence), two float32 terms a column,
+the row's own (the CUDA row pass's: xhat = x rstd, rstd the forward's `rms_norm` one, products rounded to float32
+as written), each added exactly into its table row's state:
 
-    shift term   dy_r                          d_shift[t]     = float32(exact sum over the rows of t)
-    scale term   (dy_r xhat_r) norm_weight     d_scale[t]     = float32(exact sum over the rows of t)
-    weight term  (dy_r xhat_r) (1 + scale[t])  d_norm_weight  = exact sum over every row, rounded once
-    d_bias[j] = the exact sum over every row of the table terms of column j (d_shift | d_scale), rounded once.
+    shift sum   B[t] = exact sum of dy_r over the rows of t
+    scale sum   A[t] = exact sum of p_r = dy_r xhat_r over the rows of t
+and from those, each rounded once (w = norm_weight, s1[t] = float32(1 + scale[t]), the table row's factor):
+    d_shift[t] = float32(B[t])      d_scale[t] = float32(w A[t])      d_norm_weight = sum_t s1[t] A[t]
+    d_bias     = the exact sum over t of (B[t] | w A[t])
+(`core.exact.products`: a state times float32 factors, exactly). The backward row pass's own partial sums are the
+same two (norm_modulate_bwd.cu), so the kernels can keep them exactly where they are formed.
 
     sums = NormOutSums(T, H)
     sums.add(x, dy, norm_weight, table_f32, timestep_indices, eps)   # a part's rows (any number of calls)
@@ -17,14 +20,15 @@ float32 as written):
 
 Shapes: x, dy (..., S, H); norm_weight (H,); table_f32 (T, 2H) float32 (shift | scale); timestep_indices (S,)
 int64 in [0, T). The states are integers (core.exact.ExactSum), so merging parts is associative: micro-batches and
-ranks give one answer. The CPU reference of the exact-gradient contract.
+ranks give one answer. The CPU reference of the exact-gradient contract. A sums' `scale` (T, H) holds s1 and
+`norm_weight` (H,) w as float32 (the forward's: parts of one table row hold the same ones).
 
 On the kernels (route "cupy", `kernel_sums`: kernels_cu/exact_sums.cu) the terms are the same products of the same
-float32 values, with the kernels' rstd (the forward's, from its own reduction tree) in place of torch's: the same
-integers wherever the two rstd agree, and on CUDA fp32 subnormal products flush to zero (-ftz). So a batch's CPU
-and GPU gradients may differ in the last bits; each route alone gives one answer for every order and split.
-A call takes at most MAX_TERMS (2^30) rows on the kernels (every limb stays below 2^62); a non-finite term or a
-timestep index outside [0, T) raises when the sums are read (`NormOutSums.check`), never a wrong sum.
+float32 values, with the kernels' rstd (the forward's, from its own reduction tree) in place of torch's and their
+float32 table: the same integers wherever the two agree, and on CUDA fp32 subnormal products flush to zero (-ftz).
+So a batch's CPU and GPU gradients may differ in the last bits; each route alone gives one answer for every order
+and split. A call takes at most MAX_TERMS (2^30) rows on the kernels (every limb stays below 2^62); a non-finite
+term or a timestep index outside [0, T) raises when the sums are read (`NormOutSums.check`), never a wrong sum.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from ...core import launchers, tensors
-from ...core.exact import LIMBS, MAX_TERMS, ExactSum
+from ...core.exact import LIMBS, MAX_TERMS, ExactSum, products
 from ...core.library import eager
 from ...core.plan import forward_bytes
 from ...reference.backward import rows_index
@@ -48,34 +52,51 @@ def normed_terms(x, dy, eps):
     return g * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)), g
 
 
-def row_terms(x, dy, norm_weight, table_f32, timestep_indices, eps):
-    """(rows, 2H) table terms (shift | scale), (rows, H) weight terms, (rows,) table rows t: float32, per row."""
-    H = x.shape[-1]
+def row_terms(x, dy, timestep_indices, eps):
+    """(rows, 2H) float32 terms (dy | dy xhat) and (rows,) their table rows t: per row."""
     p, g = normed_terms(x, dy, eps)
-    t = rows_index(timestep_indices, x)
-    table = torch.cat([g, p * norm_weight.float()], dim=1)
-    return table, p * (1.0 + table_f32[t, H:]), t
+    return torch.cat([g, p], dim=1), rows_index(timestep_indices, x)
+
+
+def table_factors(norm_weight, table_f32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s1 (T, H), w (H,)) float32: float32(1 + scale[t]) from table_f32 (T, 2H), and the norm weight."""
+    H = norm_weight.shape[0]
+    return (1.0 + table_f32[:, H:].float()).contiguous(), norm_weight.detach().float()
+
+
+def column_factors(norm_weight: torch.Tensor) -> torch.Tensor:
+    """(2H,) float32: the table gradient's columns' exact factors, 1 for the shift sums and w for the scale sums."""
+    return torch.cat([torch.ones_like(norm_weight), norm_weight])
 
 
 class NormOutSums:
-    """Exact states of norm_out's cross-row sums (module docstring): `table` (T, 2H), `norm_weight` (H,)."""
+    """Exact states of norm_out's cross-row sums (module docstring): `table` (T, 2H) (B | A), `scale` (T, H) s1 and
+    `norm_weight` (H,) w float32."""
 
     def __init__(self, T: int, H: int, device=None):
         self.table = ExactSum((T, 2 * H), device)
-        self.norm_weight = ExactSum((H,), device)
+        self.scale = self.norm_weight = None
         self.flags: list[torch.Tensor] = []  # the kernels' error flags (kernel_sums), read by `check`
+
+    def _factors(self, scale: torch.Tensor, norm_weight: torch.Tensor) -> None:
+        if self.scale is None:
+            self.scale, self.norm_weight = scale, norm_weight
+        elif not (torch.equal(self.scale, scale.to(self.scale.device))
+                  and torch.equal(self.norm_weight, norm_weight.to(self.norm_weight.device))):
+            raise ValueError("NormOutSums: parts with other table rows or norm weights (one forward's sums only)")
 
     def add(self, x, dy, norm_weight, table_f32, timestep_indices, eps: float = 1e-5) -> "NormOutSums":
         """Add the rows of x and dy (..., S, H) (their terms, module docstring)."""
-        table, weight, t = row_terms(x, dy, norm_weight, table_f32, timestep_indices, eps)
-        self.table.add(table, t)
-        self.norm_weight.add(weight)
+        terms, t = row_terms(x, dy, timestep_indices, eps)
+        self.table.add(terms, t)
+        self._factors(*table_factors(norm_weight, table_f32))
         return self
 
     def merge(self, other: "NormOutSums") -> "NormOutSums":
         """Add another part's states (any order of merging gives the same state)."""
         self.table.merge(other.table)
-        self.norm_weight.merge(other.norm_weight)
+        if other.scale is not None:
+            self._factors(other.scale, other.norm_weight)
         self.flags += other.flags
         return self
 
@@ -94,22 +115,31 @@ class NormOutSums:
 
     def gradients(self, dtype: torch.dtype = torch.bfloat16):
         """(d_table (T, 2H) float32, d_norm_weight (H,), d_bias (2H,)) in `dtype`, each rounded once from its
-        exact sum."""
+        exact value (module docstring)."""
         self.check()
-        return self.table.value(torch.float32), self.norm_weight.value(dtype), self.table.total().value(dtype)
+        if self.scale is None:
+            raise ValueError("NormOutSums: no rows were added")
+        factors = column_factors(self.norm_weight)
+        d_table = products(self.table, factors).value(torch.float32)
+        d_norm_weight = products(half(self.table, 1), self.scale).total().value(dtype)
+        return d_table, d_norm_weight, products(self.table.total(), factors).value(dtype)
 
 
-def launch_sums(k: dict, plan, stream: int, x: int, dy: int, rstd: int, norm_weight: int, table_f32: int,
-                      timestep_indices: int, row_order: int, table_limbs: int, nw_limbs: int, flags: int, rows: int,
-                      S: int) -> None:
-    """exact_sums.cu: norm_out's cross-row sums as uncarried int64 limbs added into table_limbs (LIMBS, T, 2H) and
-    nw_limbs (LIMBS, H), flags (1,) int32 or'd (the caller zeroes all three), over the rows in the order row_order
-    (rows,) int32 (table-row order); nothing with no rows."""
+def half(state: ExactSum, k: int) -> ExactSum:
+    """The shift (k = 0) or scale (k = 1) half of a (T, 2H) table state, (T, H)."""
+    H = state.shape[-1] // 2
+    return ExactSum.from_limbs(state.limbs[..., k * H:(k + 1) * H])
+
+
+def launch_sums(k: dict, plan, stream: int, x: int, dy: int, rstd: int, timestep_indices: int, row_order: int,
+               table_limbs: int, flags: int, rows: int, S: int) -> None:
+    """exact_sums.cu: norm_out's cross-row sums (B | A) as uncarried int64 limbs added into table_limbs
+    (LIMBS, T, 2H), flags (1,) int32 or'd (the caller zeroes both), over the rows in the order row_order (rows,)
+    int32 (table-row order); nothing with no rows."""
     columns, chunks, per_chunk = plan.exact_grid(rows)
     if chunks:
         k["exact_sums_bf16"]((columns, chunks, 1), (dict(plan.tuning)["EXACT_THREADS"], 1, 1), plan.exact_smem,
-                             stream, x, dy, rstd, norm_weight, table_f32, 2 * plan.H, timestep_indices, row_order,
-                             table_limbs, nw_limbs, flags, rows, S, per_chunk)
+                             stream, x, dy, rstd, timestep_indices, row_order, table_limbs, flags, rows, S, per_chunk)
 
 
 def launch_carry(k: dict, stream: int, limbs: int, n: int) -> None:
@@ -131,7 +161,7 @@ def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int,
                 weight=None) -> NormOutSums:
     """This part's NormOutSums from kernels_cu/exact_sums.cu on CUDA tensors: dy, x (..., S, H) bf16 contiguous,
     norm_weight (H,) bf16, timestep_indices (S,) int64, workspace the forward's (`launch.saved_views`: table_f32,
-    rstd). The states' limbs are added by integer atomics and carried by exact_carry; the kernels' flags are kept for
+    rstd; s1 from its table_f32). The states' limbs are added by integer atomics and carried by exact_carry; the kernels' flags are kept for
     `NormOutSums.check`. At most MAX_TERMS rows (ValueError). With dx (x's shape) given, the backward's row pass
     writes dx there first (`launch.kernels_backward` without table_bwd; temb and weight as the forward's)."""
     H = x.shape[-1]
@@ -150,16 +180,14 @@ def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int,
                                 rstd.data_ptr(), unread, stream, context=(plan, rows_plan, k), table=False)
     sums = NormOutSums.__new__(NormOutSums)
     table = torch.zeros((LIMBS, T, 2 * H), dtype=torch.int64, device=x.device)
-    nw_limbs = torch.zeros((LIMBS, H), dtype=torch.int64, device=x.device)
     flags = torch.zeros(1, dtype=torch.int32, device=x.device)
-    dy, x, norm_weight = tensors.all_aligned(dy, x, norm_weight)
+    dy, x = tensors.all_aligned(dy, x)
     order = row_order(timestep_indices, rows)
-    launch_sums(k, plan, stream, x.data_ptr(), dy.data_ptr(), rstd.data_ptr(), norm_weight.data_ptr(),
-                table_f32.data_ptr(), timestep_indices.data_ptr(), order.data_ptr(), table.data_ptr(),
-                nw_limbs.data_ptr(), flags.data_ptr(), rows, x.shape[-2])
+    launch_sums(k, plan, stream, x.data_ptr(), dy.data_ptr(), rstd.data_ptr(), timestep_indices.data_ptr(),
+                order.data_ptr(), table.data_ptr(), flags.data_ptr(), rows, x.shape[-2])
     launch_carry(k, stream, table.data_ptr(), T * 2 * H)
-    launch_carry(k, stream, nw_limbs.data_ptr(), H)
-    sums.table, sums.norm_weight = ExactSum.from_limbs(table), ExactSum.from_limbs(nw_limbs)
+    sums.table = ExactSum.from_limbs(table)
+    sums.scale, sums.norm_weight = table_factors(norm_weight, table_f32)
     sums.flags = [flags]
     return sums
 

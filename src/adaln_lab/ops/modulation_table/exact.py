@@ -2,6 +2,7 @@
 
     sums = TableSums()
     sums.add(temb, state)        # temb (T, D); state: core.exact.ExactSum (T, N), table row t's exact sum
+    sums.add(temb, state, scale, factors)   # norm_out's: each row's s1 (T, H) and the columns' factors (N,)
     sums.merge(other)            # another part's, in any order
     rows, d_temb, d_weight, d_bias = sums.gradients(weight, bias_dtype)
     d_act, lora = sums.lora_gradients(adapters)   # LoRA adapters on the projection: their gradients, temb's part
@@ -11,7 +12,10 @@ batch (micro-batches, ranks) may hold a timestep each, or several, in any order.
 in the order of their bytes (a function of the set of rows alone), rounds each row's exact sum once to float32
 (d_table), and forms d_weight and d_temb from those with the reference's float64 backward
 (reference.backward.modulation_table_backward, on the CPU for states on any device) on that order; d_bias is the
-exact sum over every row, rounded once.
+exact sum over every row, rounded once. norm_out's states hold sums that its gradients take times a column's
+float32 factor (its norm weight for the scale half: `factors`) and times a row's (1 + scale[t]: `scale`), both
+applied exactly before the one rounding (`core.exact.products`): d_table = factors A, and `norm_weight_sum` the exact
+sum over the distinct rows of scale A.
 LoRA adapters (A (r, D), B (N, r), scaling s: table += s B A act, act = silu(temb)) get theirs from the same
 d_table and rows in float64: dB = s d_table^T (act A^T), dA = s (d_table B)^T act, and temb's gradient the part
 s (d_table B) A of d_act (the caller adds it times SiLU's derivative, `silu_grad`).
@@ -24,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...core.exact import LIMBS, ExactSum
+from ...core.exact import LIMBS, ExactSum, products
 from ...reference.backward import modulation_table_backward, table_weight_grad
 
 _F64 = torch.float64
@@ -47,29 +51,52 @@ class TableSums:
 
     def __init__(self):
         self.rows: dict[bytes, tuple[torch.Tensor, ExactSum]] = {}
+        self.scales: dict[bytes, torch.Tensor] = {}  # norm_out's s1 row (H,) float32 a temb row
+        self.factors: torch.Tensor | None = None      # norm_out's columns' factors (N,) float32
 
-    def add(self, temb: torch.Tensor, state: ExactSum) -> "TableSums":
-        """Merge state's row t into the state of temb's row t, for every t (temb (T, D), state (T, N))."""
+    def add(self, temb: torch.Tensor, state: ExactSum, scale: torch.Tensor | None = None,
+            factors: torch.Tensor | None = None) -> "TableSums":
+        """Merge state's row t into the state of temb's row t, for every t (temb (T, D), state (T, N)); norm_out's
+        `scale` (T, H) and `factors` (N,) float32 with them (the same for every part of one temb row: ValueError
+        otherwise)."""
         if temb.dim() != 2 or state.shape[0] != temb.shape[0]:
             raise ValueError(f"temb must be (T, D) with T = the state's {state.shape[0]} rows, got "
                              f"{tuple(temb.shape)}")
+        if factors is not None:
+            self._same_factors(factors.detach().cpu())
         for t in range(temb.shape[0]):
             row = temb[t].detach().cpu().contiguous()
-            self._merge_row(row, ExactSum.from_limbs(state.limbs[:, t:t + 1].clone()))
+            self._merge_row(row, ExactSum.from_limbs(state.limbs[:, t:t + 1].clone()),
+                            None if scale is None else scale[t].detach().cpu())
         return self
 
     def merge(self, other: "TableSums") -> "TableSums":
         """Add another part's states (any order of merging gives the same states)."""
-        for row, part in other.rows.values():
-            self._merge_row(row, ExactSum.from_limbs(part.limbs.clone()))
+        if other.factors is not None:
+            self._same_factors(other.factors)
+        for key, (row, part) in other.rows.items():
+            self._merge_row(row, ExactSum.from_limbs(part.limbs.clone()), other.scales.get(key))
         return self
 
-    def _merge_row(self, row: torch.Tensor, part: ExactSum) -> None:
+    def _same_factors(self, factors: torch.Tensor) -> None:
+        if self.factors is None:
+            self.factors = factors
+        elif not torch.equal(self.factors, factors):
+            raise ValueError("TableSums: parts with other column factors (another norm weight)")
+
+    def _merge_row(self, row: torch.Tensor, part: ExactSum, scale: torch.Tensor | None = None) -> None:
         key = row_key(row)
         if key in self.rows:
             self.rows[key][1].merge(part)
         else:
             self.rows[key] = (row, part)
+        if scale is not None:
+            self._merge_scale(key, scale)
+
+    def _merge_scale(self, key: bytes, scale: torch.Tensor) -> None:
+        if key in self.scales and not torch.equal(self.scales[key], scale):
+            raise ValueError("TableSums: one temb row with two table rows (parts on other routes or weights)")
+        self.scales[key] = scale
 
     def all_reduce(self, columns: int, group=None) -> set:
         """Sum the states of every rank of the process `group` over the union of their rows (integers: any order; a
@@ -77,11 +104,17 @@ class TableSums:
         import torch.distributed as dist
 
         everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, {key: row for key, (row, _) in self.rows.items()}, group=group)
+        mine = {key: (row, self.scales.get(key)) for key, (row, _) in self.rows.items()}
+        dist.all_gather_object(everyone, (mine, self.factors), group=group)
         rows = {}
-        for held in everyone:
-            for key, row in held.items():
+        for held, factors in everyone:
+            if factors is not None:
+                self._same_factors(factors)
+            for key, (row, scale) in held.items():
                 rows.setdefault(key, row)
+                if scale is not None:
+                    self._merge_scale(key, scale)
+        everyone = [held for held, _ in everyone]
         if not rows:  # every rank sees it: they raise together
             raise ValueError("TableSums.all_reduce: no rank recorded a row")
         keys = sorted(rows)
@@ -98,20 +131,38 @@ class TableSums:
         return {key for key in keys if next(r for r, held in enumerate(everyone) if key in held) == rank}
 
     def _d_table(self):
-        """(rows (U, D), their states as one ExactSum (U, N), d_table (U, N) float32 on the CPU) over the distinct
-        rows in the order of their bytes (on the CPU, wherever the states are: the same float64 bits after)."""
+        """(rows (U, D), their states as one ExactSum (U, N), d_table (U, N) float32 on the CPU, d_bias's state) over
+        the distinct rows in the order of their bytes (on the CPU, wherever the states are: the same float64 bits
+        after); with `factors`, d_table and d_bias are the exact products' roundings."""
         if not self.rows:
             raise ValueError("no rows were added: the gradients of an empty batch are zeros, not computed here")
         keys = sorted(self.rows)
         total = ExactSum.from_limbs(torch.cat([self.rows[k][1].limbs for k in keys], dim=1))  # carried
-        return torch.stack([self.rows[k][0] for k in keys]), total, total.value(torch.float32).cpu()
+        bias = total.total()
+        if self.factors is not None:
+            d_table = products(total, self.factors).value(torch.float32).cpu()
+            bias = products(bias, self.factors)
+        else:
+            d_table = total.value(torch.float32).cpu()
+        return torch.stack([self.rows[k][0] for k in keys]), total, d_table, bias
+
+    def norm_weight_sum(self, columns: slice) -> ExactSum:
+        """The exact sum over the distinct rows of scale (their s1 row) times the row's sums in `columns` (norm_out's
+        d_norm_weight before its rounding): a product state."""
+        keys = sorted(self.rows)
+        missing = [k for k in keys if k not in self.scales]
+        if not keys or missing:
+            raise ValueError("TableSums.norm_weight_sum: a row without its scale (only norm_out's sums hold them)")
+        total = ExactSum.from_limbs(torch.cat([self.rows[k][1].limbs[..., columns] for k in keys], dim=1))
+        scale = torch.stack([self.scales[k] for k in keys])
+        return products(total, scale).total()
 
     def lora_gradients(self, adapters):
         """(d_act (U, D) float64 or None, [(dA (r, D), dB (N, r)) float64]) of the LoRA adapters [(A, B, scaling)]
         over the distinct rows (module docstring), in `gradients`' row order."""
         if not adapters:
             return None, []
-        rows, _, d_table = self._d_table()
+        rows, _, d_table, _ = self._d_table()
         d_table, act = d_table.to(_F64), F.silu(rows.to(_F64))
         d_act, grads = torch.zeros_like(act), []
         for A, B, s in adapters:
@@ -127,9 +178,9 @@ class TableSums:
         weight None: no d_temb (None), d_weight in weight_dtype (the projection's values are not needed), and with
         `weight_rows` only those rows of it (a rank's shard: each row is its own sum over the distinct rows, so a
         shard has the bits of the whole gradient's rows)."""
-        rows, total, d_table = self._d_table()
+        rows, _, d_table, bias = self._d_table()
         if weight is None:
             columns = d_table if weight_rows is None else d_table[:, weight_rows]
-            return rows, None, table_weight_grad(columns, rows).to(weight_dtype), total.total().value(bias_dtype)
+            return rows, None, table_weight_grad(columns, rows).to(weight_dtype), bias.value(bias_dtype)
         d_temb, d_weight, _ = modulation_table_backward(d_table, rows.double(), weight.detach().cpu(), bias_dtype)
-        return rows, d_temb, d_weight, total.total().value(bias_dtype)
+        return rows, d_temb, d_weight, bias.value(bias_dtype)
