@@ -100,7 +100,7 @@ class Kernel:
         self._params = (ctypes.c_void_p * len(kinds))(*[base + 8 * i for i in range(len(kinds))])
         self._params_address = ctypes.addressof(self._params)
         self._lock = threading.Lock()
-        self._config = None  # after_previous's launch configuration, built at its first launch and reused
+        self._config = self._head = None  # after_previous's launch configuration and its last (grid, block, ...)
 
     def _programmatic_config(self) -> _LaunchConfig:
         self._attribute = _LaunchAttribute(PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
@@ -123,10 +123,13 @@ class Kernel:
         a plain launch (the kernels compile no griddepcontrol there)."""
         if not self.programmatic:
             return self(grid, block, shared_mem, stream, *args)
+        head = (grid, block, shared_mem, stream)
         with self._lock:  # one configuration and argument block per kernel, rewritten in place (host time)
-            if self._config is None:
-                self._programmatic_config()
-            _CONFIG_HEAD.pack_into(self._config_bytes, 0, *grid, *block, shared_mem, stream)
+            if head != self._head:  # the configuration's head rewritten only when it changes
+                if self._config is None:
+                    self._programmatic_config()
+                _CONFIG_HEAD.pack_into(self._config_bytes, 0, *grid, *block, shared_mem, stream)
+                self._head = head
             self._pack(self._buffer, 0, *args)
             status = self._launch_ex(self._config_address, self.function.ptr, self._params_address, None)
         if status:
