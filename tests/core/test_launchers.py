@@ -301,3 +301,15 @@ def test_a_forward_workspace_short_of_the_plan_is_refused(calls):
     with pytest.raises(ValueError, match=str(nbytes)):
         launch.forward(*i.args, 1e-5, "cupy", "cuda", torch.empty_like(i.x), torch.empty(nbytes - 1, dtype=torch.uint8))
     assert calls == []
+
+
+def test_aligned_addresses_are_the_aligned_tensors_and_their_pointers():
+    """tensors.aligned_addresses: the tensors themselves and their pointers where all are contiguous and 16-byte
+    aligned, else every one through tensors.aligned (a copy where one is strided or off the boundary)."""
+    a, b = torch.zeros(64), torch.zeros(8, 8, dtype=torch.bfloat16)
+    ts, at = tensors.aligned_addresses(a, b)
+    assert ts[0] is a and ts[1] is b and at == (a.data_ptr(), b.data_ptr())
+    for odd in (b.t(), torch.zeros(72, dtype=torch.bfloat16)[1:65]):
+        ts, at = tensors.aligned_addresses(a, odd)
+        assert at == tuple(t.data_ptr() for t in ts) and all(p % 16 == 0 for p in at)
+        assert all(t.is_contiguous() for t in ts) and torch.equal(ts[1], odd) and ts[0] is a

@@ -116,13 +116,15 @@ def kernels_forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: f
     norm_modulate.cu, on `stream`, writing out, table, table_f32 and rstd at the given addresses (the op's
     workspace, or `adaln_lab.dlpack`'s arrays). context: `kernels_of(x, temb)` where the caller has it (its device
     bound). act: the table kernel's scratch address (the workspace's), or 0 (`tensors.table_launch` makes one)."""
-    x, norm_weight, temb, weight, bias = tensors.all_aligned(x, norm_weight, temb, weight, bias)
+    (x, norm_weight, temb, weight, bias), at = tensors.aligned_addresses(x, norm_weight, temb, weight, bias)
     plan, rows, k = context or kernels_of(x, temb)
     if not table_written:
-        tensors.table_launch(k, plan, stream, temb, weight.data_ptr(), bias.data_ptr(), table, table_f32, act)
-    launchers.launch_norm_modulate(k, plan, rows, stream, x.data_ptr(), norm_weight.data_ptr(), table,
-                                   timestep_indices.data_ptr(), out, rstd, x.shape[-2], eps,
-                                   after_table=not table_written)
+        if act:  # the scratch given: straight to the launcher
+            launchers.launch_table(k, plan, stream, at[2], at[3], at[4], table, table_f32, act)
+        else:
+            tensors.table_launch(k, plan, stream, temb, at[3], at[4], table, table_f32)
+    launchers.launch_norm_modulate(k, plan, rows, stream, at[0], at[1], table, timestep_indices.data_ptr(), out, rstd,
+                                   x.shape[-2], eps, not table_written)
 
 
 @library_op("adaln_lab::final_adaln_out_bwd",
@@ -160,15 +162,14 @@ def kernels_backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f
     from the forward's table_f32 and rstd at their addresses; workspace: None (one torch allocation here), or a
     tensor of at least the plan's `bwd_bytes`. context: `kernels_of(x, temb)` where the caller has it. table False:
     no table_bwd (d_temb and d_weight not written: they may be None)."""
-    dy, x, norm_weight, weight = tensors.all_aligned(dy, x, norm_weight, weight)
+    (dy, x, norm_weight, weight), at = tensors.aligned_addresses(dy, x, norm_weight, weight)
     plan, rows, k = context or kernels_of(x, temb)
     if workspace is None:
-        workspace = torch.empty(rows.bwd_bytes, dtype=torch.uint8, device=x.device)
+        workspace = x.new_empty(rows.bwd_bytes, dtype=torch.uint8)
     dx, d_norm_weight, d_temb, d_weight, d_bias = outputs
-    launchers.launch_backward(k, plan, rows, stream, dy=dy.data_ptr(), x=x.data_ptr(), rstd=rstd,
-                              norm_weight=norm_weight.data_ptr(), table_f32=table_f32,
-                              timestep_indices=timestep_indices.data_ptr(), temb=temb.data_ptr(),
-                              weight=weight.data_ptr(), workspace=workspace.data_ptr(), dx=dx.data_ptr(),
+    launchers.launch_backward(k, plan, rows, stream, dy=at[0], x=at[1], rstd=rstd, norm_weight=at[2],
+                              table_f32=table_f32, timestep_indices=timestep_indices.data_ptr(), temb=temb.data_ptr(),
+                              weight=at[3], workspace=workspace.data_ptr(), dx=dx.data_ptr(),
                               d_norm_weight=d_norm_weight.data_ptr(), d_temb=0 if d_temb is None else d_temb.data_ptr(),
                               d_weight=0 if d_weight is None else d_weight.data_ptr(), d_bias=d_bias.data_ptr(),
                               S=x.shape[-2], table=table)
