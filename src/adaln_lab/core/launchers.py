@@ -334,7 +334,7 @@ def launch_table_bwd(k: dict, plan: Plan, stream: int, d_table: int, temb: int, 
                           dact_partials, temb, d_temb, plan.blocks_j)
 
 
-def launch_backward(k: dict, plan: Plan, rows: Rows, stream: int, *, dy: int, x: int, rstd: int, norm_weight: int,
+def launch_backward(k: dict, plan: Plan, rows: Rows, stream: int, dy: int, x: int, rstd: int, norm_weight: int,
                     table_f32: int, timestep_indices: int, temb: int, weight: int, workspace: int, dx: int,
                     d_norm_weight: int, d_temb: int, d_weight: int, d_bias: int, S: int, table: bool = True) -> None:
     """dx and the four parameter gradients; every reduction in a fixed order (see kernels_cu/). table False: no
