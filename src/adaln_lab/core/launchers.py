@@ -1,10 +1,10 @@
 """Launchers: kernels_cu on raw device pointers, on a given CUDA stream, geometry from the plan.
 
 Two layers:
-- `launch_table`, `launch_norm_modulate` and `launch_backward` take device pointers (ints), the plan,
-  its `Rows` and a raw stream handle. Whoever allocates (torch in `core.tensors`, CuPy in `adaln_lab.dlpack`) passes pointers in.
-- `Kernel`: one kernel's launch through the driver (`cuLaunchKernel`) from a preallocated
-  argument block, so a launch costs the driver call and a few field writes.
+- `launch_table`, `launch_norm_modulate` and `launch_backward` take device pointers (ints), the plan, its `Rows` and
+  a raw stream handle. Whoever allocates (torch in `core.tensors`, CuPy in `adaln_lab.dlpack`) passes pointers in.
+- `Kernel`: one kernel's launch through the driver (`cuLaunchKernel`) from a preallocated argument block (its
+  arguments' kinds: `signatures.SIGNATURES`), so a launch costs the driver call and a few field writes.
 
 Pointer arguments: x, dy, dx, out (rows, H) bf16 row-major; norm_weight (H,) bf16; temb (T, D)
 fp32; weight (2H, D) bf16; bias (2H,) bf16; timestep_indices (S,) int64; rows = x.numel() / H and
@@ -20,36 +20,9 @@ from functools import lru_cache
 
 from . import loader
 from .plan import ROW_ORDER_THREADS, Plan, Rows
+from .signatures import SIGNATURES
 
 _PACK = {"p": "Q", "i": "i4x", "f": "f4x"}  # argument kinds as 8-byte slots: pointer, int32, float32
-SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
-    "table_act": "pp",
-    "table_bf16": "ppppp",
-    "norm_modulate_bf16": "ppppppifii",
-    "norm_modulate_rowwise_bf16": "ppppppifii",
-    "norm_modulate_warp_bf16": "ppppppifii",
-    "norm_modulate_bwd_bf16": "ppppppppiiii",
-    "norm_modulate_bwd_sorted_bf16": "pppppppppiiii",
-    "norm_modulate_bwd_residual_sorted_bf16": "ppppppppppiiii",
-    "reduce_partials_bf16": "pppppppiii",
-    "reduce_partials_sorted_bf16": "ppppppppiiii",
-    "row_order": "pppi",
-    "row_order_count": "ppiii",
-    "row_order_scan": "ppii",
-    "row_order_scatter": "pppiii",
-    "table_bwd_bf16": "pppppp",
-    "table_bwd_d_weight_bf16": "pppppp",
-    "table_bwd_dact_bf16": "pppppp",
-    "table_bwd_mma_terms": "pppp",
-    "table_bwd_mma_d_weight": "pp",
-    "table_bwd_mma_dact": "ppp",
-    "table_bwd_reduce": "pppi",
-    "gated_residual_fwd_bf16": "pppppiii",
-    "gated_residual_bwd_sorted_bf16": "pppppppiiii",
-    "gated_residual_reduce_sorted": "pppiii",
-    "gated_residual_norm_bf16": "pppppppppiifi",
-    "exact_sums_bf16": "pppppippppiii",
-}
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding to 8 bytes, a 64-byte value union
