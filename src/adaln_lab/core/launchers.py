@@ -84,10 +84,13 @@ class Kernel:
         return config
 
     def __call__(self, grid, block, shared_mem: int, stream: int, *args) -> None:
-        with self._lock:
+        self._lock.acquire()  # acquire and release in try / finally: a `with` costs about 0.1 us more (host time)
+        try:
             self._pack(self._buffer, 0, *args)  # struct.error for a wrong count or kind
             self._launch(self.function.ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                          shared_mem, stream, self._params_address, 0)
+        finally:
+            self._lock.release()
 
     def after_previous(self, grid, block, shared_mem: int, stream: int, *args) -> None:
         """The launch with programmatic stream serialization (PDL, sm_90+): the kernel may start while the
@@ -97,7 +100,8 @@ class Kernel:
         if not self.programmatic:
             return self(grid, block, shared_mem, stream, *args)
         head = (grid, block, shared_mem, stream)
-        with self._lock:  # one configuration and argument block per kernel, rewritten in place (host time)
+        self._lock.acquire()  # one configuration and argument block per kernel, rewritten in place (host time)
+        try:
             if head != self._head:  # the configuration's head rewritten only when it changes
                 if self._config is None:
                     self._programmatic_config()
@@ -105,6 +109,8 @@ class Kernel:
                 self._head = head
             self._pack(self._buffer, 0, *args)
             status = self._launch_ex(self._config_address, self.function.ptr, self._params_address, None)
+        finally:
+            self._lock.release()
         if status:
             from cupy_backends.cuda.api.driver import CUDADriverError
 
