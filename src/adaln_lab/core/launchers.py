@@ -64,6 +64,7 @@ class Kernel:
         self.programmatic = programmatic  # the device takes programmatic dependent launches (sm_90 and later)
         self.name = name
         self.function = raw_kernel.kernel  # keeps the module alive
+        self._function_ptr = self.function.ptr  # the CUfunction handle, read once
         self._launch = driver.launchKernel
         kinds = SIGNATURES[name]
         # one 8-byte slot per argument in one buffer, written by a single struct.pack_into per launch
@@ -87,7 +88,7 @@ class Kernel:
         self._lock.acquire()  # acquire and release in try / finally: a `with` costs about 0.1 us more (host time)
         try:
             self._pack(self._buffer, 0, *args)  # struct.error for a wrong count or kind
-            self._launch(self.function.ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+            self._launch(self._function_ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                          shared_mem, stream, self._params_address, 0)
         finally:
             self._lock.release()
@@ -108,7 +109,7 @@ class Kernel:
                 _CONFIG_HEAD.pack_into(self._config_bytes, 0, *grid, *block, shared_mem, stream)
                 self._head = head
             self._pack(self._buffer, 0, *args)
-            status = self._launch_ex(self._config_address, self.function.ptr, self._params_address, None)
+            status = self._launch_ex(self._config_address, self._function_ptr, self._params_address, None)
         finally:
             self._lock.release()
         if status:
