@@ -87,19 +87,23 @@ def forward(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tensor, weig
         out.copy_(result), saved_f32.copy_(table_f32), saved_rstd.copy_(rstd)
         return
     device = x.get_device()
-    context = tensors.context(device, H, D, T, rows)
-    layout = context[1]
+    plan, layout, k = tensors.context(device, H, D, T, rows)
     if workspace.numel() < layout.fwd_bytes:  # the kernels write every piece, act last
         _check_size(workspace, layout.fwd_bytes)
     launchers.bind(device)
     base, o = workspace.data_ptr(), layout.fwd_offsets
-    if table_backend == "torch":
+    table, table_written = base + o["table"], table_backend == "torch"
+    if table_written:
         saved = saved_views(workspace, T, H, rows, D)
         for piece, value in zip(saved, table_from_torch(temb, weight, bias)):
             piece.copy_(value)
-    kernels_forward(x, norm_weight, temb, weight, bias, timestep_indices, eps, out.data_ptr(), base + o["table"],
-                    base + o["table_f32"], base + o["rstd"], tensors.current_stream(device), table_backend == "torch",
-                    context, base + o["act"])  # table_written, context, act
+    # kernels_forward's launches on the workspace's pieces, written out here (the eager host time of every call)
+    (x, norm_weight, temb, weight, bias), at = tensors.aligned_addresses(x, norm_weight, temb, weight, bias)
+    stream = tensors.current_stream(device)
+    if not table_written:
+        launchers.launch_table(k, plan, stream, at[2], at[3], at[4], table, base + o["table_f32"], base + o["act"])
+    launchers.launch_norm_modulate(k, plan, layout, stream, at[0], at[1], table, timestep_indices.data_ptr(),
+                                   out.data_ptr(), base + o["rstd"], x.shape[-2], eps, not table_written)
 
 
 def kernels_of(x: torch.Tensor, temb: torch.Tensor):
@@ -114,9 +118,10 @@ def kernels_forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: f
                     table_f32: int, rstd: int, stream: int, table_written: bool = False, context=None,
                     act: int = 0) -> None:
     """table.cu (unless `table_written`: the bf16 table and table_f32 already at their addresses), then
-    norm_modulate.cu, on `stream`, writing out, table, table_f32 and rstd at the given addresses (the op's
-    workspace, or `adaln_lab.dlpack`'s arrays). context: `kernels_of(x, temb)` where the caller has it (its device
-    bound). act: the table kernel's scratch address (the workspace's), or 0 (`tensors.table_launch` makes one)."""
+    norm_modulate.cu, on `stream`, writing out, table, table_f32 and rstd at the given addresses (`adaln_lab.dlpack`'s
+    arrays; the op's `forward` makes the same launches on its workspace). context: `kernels_of(x, temb)` where the
+    caller has it (its device bound). act: the table kernel's scratch address, or 0 (`tensors.table_launch` makes
+    one)."""
     (x, norm_weight, temb, weight, bias), at = tensors.aligned_addresses(x, norm_weight, temb, weight, bias)
     plan, rows, k = context or kernels_of(x, temb)
     if not table_written:
