@@ -49,9 +49,9 @@ def forward_workspace(T: int, H: int, rows: int, D: int) -> tuple[dict, int]:
 def forward_bytes(T: int, H: int, rows: int, D: int) -> int:
     """forward_workspace(T, H, rows, D)'s total alone, without building the offsets or calling forward_pieces (the
     op's Function allocates the workspace in eager and compiled code alike: a call's host time)."""
-    # forward_pieces' bytes (4TH, 8TH, 4 rows, 2TD), each rounded up to ALIGN as `aligned` does
-    return max((-(-4 * T * H // ALIGN) - (-8 * T * H // ALIGN) - (-4 * rows // ALIGN) - (-2 * T * D // ALIGN)) * ALIGN,
-               ALIGN)
+    # forward_pieces' bytes (4TH, 8TH, 4 rows, 2TD), each rounded up to ALIGN as `aligned` does: -(-n // ALIGN) units
+    th = T * H
+    return max(-(-4 * th // ALIGN) - (-8 * th // ALIGN) - (-4 * rows // ALIGN) - (-2 * T * D // ALIGN), 1) * ALIGN
 
 
 @dataclass(frozen=True)
