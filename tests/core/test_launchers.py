@@ -256,7 +256,8 @@ def test_the_row_kernel_waits_on_the_table_kernel_only_when_it_follows_it(calls,
 def test_the_programmatic_launch_hands_the_driver_its_geometry_stream_attribute_and_arguments(monkeypatch):
     """Kernel.after_previous (cuLaunchKernelEx) on a stand-in driver call: each launch gives the driver the grid,
     block, shared memory, stream and the programmatic-serialization attribute of that call, and the argument
-    block of that call, though the configuration and the arguments are built once and rewritten in place."""
+    block of that call, though the configuration and the arguments are built once and rewritten in place (the
+    configuration's head only when it changes: a repeated head, then one seen before, still give their own)."""
     import ctypes
     import struct
     from types import SimpleNamespace
@@ -274,11 +275,11 @@ def test_the_programmatic_launch_hands_the_driver_its_geometry_stream_attribute_
 
     monkeypatch.setattr(launchers, "_launch_kernel_ex", lambda: driver_launch)
     kernel = launchers.Kernel("norm_modulate_warp_bf16", SimpleNamespace(kernel=SimpleNamespace(ptr=77)))
-    for rows, stream in ((9, 5), (4097, 6)):
+    launched = ((9, 5), (9, 5), (4097, 6), (9, 5), (9, 6))
+    for rows, stream in launched:
         kernel.after_previous((rows, 1, 1), (256, 1, 1), 0, stream, 1, 2, 3, 4, 5, 6, 7, 0.5, rows, 1)
-    assert len(seen) == 2
-    for (grid, block, smem, stream, n, attr, value, function, args, extra), rows, want_stream in zip(
-            seen, (9, 4097), (5, 6)):
+    assert len(seen) == len(launched)
+    for (grid, block, smem, stream, n, attr, value, function, args, extra), (rows, want_stream) in zip(seen, launched):
         assert (grid, block, smem, stream, n) == ((rows, 1, 1), (256, 1, 1), 0, want_stream, 1)
         assert (attr, value, function, extra) == (launchers.PROGRAMMATIC_STREAM_SERIALIZATION, 1, 77, None)
         assert [struct.unpack("<Q", a)[0] for a in args[:6]] == [1, 2, 3, 4, 5, 6]
@@ -300,3 +301,15 @@ def test_a_forward_workspace_short_of_the_plan_is_refused(calls):
     with pytest.raises(ValueError, match=str(nbytes)):
         launch.forward(*i.args, 1e-5, "cupy", "cuda", torch.empty_like(i.x), torch.empty(nbytes - 1, dtype=torch.uint8))
     assert calls == []
+
+
+def test_aligned_addresses_are_the_aligned_tensors_and_their_pointers():
+    """tensors.aligned_addresses: the tensors themselves and their pointers where all are contiguous and 16-byte
+    aligned, else every one through tensors.aligned (a copy where one is strided or off the boundary)."""
+    a, b = torch.zeros(64), torch.zeros(8, 8, dtype=torch.bfloat16)
+    ts, at = tensors.aligned_addresses(a, b)
+    assert ts[0] is a and ts[1] is b and at == (a.data_ptr(), b.data_ptr())
+    for odd in (b.t(), torch.zeros(72, dtype=torch.bfloat16)[1:65]):
+        ts, at = tensors.aligned_addresses(a, odd)
+        assert at == tuple(t.data_ptr() for t in ts) and all(p % 16 == 0 for p in at)
+        assert all(t.is_contiguous() for t in ts) and torch.equal(ts[1], odd) and ts[0] is a

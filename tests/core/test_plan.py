@@ -1,6 +1,8 @@
 """`adaln_lab.core.plan`: every kernel's geometry is a function of the shapes only, the shapes the kernels cannot
-take are refused with a message naming the limit, and the gated residual's block size follows H."""
+take are refused with a message naming the limit, the gated residual's block size follows H, and forward_bytes is
+the forward workspace's total."""
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -105,3 +107,9 @@ def test_many_table_rows_sort_in_chunks_with_a_scratch_that_fits_every_smaller_b
         assert "row_order_scratch" not in plan(64, 8, 12).rows(5000).bwd_offsets
     finally:
         plan_module.clear_caches()
+
+
+def test_forward_bytes_is_the_forward_workspace_total():
+    for T, H, rows, D in itertools.product((1, 2, 3, 7, 64), (8, 24, 64, 3072), (0, 1, 5, 63, 64, 65, 4097),
+                                           (8, 24, 32, 1024)):
+        assert plan_module.forward_bytes(T, H, rows, D) == plan_module.forward_workspace(T, H, rows, D)[1]

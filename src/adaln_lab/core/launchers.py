@@ -1,10 +1,10 @@
 """Launchers: kernels_cu on raw device pointers, on a given CUDA stream, geometry from the plan.
 
 Two layers:
-- `launch_table`, `launch_norm_modulate` and `launch_backward` take device pointers (ints), the plan,
-  its `Rows` and a raw stream handle. Whoever allocates (torch in `core.tensors`, CuPy in `adaln_lab.dlpack`) passes pointers in.
-- `Kernel`: one kernel's launch through the driver (`cuLaunchKernel`) from a preallocated
-  argument block, so a launch costs the driver call and a few field writes.
+- `launch_table`, `launch_norm_modulate` and `launch_backward` take device pointers (ints), the plan, its `Rows` and
+  a raw stream handle. Whoever allocates (torch in `core.tensors`, CuPy in `adaln_lab.dlpack`) passes pointers in.
+- `Kernel`: one kernel's launch through the driver (`cuLaunchKernel`) from a preallocated argument block (its
+  arguments' kinds: `signatures.SIGNATURES`), so a launch costs the driver call and a few field writes.
 
 Pointer arguments: x, dy, dx, out (rows, H) bf16 row-major; norm_weight (H,) bf16; temb (T, D)
 fp32; weight (2H, D) bf16; bias (2H,) bf16; timestep_indices (S,) int64; rows = x.numel() / H and
@@ -20,37 +20,9 @@ from functools import lru_cache
 
 from . import loader
 from .plan import ROW_ORDER_THREADS, Plan, Rows
+from .signatures import SIGNATURES
 
 _PACK = {"p": "Q", "i": "i4x", "f": "f4x"}  # argument kinds as 8-byte slots: pointer, int32, float32
-SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
-    "table_act": "pp",
-    "table_bf16": "ppppp",
-    "norm_modulate_bf16": "ppppppifii",
-    "norm_modulate_rowwise_bf16": "ppppppifii",
-    "norm_modulate_warp_bf16": "ppppppifii",
-    "norm_modulate_bwd_bf16": "ppppppppiiii",
-    "norm_modulate_bwd_sorted_bf16": "pppppppppiiii",
-    "norm_modulate_bwd_residual_sorted_bf16": "ppppppppppiiii",
-    "reduce_partials_bf16": "pppppppiii",
-    "reduce_partials_sorted_bf16": "ppppppppiiii",
-    "row_order": "pppi",
-    "row_order_count": "ppiii",
-    "row_order_scan": "ppii",
-    "row_order_scatter": "pppiii",
-    "table_bwd_bf16": "pppppp",
-    "table_bwd_d_weight_bf16": "pppppp",
-    "table_bwd_dact_bf16": "pppppp",
-    "table_bwd_mma_terms": "pppp",
-    "table_bwd_mma_d_weight": "pp",
-    "table_bwd_mma_dact": "ppp",
-    "table_bwd_reduce": "pppi",
-    "gated_residual_fwd_bf16": "pppppiii",
-    "gated_residual_bwd_sorted_bf16": "pppppppiiii",
-    "gated_residual_reduce_sorted": "pppiii",
-    "gated_residual_norm_bf16": "pppppppppiifi",
-    "exact_sums_bf16": "pppppppiii",
-    "exact_carry": "pi",
-}
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding to 8 bytes, a 64-byte value union
@@ -92,6 +64,7 @@ class Kernel:
         self.programmatic = programmatic  # the device takes programmatic dependent launches (sm_90 and later)
         self.name = name
         self.function = raw_kernel.kernel  # keeps the module alive
+        self._function_ptr = self.function.ptr  # the CUfunction handle, read once
         self._launch = driver.launchKernel
         kinds = SIGNATURES[name]
         # one 8-byte slot per argument in one buffer, written by a single struct.pack_into per launch
@@ -101,7 +74,7 @@ class Kernel:
         self._params = (ctypes.c_void_p * len(kinds))(*[base + 8 * i for i in range(len(kinds))])
         self._params_address = ctypes.addressof(self._params)
         self._lock = threading.Lock()
-        self._config = None  # after_previous's launch configuration, built at its first launch and reused
+        self._config = self._head = None  # after_previous's launch configuration and its last (grid, block, ...)
 
     def _programmatic_config(self) -> _LaunchConfig:
         self._attribute = _LaunchAttribute(PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
@@ -112,10 +85,13 @@ class Kernel:
         return config
 
     def __call__(self, grid, block, shared_mem: int, stream: int, *args) -> None:
-        with self._lock:
+        self._lock.acquire()  # acquire and release in try / finally: a `with` costs about 0.1 us more (host time)
+        try:
             self._pack(self._buffer, 0, *args)  # struct.error for a wrong count or kind
-            self._launch(self.function.ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+            self._launch(self._function_ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                          shared_mem, stream, self._params_address, 0)
+        finally:
+            self._lock.release()
 
     def after_previous(self, grid, block, shared_mem: int, stream: int, *args) -> None:
         """The launch with programmatic stream serialization (PDL, sm_90+): the kernel may start while the
@@ -124,12 +100,18 @@ class Kernel:
         a plain launch (the kernels compile no griddepcontrol there)."""
         if not self.programmatic:
             return self(grid, block, shared_mem, stream, *args)
-        with self._lock:  # one configuration and argument block per kernel, rewritten in place (host time)
-            if self._config is None:
-                self._programmatic_config()
-            _CONFIG_HEAD.pack_into(self._config_bytes, 0, *grid, *block, shared_mem, stream)
+        head = (grid, block, shared_mem, stream)
+        self._lock.acquire()  # one configuration and argument block per kernel, rewritten in place (host time)
+        try:
+            if head != self._head:  # the configuration's head rewritten only when it changes
+                if self._config is None:
+                    self._programmatic_config()
+                _CONFIG_HEAD.pack_into(self._config_bytes, 0, *grid, *block, shared_mem, stream)
+                self._head = head
             self._pack(self._buffer, 0, *args)
-            status = self._launch_ex(self._config_address, self.function.ptr, self._params_address, None)
+            status = self._launch_ex(self._config_address, self._function_ptr, self._params_address, None)
+        finally:
+            self._lock.release()
         if status:
             from cupy_backends.cuda.api.driver import CUDADriverError
 
@@ -321,7 +303,7 @@ def launch_table_bwd(k: dict, plan: Plan, stream: int, d_table: int, temb: int, 
                           dact_partials, temb, d_temb, plan.blocks_j)
 
 
-def launch_backward(k: dict, plan: Plan, rows: Rows, stream: int, *, dy: int, x: int, rstd: int, norm_weight: int,
+def launch_backward(k: dict, plan: Plan, rows: Rows, stream: int, dy: int, x: int, rstd: int, norm_weight: int,
                     table_f32: int, timestep_indices: int, temb: int, weight: int, workspace: int, dx: int,
                     d_norm_weight: int, d_temb: int, d_weight: int, d_bias: int, S: int, table: bool = True) -> None:
     """dx and the four parameter gradients; every reduction in a fixed order (see kernels_cu/). table False: no

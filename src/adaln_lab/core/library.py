@@ -25,6 +25,7 @@ import torch
 
 _compiling = torch.compiler.is_compiling
 _transforms_active = torch._C._are_functorch_transforms_active
+_c_apply = torch._C._FunctionBase.__dict__["apply"]  # the C++ apply, called as _c_apply(cls, *args)
 # torch's current CUDA device index, without torch.cuda.current_device's lazy-init check (asked only holding a CUDA
 # tensor, so CUDA is initialised)
 _get_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
@@ -94,4 +95,4 @@ def apply(function: type[torch.autograd.Function], *args):
     """function.apply(*args), through the C++ apply where nothing needs Function.apply's Python layer."""
     if _compiling() or _transforms_active():
         return function.apply(*args)
-    return super(torch.autograd.Function, function).apply(*args)
+    return _c_apply(function, *args)

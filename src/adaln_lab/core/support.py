@@ -204,8 +204,9 @@ def check_saved(op: str, x: torch.Tensor, **params: torch.Tensor) -> None:
     """Raise RuntimeError unless each saved bf16 parameter is still a bf16 tensor on x's device when the kernels'
     backward is about to read it: offloading (diffusers' group offloading, accelerate) and layerwise casting swap a
     parameter's data after the forward, which the kernels would otherwise read as a raw pointer."""
+    device = x.device
     for name, t in params.items():
-        if t.device != x.device or t.dtype != _BF16:
+        if t.device != device or t.dtype != _BF16:
             raise RuntimeError(f"{op} backward: {name} is now {t.dtype} on {t.device}, but the forward ran the CUDA "
                                f"kernels on it in bfloat16 on {x.device} (moved or cast after the forward, as "
                                "offloading and layerwise casting do); keep the parameters in place until the "

@@ -1,8 +1,8 @@
 """The torch side of every launch: torch allocates, `launchers` launch on torch's current stream of the tensors'
 device. What the ops' launch modules (`ops/<op>/launch.py`) share:
 
-- `current_stream`, `promoted`, `as_dtype`, `aligned` / `all_aligned` (contiguous and 16-byte aligned: the kernels
-  load 8 bf16 at a time);
+- `current_stream`, `promoted`, `as_dtype`, `aligned` / `all_aligned` / `aligned_addresses` (contiguous and 16-byte
+  aligned: the kernels load 8 bf16 at a time);
 - `context(device, H, D, T, rows, ...)`: (plan, its Rows, the compiled kernels) of one call's shapes, one cache
   lookup keyed on integers (the eager host time); `row_setup` / `table_setup`: the row kernels' and the table
   kernels' (plan, ..., kernels, stream);
@@ -66,6 +66,19 @@ def all_aligned(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if not t.is_contiguous() or t.data_ptr() % 16:
             return tuple(aligned(t) for t in ts)
     return ts
+
+
+def aligned_addresses(*ts: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+    """(`all_aligned(*ts)`, their data pointers): each pointer read once (the eager host time). The tensors, copies
+    where `aligned` made one, must stay referenced until their kernels are launched."""
+    addresses = []
+    for t in ts:
+        address = t.data_ptr()
+        if address % 16 or not t.is_contiguous():
+            ts = tuple(aligned(t) for t in ts)
+            return ts, tuple(t.data_ptr() for t in ts)
+        addresses.append(address)
+    return ts, tuple(addresses)
 
 
 @lru_cache(maxsize=4096)

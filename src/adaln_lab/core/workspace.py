@@ -47,11 +47,11 @@ def forward_workspace(T: int, H: int, rows: int, D: int) -> tuple[dict, int]:
 
 
 def forward_bytes(T: int, H: int, rows: int, D: int) -> int:
-    """forward_workspace(T, H, rows, D)'s total alone, without building the offsets (the op's Function allocates
-    the workspace in eager and compiled code alike: a call's host time)."""
-    table, table_f32, rstd, act = forward_pieces(T, H, rows, D)
-    total = (-(-table // ALIGN) - (-table_f32 // ALIGN) - (-rstd // ALIGN) - (-act // ALIGN)) * ALIGN  # `aligned` each
-    return max(total, ALIGN)
+    """forward_workspace(T, H, rows, D)'s total alone, without building the offsets or calling forward_pieces (the
+    op's Function allocates the workspace in eager and compiled code alike: a call's host time)."""
+    # forward_pieces' bytes (4TH, 8TH, 4 rows, 2TD), each rounded up to ALIGN as `aligned` does: -(-n // ALIGN) units
+    th = T * H
+    return max(-(-4 * th // ALIGN) - (-8 * th // ALIGN) - (-4 * rows // ALIGN) - (-2 * T * D // ALIGN), 1) * ALIGN
 
 
 @dataclass(frozen=True)

@@ -87,18 +87,23 @@ def forward(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tensor, weig
         out.copy_(result), saved_f32.copy_(table_f32), saved_rstd.copy_(rstd)
         return
     device = x.get_device()
-    context = tensors.context(device, H, D, T, rows)
-    layout = context[1]
-    _check_size(workspace, layout.fwd_bytes)  # the kernels write every piece, act last
+    plan, layout, k = tensors.context(device, H, D, T, rows)
+    if workspace.numel() < layout.fwd_bytes:  # the kernels write every piece, act last
+        _check_size(workspace, layout.fwd_bytes)
     launchers.bind(device)
     base, o = workspace.data_ptr(), layout.fwd_offsets
-    if table_backend == "torch":
+    table, table_written = base + o["table"], table_backend == "torch"
+    if table_written:
         saved = saved_views(workspace, T, H, rows, D)
         for piece, value in zip(saved, table_from_torch(temb, weight, bias)):
             piece.copy_(value)
-    kernels_forward(x, norm_weight, temb, weight, bias, timestep_indices, eps, out.data_ptr(), base + o["table"],
-                    base + o["table_f32"], base + o["rstd"], tensors.current_stream(device),
-                    table_written=table_backend == "torch", context=context, act=base + o["act"])
+    # kernels_forward's launches on the workspace's pieces, written out here (the eager host time of every call)
+    (x, norm_weight, temb, weight, bias), at = tensors.aligned_addresses(x, norm_weight, temb, weight, bias)
+    stream = tensors.current_stream(device)
+    if not table_written:
+        launchers.launch_table(k, plan, stream, at[2], at[3], at[4], table, base + o["table_f32"], base + o["act"])
+    launchers.launch_norm_modulate(k, plan, layout, stream, at[0], at[1], table, timestep_indices.data_ptr(),
+                                   out.data_ptr(), base + o["rstd"], x.shape[-2], eps, not table_written)
 
 
 def kernels_of(x: torch.Tensor, temb: torch.Tensor):
@@ -113,16 +118,19 @@ def kernels_forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: f
                     table_f32: int, rstd: int, stream: int, table_written: bool = False, context=None,
                     act: int = 0) -> None:
     """table.cu (unless `table_written`: the bf16 table and table_f32 already at their addresses), then
-    norm_modulate.cu, on `stream`, writing out, table, table_f32 and rstd at the given addresses (the op's
-    workspace, or `adaln_lab.dlpack`'s arrays). context: `kernels_of(x, temb)` where the caller has it (its device
-    bound). act: the table kernel's scratch address (the workspace's), or 0 (`tensors.table_launch` makes one)."""
-    x, norm_weight, temb, weight, bias = tensors.all_aligned(x, norm_weight, temb, weight, bias)
+    norm_modulate.cu, on `stream`, writing out, table, table_f32 and rstd at the given addresses (`adaln_lab.dlpack`'s
+    arrays; the op's `forward` makes the same launches on its workspace). context: `kernels_of(x, temb)` where the
+    caller has it (its device bound). act: the table kernel's scratch address, or 0 (`tensors.table_launch` makes
+    one)."""
+    (x, norm_weight, temb, weight, bias), at = tensors.aligned_addresses(x, norm_weight, temb, weight, bias)
     plan, rows, k = context or kernels_of(x, temb)
     if not table_written:
-        tensors.table_launch(k, plan, stream, temb, weight.data_ptr(), bias.data_ptr(), table, table_f32, act)
-    launchers.launch_norm_modulate(k, plan, rows, stream, x.data_ptr(), norm_weight.data_ptr(), table,
-                                   timestep_indices.data_ptr(), out, rstd, x.shape[-2], eps,
-                                   after_table=not table_written)
+        if act:  # the scratch given: straight to the launcher
+            launchers.launch_table(k, plan, stream, at[2], at[3], at[4], table, table_f32, act)
+        else:
+            tensors.table_launch(k, plan, stream, temb, at[3], at[4], table, table_f32)
+    launchers.launch_norm_modulate(k, plan, rows, stream, at[0], at[1], table, timestep_indices.data_ptr(), out, rstd,
+                                   x.shape[-2], eps, not table_written)
 
 
 @library_op("adaln_lab::final_adaln_out_bwd",
@@ -151,7 +159,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, temb:
     launchers.bind(device)
     base, o = workspace.data_ptr(), context[1].fwd_offsets
     kernels_backward(dy, x, norm_weight, temb, weight, timestep_indices, base + o["table_f32"], base + o["rstd"],
-                     outputs, tensors.current_stream(device), context=context)
+                     outputs, tensors.current_stream(device), None, context)  # no workspace given: one made there
 
 
 def kernels_backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f32: int, rstd: int, outputs,
@@ -160,15 +168,13 @@ def kernels_backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f
     from the forward's table_f32 and rstd at their addresses; workspace: None (one torch allocation here), or a
     tensor of at least the plan's `bwd_bytes`. context: `kernels_of(x, temb)` where the caller has it. table False:
     no table_bwd (d_temb and d_weight not written: they may be None)."""
-    dy, x, norm_weight, weight = tensors.all_aligned(dy, x, norm_weight, weight)
+    (dy, x, norm_weight, weight), at = tensors.aligned_addresses(dy, x, norm_weight, weight)
     plan, rows, k = context or kernels_of(x, temb)
     if workspace is None:
-        workspace = torch.empty(rows.bwd_bytes, dtype=torch.uint8, device=x.device)
+        workspace = x.new_empty(rows.bwd_bytes, dtype=torch.uint8)
     dx, d_norm_weight, d_temb, d_weight, d_bias = outputs
-    launchers.launch_backward(k, plan, rows, stream, dy=dy.data_ptr(), x=x.data_ptr(), rstd=rstd,
-                              norm_weight=norm_weight.data_ptr(), table_f32=table_f32,
-                              timestep_indices=timestep_indices.data_ptr(), temb=temb.data_ptr(),
-                              weight=weight.data_ptr(), workspace=workspace.data_ptr(), dx=dx.data_ptr(),
-                              d_norm_weight=d_norm_weight.data_ptr(), d_temb=0 if d_temb is None else d_temb.data_ptr(),
-                              d_weight=0 if d_weight is None else d_weight.data_ptr(), d_bias=d_bias.data_ptr(),
-                              S=x.shape[-2], table=table)
+    # by position, in launch_backward's order (a call of 16 keywords costs about 0.5 us of host time more)
+    launchers.launch_backward(k, plan, rows, stream, at[0], at[1], rstd, at[2], table_f32, timestep_indices.data_ptr(),
+                              temb.data_ptr(), at[3], workspace.data_ptr(), dx.data_ptr(), d_norm_weight.data_ptr(),
+                              0 if d_temb is None else d_temb.data_ptr(),
+                              0 if d_weight is None else d_weight.data_ptr(), d_bias.data_ptr(), x.shape[-2], table)

@@ -49,11 +49,12 @@ class FinalAdaLNOut(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         x, norm_weight, temb, weight, timestep_indices, workspace = ctx.saved_tensors
-        if ctx.route == "cupy":
+        route = ctx.route
+        if route == "cupy":
             support.check_saved("final_adaln_out", x, norm_weight=norm_weight, weight=weight)
         grads = (torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(temb), torch.empty_like(weight),
                  weight.new_empty(weight.shape[0]))
-        launch.backward(dy.contiguous(), x, norm_weight, temb, weight, timestep_indices, workspace, ctx.route, *grads)
+        launch.backward(dy.contiguous(), x, norm_weight, temb, weight, timestep_indices, workspace, route, *grads)
         needs = ctx.needs_input_grad
         return (*(g if need else None for g, need in zip(grads, needs)), None, None, None, None)
 
@@ -141,7 +142,8 @@ def final_adaln_out(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tens
     route, cast = "torch", None
     if backend == "cupy" or (backend == "auto" and x.is_cuda):  # "cupy" on what the kernels refuse raises here
         cast = autocast_params(x, norm_weight, weight, bias)  # fp32 parameters under autocast (`core.autocast`)
-        route = support.route("final_adaln_out", backend, x, support.final_adaln_out(x, *cast[:1], temb, *cast[1:]))
+        error = support.final_adaln_out(x, cast[0], temb, cast[1], cast[2])
+        route = support.route("final_adaln_out", backend, x, error)
     if exact_recorder is not None:  # inside adaln_lab.nn.ExactGradients: the exact node on the same route
         return record(x, norm_weight, temb, weight, bias, timestep_indices, eps, exact_recorder, route, cast)
     if route == "torch":

@@ -33,11 +33,11 @@ def forward(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: tor
         out.copy_(replay_gated_residual(x, gate.to(table_dtype), y, row_index))
         return
     plan, rows, k, stream = tensors.row_setup(x, gate.shape[0])
-    x, y = tensors.all_aligned(x, y)
+    (x, y), at = tensors.aligned_addresses(x, y)
     row_index = row_index.contiguous()
     gate, stride = tensors.gate_pointer(gate)
-    launchers.launch_gated_residual(k, plan, rows, stream, x.data_ptr(), gate.data_ptr(), y.data_ptr(),
-                                    row_index.data_ptr(), out.data_ptr(), stride, x.shape[-2])
+    launchers.launch_gated_residual(k, plan, rows, stream, at[0], gate.data_ptr(), at[1], row_index.data_ptr(),
+                                    out.data_ptr(), stride, x.shape[-2])
 
 
 @library_op("adaln_lab::gated_residual_bwd", mutates_args=("d_y", "d_table", "partials"))
@@ -52,11 +52,11 @@ def backward(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index:
         d_y.copy_(grad_y), d_table[:, column:column + H].copy_(d_gate)
         return
     plan, rows, k, stream = tensors.row_setup(y, R)
-    dout, y = tensors.all_aligned(dout, y)
+    (dout, y), at = tensors.aligned_addresses(dout, y)
     row_index = row_index.contiguous()
     order = row_order(row_index, R, H) if order is None else order.contiguous()
     gate, stride = tensors.gate_pointer(gate)
     partials = tensors.scratch(partials, tensors.partials_floats(plan, rows, gate=True), y.device)
-    launchers.launch_gated_residual_bwd(k, plan, rows, stream, dout.data_ptr(), gate.data_ptr(), y.data_ptr(),
-                                        row_index.data_ptr(), order.data_ptr(), d_y.data_ptr(), partials.data_ptr(),
+    launchers.launch_gated_residual_bwd(k, plan, rows, stream, at[0], gate.data_ptr(), at[1], row_index.data_ptr(),
+                                        order.data_ptr(), d_y.data_ptr(), partials.data_ptr(),
                                         d_table.data_ptr() + 4 * column, stride, y.shape[-2], d_table.stride(0))

@@ -44,14 +44,14 @@ def forward(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: tor
         _norm_forward(x_out, norm_weight, shift, scale, row_index, eps, table_dtype, norm_route, None, 0, out, rstd)
         return
     plan, rows, k, stream = tensors.row_setup(x, shift.shape[0])
-    x, y, norm_weight = tensors.all_aligned(x, y, norm_weight)
+    (x, y, norm_weight), at = tensors.aligned_addresses(x, y, norm_weight)
     row_index = row_index.contiguous()
     gate, stride = tensors.gate_pointer(gate)
     table = tensors.shift_scale_bf16(shift, scale) if row_tables is None else None
     table_ptr = table.data_ptr() if row_tables is None else tensors.row_table_address(shift, (row_tables, 1))
-    launchers.launch_gated_residual_norm(k, plan, rows, stream, x.data_ptr(), gate.data_ptr(), y.data_ptr(),
-                                         row_index.data_ptr(), norm_weight.data_ptr(), table_ptr, x_out.data_ptr(),
-                                         out.data_ptr(), rstd.data_ptr(), stride, x.shape[-2], eps)
+    launchers.launch_gated_residual_norm(k, plan, rows, stream, at[0], gate.data_ptr(), at[1], row_index.data_ptr(),
+                                         at[2], table_ptr, x_out.data_ptr(), out.data_ptr(), rstd.data_ptr(), stride,
+                                         x.shape[-2], eps)
 
 
 @library_op("adaln_lab::gated_residual_norm_bwd",

@@ -54,7 +54,7 @@ class GatedResidualNorm(torch.autograd.Function):
         x_dtype = tensors.promoted(x.dtype, table_dtype, y.dtype)
         x_out = torch.empty_like(x, dtype=x_dtype, memory_format=torch.contiguous_format)
         out = torch.empty_like(x, dtype=tensors.promoted(x_dtype, table_dtype), memory_format=torch.contiguous_format)
-        rstd = torch.empty(x.numel() // H, dtype=compute_dtype(x_out), device=x.device)
+        rstd = x.new_empty(x.numel() // H, dtype=compute_dtype(x_out))
         launch.forward(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, route, row_tables, x_out,
                        out, rstd)
         ctx.set_materialize_grads(False)

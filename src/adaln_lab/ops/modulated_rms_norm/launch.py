@@ -40,12 +40,12 @@ def forward(x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor, sca
         rstd.copy_(rstd_of(x, eps))
         return
     plan, rows, k, stream = tensors.row_setup(x, shift.shape[0])
-    x, norm_weight = tensors.all_aligned(x, norm_weight)
+    (x, norm_weight), at = tensors.aligned_addresses(x, norm_weight)
     row_index = row_index.contiguous()
     table = tensors.shift_scale_bf16(shift, scale) if row_tables is None else None
     table_ptr = table.data_ptr() if row_tables is None else tensors.row_table_address(shift, (row_tables, which))
-    launchers.launch_norm_modulate(k, plan, rows, stream, x.data_ptr(), norm_weight.data_ptr(), table_ptr,
-                                   row_index.data_ptr(), out.data_ptr(), rstd.data_ptr(), x.shape[-2], eps)
+    launchers.launch_norm_modulate(k, plan, rows, stream, at[0], at[1], table_ptr, row_index.data_ptr(),
+                                   out.data_ptr(), rstd.data_ptr(), x.shape[-2], eps)
 
 
 @library_op("adaln_lab::modulated_rms_norm_bwd", mutates_args=("dx", "d_norm_weight", "d_table", "partials"))
@@ -62,24 +62,25 @@ def backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, shift
         d_table[:, column:column + H].copy_(grads[2]), d_table[:, column + H:column + 2 * H].copy_(grads[3])
         return
     plan, rows, k, stream = tensors.row_setup(x, R)
-    dy, x, norm_weight = tensors.all_aligned(dy, x, norm_weight)
+    (dy, x, norm_weight), at = tensors.aligned_addresses(dy, x, norm_weight)
     table_f32, table_stride = tensors.shift_scale(shift, scale)
+    table_at = table_f32.data_ptr()
     row_index, rstd = row_index.contiguous(), rstd.contiguous()
     order = row_order(row_index, R, H) if order is None else order.contiguous()
+    order_at = order.data_ptr()
     fused = d_residual is not None and plan.bwd_res_stages > 0
     d_residual = tensors.aligned(d_residual) if fused else d_residual
     slots = launchers.sorted_slots(plan, rows)
     # the row partials, and after them room for the reduce's d_bias output (2H bf16), which the blocks do not use
     partials = tensors.scratch(partials, tensors.partials_floats(plan, rows), x.device)
     workspace = partials.data_ptr()
-    launchers.launch_sorted_row_pass(k, plan, rows, stream, dy.data_ptr(), x.data_ptr(), rstd.data_ptr(),
-                                     norm_weight.data_ptr(), table_f32.data_ptr(), row_index.data_ptr(),
-                                     order.data_ptr(), dx.data_ptr(), workspace, x.shape[-2],
+    S = x.shape[-2]
+    launchers.launch_sorted_row_pass(k, plan, rows, stream, at[0], at[1], rstd.data_ptr(), at[2], table_at,
+                                     row_index.data_ptr(), order_at, dx.data_ptr(), workspace, S,
                                      d_residual.data_ptr() if fused else 0, table_stride)
     d_shift = d_table.data_ptr() + 4 * column
-    launchers.launch_reduce_sorted_partials(k, plan, rows, stream, workspace, norm_weight.data_ptr(),
-                                            table_f32.data_ptr(), d_shift, d_shift + 4 * H, d_norm_weight.data_ptr(),
-                                            workspace + 4 * slots * 2 * H, order.data_ptr(), x.shape[-2],
+    launchers.launch_reduce_sorted_partials(k, plan, rows, stream, workspace, at[2], table_at, d_shift, d_shift + 4 * H,
+                                            d_norm_weight.data_ptr(), workspace + 4 * slots * 2 * H, order_at, S,
                                             table_stride, d_table.stride(0))
     if d_residual is not None and not fused:  # a row too wide for three staged inputs: torch's bf16 add, same bits
         dx.add_(d_residual)

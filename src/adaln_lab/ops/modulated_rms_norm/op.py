@@ -51,7 +51,7 @@ class ModulatedRMSNorm(torch.autograd.Function):
                 row_tables):
         H = x.shape[-1]
         out = torch.empty_like(x, dtype=tensors.promoted(x.dtype, table_dtype), memory_format=torch.contiguous_format)
-        rstd = torch.empty(x.numel() // H, dtype=compute_dtype(x), device=x.device)
+        rstd = x.new_empty(x.numel() // H, dtype=compute_dtype(x))
         launch.forward(x, norm_weight, shift, scale, row_index, eps, table_dtype, route, row_tables,
                        int(chunk == table_gradient.SHIFT_MLP), out, rstd)
         ctx.set_materialize_grads(False)

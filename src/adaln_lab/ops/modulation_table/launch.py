@@ -39,8 +39,8 @@ def forward(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, route:
     if route != "cupy" or table_backend == "torch":
         table.copy_(replay_table(temb, weight, bias))
         return
-    temb = tensors.aligned(support.kernel_temb(temb, weight))  # table.cu loads temb 16 bytes at a time
-    weight, bias = tensors.all_aligned(weight, bias)
+    # table.cu loads temb 16 bytes at a time
+    (temb, weight, bias), at = tensors.aligned_addresses(support.kernel_temb(temb, weight), weight, bias)
     T, D = temb.shape
     N = weight.shape[0]
     need = bf16_elements(T, N, D)
@@ -50,9 +50,8 @@ def forward(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, route:
         raise ValueError(f"modulation_table_fwd: table_bf16 must be a 16-byte aligned bf16 buffer of bf16_elements(T, "
                          f"N, D) = {need} elements on route 'cupy', got {got}")
     plan, k, stream = tensors.table_setup(temb, N)
-    base = table_bf16.data_ptr()
-    tensors.table_launch(k, plan, stream, temb, weight.data_ptr(), bias.data_ptr(), base, table.data_ptr(),
-                         base + 2 * (need - T * D))
+    base = table_bf16.data_ptr()  # the bf16 output, then the act scratch
+    launchers.launch_table(k, plan, stream, at[0], at[1], at[2], base, table.data_ptr(), base + 2 * (need - T * D))
 
 
 @library_op("adaln_lab::modulation_table_bwd", mutates_args=("d_temb", "d_weight", "d_bias"))
@@ -67,10 +66,10 @@ def backward(d_table: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, ro
     wide = support.kernel_temb(temb, weight).contiguous()
     T, D = wide.shape
     plan, k, stream = tensors.table_setup(wide, weight.shape[0])
-    d_table, weight = tensors.aligned(tensors.as_dtype(d_table, torch.float32)), tensors.aligned(weight)
+    (d_table, weight), at = tensors.aligned_addresses(tensors.as_dtype(d_table, torch.float32), weight)
     d_wide = d_temb if d_temb.dtype == torch.float32 else torch.empty_like(wide)
-    dact_partials = torch.empty(plan.tb_bytes, dtype=torch.uint8, device=wide.device)  # and table_bwd's terms
-    launchers.launch_table_bwd(k, plan, stream, d_table.data_ptr(), wide.data_ptr(), weight.data_ptr(),
-                               d_weight.data_ptr(), dact_partials.data_ptr(), d_wide.data_ptr(), d_bias.data_ptr())
+    dact_partials = wide.new_empty(plan.tb_bytes, dtype=torch.uint8)  # and table_bwd's terms
+    launchers.launch_table_bwd(k, plan, stream, at[0], wide.data_ptr(), at[1], d_weight.data_ptr(),
+                               dact_partials.data_ptr(), d_wide.data_ptr(), d_bias.data_ptr())
     if d_wide is not d_temb:
         d_temb.copy_(d_wide)

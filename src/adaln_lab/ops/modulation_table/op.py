@@ -47,8 +47,7 @@ class ModulationTable(torch.autograd.Function):
         table = torch.empty(T, N, dtype=table_dtype_of(weight), device=temb.device)
         table_bf16 = None
         if route == "cupy" and table_backend != "torch":  # one allocation: the bf16 output, then the kernel's act
-            table_bf16 = torch.empty(launch.bf16_elements(T, N, temb.shape[1]), dtype=torch.bfloat16,
-                                     device=temb.device)
+            table_bf16 = temb.new_empty(launch.bf16_elements(T, N, temb.shape[1]), dtype=torch.bfloat16)
         launch.forward(temb, weight, bias, route, table_backend, table, table_bf16)
         ctx.route, ctx.bias_dtype = route, bias.dtype
         ctx.set_materialize_grads(False)  # no zeros made for the row tables' gradient on every backward

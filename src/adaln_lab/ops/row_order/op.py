@@ -64,7 +64,7 @@ def row_order(row_index: torch.Tensor, table_rows: int, H: int) -> torch.Tensor:
                          f"{row_index.dtype}")
     if table_rows < 1:
         raise ValueError(f"row_order needs table_rows >= 1 (the table's rows), got {table_rows}")
-    order = torch.empty(table_rows + 1 + row_index.shape[0], dtype=torch.int32, device=row_index.device)
+    order = row_index.new_empty(table_rows + 1 + row_index.shape[0], dtype=torch.int32)
     launch(row_index.contiguous(), int(table_rows), int(H), order)
     return order
 
