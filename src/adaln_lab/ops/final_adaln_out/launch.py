@@ -97,13 +97,9 @@ def forward(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tensor, weig
         saved = saved_views(workspace, T, H, rows, D)
         for piece, value in zip(saved, table_from_torch(temb, weight, bias)):
             piece.copy_(value)
-    # kernels_forward's launches on the workspace's pieces, written out here (the eager host time of every call)
-    (x, norm_weight, temb, weight, bias), at = tensors.aligned_addresses(x, norm_weight, temb, weight, bias)
-    stream = tensors.current_stream(device)
-    if not table_written:
-        launchers.launch_table(k, plan, stream, at[2], at[3], at[4], table, base + o["table_f32"], base + o["act"])
-    launchers.launch_norm_modulate(k, plan, layout, stream, at[0], at[1], table, timestep_indices.data_ptr(),
-                                   out.data_ptr(), base + o["rstd"], x.shape[-2], eps, not table_written)
+    kernels_forward(x, norm_weight, temb, weight, bias, timestep_indices, eps, out.data_ptr(), table,
+                    base + o["table_f32"], base + o["rstd"], tensors.current_stream(device), table_written,
+                    (plan, layout, k), base + o["act"])
 
 
 def kernels_of(x: torch.Tensor, temb: torch.Tensor):
@@ -118,8 +114,8 @@ def kernels_forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: f
                     table_f32: int, rstd: int, stream: int, table_written: bool = False, context=None,
                     act: int = 0) -> None:
     """table.cu (unless `table_written`: the bf16 table and table_f32 already at their addresses), then
-    norm_modulate.cu, on `stream`, writing out, table, table_f32 and rstd at the given addresses (`adaln_lab.dlpack`'s
-    arrays; the op's `forward` makes the same launches on its workspace). context: `kernels_of(x, temb)` where the
+    norm_modulate.cu, on `stream`, writing out, table, table_f32 and rstd at the given addresses (the op's workspace,
+    or `adaln_lab.dlpack`'s arrays). context: `kernels_of(x, temb)` where the
     caller has it (its device bound). act: the table kernel's scratch address, or 0 (`tensors.table_launch` makes
     one)."""
     (x, norm_weight, temb, weight, bias), at = tensors.aligned_addresses(x, norm_weight, temb, weight, bias)
