@@ -182,13 +182,15 @@ class ExactGradients:
         return self
 
     def state_bytes(self) -> int:
-        """Bytes of this accumulator's exact states: the norm weights' limbs, the table's limbs and rows over this
-        rank's distinct timesteps (all_reduce sends the table's over the union of the ranks' timesteps)."""
+        """Bytes of this accumulator's exact states: a block's norm weights' limbs, the table's limbs, rows and
+        (norm_out's) scale rows over this rank's distinct timesteps (all_reduce sends the table's over the union of
+        the ranks' timesteps)."""
         total = 0
         for group in self.groups.values():
             group.settle()
             total += sum(state.limbs.nbytes for state in group.norms)
             total += sum(row.nbytes + state.limbs.nbytes for row, state in group.table.rows.values())
+            total += sum(scale.nbytes for scale in group.table.scales.values())
         return total
 
     def all_reduce(self, group=None) -> "ExactGradients":
