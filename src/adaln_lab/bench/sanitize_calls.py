@@ -103,9 +103,9 @@ class Calls:
     def table_fwd(self, temb, weight, bias):
         T, N = temb.shape[0], weight.shape[0]
         table = torch.empty(T, N, device="cuda")
-        bf16 = torch.empty(2, 3 * T, 2 * (N // 18), dtype=torch.bfloat16, device="cuda")
-        self.table.forward(temb, weight, bias, "cupy", "cuda", table, bf16)
-        return table, bf16
+        bf16 = torch.empty(self.table.bf16_elements(T, N, temb.shape[1]), dtype=torch.bfloat16, device="cuda")
+        self.table.forward(temb, weight, bias, "cupy", "cuda", table, bf16)  # the row tables, then act's scratch
+        return table, bf16[:12 * T * (N // 18)].view(2, 3 * T, 2 * (N // 18))
 
     def table_bwd(self, d_table, temb, weight):
         grads = (torch.empty_like(temb), torch.empty_like(weight), torch.empty(weight.shape[0], dtype=weight.dtype,
