@@ -122,7 +122,7 @@ class Calls:
         d_table = torch.empty(self.R, 2 * self.H, device="cuda") if d_table is None else d_table
         dx, d_norm_weight = torch.empty_like(x), torch.empty_like(norm_weight)
         self.norm.backward(dy, x, norm_weight, shift, scale, idx, rstd, d_residual, None, "cupy", dx, d_norm_weight,
-                           d_table, column)
+                           d_table, column, None)
         return dx, d_norm_weight, d_table[:, column:column + self.H], d_table[:, column + self.H:column + 2 * self.H]
 
     def residual_fwd(self, x, gate, y, idx):
@@ -133,7 +133,7 @@ class Calls:
     def residual_bwd(self, dout, gate, y, idx, d_table=None, column=0):
         d_table = torch.empty(self.R, self.H, device="cuda") if d_table is None else d_table
         d_y = torch.empty_like(y)
-        self.residual.backward(dout, gate, y, idx, None, torch.bfloat16, "cupy", d_y, d_table, column)
+        self.residual.backward(dout, gate, y, idx, None, torch.bfloat16, "cupy", d_y, d_table, column, None)
         return d_table[:, column:column + self.H], d_y
 
     def pair_fwd(self, x, gate, y, idx, norm_weight, shift, scale, row_tables=None):
@@ -146,7 +146,7 @@ class Calls:
         d_table = torch.empty(self.R, 3 * self.H, device="cuda") if d_table is None else d_table
         dx, d_y, d_norm_weight = torch.empty_like(x_out), torch.empty_like(y), torch.empty_like(norm_weight)
         self.pair.backward(d_x_out, d_out, x_out, gate, y, idx, norm_weight, shift, scale, rstd, None, torch.bfloat16,
-                           "cupy", dx, d_y, d_norm_weight, d_table, column)
+                           "cupy", dx, d_y, d_norm_weight, d_table, column, None)
         H = self.H
         return (dx, d_table[:, column:column + H], d_y, d_norm_weight, d_table[:, column + H:column + 2 * H],
                 d_table[:, column + 2 * H:column + 3 * H])
