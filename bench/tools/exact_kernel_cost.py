@@ -32,7 +32,7 @@ from adaln_lab.core.exact import LIMBS, ExactSum
 from adaln_lab.core.plan import forward_bytes
 from adaln_lab.harness.latency import copy_bandwidth
 from adaln_lab.ops.final_adaln_out import launch
-from adaln_lab.ops.final_adaln_out.exact import kernel_sums, launch_carry, launch_sums, row_order
+from adaln_lab.ops.final_adaln_out.exact import exact_row_order, kernel_sums, launch_carry, launch_sums
 
 H, D, T = 5376, 2688, 3
 
@@ -91,7 +91,7 @@ def measure(rows: int, copy_TBps: float) -> dict:
 
     def exact_sums(context=kernels[shipped]):
         table.zero_(), flags.zero_()
-        order = row_order(idx, rows)
+        order = exact_row_order(idx, rows)
         launch_sums(context[2], context[0], tensors.current_stream(x.get_device()), x.data_ptr(), dy.data_ptr(),
                     rstd.data_ptr(), idx.data_ptr(), order.data_ptr(), table.data_ptr(), flags.data_ptr(), rows, rows)
 

@@ -71,6 +71,46 @@ def test_one_batch_permutations_and_micro_batches_give_the_same_bits():
                 assert torch.allclose(got[3], one[3], rtol=1e-4, atol=1e-5)  # temb's producer: reached
 
 
+def test_the_written_norm_weight_and_bias_gradients_are_the_reference_sums():
+    """What write sets for norm_out's norm weight and bias (from the table's scale sums over the distinct temb rows)
+    is NormOutSums.gradients' rounding of the same sums (checked against Python fractions in
+    tests/ops/test_final_adaln_out_exact.py), for one batch and for micro-batches."""
+    from adaln_lab.ops.final_adaln_out.exact import NormOutSums
+    from adaln_lab.reference.final_adaln_out import table_rows
+
+    params, embed, batch = model()
+    x, feats, idx, cot = batch
+    with torch.no_grad():
+        table = table_rows(embed(feats), params[1], params[2]).float()
+    _, d_nw, d_bias = NormOutSums(T, H).add(x, cot.bfloat16(), params[0], table, idx).gradients()
+    for parts in ([batch], by_sample(batch, 3)):
+        got = step(params, embed, parts)
+        assert torch.equal(got[0], d_nw) and torch.equal(got[2], d_bias)
+
+
+def test_parts_that_disagree_on_a_table_row_or_the_norm_weight_are_refused_untouched():
+    """TableSums refuses another part's scale row for a temb row it holds, or other column factors, with
+    ValueError, before merging anything; argument shapes are named."""
+    from adaln_lab.core.exact import ExactSum
+    from adaln_lab.ops.modulation_table.exact import TableSums
+
+    temb = torch.randn(2, 4)
+    state = ExactSum((2, 6)).add(torch.randn(5, 6), torch.tensor([0, 1, 1, 0, 1]))
+    sums = TableSums().add(temb, state, torch.ones(2, 3), torch.ones(6))
+    held = {k: v[1].limbs.clone() for k, v in sums.rows.items()}
+    with pytest.raises(ValueError, match="two table rows"):
+        sums.add(temb, state, torch.full((2, 3), 2.0), torch.ones(6))
+    with pytest.raises(ValueError, match="column factors"):
+        sums.merge(TableSums().add(temb, state, torch.ones(2, 3), torch.full((6,), 2.0)))
+    assert all(torch.equal(sums.rows[k][1].limbs, v) for k, v in held.items())  # nothing merged
+    with pytest.raises(ValueError, match="scale must be float32"):
+        TableSums().add(temb, state, torch.ones(3, 3), torch.ones(6))
+    with pytest.raises(ValueError, match="factors must be float32"):
+        TableSums().add(temb, state, torch.ones(2, 3), torch.ones(5))
+    with pytest.raises(ValueError, match="without its scale"):
+        TableSums().add(temb, state).norm_weight_sum(slice(3, 6))
+
+
 def test_a_planted_float32_accumulation_fails_the_same_check():
     """Plain autograd over the same micro-batches (each part's gradients rounded, then added in the parameter's
     dtype): some split changes the bits, so the check above can fail."""
@@ -182,7 +222,7 @@ def test_a_patched_h3_model_gives_the_same_adaln_gradients_for_every_split_by_sa
     if device == "cuda":
         model.to(torch.bfloat16)
         for name, module in model.named_modules():
-            if name and any(key in name for key in model._keep_in_fp32_modules):
+            if name and any(key in name for key in getattr(model, "_keep_in_fp32_modules", None) or ()):
                 module.float()
         model.cuda()
         inputs = {k: v.cuda() for k, v in inputs.items()}

@@ -94,7 +94,8 @@ class ExactSum:
 
     def _terms_state(self, what: str) -> None:
         if self.e_min != E_MIN or self.limbs.shape[0] != LIMBS:
-            raise ValueError(f"ExactSum.{what}: a product state (units 2^{self.e_min}) takes no terms")
+            raise ValueError(f"ExactSum.{what} takes a sum of terms (units 2^{E_MIN}, {LIMBS} limbs), not a product "
+                             f"state (units 2^{self.e_min})")
 
     @property
     def shape(self) -> torch.Size:
@@ -182,9 +183,9 @@ def rounded(limbs: torch.Tensor, precision: int, e_min: int = E_MIN) -> torch.Te
     sign-magnitude limbs; `drop` low bits of it go (those below the target's last kept bit); the kept bits sit in the
     two limbs from bit `drop` up, the round bit is bit drop - 1 and `sticky` any bit below it; ties to even; inf
     past the largest finite value."""
-    L = limbs.shape[0]
     negative = limbs[-1] < 0
-    mag = ExactSum.from_limbs(torch.where(negative, -limbs, limbs).clone())._carry().limbs  # |n|, limbs >= 0
+    mag = magnitude(limbs, 2)                                        # every limb below 2^32
+    L = mag.shape[0]
     nonzero = mag != 0
     order = torch.arange(L, device=limbs.device).unsqueeze(1)
     k = torch.where(nonzero, order, -1).amax(0)                      # the leading limb (-1: n = 0)
@@ -215,19 +216,27 @@ def rounded(limbs: torch.Tensor, precision: int, e_min: int = E_MIN) -> torch.Te
     return torch.where(negative, -value, value)
 
 
+def magnitude(limbs: torch.Tensor, spare: int = 0) -> torch.Tensor:
+    """|n| of carried limbs (L, ...) as carried limbs (L + spare, ...), every one >= 0: with spare limbs the top one's
+    bits past LIMB_BITS move up too."""
+    signed = torch.where(limbs[-1] < 0, -limbs, limbs)
+    if spare:
+        signed = torch.cat([signed, signed.new_zeros((spare, *signed.shape[1:]))])
+    return ExactSum.from_limbs(signed.clone())._carry().limbs
+
+
 def products(state: ExactSum, factors: torch.Tensor) -> ExactSum:
     """The exact products of a sum-of-terms state (shape) and finite float32 `factors` (broadcast to the state's
     shape): a state of 2 LIMBS limbs in units 2^(2 E_MIN) (module docstring), on the state's device. A factor
     m 2^(k + E_MIN) multiplies |n| limb by limb by |m| (each below 2^56), carried, then shifted up k bits (a limb
     below 2^32 moves into two, < 2^63); the sign last."""
-    if state.e_min != E_MIN or state.limbs.shape[0] != LIMBS:
-        raise ValueError("products: the state must be a sum of terms (units 2^E_MIN, LIMBS limbs)")
+    state._terms_state("products")
     factors = factors.to(device=state.limbs.device, dtype=torch.float32).expand(state.shape).contiguous()
     if not bool(torch.isfinite(factors).all()):
         raise ValueError("products: the factors must be finite")
     m, shift = decompose(factors)
     negative = (state.limbs[-1] < 0) ^ (m < 0)
-    mag = ExactSum.from_limbs(torch.where(state.limbs[-1] < 0, -state.limbs, state.limbs).clone())._carry().limbs
+    mag = magnitude(state.limbs)
     wide = torch.zeros((2 * LIMBS, *state.shape), dtype=torch.int64, device=state.limbs.device)
     wide[:LIMBS] = mag * m.abs()                                     # |n| |m|, uncarried: each below 2^56
     wide = ExactSum.from_limbs(wide, 2 * E_MIN)._carry().limbs       # limbs in [0, 2^32)

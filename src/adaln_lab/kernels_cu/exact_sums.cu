@@ -50,8 +50,6 @@ __device__ __forceinline__ void cache_spill(ExactCache& c, long long* st, int st
     c.hi = 0;
 }
 
-// add float32 term f to the state whose limb l sits at st[l * stride] (slots of one thread), through its cache c:
-// exactly
 // ADALN_EXACT_CACHE 2: no shared-memory state; a cache leaving its pair adds it to the output at g (limb l at
 // g[l * gstride]) with integer atomics instead (rare where a column's terms share a pair).
 __device__ __forceinline__ void cache_out(ExactCache& c, unsigned long long* g, size_t gstride) {
@@ -64,6 +62,8 @@ __device__ __forceinline__ void cache_out(ExactCache& c, unsigned long long* g, 
     c.hi = 0;
 }
 
+// add float32 term f exactly to the state whose limb l sits at st[l * stride] (slots of one thread), through its
+// cache c (ADALN_EXACT_CACHE 2: to the output at g through c)
 __device__ __forceinline__ void exact_add(ExactCache& c, long long* st, int stride, unsigned long long* g,
                                           size_t gstride, float f, int& flags) {
     const unsigned bits = __float_as_uint(f);
@@ -143,7 +143,8 @@ exact_sums_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ dy, con
         for (int j = 0; j < ADALN_EXACT_AHEAD; ++j) {
             const bool here = base + j < r1;
             const int r = here ? row_order[base + j] : 0;
-            ts[j] = here ? (int)timestep_indices[r % S] : -1;
+            const index_t ti = here ? timestep_indices[r % S] : -1;
+            ts[j] = (ti < 0 || ti >= ADALN_T) ? -1 : (int)ti;  // the int64 index checked before it narrows
             rs[j] = here ? rstd[r] : 0.0f;
             const bool load = here && valid;
             xs[j] = load ? *reinterpret_cast<const unsigned*>(x + (size_t)r * ADALN_H + h) : 0u;
@@ -153,7 +154,7 @@ exact_sums_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ dy, con
         for (int j = 0; j < ADALN_EXACT_AHEAD; ++j) {
             if (base + j >= r1) break;
             const int t = ts[j];
-            if (t < 0 || t >= ADALN_T) {
+            if (t < 0) {  // outside [0, T): the row left out, the flag set
                 bad |= 2;
                 continue;
             }

@@ -39,8 +39,9 @@ from ..ops.modulation_table.exact import TableSums, row_key, silu_grad
 
 class _Group:
     """One AdaLN's parameters, their exact states and the kept tembs: norm_out's (weight, bias, norm_weight) or a
-    block's (weight, bias, norm1_weight, norm2_weight); `norms` the norm weights' states, `pending` a block's
-    parts (temb, BlockSums), whose backwards fill them until write."""
+    block's (weight, bias, norm1_weight, norm2_weight); `norms` a block's norm weights' states (norm_out's comes
+    from the table's scale sums: `norm_gradients`), `pending` a block's parts (temb, BlockSums), whose backwards
+    fill them until write."""
 
     def __init__(self, weight, bias, norm_weights):
         self.weight, self.bias, self.norm_weights = weight, bias, tuple(norm_weights)
@@ -214,7 +215,7 @@ class ExactGradients:
             for state in mine.norms:
                 dist.all_reduce(state.limbs, group=group)
                 state._carry()
-            mine.owned = mine.table.all_reduce(mine.weight.shape[0], group)
+            mine.owned = mine.table.all_reduce(mine.weight.shape[0], group, mine.weight.device)
         self.reduced = True
         return self
 

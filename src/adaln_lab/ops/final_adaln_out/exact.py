@@ -88,15 +88,15 @@ class NormOutSums:
     def add(self, x, dy, norm_weight, table_f32, timestep_indices, eps: float = 1e-5) -> "NormOutSums":
         """Add the rows of x and dy (..., S, H) (their terms, module docstring)."""
         terms, t = row_terms(x, dy, timestep_indices, eps)
+        self._factors(*table_factors(norm_weight, table_f32))  # checked before any row goes in
         self.table.add(terms, t)
-        self._factors(*table_factors(norm_weight, table_f32))
         return self
 
     def merge(self, other: "NormOutSums") -> "NormOutSums":
         """Add another part's states (any order of merging gives the same state)."""
-        self.table.merge(other.table)
         if other.scale is not None:
             self._factors(other.scale, other.norm_weight)
+        self.table.merge(other.table)
         self.flags += other.flags
         return self
 
@@ -131,15 +131,15 @@ def half(state: ExactSum, k: int) -> ExactSum:
     return ExactSum.from_limbs(state.limbs[..., k * H:(k + 1) * H])
 
 
-def launch_sums(k: dict, plan, stream: int, x: int, dy: int, rstd: int, timestep_indices: int, row_order: int,
+def launch_sums(k: dict, plan, stream: int, x: int, dy: int, rstd: int, timestep_indices: int, order: int,
                table_limbs: int, flags: int, rows: int, S: int) -> None:
     """exact_sums.cu: norm_out's cross-row sums (B | A) as uncarried int64 limbs added into table_limbs
-    (LIMBS, T, 2H), flags (1,) int32 or'd (the caller zeroes both), over the rows in the order row_order (rows,)
-    int32 (table-row order); nothing with no rows."""
+    (LIMBS, T, 2H), flags (1,) int32 or'd (the caller zeroes both), over the rows in the order `order` (rows,)
+    int32 (table-row order, `exact_row_order`); nothing with no rows."""
     columns, chunks, per_chunk = plan.exact_grid(rows)
     if chunks:
         k["exact_sums_bf16"]((columns, chunks, 1), (dict(plan.tuning)["EXACT_THREADS"], 1, 1), plan.exact_smem,
-                             stream, x, dy, rstd, timestep_indices, row_order, table_limbs, flags, rows, S, per_chunk)
+                             stream, x, dy, rstd, timestep_indices, order, table_limbs, flags, rows, S, per_chunk)
 
 
 def launch_carry(k: dict, stream: int, limbs: int, n: int) -> None:
@@ -148,7 +148,7 @@ def launch_carry(k: dict, stream: int, limbs: int, n: int) -> None:
         k["exact_carry"]((-(-n // 256), 1, 1), (256, 1, 1), 0, stream, limbs, n)
 
 
-def row_order(timestep_indices: torch.Tensor, rows: int) -> torch.Tensor:
+def exact_row_order(timestep_indices: torch.Tensor, rows: int) -> torch.Tensor:
     """(rows,) int32: the rows of x (..., S, H) stably sorted by their table row timestep_indices[r % S] (exact_sums.cu
     walks them in this order: a chunk's timestep changes at most T times)."""
     S = timestep_indices.shape[0]
@@ -182,7 +182,7 @@ def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int,
     table = torch.zeros((LIMBS, T, 2 * H), dtype=torch.int64, device=x.device)
     flags = torch.zeros(1, dtype=torch.int32, device=x.device)
     dy, x = tensors.all_aligned(dy, x)
-    order = row_order(timestep_indices, rows)
+    order = exact_row_order(timestep_indices, rows)
     launch_sums(k, plan, stream, x.data_ptr(), dy.data_ptr(), rstd.data_ptr(), timestep_indices.data_ptr(),
                 order.data_ptr(), table.data_ptr(), flags.data_ptr(), rows, x.shape[-2])
     launch_carry(k, stream, table.data_ptr(), T * 2 * H)

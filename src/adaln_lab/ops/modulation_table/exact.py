@@ -59,30 +59,42 @@ class TableSums:
         """Merge state's row t into the state of temb's row t, for every t (temb (T, D), state (T, N)); norm_out's
         `scale` (T, H) and `factors` (N,) float32 with them (the same for every part of one temb row: ValueError
         otherwise)."""
-        if temb.dim() != 2 or state.shape[0] != temb.shape[0]:
-            raise ValueError(f"temb must be (T, D) with T = the state's {state.shape[0]} rows, got "
-                             f"{tuple(temb.shape)}")
+        T = state.shape[0]
+        if temb.dim() != 2 or temb.shape[0] != T:
+            raise ValueError(f"temb must be (T, D) with T = the state's {T} rows, got {tuple(temb.shape)}")
+        if scale is not None and (scale.dim() != 2 or scale.shape[0] != T or scale.dtype != torch.float32):
+            raise ValueError(f"scale must be float32 (T, H) with T = {T}, got {scale.dtype} {tuple(scale.shape)}")
+        if factors is not None and (factors.shape != state.shape[1:] or factors.dtype != torch.float32):
+            raise ValueError(f"factors must be float32 ({state.shape[1]},), got {factors.dtype} "
+                             f"{tuple(factors.shape)}")
+        rows = [temb[t].detach().cpu().contiguous() for t in range(T)]
+        scales = None if scale is None else [scale[t].detach().cpu() for t in range(T)]
+        self._check(None if factors is None else factors.detach().cpu(), zip(rows, scales or [None] * T))
         if factors is not None:
-            self._same_factors(factors.detach().cpu())
-        for t in range(temb.shape[0]):
-            row = temb[t].detach().cpu().contiguous()
+            self.factors = factors.detach().cpu()
+        for t, row in enumerate(rows):
             self._merge_row(row, ExactSum.from_limbs(state.limbs[:, t:t + 1].clone()),
-                            None if scale is None else scale[t].detach().cpu())
+                            None if scales is None else scales[t])
         return self
 
     def merge(self, other: "TableSums") -> "TableSums":
         """Add another part's states (any order of merging gives the same states)."""
+        self._check(other.factors, ((row, other.scales.get(key)) for key, (row, _) in other.rows.items()))
         if other.factors is not None:
-            self._same_factors(other.factors)
+            self.factors = other.factors
         for key, (row, part) in other.rows.items():
             self._merge_row(row, ExactSum.from_limbs(part.limbs.clone()), other.scales.get(key))
         return self
 
-    def _same_factors(self, factors: torch.Tensor) -> None:
-        if self.factors is None:
-            self.factors = factors
-        elif not torch.equal(self.factors, factors):
+    def _check(self, factors, rows) -> None:
+        """Raise ValueError, before anything is merged, where `factors` or a (row, scale) differs from what this
+        holds already (so a refused part leaves the states as they were)."""
+        if factors is not None and self.factors is not None and not torch.equal(self.factors, factors):
             raise ValueError("TableSums: parts with other column factors (another norm weight)")
+        for row, scale in rows:
+            held = self.scales.get(row_key(row))
+            if scale is not None and held is not None and not torch.equal(held, scale):
+                raise ValueError("TableSums: one temb row with two table rows (parts on other routes or weights)")
 
     def _merge_row(self, row: torch.Tensor, part: ExactSum, scale: torch.Tensor | None = None) -> None:
         key = row_key(row)
@@ -91,16 +103,12 @@ class TableSums:
         else:
             self.rows[key] = (row, part)
         if scale is not None:
-            self._merge_scale(key, scale)
+            self.scales[key] = scale
 
-    def _merge_scale(self, key: bytes, scale: torch.Tensor) -> None:
-        if key in self.scales and not torch.equal(self.scales[key], scale):
-            raise ValueError("TableSums: one temb row with two table rows (parts on other routes or weights)")
-        self.scales[key] = scale
-
-    def all_reduce(self, columns: int, group=None) -> set:
+    def all_reduce(self, columns: int, group=None, device=None) -> set:
         """Sum the states of every rank of the process `group` over the union of their rows (integers: any order; a
-        rank without rows adds zeros), `columns` = N; returns the keys of the rows whose lowest holder is this rank."""
+        rank without rows adds zeros, made on `device`, the states' device where it holds rows), `columns` = N;
+        returns the keys of the rows whose lowest holder is this rank."""
         import torch.distributed as dist
 
         everyone = [None] * dist.get_world_size(group)
@@ -108,17 +116,17 @@ class TableSums:
         dist.all_gather_object(everyone, (mine, self.factors), group=group)
         rows = {}
         for held, factors in everyone:
-            if factors is not None:
-                self._same_factors(factors)
+            self._check(factors, held.values())
+            self.factors = self.factors if factors is None else factors
             for key, (row, scale) in held.items():
                 rows.setdefault(key, row)
                 if scale is not None:
-                    self._merge_scale(key, scale)
+                    self.scales[key] = scale
         everyone = [held for held, _ in everyone]
         if not rows:  # every rank sees it: they raise together
             raise ValueError("TableSums.all_reduce: no rank recorded a row")
         keys = sorted(rows)
-        device = next(iter(self.rows.values()))[1].limbs.device if self.rows else None
+        device = next(iter(self.rows.values()))[1].limbs.device if self.rows else device
         limbs = torch.zeros((LIMBS, len(keys), columns), dtype=torch.int64, device=device)
         for u, key in enumerate(keys):
             if key in self.rows:
@@ -131,7 +139,7 @@ class TableSums:
         return {key for key in keys if next(r for r, held in enumerate(everyone) if key in held) == rank}
 
     def _d_table(self):
-        """(rows (U, D), their states as one ExactSum (U, N), d_table (U, N) float32 on the CPU, d_bias's state) over
+        """(rows (U, D), d_table (U, N) float32 on the CPU, d_bias's state) over
         the distinct rows in the order of their bytes (on the CPU, wherever the states are: the same float64 bits
         after); with `factors`, d_table and d_bias are the exact products' roundings."""
         if not self.rows:
@@ -144,14 +152,16 @@ class TableSums:
             bias = products(bias, self.factors)
         else:
             d_table = total.value(torch.float32).cpu()
-        return torch.stack([self.rows[k][0] for k in keys]), total, d_table, bias
+        return torch.stack([self.rows[k][0] for k in keys]), d_table, bias
 
     def norm_weight_sum(self, columns: slice) -> ExactSum:
         """The exact sum over the distinct rows of scale (their s1 row) times the row's sums in `columns` (norm_out's
         d_norm_weight before its rounding): a product state."""
         keys = sorted(self.rows)
         missing = [k for k in keys if k not in self.scales]
-        if not keys or missing:
+        if not keys:
+            raise ValueError("TableSums.norm_weight_sum: no rows were added")
+        if missing:
             raise ValueError("TableSums.norm_weight_sum: a row without its scale (only norm_out's sums hold them)")
         total = ExactSum.from_limbs(torch.cat([self.rows[k][1].limbs[..., columns] for k in keys], dim=1))
         scale = torch.stack([self.scales[k] for k in keys])
@@ -162,7 +172,7 @@ class TableSums:
         over the distinct rows (module docstring), in `gradients`' row order."""
         if not adapters:
             return None, []
-        rows, _, d_table, _ = self._d_table()
+        rows, d_table, _ = self._d_table()
         d_table, act = d_table.to(_F64), F.silu(rows.to(_F64))
         d_act, grads = torch.zeros_like(act), []
         for A, B, s in adapters:
@@ -178,7 +188,7 @@ class TableSums:
         weight None: no d_temb (None), d_weight in weight_dtype (the projection's values are not needed), and with
         `weight_rows` only those rows of it (a rank's shard: each row is its own sum over the distinct rows, so a
         shard has the bits of the whole gradient's rows)."""
-        rows, _, d_table, bias = self._d_table()
+        rows, d_table, bias = self._d_table()
         if weight is None:
             columns = d_table if weight_rows is None else d_table[:, weight_rows]
             return rows, None, table_weight_grad(columns, rows).to(weight_dtype), bias.value(bias_dtype)
