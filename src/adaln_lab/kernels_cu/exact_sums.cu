@@ -111,6 +111,25 @@ __device__ __forceinline__ void exact_flush(long long* st, int stride, unsigned 
     }
 }
 
+// Table row t's sums of this thread's two columns (h, h + 1), caches and states, added to table_limbs and cleared
+__device__ __forceinline__ void send_table_row(ExactCache (&cache)[2][2], long long* mine, int stride,
+                                               unsigned long long* table_limbs, int t, int h) {
+    const size_t table_size = (size_t)ADALN_T * 2 * ADALN_H;  // one limb of table_limbs
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        unsigned long long* row = table_limbs + (size_t)t * 2 * ADALN_H + h + c;
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+#if ADALN_EXACT_CACHE == 2
+            cache_out(cache[q][c], row + q * ADALN_H, table_size);
+#else
+            cache_spill(cache[q][c], mine + (q * 2 + c) * ADALN_EXACT_THREADS, stride);
+            exact_flush(mine + (q * 2 + c) * ADALN_EXACT_THREADS, stride, row + q * ADALN_H, table_size);
+#endif
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(ADALN_EXACT_THREADS)
 exact_sums_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ dy, const float* __restrict__ rstd,
                 const index_t* __restrict__ timestep_indices, const int* __restrict__ row_order,
@@ -159,22 +178,7 @@ exact_sums_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ dy, con
                 continue;
             }
             if (t != current) {
-                if (current >= 0 && valid) {
-#pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        unsigned long long* row = table_limbs + (size_t)current * 2 * ADALN_H + h + c;
-#pragma unroll
-                        for (int q = 0; q < 2; ++q) {
-#if ADALN_EXACT_CACHE == 2
-                            cache_out(cache[q][c], row + q * ADALN_H, table_size);
-#else
-                            cache_spill(cache[q][c], mine + (q * 2 + c) * ADALN_EXACT_THREADS, stride);
-                            exact_flush(mine + (q * 2 + c) * ADALN_EXACT_THREADS, stride, row + q * ADALN_H,
-                                        table_size);
-#endif
-                        }
-                    }
-                }
+                if (current >= 0 && valid) send_table_row(cache, mine, stride, table_limbs, current, h);
                 current = t;
             }
             if (!valid) continue;
@@ -190,21 +194,7 @@ exact_sums_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ dy, con
             }
         }
     }
-    if (valid && current >= 0) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            unsigned long long* row = table_limbs + (size_t)current * 2 * ADALN_H + h + c;
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-#if ADALN_EXACT_CACHE == 2
-                cache_out(cache[q][c], row + q * ADALN_H, table_size);
-#else
-                cache_spill(cache[q][c], mine + (q * 2 + c) * ADALN_EXACT_THREADS, stride);
-                exact_flush(mine + (q * 2 + c) * ADALN_EXACT_THREADS, stride, row + q * ADALN_H, table_size);
-#endif
-            }
-        }
-    }
+    if (valid && current >= 0) send_table_row(cache, mine, stride, table_limbs, current, h);
     if (bad) atomicOr(flags, bad);
 }
 
