@@ -18,6 +18,16 @@ def time_embedding(g: torch.Generator, D: int) -> torch.nn.Linear:
     return embed
 
 
+def norm_out_batch(g: torch.Generator, B: int, S: int, H: int, T: int) -> tuple:
+    """norm_out's batch drawn from `g`: x (B, S, H) bf16 (rows scaled by 2^-4 .. 2^4), timestep features (T, 4), the
+    indices (S,) and a cotangent (B, S, H) float32 spread over 2^-12 .. 2^3."""
+    x = (torch.randn(B, S, H, generator=g) * torch.exp2(torch.randint(-4, 5, (B, S, 1), generator=g))).bfloat16()
+    feats = torch.randn(T, 4, generator=g)
+    idx = torch.randint(0, T, (S,), generator=g)
+    cot = torch.randn(B, S, H, generator=g) * torch.exp2(torch.randint(-12, 4, (B, S, H), generator=g))
+    return x, feats, idx, cot
+
+
 def block_params(g: torch.Generator, H: int, D: int, dtype=torch.bfloat16) -> list[torch.nn.Parameter]:
     """A block's AdaLN parameters drawn from `g`: weight (18H, D), bias (18H,), norm1_weight, norm2_weight (H,)."""
     return [torch.nn.Parameter((0.1 * torch.randn(18 * H, D, generator=g)).to(dtype)),

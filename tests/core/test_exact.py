@@ -140,12 +140,7 @@ def test_the_vectorised_rounding_is_round_scaled_on_every_kind_of_integer():
         if rng.random() < 0.3:  # the bits below the rounding point set to a tie, or one off it
             n = (n >> 20 << 20) | rng.choice([0, 1 << 19, (1 << 19) - 1, (1 << 19) + 1])
         ns.append(-n if rng.random() < 0.5 else n)
-    limbs = torch.zeros(LIMBS, len(ns), dtype=torch.int64)
-    for i, n in enumerate(ns):
-        for k in range(LIMBS - 1):
-            limbs[k, i] = n & (2 ** LIMB_BITS - 1)
-            n >>= LIMB_BITS
-        limbs[LIMBS - 1, i] = n
+    limbs = as_limbs(ns, LIMBS)
     for precision in (24, 8):
         want = torch.tensor([round_scaled(n, E_MIN, precision) for n in ns], dtype=torch.float64)
         assert torch.equal(rounded(limbs, precision), want)

@@ -11,7 +11,7 @@ import torch
 from adaln_lab import final_adaln_out
 from adaln_lab.nn import ExactGradients
 
-from ..exact_parts import by_sample, time_embedding, within
+from ..exact_parts import by_sample, norm_out_batch, time_embedding, within
 
 B, S, H, D, T = 8, 24, 16, 8, 3
 
@@ -24,11 +24,7 @@ def model(seed: int = 0):
               torch.nn.Parameter((0.1 * torch.randn(2 * H, D, generator=g)).bfloat16()),
               torch.nn.Parameter((0.1 * torch.randn(2 * H, generator=g)).bfloat16())]
     embed = time_embedding(g, D)
-    x = (torch.randn(B, S, H, generator=g) * torch.exp2(torch.randint(-4, 5, (B, S, 1), generator=g))).bfloat16()
-    feats = torch.randn(T, 4, generator=g)
-    idx = torch.randint(0, T, (S,), generator=g)
-    cot = torch.randn(B, S, H, generator=g) * torch.exp2(torch.randint(-12, 4, (B, S, H), generator=g))
-    return params, embed, (x, feats, idx, cot)
+    return params, embed, norm_out_batch(g, B, S, H, T)
 
 
 def step(params, embed, parts, exact=True, order=None):

@@ -11,7 +11,7 @@ import torch
 
 from adaln_lab.nn import AdaLNOut, ExactGradients
 
-from ..exact_parts import by_sample, time_embedding, within
+from ..exact_parts import by_sample, norm_out_batch, time_embedding, within
 
 peft = pytest.importorskip("peft", reason="the test extra brings peft")
 from peft import LoraConfig, inject_adapter_in_model  # noqa: E402
@@ -32,11 +32,7 @@ def setup(seed: int = 0, **config):
                                        **config), module, adapter_name="a")
     module = module.bfloat16().requires_grad_(True)  # the base too (PEFT freezes it): its dW checks the adapters'
     embed = time_embedding(g, D)
-    x = (torch.randn(B, S, H, generator=g) * torch.exp2(torch.randint(-4, 5, (B, S, 1), generator=g))).bfloat16()
-    feats = torch.randn(T, 4, generator=g)
-    idx = torch.randint(0, T, (S,), generator=g)
-    cot = torch.randn(B, S, H, generator=g) * torch.exp2(torch.randint(-12, 4, (B, S, H), generator=g))
-    return module, embed, (x, feats, idx, cot)
+    return module, embed, norm_out_batch(g, B, S, H, T)
 
 
 def grads(module, embed, parts, exact=True):
