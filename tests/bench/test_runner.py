@@ -200,7 +200,7 @@ def test_the_manifest_keeps_one_row_per_file_and_reads_old_folders_gpu_and_drive
 
 def test_every_step_device_sh_ran_is_a_step_of_the_runner():
     assert list(STEPS) == ["tests", "compare", "report", "block-report", "lab", "sanitize", "profile", "host",
-                           "host-ab", "trace", "train", "multi", "upstream", "sweep", "memory"]
+                           "host-ab", "trace", "train", "multi", "upstream", "sweep", "memory", "exact"]
     assert {name for name, step in STEPS.items() if step.shares} == {"tests", "compare", "sanitize", "memory",
                                                                     "upstream"}
 
