@@ -48,7 +48,8 @@ def reference_forward(x, norm_weight, temb, weight, bias, timestep_indices, eps:
 def saved_views(workspace: torch.Tensor, T: int, H: int, rows: int, D: int):
     """(table (T, 2H) bf16, table_f32 (T, 2H) fp32, rstd (rows,) fp32): the forward workspace's pieces as tensors."""
     offsets, total = forward_workspace(T, H, rows, D)
-    _check_size(workspace, total)
+    if workspace.numel() < total:
+        raise _short(workspace, total)
 
     def piece(name, dtype, shape):
         start = offsets[name]
@@ -59,10 +60,10 @@ def saved_views(workspace: torch.Tensor, T: int, H: int, rows: int, D: int):
             piece("rstd", torch.float32, (rows,)))
 
 
-def _check_size(workspace: torch.Tensor, needed: int) -> None:
-    if workspace.numel() < needed:
-        raise ValueError(f"final_adaln_out: a workspace of {workspace.numel()} bytes, the plan needs {needed} "
-                         "(core.plan.forward_bytes(T, H, rows, D))")
+def _short(workspace: torch.Tensor, needed: int) -> ValueError:
+    """The error for a workspace of fewer than `needed` bytes (the callers compare: one comparison a call)."""
+    return ValueError(f"final_adaln_out: a workspace of {workspace.numel()} bytes, the plan needs {needed} "
+                      "(core.plan.forward_bytes(T, H, rows, D))")
 
 
 @library_op("adaln_lab::final_adaln_out_fwd", mutates_args=("out", "workspace"))
@@ -89,7 +90,7 @@ def forward(x: torch.Tensor, norm_weight: torch.Tensor, temb: torch.Tensor, weig
     device = x.get_device()
     plan, layout, k = tensors.context(device, H, D, T, rows)
     if workspace.numel() < layout.fwd_bytes:  # the kernels write every piece, act last
-        _check_size(workspace, layout.fwd_bytes)
+        raise _short(workspace, layout.fwd_bytes)
     launchers.bind(device)
     base, o = workspace.data_ptr(), layout.fwd_offsets
     table, table_written = base + o["table"], table_backend == "torch"
