@@ -64,13 +64,14 @@ __device__ __forceinline__ void cache_out(ExactCache& c, unsigned long long* g, 
 
 // add float32 term f exactly to the state whose limb l sits at st[l * stride] (slots of one thread), through its
 // cache c (ADALN_EXACT_CACHE 2: to the output at g through c)
-__device__ __forceinline__ void exact_add(ExactCache& c, long long* st, int stride, unsigned long long* g,
-                                          size_t gstride, float f, int& flags) {
+// float32 term f as v (|v| < 2^56) in limb pair (limb, limb + 1) of a state in units of 2^-149 (the header's v and
+// k / 32); false for a zero term (nothing to add) and for inf or NaN (flag bit 0: no exact sum exists)
+__device__ __forceinline__ bool exact_split(float f, int& flags, long long& v, int& limb) {
     const unsigned bits = __float_as_uint(f);
     const unsigned biased = (bits >> 23) & 0xffu;
-    if (biased == 0xffu) {  // inf or NaN: no exact sum exists
+    if (biased == 0xffu) {
         flags |= 1;
-        return;
+        return false;
     }
     long long m = (long long)(bits & 0x7fffffu);
     int k = 0;                                  // subnormal or zero: m 2^-149
@@ -78,10 +79,18 @@ __device__ __forceinline__ void exact_add(ExactCache& c, long long* st, int stri
         m |= 0x800000LL;                        // the implicit bit
         k = (int)biased - 1;                    // m 2^(biased - 150) = m 2^(k - 149)
     }
-    if (m == 0) return;
+    if (m == 0) return false;
     if (bits >> 31) m = -m;
-    const long long v = m << (k & 31);          // |v| < 2^56, arithmetic on two's complement
-    const int limb = k >> 5;
+    v = m << (k & 31);                          // arithmetic on two's complement
+    limb = k >> 5;
+    return true;
+}
+
+__device__ __forceinline__ void exact_add(ExactCache& c, long long* st, int stride, unsigned long long* g,
+                                          size_t gstride, float f, int& flags) {
+    long long v;
+    int limb;
+    if (!exact_split(f, flags, v, limb)) return;
 #if ADALN_EXACT_CACHE
     if (limb != c.k) {
 #if ADALN_EXACT_CACHE == 2
