@@ -1,17 +1,18 @@
 """What the shipped exact sums (kernels_cu/exact_sums.cu) cost beside norm_out's kernels' forward+backward."""
 
 # Issue 40, the kernels' route (NOTES v39). At MiniMax-H3's width (H 5376, D 2688, T 3) and each row count: the
-# states of `kernel_sums` checked first against ExactSum.add of the same float32 terms formed by torch (limb for limb),
+# states of `kernel_sums` (exact_sums' every form, and the row pass's) and the row pass's dx checked first against
+# ExactSum.add of the same float32 terms formed by torch (limb for limb) and the plain backward's dx,
 # then CUDA-graph replays between CUDA events (GPU time, medians) of
 #   fwd_bwd     the launch ops' forward and backward (what norm_out's graph fwd+bwd runs)
-#   exact_sums  zeroing the states, the rows' sort by timestep and exact_sums_bf16 (what the exact route adds in the
-#               backward), shipped
+#   exact_sums  zeroing the states, the rows' sort by timestep and exact_sums_bf16 (the states alone in a pass of
+#               their own: `kernel_sums` without dx), shipped
 #   exact_sums_cache<k>  the same with TUNING's EXACT_CACHE = k for the other forms (0: every add in shared memory,
 #               1: a register cache of the last limb pair, 2: the caches alone, sent out by integer atomics), each
 #               checked the same way
 #   carry       the states' carries (exact_sums.cu's exact_carry, one launch a state)
 #   exact_route the exact route's kernels as ExactNormOut runs them: the forward, then `kernel_sums` with dx (the
-#               backward's row pass and fixed-order reduce, no table_bwd; exact_sums; the carries)
+#               backward's row pass with its sums exact, norm_modulate_bwd_exact_bf16; the carries)
 # and exact_route / fwd_bwd, the issue's ratio (bar 1.10x at 32768 rows, 1.15x at 4097). The recorder's host work
 # (one state per temb row, read on the CPU at write) is not in these figures. Floor: exact_sums' bytes (x and dy
 # read) at the run's copy bandwidth.
@@ -73,10 +74,13 @@ def measure(rows: int, copy_TBps: float) -> dict:
                                  "sums of their terms")
     launch.backward(dy, x, nw, temb, weight, idx, workspace, "cupy", *grads)
     dx = torch.empty_like(x)
-    kernel_sums(dy, x, nw, idx, workspace, T, D, dx=dx, temb=temb, weight=weight).check()
+    fused = kernel_sums(dy, x, nw, idx, workspace, T, D, dx=dx)
+    fused.check()
     if not torch.equal(dx, grads[0]):
         raise AssertionError(f"the exact route's dx differs from the backward's at {rows} rows")
-    del p, want_table, dx
+    if not torch.equal(fused.table.limbs, want_table.limbs):
+        raise AssertionError(f"the row pass's exact sums at {rows} rows differ from the exact sums of their terms")
+    del p, want_table, dx, fused
     kernels = {}
     for knob in (*others, shipped):
         cache_knob(knob)
@@ -97,7 +101,7 @@ def measure(rows: int, copy_TBps: float) -> dict:
 
     def exact_route():
         launch.forward(x, nw, temb, weight, bias, idx, 1e-5, "cupy", "cuda", out, workspace)
-        kernel_sums(dy, x, nw, idx, workspace, T, D, dx=grads[0], temb=temb, weight=weight)
+        kernel_sums(dy, x, nw, idx, workspace, T, D, dx=grads[0])
 
     def carry():
         stream = tensors.current_stream(x.get_device())

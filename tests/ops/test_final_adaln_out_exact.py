@@ -197,7 +197,7 @@ def exact_cache(request):
 def test_the_kernels_states_are_the_exact_sums_of_their_terms(shape, exact_cache):
     """exact_sums.cu's carried integers equal ExactSum.add's of the same float32 terms formed by torch from the
     forward's saved rstd and table_f32 (module docstring), limb for limb; one limb moved is seen; with dx asked
-    for, the backward's row pass writes the same dx as the whole backward."""
+    for, the row pass with exact sums writes the plain backward's dx and the same integers."""
     from adaln_lab.core.exact import ExactSum
     from adaln_lab.ops.final_adaln_out import launch
     from adaln_lab.ops.final_adaln_out.exact import kernel_sums
@@ -217,8 +217,10 @@ def test_the_kernels_states_are_the_exact_sums_of_their_terms(shape, exact_cache
     grads = (torch.empty_like(x), torch.empty_like(nw), torch.empty_like(temb), w.clone(), w.new_empty(2 * H_))
     launch.backward(dy, x, nw, temb, w, idx, workspace, "cupy", *grads)
     dx = torch.empty_like(x)
-    kernel_sums(dy, x, nw, idx, workspace, T_, D_, dx=dx, temb=temb, weight=w).check()
-    assert torch.equal(dx, grads[0])  # the exact route's dx: the backward's, without table_bwd
+    fused = kernel_sums(dy, x, nw, idx, workspace, T_, D_, dx=dx)
+    fused.check()
+    assert torch.equal(dx, grads[0])  # the exact route's dx: the plain backward's
+    assert torch.equal(fused.table.limbs, table.limbs)  # the row pass's exact sums: the same integers
 
 
 @pytest.mark.gpu

@@ -305,9 +305,8 @@ def launch_table_bwd(k: dict, plan: Plan, stream: int, d_table: int, temb: int, 
 
 def launch_backward(k: dict, plan: Plan, rows: Rows, stream: int, dy: int, x: int, rstd: int, norm_weight: int,
                     table_f32: int, timestep_indices: int, temb: int, weight: int, workspace: int, dx: int,
-                    d_norm_weight: int, d_temb: int, d_weight: int, d_bias: int, S: int, table: bool = True) -> None:
-    """dx and the four parameter gradients; every reduction in a fixed order (see kernels_cu/). table False: no
-    table_bwd (d_weight and d_temb left unwritten: the exact route's backward, which keeps only dx).
+                    d_norm_weight: int, d_temb: int, d_weight: int, d_bias: int, S: int) -> None:
+    """dx and the four parameter gradients; every reduction in a fixed order (see kernels_cu/).
 
     `workspace` holds rows.bwd_bytes bytes laid out by `rows.bwd_offsets`. With no rows the row
     pass launches nothing and every parameter gradient is exactly zero: the unsorted pass zeroes one
@@ -328,8 +327,7 @@ def launch_backward(k: dict, plan: Plan, rows: Rows, stream: int, dy: int, x: in
                         row_partials, S)
         launch_reduce_partials(k, plan, rows, stream, row_partials, norm_weight, table_f32, d_table, d_norm_weight,
                                d_bias)
-    if table:
-        launch_table_bwd(k, plan, stream, d_table, temb, weight, d_weight, workspace + o["dact_partials"], d_temb)
+    launch_table_bwd(k, plan, stream, d_table, temb, weight, d_weight, workspace + o["dact_partials"], d_temb)
 
 
 def launch_gated_residual(k: dict, plan: Plan, rows: Rows, stream: int, x: int, gate: int, y: int, row_index: int,

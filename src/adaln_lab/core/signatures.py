@@ -30,4 +30,5 @@ SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
     "gated_residual_norm_bf16": "pppppppppiifi",
     "exact_sums_bf16": "pppppppiii",
     "exact_carry": "pi",
+    "norm_modulate_bwd_exact_bf16": "pppppppppiiii",
 }

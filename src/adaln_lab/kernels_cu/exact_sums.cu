@@ -207,6 +207,111 @@ exact_sums_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ dy, con
     if (bad) atomicOr(flags, bad);
 }
 
+// ExactRowSums: the backward row pass's two sums (norm_modulate_bwd.cu's FloatSums: A of dy xhat, B of dy) kept as
+// the exact integers of this file's states instead, for norm_modulate_bwd_exact_bf16: the row pass and the exact sums
+// in one read of x and dy. Each of this thread's VPT x 8 columns keeps, a sum, one int64 window: the sum of the terms
+// since its last flush, all in limb pair (k, k + 1) (`v = m << (k % 32)` of `exact_add`, |v| < 2^56), so 127 terms
+// fit; a term in another pair, the 127th row since the last flush, or the end of a table row's pass sends the window
+// out with integer atomics (its low 32 bits to limb k, the rest to k + 1 of table_limbs (LIMBS, T, 2H): A at column
+// H + h, B at h, as exact_sums_bf16's). p = dy * xhat rounded once (exact_sums_bf16's term); the pass's dx is the
+// plain pass's (the sums never touch it). A non-finite term sets flag bit 0, a row of no table row bit 1.
+struct ExactWindow {
+    int k;
+    long long acc;
+};
+
+struct ExactRowSums {
+    ExactWindow win[2][ADALN_BWD_VPT][ADALN_VEC];  // (A | B, vector, element)
+    unsigned long long* table_limbs;
+    int rows_since, bad;  // rows added since the windows' last flush; the flags
+
+    __device__ __forceinline__ void flush(int q, int i, int e) {  // the window to table row `current`'s limbs
+        ExactWindow& w = win[q][i][e];
+        if (w.acc != 0) {
+            const size_t limb = (size_t)ADALN_T * 2 * ADALN_H;
+            const int h = (threadIdx.x + i * ADALN_BWD_THREADS) * ADALN_VEC + e + (q == 0 ? ADALN_H : 0);
+            unsigned long long* at = table_limbs + (size_t)current * 2 * ADALN_H + h + w.k * limb;
+            atomicAdd(at, (unsigned long long)(w.acc & 0xffffffffLL));  // two's complement: signed additions
+            atomicAdd(at + limb, (unsigned long long)(w.acc >> 32));
+        }
+        w.acc = 0;
+    }
+    __device__ __forceinline__ void term(int q, int i, int e, float f) {
+        const unsigned bits = __float_as_uint(f);
+        const unsigned biased = (bits >> 23) & 0xffu;
+        if (biased == 0xffu) {
+            bad |= 1;
+            return;
+        }
+        long long m = (long long)(bits & 0x7fffffu);
+        int k = 0;
+        if (biased != 0u) {
+            m |= 0x800000LL;
+            k = (int)biased - 1;
+        }
+        if (m == 0) return;
+        if (bits >> 31) m = -m;
+        ExactWindow& w = win[q][i][e];
+        if ((k >> 5) != w.k) {
+            flush(q, i, e);
+            w.k = k >> 5;
+        }
+        w.acc += m << (k & 31);
+    }
+    int current;  // the table row of the pass running
+
+    __device__ __forceinline__ void begin(int t) {
+        current = t;
+#pragma unroll
+        for (int q = 0; q < 2; ++q)
+#pragma unroll
+            for (int i = 0; i < ADALN_BWD_VPT; ++i)
+#pragma unroll
+                for (int e = 0; e < ADALN_VEC; ++e) win[q][i][e] = ExactWindow{0, 0};
+        rows_since = 0;
+    }
+    __device__ __forceinline__ void flush_all() {
+#pragma unroll
+        for (int q = 0; q < 2; ++q)
+#pragma unroll
+            for (int i = 0; i < ADALN_BWD_VPT; ++i)
+                if (threadIdx.x + i * ADALN_BWD_THREADS < ADALN_NVEC_H)
+#pragma unroll
+                    for (int e = 0; e < ADALN_VEC; ++e) flush(q, i, e);
+        rows_since = 0;
+    }
+    __device__ __forceinline__ void add(int i, int e, float dyv, float xhat) {
+        if (i == 0 && e == 0 && ++rows_since == 127) flush_all();  // a row's first term: at most 127 a window
+        term(0, i, e, __fmul_rn(dyv, xhat));
+        term(1, i, e, dyv);
+    }
+    __device__ __forceinline__ void poison() { bad |= 2; }
+    __device__ __forceinline__ void store_none(float*) const {}
+    __device__ __forceinline__ void store(float*, int) { flush_all(); }
+};
+
+// norm_out's backward row pass (norm_modulate_bwd_bf16's: the same dx, the same grid) with its column sums exact
+// (ExactRowSums) into table_limbs (LIMBS, T, 2H), zeroed by the caller, and flags (1,) int32, or'd: no row_partials,
+// no reduce. Run: adaln_lab.ops.final_adaln_out.exact.launch_row_sums.
+extern "C" __global__ void __launch_bounds__(ADALN_BWD_THREADS)
+norm_modulate_bwd_exact_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__ x,
+                             const float* __restrict__ rstd,
+                             const bf16_t* __restrict__ norm_weight, const float* __restrict__ table_f32,
+                             const index_t* __restrict__ timestep_indices, bf16_t* __restrict__ dx,
+                             unsigned long long* __restrict__ table_limbs, int* __restrict__ flags, int S, int rows,
+                             int rows_per_block, int table_stride) {
+    extern __shared__ __align__(16) uint4 stages[];  // [ADALN_BWD_STAGES][2][ADALN_BWD_VPT][ADALN_BWD_THREADS]
+    __shared__ float scratch[ADALN_BWD_THREADS / 32 + 1];
+    __shared__ int timesteps[ADALN_ROW_LIST_MAX];
+    __shared__ float row_rstd[ADALN_ROW_LIST_MAX];
+    ExactRowSums sums;
+    sums.table_limbs = table_limbs;
+    sums.bad = 0;
+    row_pass<2, ADALN_BWD_STAGES>(sums, dy, x, nullptr, rstd, norm_weight, table_f32, timestep_indices, dx, nullptr,
+                                  S, rows, rows_per_block, table_stride, stages, scratch, timesteps, row_rstd);
+    if (sums.bad) atomicOr(flags, sums.bad);
+}
+
 // exact_carry: core/exact.py's ExactSum._carry on limbs (ADALN_EXACT_LIMBS, n) int64 in place, one thread an element:
 // from the lowest limb up, the carry v >> 32 (floor) moves to the next limb, so limbs 0 .. LIMBS - 2 end in
 // [0, 2^32) and the top limb holds the sign; the same integers as the torch loop (9 steps of 3 ops each: 27 launches

@@ -77,38 +77,56 @@ __device__ __forceinline__ void load_modulation(const bf16_t* norm_weight, const
     }
 }
 
-__device__ __forceinline__ void zero_sums(row_vectors& sum_dy_xhat, row_vectors& sum_dy) {
+// The row passes' per-table-row column sums of this thread's columns, in float32 registers: A = sum dy * xhat (one
+// fma a row) and B = sum dy, in row order; store() writes them to `slot` (2, H): A, then B. (exact_sums.cu's
+// ExactRowSums keeps the same two sums as exact integers instead: the row passes take either.)
+struct FloatSums {
+    row_vectors dy_xhat, dy;
+    __device__ __forceinline__ void begin(int) {  // a table row's sums start at zero
 #pragma unroll
-    for (int i = 0; i < ADALN_BWD_VPT; ++i)
+        for (int i = 0; i < ADALN_BWD_VPT; ++i)
 #pragma unroll
-        for (int e = 0; e < ADALN_VEC; ++e) sum_dy_xhat[i][e] = sum_dy[i][e] = 0.0f;
-}
-
-// this thread's columns of the partial sums into `slot` (2, H): sum dy * xhat, then sum dy
-__device__ __forceinline__ void store_sums(float* slot, const row_vectors& sum_dy_xhat, const row_vectors& sum_dy) {
+            for (int e = 0; e < ADALN_VEC; ++e) dy_xhat[i][e] = dy[i][e] = 0.0f;
+    }
+    __device__ __forceinline__ void add(int i, int e, float dyv, float xhat) {
+        dy_xhat[i][e] = fmaf(dyv, xhat, dy_xhat[i][e]);
+        dy[i][e] += dyv;
+    }
+    __device__ __forceinline__ void poison() {  // a row of no table row: NaN in every sum
 #pragma unroll
-    for (int i = 0; i < ADALN_BWD_VPT; ++i) {
-        const int v = threadIdx.x + i * ADALN_BWD_THREADS;
-        if (v < ADALN_NVEC_H) {
+        for (int i = 0; i < ADALN_BWD_VPT; ++i)
 #pragma unroll
-            for (int e = 0; e < ADALN_VEC; e += 4) {
-                *reinterpret_cast<float4*>(slot + v * ADALN_VEC + e) =
-                    make_float4(sum_dy_xhat[i][e], sum_dy_xhat[i][e + 1], sum_dy_xhat[i][e + 2], sum_dy_xhat[i][e + 3]);
-                *reinterpret_cast<float4*>(slot + ADALN_H + v * ADALN_VEC + e) =
-                    make_float4(sum_dy[i][e], sum_dy[i][e + 1], sum_dy[i][e + 2], sum_dy[i][e + 3]);
+            for (int e = 0; e < ADALN_VEC; ++e) dy_xhat[i][e] = dy[i][e] = __int_as_float(0x7fc00000);
+    }
+    __device__ __forceinline__ void store_none(float* slot) const {  // the block's threads write zeros to `slot`
+        for (int i = threadIdx.x; i < 2 * ADALN_H / 4; i += ADALN_BWD_THREADS)
+            reinterpret_cast<float4*>(slot)[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    __device__ __forceinline__ void store(float* slot, int) const {
+#pragma unroll
+        for (int i = 0; i < ADALN_BWD_VPT; ++i) {
+            const int v = threadIdx.x + i * ADALN_BWD_THREADS;
+            if (v < ADALN_NVEC_H) {
+#pragma unroll
+                for (int e = 0; e < ADALN_VEC; e += 4) {
+                    *reinterpret_cast<float4*>(slot + v * ADALN_VEC + e) =
+                        make_float4(dy_xhat[i][e], dy_xhat[i][e + 1], dy_xhat[i][e + 2], dy_xhat[i][e + 3]);
+                    *reinterpret_cast<float4*>(slot + ADALN_H + v * ADALN_VEC + e) =
+                        make_float4(dy[i][e], dy[i][e + 1], dy[i][e + 2], dy[i][e + 3]);
+                }
             }
         }
     }
-}
+};
 
-// One staged row (x, dy and, when NIN == 3, d_residual in `stage`): its dx stored at dx_row, its dy * xhat and
-// dy added to the sums (NaN for an invalid row; dx_row nullptr: nothing stored). refill() runs as soon as this
+// One staged row (x, dy and, when NIN == 3, d_residual in `stage`): its dx stored at dx_row, its dy and xhat added
+// to the sums (`sums.poison()` for an invalid row; dx_row nullptr: nothing stored). refill() runs as soon as this
 // thread has read its slots of
 // the stage (the next row's copies land there while the block sums the row's dot product).
-template <int NIN, typename Refill>
+template <int NIN, typename Sums, typename Refill>
 __device__ __forceinline__ void reduce_row(const uint4* stage, float rstd_r, bool invalid, const row_vectors& w,
-                                           const row_vectors& s1, row_vectors& sum_dy_xhat, row_vectors& sum_dy,
-                                           bf16_t* dx_row, float* scratch, Refill refill) {
+                                           const row_vectors& s1, Sums& sums, bf16_t* dx_row, float* scratch,
+                                           Refill refill) {
     float xhat[ADALN_BWD_VPT][ADALN_VEC], g[ADALN_BWD_VPT][ADALN_VEC];
     float dot = 0.0f;
 #pragma unroll
@@ -123,8 +141,7 @@ __device__ __forceinline__ void reduce_row(const uint4* stage, float rstd_r, boo
                 xhat[i][e] *= rstd_r;
                 g[i][e] = dyv[e] * s1[i][e] * w[i][e];
                 dot = fmaf(g[i][e], xhat[i][e], dot);
-                sum_dy_xhat[i][e] = fmaf(dyv[e], xhat[i][e], sum_dy_xhat[i][e]);
-                sum_dy[i][e] += dyv[e];
+                sums.add(i, e, dyv[e], xhat[i][e]);
             }
         }
     }
@@ -154,18 +171,14 @@ __device__ __forceinline__ void reduce_row(const uint4* stage, float rstd_r, boo
             if (dx_row != nullptr) store8(dx_row + v * ADALN_VEC, d);
         }
     }
-    if (invalid) {  // poison: this row belongs to no table row
-#pragma unroll
-        for (int i = 0; i < ADALN_BWD_VPT; ++i)
-#pragma unroll
-            for (int e = 0; e < ADALN_VEC; ++e) sum_dy_xhat[i][e] = sum_dy[i][e] = __int_as_float(0x7fc00000);
-    }
+    if (invalid) sums.poison();  // this row belongs to no table row
 }
 
 // NIN inputs per row (2: x, dy; 3: x, dy, d_residual), STAGES rows in flight; the block's rows in row order,
-// one pass per timestep (norm_out's backward)
-template <int NIN, int STAGES>
-__device__ __forceinline__ void row_pass(const bf16_t* __restrict__ dy, const bf16_t* __restrict__ x,
+// one pass per timestep (norm_out's backward), each pass's sums stored by `sums.store(slot, t)`
+template <int NIN, int STAGES, typename Sums>
+__device__ __forceinline__ void row_pass(Sums& sums, const bf16_t* __restrict__ dy,
+                                         const bf16_t* __restrict__ x,
                                          const bf16_t* __restrict__ d_residual, const float* __restrict__ rstd,
                                          const bf16_t* __restrict__ norm_weight, const float* __restrict__ table_f32,
                                          const index_t* __restrict__ timestep_indices, bf16_t* __restrict__ dx,
@@ -181,15 +194,14 @@ __device__ __forceinline__ void row_pass(const bf16_t* __restrict__ dy, const bf
 
 #pragma unroll 1
     for (int t = 0; t < ADALN_T; ++t) {
-        float* slot = row_partials + ((size_t)blockIdx.x * ADALN_T + t) * 2 * ADALN_H;
-        if (next_in_pass(timesteps, -1, n, t) >= n) {  // no row of this timestep here: zeros, read nothing
-            for (int i = threadIdx.x; i < 2 * ADALN_H / 4; i += ADALN_BWD_THREADS)
-                reinterpret_cast<float4*>(slot)[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        float* slot = row_partials + ((size_t)blockIdx.x * ADALN_T + t) * 2 * ADALN_H;  // FloatSums' slot
+        if (next_in_pass(timesteps, -1, n, t) >= n) {  // no row of this timestep here: zero sums, read nothing
+            sums.store_none(slot);
             continue;
         }
-        row_vectors w, s1, sum_dy_xhat, sum_dy;
+        row_vectors w, s1;
         load_modulation(norm_weight, table_f32 + (size_t)t * table_stride + ADALN_H, w, s1);
-        zero_sums(sum_dy_xhat, sum_dy);
+        sums.begin(t);
 
         int pos[STAGES + 1];      // pos[0]: the row being reduced; then the rows in flight
 #pragma unroll
@@ -202,7 +214,7 @@ __device__ __forceinline__ void row_pass(const bf16_t* __restrict__ dy, const bf
             uint4* stage = stages + (k % STAGES) * STAGE_VECTORS;
             copy_async_wait<STAGES - 1>();
             const int row = r0 + pos[0];
-            reduce_row<NIN>(stage, row_rstd[pos[0]], timesteps[pos[0]] < 0, w, s1, sum_dy_xhat, sum_dy,
+            reduce_row<NIN>(stage, row_rstd[pos[0]], timesteps[pos[0]] < 0, w, s1, sums,
                             dx + (size_t)row * ADALN_H, scratch, [&] {
                                 pos[STAGES] = next_in_pass(timesteps, pos[STAGES - 1], n, t);
                                 fetch_row_inputs<NIN>(stage, x, dy, d_residual, r0 + pos[STAGES], pos[STAGES] < n);
@@ -210,7 +222,7 @@ __device__ __forceinline__ void row_pass(const bf16_t* __restrict__ dy, const bf
 #pragma unroll
             for (int d = 0; d < STAGES; ++d) pos[d] = pos[d + 1];
         }
-        store_sums(slot, sum_dy_xhat, sum_dy);
+        sums.store(slot, t);
     }
 }
 
@@ -235,9 +247,10 @@ __device__ __forceinline__ void sorted_row_pass(const bf16_t* __restrict__ dy, c
     __syncthreads();
 
     int t = sorted_table_row(timesteps[0]);
-    row_vectors w, s1, sum_dy_xhat, sum_dy;
+    row_vectors w, s1;
+    FloatSums sums;
     load_modulation(norm_weight, table_f32 + (size_t)t * table_stride + ADALN_H, w, s1);
-    zero_sums(sum_dy_xhat, sum_dy);
+    sums.begin(t);
 #pragma unroll
     for (int d = 0; d < STAGES; ++d)
         fetch_row_inputs<NIN>(stages + d * STAGE_VECTORS, x, dy, d_residual, d < n ? row_ids[d] : 0,
@@ -246,7 +259,7 @@ __device__ __forceinline__ void sorted_row_pass(const bf16_t* __restrict__ dy, c
     for (int k = 0; k < n; ++k) {
         uint4* stage = stages + (k % STAGES) * STAGE_VECTORS;
         copy_async_wait<STAGES - 1>();
-        reduce_row<NIN>(stage, row_rstd[k], timesteps[k] < 0, w, s1, sum_dy_xhat, sum_dy,
+        reduce_row<NIN>(stage, row_rstd[k], timesteps[k] < 0, w, s1, sums,
                         row_ids[k] >= 0 ? dx + (size_t)row_ids[k] * ADALN_H : nullptr, scratch, [&] {
                             const int next = k + STAGES;
                             fetch_row_inputs<NIN>(stage, x, dy, d_residual, next < n ? row_ids[next] : 0,
@@ -254,11 +267,11 @@ __device__ __forceinline__ void sorted_row_pass(const bf16_t* __restrict__ dy, c
                         });
         const int next_t = k + 1 < n ? sorted_table_row(timesteps[k + 1]) : -1;
         if (next_t != t) {  // the stream leaves table row t: its sums to slot blockIdx.x + t
-            store_sums(row_partials + ((size_t)blockIdx.x + t) * 2 * ADALN_H, sum_dy_xhat, sum_dy);
+            sums.store(row_partials + ((size_t)blockIdx.x + t) * 2 * ADALN_H, t);
             if (next_t >= 0) {
                 t = next_t;
                 load_modulation(norm_weight, table_f32 + (size_t)t * table_stride + ADALN_H, w, s1);
-                zero_sums(sum_dy_xhat, sum_dy);
+                sums.begin(t);
             }
         }
     }
@@ -273,8 +286,10 @@ norm_modulate_bwd_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__
     __shared__ float scratch[ADALN_BWD_THREADS / 32 + 1];
     __shared__ int timesteps[ADALN_ROW_LIST_MAX];
     __shared__ float row_rstd[ADALN_ROW_LIST_MAX];
-    row_pass<2, ADALN_BWD_STAGES>(dy, x, nullptr, rstd, norm_weight, table_f32, timestep_indices, dx, row_partials,
-                                  S, rows, rows_per_block, table_stride, stages, scratch, timesteps, row_rstd);
+    FloatSums sums;
+    row_pass<2, ADALN_BWD_STAGES>(sums, dy, x, nullptr, rstd, norm_weight, table_f32, timestep_indices, dx,
+                                  row_partials, S, rows, rows_per_block, table_stride, stages, scratch, timesteps,
+                                  row_rstd);
 }
 
 // An H3 block's row passes: the rows in table-row order (`row_order`: row_order.cu's row_offsets | order,

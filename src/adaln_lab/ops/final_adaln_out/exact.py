@@ -142,6 +142,17 @@ def launch_sums(k: dict, plan, stream: int, x: int, dy: int, rstd: int, timestep
                              stream, x, dy, rstd, timestep_indices, order, table_limbs, flags, rows, S, per_chunk)
 
 
+def launch_row_sums(k: dict, plan, rows, stream: int, dy: int, x: int, rstd: int, norm_weight: int, table_f32: int,
+                    timestep_indices: int, dx: int, table_limbs: int, flags: int, S: int) -> None:
+    """exact_sums.cu's norm_modulate_bwd_exact_bf16: the backward row pass (dx (rows, H) bf16, norm_modulate_bwd_bf16's
+    bits and grid) with its two column sums a table row added exactly into table_limbs (LIMBS, T, 2H) (uncarried),
+    flags (1,) int32 or'd (the caller zeroes both); nothing with no rows."""
+    if rows.rows:
+        k["norm_modulate_bwd_exact_bf16"]((rows.bwd_ranges, 1, 1), (plan.bwd_threads, 1, 1), plan.bwd_smem, stream,
+                                          dy, x, rstd, norm_weight, table_f32, timestep_indices, dx, table_limbs,
+                                          flags, S, rows.rows, rows.bwd_rows_per_range, 2 * plan.H)
+
+
 def launch_carry(k: dict, stream: int, limbs: int, n: int) -> None:
     """exact_sums.cu's exact_carry: limbs (LIMBS, n) int64 carried in place (core.exact.ExactSum._carry's integers)."""
     if n:
@@ -157,13 +168,14 @@ def exact_row_order(timestep_indices: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.sort(timestep_indices.repeat(rows // S), stable=True).indices.to(torch.int32)
 
 
-def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int, dx=None, temb=None,
-                weight=None) -> NormOutSums:
+def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int, dx=None) -> NormOutSums:
     """This part's NormOutSums from kernels_cu/exact_sums.cu on CUDA tensors: dy, x (..., S, H) bf16 contiguous,
     norm_weight (H,) bf16, timestep_indices (S,) int64, workspace the forward's (`launch.saved_views`: table_f32,
-    rstd; s1 from its table_f32). The states' limbs are added by integer atomics and carried by exact_carry; the kernels' flags are kept for
-    `NormOutSums.check`. At most MAX_TERMS rows (ValueError). With dx (x's shape) given, the backward's row pass
-    writes dx there first (`launch.kernels_backward` without table_bwd; temb and weight as the forward's)."""
+    rstd; s1 from its table_f32). With dx (x's shape) given, the backward's row pass with exact sums writes dx and
+    the states in one read of x and dy (norm_modulate_bwd_exact_bf16); without, exact_sums_bf16 walks x and dy in
+    table-row order for the states alone (the same integers). The states' limbs are added by integer atomics and
+    carried by exact_carry; the kernels' flags are kept for `NormOutSums.check`. At most MAX_TERMS rows
+    (ValueError)."""
     H = x.shape[-1]
     rows = x.numel() // H
     if rows > MAX_TERMS:
@@ -174,17 +186,17 @@ def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int,
     launchers.bind(device)
     _, table_f32, rstd = launch.saved_views(workspace, T, H, rows, D)
     stream = tensors.current_stream(device)
-    if dx is not None:  # dx and the fixed-order sums, which go unread: the row pass needs their workspace
-        unread = (dx, torch.empty_like(norm_weight), None, None, weight.new_empty(weight.shape[0]))
-        launch.kernels_backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f32.data_ptr(),
-                                rstd.data_ptr(), unread, stream, context=(plan, rows_plan, k), table=False)
     sums = NormOutSums.__new__(NormOutSums)
     table = torch.zeros((LIMBS, T, 2 * H), dtype=torch.int64, device=x.device)
     flags = torch.zeros(1, dtype=torch.int32, device=x.device)
-    dy, x = tensors.all_aligned(dy, x)
-    order = exact_row_order(timestep_indices, rows)
-    launch_sums(k, plan, stream, x.data_ptr(), dy.data_ptr(), rstd.data_ptr(), timestep_indices.data_ptr(),
-                order.data_ptr(), table.data_ptr(), flags.data_ptr(), rows, x.shape[-2])
+    (dy, x, norm_weight), at = tensors.aligned_addresses(dy, x, norm_weight)
+    if dx is not None:  # the row pass with exact sums: dx and the states in one read of x and dy
+        launch_row_sums(k, plan, rows_plan, stream, at[0], at[1], rstd.data_ptr(), at[2], table_f32.data_ptr(),
+                        timestep_indices.data_ptr(), dx.data_ptr(), table.data_ptr(), flags.data_ptr(), x.shape[-2])
+    else:
+        order = exact_row_order(timestep_indices, rows)
+        launch_sums(k, plan, stream, at[1], at[0], rstd.data_ptr(), timestep_indices.data_ptr(), order.data_ptr(),
+                    table.data_ptr(), flags.data_ptr(), rows, x.shape[-2])
     launch_carry(k, stream, table.data_ptr(), T * 2 * H)
     sums.table = ExactSum.from_limbs(table)
     sums.scale, sums.norm_weight = table_factors(norm_weight, table_f32)
@@ -250,8 +262,7 @@ class ExactNormOut(torch.autograd.Function):
             x, norm_weight, temb, weight, timestep_indices, workspace = ctx.saved_tensors
             dy = dy.contiguous()
             dx = torch.empty_like(x)
-            sums = kernel_sums(dy, x, norm_weight, timestep_indices, workspace, *temb.shape, dx=dx, temb=temb,
-                               weight=weight)
+            sums = kernel_sums(dy, x, norm_weight, timestep_indices, workspace, *temb.shape, dx=dx)
         else:
             x, norm_weight, temb, table, timestep_indices = ctx.saved_tensors
             with torch.enable_grad():

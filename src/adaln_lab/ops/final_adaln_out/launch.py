@@ -160,11 +160,10 @@ def backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, temb:
 
 
 def kernels_backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f32: int, rstd: int, outputs,
-                     stream: int, workspace=None, context=None, table: bool = True) -> None:
+                     stream: int, workspace=None, context=None) -> None:
     """The four backward kernels on `stream`: outputs = (dx, d_norm_weight, d_temb, d_weight, d_bias) tensors,
     from the forward's table_f32 and rstd at their addresses; workspace: None (one torch allocation here), or a
-    tensor of at least the plan's `bwd_bytes`. context: `kernels_of(x, temb)` where the caller has it. table False:
-    no table_bwd (d_temb and d_weight not written: they may be None)."""
+    tensor of at least the plan's `bwd_bytes`. context: `kernels_of(x, temb)` where the caller has it."""
     (dy, x, norm_weight, weight), at = tensors.aligned_addresses(dy, x, norm_weight, weight)
     plan, rows, k = context or kernels_of(x, temb)
     if workspace is None:
@@ -173,5 +172,4 @@ def kernels_backward(dy, x, norm_weight, temb, weight, timestep_indices, table_f
     # by position, in launch_backward's order (a call of 16 keywords costs about 0.5 us of host time more)
     launchers.launch_backward(k, plan, rows, stream, at[0], at[1], rstd, at[2], table_f32, timestep_indices.data_ptr(),
                               temb.data_ptr(), at[3], workspace.data_ptr(), dx.data_ptr(), d_norm_weight.data_ptr(),
-                              0 if d_temb is None else d_temb.data_ptr(),
-                              0 if d_weight is None else d_weight.data_ptr(), d_bias.data_ptr(), x.shape[-2], table)
+                              d_temb.data_ptr(), d_weight.data_ptr(), d_bias.data_ptr(), x.shape[-2])
