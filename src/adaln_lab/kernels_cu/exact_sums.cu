@@ -207,34 +207,32 @@ exact_sums_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ dy, con
     if (bad) atomicOr(flags, bad);
 }
 
-// ExactRowSums: the backward row pass's two sums (norm_modulate_bwd.cu's FloatSums: A of dy xhat, B of dy) kept as
-// the exact integers of this file's states instead, for norm_modulate_bwd_exact_bf16: the row pass and the exact sums
-// in one read of x and dy. Each of this thread's VPT x 8 columns keeps, a sum, one int64 window: the sum of the terms
-// since its last flush, all in limb pair (k, k + 1) (`v = m << (k % 32)` of `exact_add`, |v| < 2^56), so 127 terms
-// fit; a term in another pair, the 127th row since the last flush, or the end of a table row's pass sends the window
-// out with integer atomics (its low 32 bits to limb k, the rest to k + 1 of table_limbs (LIMBS, T, 2H): A at column
-// H + h, B at h, as exact_sums_bf16's). p = dy * xhat rounded once (exact_sums_bf16's term); the pass's dx is the
-// plain pass's (the sums never touch it). A non-finite term sets flag bit 0, a row of no table row bit 1.
-struct ExactWindow {
-    int k;
-    long long acc;
-};
-
+// ExactRowSums: the backward row pass's two sums (norm_modulate_bwd.cu's FloatSums: A of dy xhat, B of dy) kept as the
+// exact integers of this file's states instead, for norm_modulate_bwd_exact_bf16: the row pass and the exact sums in
+// one read of x and dy. Each of this thread's VPT x 8 columns keeps, a sum, one int64 window: the sum of the terms
+// since its last flush, all in limb pair (k, k + 1) (k in 4 bits of a packed word: registers) (`v = m << (k % 32)` of
+// `exact_add`, |v| < 2^56), so 127 terms fit; a term in another pair, the 127th row since the last flush, or the end of
+// a table row's pass sends the window out with integer atomics (its low 32 bits to limb k, the rest to k + 1 of
+// table_limbs (LIMBS, T, 2H): A at column H + h, B at h, as exact_sums_bf16's). p = dy * xhat rounded once
+// (exact_sums_bf16's term); the pass's dx is the plain pass's (the sums never touch it). A non-finite term sets flag
+// bit 0, a row of no table row bit 1.
 struct ExactRowSums {
-    ExactWindow win[2][ADALN_BWD_VPT][ADALN_VEC];  // (A | B, vector, element)
+    long long acc[2][ADALN_BWD_VPT][ADALN_VEC];  // (A | B, vector, element): each window's sum since its flush
+    unsigned long long pairs[ADALN_BWD_VPT];  // the windows' limb pairs k, 4 bits each (k <= 8): 16 a vector
     unsigned long long* table_limbs;
     int rows_since, bad;  // rows added since the windows' last flush; the flags
 
+    __device__ __forceinline__ int pair(int q, int i, int e) const { return (pairs[i] >> (4 * (q * 8 + e))) & 15; }
     __device__ __forceinline__ void flush(int q, int i, int e) {  // the window to table row `current`'s limbs
-        ExactWindow& w = win[q][i][e];
-        if (w.acc != 0) {
+        long long& w = acc[q][i][e];
+        if (w != 0) {
             const size_t limb = (size_t)ADALN_T * 2 * ADALN_H;
             const int h = (threadIdx.x + i * ADALN_BWD_THREADS) * ADALN_VEC + e + (q == 0 ? ADALN_H : 0);
-            unsigned long long* at = table_limbs + (size_t)current * 2 * ADALN_H + h + w.k * limb;
-            atomicAdd(at, (unsigned long long)(w.acc & 0xffffffffLL));  // two's complement: signed additions
-            atomicAdd(at + limb, (unsigned long long)(w.acc >> 32));
+            unsigned long long* at = table_limbs + (size_t)current * 2 * ADALN_H + h + pair(q, i, e) * limb;
+            atomicAdd(at, (unsigned long long)(w & 0xffffffffLL));  // two's complement: signed additions
+            atomicAdd(at + limb, (unsigned long long)(w >> 32));
         }
-        w.acc = 0;
+        w = 0;
     }
     __device__ __forceinline__ void term(int q, int i, int e, float f) {
         const unsigned bits = __float_as_uint(f);
@@ -251,12 +249,12 @@ struct ExactRowSums {
         }
         if (m == 0) return;
         if (bits >> 31) m = -m;
-        ExactWindow& w = win[q][i][e];
-        if ((k >> 5) != w.k) {
+        if ((k >> 5) != pair(q, i, e)) {
             flush(q, i, e);
-            w.k = k >> 5;
+            const int shift = 4 * (q * 8 + e);
+            pairs[i] = (pairs[i] & ~(15ull << shift)) | ((unsigned long long)(k >> 5) << shift);
         }
-        w.acc += m << (k & 31);
+        acc[q][i][e] += m << (k & 31);
     }
     int current;  // the table row of the pass running
 
@@ -267,7 +265,9 @@ struct ExactRowSums {
 #pragma unroll
             for (int i = 0; i < ADALN_BWD_VPT; ++i)
 #pragma unroll
-                for (int e = 0; e < ADALN_VEC; ++e) win[q][i][e] = ExactWindow{0, 0};
+                for (int e = 0; e < ADALN_VEC; ++e) acc[q][i][e] = 0;
+#pragma unroll
+        for (int i = 0; i < ADALN_BWD_VPT; ++i) pairs[i] = 0;
         rows_since = 0;
     }
     __device__ __forceinline__ void flush_all() {
