@@ -257,6 +257,7 @@ def test_the_fallback_compiles_the_same_source_with_the_same_options(monkeypatch
     assert (cached.in_memory, in_memory.in_memory) == (None, "1")
     assert set(kernels) == set(loader.entry_points(PLAN))
     assert kernels["norm_modulate_bwd_bf16"].max_dynamic_shared_size_bytes == PLAN.bwd_smem
+    assert kernels["norm_modulate_bwd_exact_bf16"].max_dynamic_shared_size_bytes == PLAN.bwd_smem  # the same stages
 
 
 # ----------------------------------------------------------------------------------- the module cache

@@ -157,6 +157,7 @@ def _compile(device_index: int, plan: Plan) -> dict:
             kernels["norm_modulate_bf16"].max_dynamic_shared_size_bytes = plan.fwd_smem
         kernels["norm_modulate_bwd_bf16"].max_dynamic_shared_size_bytes = plan.bwd_smem
         kernels["norm_modulate_bwd_sorted_bf16"].max_dynamic_shared_size_bytes = plan.bwd_smem
+        kernels["norm_modulate_bwd_exact_bf16"].max_dynamic_shared_size_bytes = plan.bwd_smem
         if not plan.row_order_wide:
             kernels["row_order"].max_dynamic_shared_size_bytes = plan.row_order_smem(ROW_ORDER_KEYS_MAX)
         if plan.bwd_res_stages:

@@ -215,7 +215,7 @@ exact_sums_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ dy, con
 // a table row's pass sends the window out with integer atomics (its low 32 bits to limb k, the rest to k + 1 of
 // table_limbs (LIMBS, T, 2H): A at column H + h, B at h, as exact_sums_bf16's). p = dy * xhat rounded once
 // (exact_sums_bf16's term); the pass's dx is the plain pass's (the sums never touch it). A non-finite term sets flag
-// bit 0, a row of no table row bit 1.
+// bit 0, a row of no table row bit 1 (its terms went to table row 0's states, which the op then never reads).
 struct ExactRowSums {
     long long acc[2][ADALN_BWD_VPT][ADALN_VEC];  // (A | B, vector, element): each window's sum since its flush
     unsigned long long pairs[ADALN_BWD_VPT];  // the windows' limb pairs k, 4 bits each (k <= 8): 16 a vector
@@ -229,8 +229,9 @@ struct ExactRowSums {
             const size_t limb = (size_t)ADALN_T * 2 * ADALN_H;
             const int h = (threadIdx.x + i * ADALN_BWD_THREADS) * ADALN_VEC + e + (q == 0 ? ADALN_H : 0);
             unsigned long long* at = table_limbs + (size_t)current * 2 * ADALN_H + h + pair(q, i, e) * limb;
-            atomicAdd(at, (unsigned long long)(w & 0xffffffffLL));  // two's complement: signed additions
-            atomicAdd(at + limb, (unsigned long long)(w >> 32));
+            const long long low = w & 0xffffffffLL, high = w >> 32;
+            if (low) atomicAdd(at, (unsigned long long)low);  // two's complement: signed additions
+            if (high) atomicAdd(at + limb, (unsigned long long)high);
         }
         w = 0;
     }
@@ -286,6 +287,7 @@ struct ExactRowSums {
         term(1, i, e, dyv);
     }
     __device__ __forceinline__ void poison() { bad |= 2; }
+    __device__ __forceinline__ float* slot(float*, size_t) const { return nullptr; }  // no partials
     __device__ __forceinline__ void store_none(float*) const {}
     __device__ __forceinline__ void store(float*, int) { flush_all(); }
 };

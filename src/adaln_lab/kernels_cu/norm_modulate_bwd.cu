@@ -98,6 +98,9 @@ struct FloatSums {
 #pragma unroll
             for (int e = 0; e < ADALN_VEC; ++e) dy_xhat[i][e] = dy[i][e] = __int_as_float(0x7fc00000);
     }
+    __device__ __forceinline__ float* slot(float* row_partials, size_t k) const {  // slot k of (., 2, H)
+        return row_partials + k * 2 * ADALN_H;
+    }
     __device__ __forceinline__ void store_none(float* slot) const {  // the block's threads write zeros to `slot`
         for (int i = threadIdx.x; i < 2 * ADALN_H / 4; i += ADALN_BWD_THREADS)
             reinterpret_cast<float4*>(slot)[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -194,7 +197,7 @@ __device__ __forceinline__ void row_pass(Sums& sums, const bf16_t* __restrict__ 
 
 #pragma unroll 1
     for (int t = 0; t < ADALN_T; ++t) {
-        float* slot = row_partials + ((size_t)blockIdx.x * ADALN_T + t) * 2 * ADALN_H;  // FloatSums' slot
+        float* slot = sums.slot(row_partials, (size_t)blockIdx.x * ADALN_T + t);  // where store writes, if anywhere
         if (next_in_pass(timesteps, -1, n, t) >= n) {  // no row of this timestep here: zero sums, read nothing
             sums.store_none(slot);
             continue;
