@@ -236,26 +236,15 @@ struct ExactRowSums {
         w = 0;
     }
     __device__ __forceinline__ void term(int q, int i, int e, float f) {
-        const unsigned bits = __float_as_uint(f);
-        const unsigned biased = (bits >> 23) & 0xffu;
-        if (biased == 0xffu) {
-            bad |= 1;
-            return;
-        }
-        long long m = (long long)(bits & 0x7fffffu);
-        int k = 0;
-        if (biased != 0u) {
-            m |= 0x800000LL;
-            k = (int)biased - 1;
-        }
-        if (m == 0) return;
-        if (bits >> 31) m = -m;
-        if ((k >> 5) != pair(q, i, e)) {
+        long long v;
+        int limb;
+        if (!exact_split(f, bad, v, limb)) return;
+        if (limb != pair(q, i, e)) {
             flush(q, i, e);
             const int shift = 4 * (q * 8 + e);
-            pairs[i] = (pairs[i] & ~(15ull << shift)) | ((unsigned long long)(k >> 5) << shift);
+            pairs[i] = (pairs[i] & ~(15ull << shift)) | ((unsigned long long)limb << shift);
         }
-        acc[q][i][e] += m << (k & 31);
+        acc[q][i][e] += v;
     }
     int current;  // the table row of the pass running
 
