@@ -4,11 +4,12 @@ that is gone.
 - Versions: the rows of its version table (`| version | change | prediction | outcome |`) and its headings that
   start with one (`## vN: ...`, `### vN: ...`) read v1, v2, ... in order, none missing or repeated; no other
   heading starts with a version.
-- Paths: a path (a token whose first part is a folder of the checkout, of src/, of src/adaln_lab/ or of bench/,
-  e.g. `adaln_lab/bench/sweep.py`, `results/h100/`) exists; `REV:path` (a file of git's history) exists at REV; a bare
-  file name (`table_bwd.cu`, `block_profile_33e296a.txt`) is a file of the checkout or sits in the folder of a
-  `REV:path` of the same paragraph. The trees the runner's steps copy along (.old_tree/, .ab_tree/, .dtests/) are
-  names, not paths of the checkout.
+- Paths: a path (a token whose first part is a folder of the checkout, of src/, of src/adaln_lab/ or of bench/, e.g.
+  `adaln_lab/bench/sweep.py`, `results/h100/`) exists; `REV:path` (a file of git's history) exists at REV; a bare file
+  name (`table_bwd.cu`, `block_profile_33e296a.txt`) is a file of the checkout or sits in the folder of a `REV:path` of
+  the same paragraph. A `REV:path` of a branch not merged into main names the branch in its paragraph (`branch NAME`):
+  where a clone holds main alone, neither REV nor NAME is here and the reference is left unchecked. The trees the
+  runner's steps copy along (.old_tree/, .ab_tree/, .dtests/) are names, not paths of the checkout.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ EXTENSIONS = r"(?:py|json|txt|cu|cuh|md|csv|sh|ipynb|tgz)"
 GIT_REF = re.compile(r"\b([0-9a-f]{7,40}):((?:src|adaln_lab|bench|tests|kernels_cu|notebooks|docs)/[\w./*-]*)")
 PATH = re.compile(r"(?<![\w./:<>-])(\.?[\w-]+/(?:[\w.*-]+/?)*)")
 BARE = re.compile(rf"(?<![\w./:*-])([\w*-]+\.{EXTENSIONS})(?![\w/])")
+BRANCH = re.compile(r"\bbranch ([\w.-]*\w)")
 VERSION_HEADING = re.compile(r"^#+ v(\d+)\b")
 
 
@@ -116,20 +118,56 @@ def history() -> bool:
     return done.returncode == 0 and done.stdout.strip() == "false"
 
 
+def git_ok(*args: str) -> bool:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True).returncode == 0
+
+
+def branch_here(name: str) -> bool:
+    """Whether this clone has the branch (or any ref of that name)."""
+    return any(git_ok("rev-parse", "--verify", "-q", f"{ref}^{{commit}}") for ref in (name, f"origin/{name}"))
+
+
+def check_paragraph(paragraph: str, names: set[str]) -> tuple[int, list[str]]:
+    """(references checked, references missing) of one paragraph of the log.
+
+    A `REV:path` whose REV is not a commit of this clone counts as checked elsewhere only when the paragraph names
+    the branch that holds it (`branch NAME`) and that branch is not here either (a clone of main alone); with the
+    branch here, REV must be in it."""
+    checked, missing = 0, []
+    refs = GIT_REF.findall(paragraph)
+    elsewhere = [b for b in BRANCH.findall(paragraph) if not branch_here(b)]
+    for rev, path in refs:
+        checked += 1
+        if git_exists(rev, path):
+            continue
+        if not (elsewhere and not git_ok("cat-file", "-e", f"{rev}^{{commit}}")):
+            missing.append(f"{rev}:{path}")
+    folders = {(rev, path.rstrip("/") if path.endswith("/") else path.rsplit("/", 1)[0]) for rev, path in refs}
+    beside = [name for rev, folder in folders for name in git_names(rev, folder)]
+    for name in BARE.findall(GIT_REF.sub(" ", paragraph)):
+        checked += 1
+        if not (fnmatch.filter(names, name) or fnmatch.filter(beside, name)):
+            missing.append(name)
+    return checked, missing
+
+
 @pytest.mark.skipif(not history(), reason="no full git history here: REV:path cannot be looked up")
 def test_every_file_of_gits_history_and_every_bare_file_name_in_the_log_exists():
     checked, missing = 0, []
     names = {p.name for p in ROOT.rglob("*") if ".git" not in p.parts}
     for paragraph in re.split(r"\n\s*\n", NOTES.read_text()):
-        refs = GIT_REF.findall(paragraph)
-        for rev, path in refs:
-            checked += 1
-            if not git_exists(rev, path):
-                missing.append(f"{rev}:{path}")
-        folders = {(rev, path.rstrip("/") if path.endswith("/") else path.rsplit("/", 1)[0]) for rev, path in refs}
-        beside = [name for rev, folder in folders for name in git_names(rev, folder)]
-        for name in BARE.findall(GIT_REF.sub(" ", paragraph)):
-            checked += 1
-            if not (fnmatch.filter(names, name) or fnmatch.filter(beside, name)):
-                missing.append(name)
+        done, gone = check_paragraph(paragraph, names)
+        checked, missing = checked + done, missing + gone
     assert checked >= 60 and missing == []
+
+
+@pytest.mark.skipif(not history(), reason="no full git history here: REV:path cannot be looked up")
+def test_the_history_check_catches_a_missing_file_a_missing_commit_and_a_branch_that_lacks_it():
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    assert check_paragraph(f"{head}:src/adaln_lab/__init__.py", set()) == (1, [])
+    assert check_paragraph(f"{head}:src/adaln_lab/gone.py", set()) == (1, [f"{head}:src/adaln_lab/gone.py"])
+    assert check_paragraph("0000001:src/x.py", set()) == (1, ["0000001:src/x.py"])
+    assert check_paragraph("on branch no-such-branch-here: 0000001:src/x.py", set()) == (1, [])
+    assert check_paragraph("on branch HEAD: 0000001:src/x.py", set()) == (1, ["0000001:src/x.py"])
+    assert check_paragraph("table_bwd.cu and gone_away.cu", {"table_bwd.cu"}) == (2, ["gone_away.cu"])
