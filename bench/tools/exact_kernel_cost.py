@@ -33,7 +33,8 @@ from adaln_lab.core.exact import LIMBS, ExactSum
 from adaln_lab.core.plan import forward_bytes
 from adaln_lab.harness.latency import copy_bandwidth
 from adaln_lab.ops.final_adaln_out import launch
-from adaln_lab.ops.final_adaln_out.exact import exact_row_order, kernel_sums, launch_carry, launch_sums
+from adaln_lab.ops.final_adaln_out.exact import kernel_sums
+from adaln_lab.ops.row_sums import exact_row_order, launch_carry, launch_sums
 
 H, D, T = 5376, 2688, 3
 

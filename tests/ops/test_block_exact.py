@@ -1,8 +1,10 @@
-"""An H3 block's AdaLN under adaln_lab.nn.ExactGradients (the torch route, CPU): diffusers' forward and dx, bit for bit;
-the AdaLN parameters' gradients the same bits for one batch, its rows permuted, and micro-batches of 2, 3 and 8
-parts by sample and within samples in any order (attn and ff row-wise, so a split changes no row's terms); each sum
-the correctly rounded exact sum of its terms; a planted float32 accumulation caught; misuse refused."""
+"""An H3 block's AdaLN under adaln_lab.nn.ExactGradients: on the CPU (the ops' torch code) diffusers' forward bits
+and the ops' dx; the AdaLN parameters' gradients the same bits for one batch, its rows permuted, and micro-batches
+of 2, 3 and 8 parts by sample and within samples in any order (attn and ff row-wise, so a split changes no row's
+terms), on the CPU and on the kernels (backend "cupy", GPU); each gradient the correctly rounded exact function of
+its row terms; a planted float32 accumulation caught; misuse refused."""
 
+import re
 from fractions import Fraction
 
 import pytest
@@ -11,6 +13,9 @@ import torch
 from adaln_lab import block_adaln_path
 from adaln_lab.core.exact import round_scaled
 from adaln_lab.nn import ExactGradients
+from adaln_lab.ops.row_sums import torch_terms
+from adaln_lab.reference.backward import (gated_residual_backward, modulated_rms_norm_backward, rows_index,
+                                          rstd_of)
 from adaln_lab.reference.block import (replay_block_adaln, replay_gated_residual, replay_modulated_rms_norm,
                                        table_chunks)
 from adaln_lab.reference.final_adaln_out import rms_norm, table_rows
@@ -20,22 +25,25 @@ from ..exact_parts import block_params, by_sample, time_embedding, within
 B, S, H, D, T = 8, 18, 16, 8, 2
 
 
-def model(seed: int = 0, dtype=torch.bfloat16):
+def model(seed: int = 0, dtype=torch.bfloat16, device="cpu"):
     """(params: weight, bias, norm1_weight, norm2_weight, the time embedding's Linear), row-wise attn and ff, the
-    batch (x, timestep features, row_index, cotangent)."""
+    batch (x, timestep features, row_index, cotangent), on `device` (CUDA: attn elementwise, as a matmul's rows on
+    cuBLAS depend on the batch)."""
     g = torch.Generator().manual_seed(seed)
     params = block_params(g, H, D, dtype)
     embed = time_embedding(g, D)
     mix = (torch.randn(H, H, generator=g) / H ** 0.5).to(dtype)
-    attn, ff = (lambda h: torch.tanh(h @ mix)), (lambda h: h * torch.sigmoid(h))
+    attn = (lambda h: torch.tanh(h @ mix)) if device == "cpu" else torch.tanh
+    ff = (lambda h: h * torch.sigmoid(h))
     x = (torch.randn(B, S, H, generator=g) * torch.exp2(torch.randint(-3, 4, (B, S, 1), generator=g))).to(dtype)
     feats = torch.randn(T, 4, generator=g)
     row_index = torch.randint(0, 3 * T, (S,), generator=g)
     cot = torch.randn(B, S, H, generator=g) * torch.exp2(torch.randint(-10, 4, (B, S, H), generator=g))
-    return params, embed, (attn, ff), (x, feats, row_index, cot)
+    params = [torch.nn.Parameter(p.detach().to(device)) for p in params]
+    return params, embed.to(device), (attn, ff), tuple(t.to(device) for t in (x, feats, row_index, cot))
 
 
-def step(params, embed, maps, parts, exact=True, order=None):
+def step(params, embed, maps, parts, exact=True, order=None, backend="torch"):
     """Forward and backward of each part, then (weight, bias, norm1, norm2, embed.weight) gradients and the parts'
     outputs and x gradients."""
     for p in [*params, *embed.parameters()]:
@@ -45,7 +53,7 @@ def step(params, embed, maps, parts, exact=True, order=None):
         x, feats, row_index, cot = parts[k]
         x = x.detach().requires_grad_(True)
         with acc if exact else torch.enable_grad():
-            out = block_adaln_path(x, embed(feats), *params, row_index, *maps, backend="torch")
+            out = block_adaln_path(x, embed(feats), *params, row_index, *maps, backend=backend)
             (out.float() * cot).sum().backward()
         outs.append((out.detach(), x.grad))
     if exact:
@@ -67,75 +75,124 @@ def replay_rows(x, temb, weight, bias, n1, n2, row_index, attn, ff, norm=rms_nor
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_forward_and_dx_are_diffusers_bits_on_the_rowwise_table(dtype):
-    """The output and dx are diffusers' block on a table computed a temb row at a time (each row diffusers' bits for
-    that row alone); with one timestep that is diffusers' block itself."""
+def test_forward_is_diffusers_bits_on_the_rowwise_table_and_dx_the_ops(dtype):
+    """The output is diffusers' block on a table computed a temb row at a time (each row diffusers' bits for that row
+    alone; with one timestep that is diffusers' block itself), and the output and dx are those of the block's ops
+    outside ExactGradients on that table (their analytic derivative)."""
     params, embed, maps, (x, feats, row_index, cot) = model(dtype=dtype)
     for T_used, idx in ((T, row_index), (1, torch.zeros_like(row_index))):
         f = feats[:T_used]
         grads, [(out, dx)] = step(params, embed, maps, [(x, f, idx, cot)])
+        temb, detached = embed(f).detach(), [p.detach() for p in params]
+        want = replay_rows(x, temb, *detached, idx, *maps)
+        assert torch.equal(out, want)
         xr = x.detach().requires_grad_(True)
-        want = replay_rows(xr, embed(f).detach(), *[p.detach() for p in params], idx, *maps)
-        (want.float() * cot).sum().backward()
-        assert torch.equal(out, want.detach()) and torch.equal(dx, xr.grad)
+        rowwise = table_rows(temb, detached[0], detached[1]).float()
+        plain = block_adaln_path(xr, temb, *detached, idx, *maps, adapt_table=lambda table: rowwise)
+        (plain.float() * cot).sum().backward()
+        assert torch.equal(plain.detach(), out) and torch.equal(dx, xr.grad)
         assert all(g is not None and bool(torch.isfinite(g.float()).all()) for g in grads)
         if T_used == 1:
-            plain = replay_block_adaln(x, embed(f).detach(), *[p.detach() for p in params], idx, *maps)
-            assert torch.equal(out, plain.detach())
+            assert torch.equal(out, replay_block_adaln(x, temb, *detached, idx, *maps))
 
 
-def test_permutations_and_micro_batches_give_the_same_bits():
-    params, embed, maps, batch = model()
-    one, _ = step(params, embed, maps, [batch])
+ROUTES = [("cpu", "torch"), pytest.param("cuda", "cupy", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device, backend", ROUTES)
+def test_permutations_and_micro_batches_give_the_same_bits(device, backend):
+    params, embed, maps, batch = model(device=device)
+    one, _ = step(params, embed, maps, [batch], backend=backend)
     x, feats, row_index, cot = batch
-    perm = torch.randperm(S, generator=torch.Generator().manual_seed(1))
-    assert same(step(params, embed, maps, [(x[:, perm], feats, row_index[perm], cot[:, perm])])[0], one)
+    perm = torch.randperm(S, generator=torch.Generator().manual_seed(1)).to(device)
+    assert same(step(params, embed, maps, [(x[:, perm], feats, row_index[perm], cot[:, perm])], backend=backend)[0],
+                one)
     for n in (2, 3, 8):
         for parts in (by_sample(batch, n), within(batch, n)):
             for order in (None, list(reversed(range(len(parts))))):
-                got, _ = step(params, embed, maps, parts, order=order)
+                got, _ = step(params, embed, maps, parts, order=order, backend=backend)
                 assert same(got, one), (n, order)
                 assert torch.allclose(got[4], one[4], rtol=1e-4, atol=1e-5)  # temb's producer: reached
 
 
-def test_a_planted_float32_accumulation_fails_the_same_check():
-    params, embed, maps, batch = model()
-    one, _ = step(params, embed, maps, [batch], exact=False)
-    assert any(not same(step(params, embed, maps, parts, exact=False)[0], one)
+@pytest.mark.parametrize("device, backend", ROUTES)
+def test_a_planted_float32_accumulation_fails_the_same_check(device, backend):
+    """Plain autograd (backend "torch": diffusers' ops; "cupy": the kernels' fixed-order sums) over the same splits
+    changes the gradients."""
+    params, embed, maps, batch = model(device=device)
+    one, _ = step(params, embed, maps, [batch], exact=False, backend=backend)
+    assert any(not same(step(params, embed, maps, parts, exact=False, backend=backend)[0], one)
                for n in (2, 3, 8) for parts in (by_sample(batch, n), within(batch, n)))
 
 
-def test_the_norm_weights_gradients_are_the_correctly_rounded_exact_sums_of_their_terms():
-    """float32 parameters: each norm weight's gradient equals the exact (Fraction) sum of its per-row terms, rounded
-    once; the terms from the norm's own input and output gradient, captured on a plain replay."""
-    params, embed, maps, (x, feats, row_index, cot) = model(dtype=torch.float32)
-    x = x.float()
-    grads, _ = step(params, embed, maps, [(x, feats, row_index, cot)])
+def exact_round(values) -> torch.Tensor:
+    """float32 of each exact Fraction, rounded once (every value a multiple of 2^-298: float32 terms times float32
+    factors)."""
+    scaled = [v * 2 ** 298 for v in values]
+    assert all(v.denominator == 1 for v in scaled)
+    return torch.tensor([round_scaled(int(v), -298, 24) for v in scaled], dtype=torch.float64).float()
+
+
+def grouped(terms: torch.Tensor, rows: torch.Tensor, R: int) -> list[list[Fraction]]:
+    """[r][h] the exact sum of terms (n, H) float32 over the rows i with rows[i] = r."""
+    sums = [[Fraction(0)] * terms.shape[1] for _ in range(R)]
+    for r, row in zip(rows.tolist(), terms.tolist()):
+        sums[r] = [a + Fraction(v) for a, v in zip(sums[r], row)]
+    return sums
+
+
+def test_the_gradients_are_the_correctly_rounded_exact_functions_of_the_row_terms():
+    """float32 parameters: each norm weight's gradient is sum_r float32(1 + scale[r]) A[r] and each bias column's
+    its factor (w for the scale chunks, else 1) times the sum of its terms over the rows (B = dy for the shifts,
+    A = dy xhat for the scales, dy y for the gates; ops/block/exact.py), exact, rounded once; the terms from the
+    block's values and its ops' analytic backward (`reference.backward`), recomputed here."""
+    params, embed, (attn, ff), (x, feats, row_index, cot) = model(dtype=torch.float32)
+    x, eps = x.float(), 1e-5
+    grads, _ = step(params, embed, (attn, ff), [(x, feats, row_index, cot)])
     weight, bias, n1, n2 = (p.detach() for p in params)
-    seen = {}
+    chunks = table_chunks(table_rows(embed(feats).detach(), weight, bias).float(), H)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = chunks
+    rows = rows_index(row_index, x)
 
-    def norm(xn, w, eps):  # rms_norm, its input and output gradient kept (the k-th norm's under key k)
-        k = len(seen)
-        seen[k] = None
-        out = rms_norm(xn, w, eps)
-        out.register_hook(lambda g: seen.update({k: (xn.detach(), g)}))
-        return out
+    def back(f, h, dy):  # the branch's vjp, as autograd runs it between the ops
+        h = h.detach().requires_grad_(True)
+        return torch.autograd.grad(f(h), h, dy)[0]
 
-    xr = x.detach().requires_grad_(True)
-    out = replay_rows(xr, embed(feats).detach(), weight, bias, n1, n2, row_index, *maps, norm=norm)
-    (out.float() * cot).sum().backward()
-    for got, (xn, dy) in zip((grads[2], grads[3]), (seen[0], seen[1])):
-        xf = xn.reshape(-1, H).float()
-        terms = dy.reshape(-1, H).float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5))
-        exact = [sum(Fraction(v) for v in terms[:, h].tolist()) * 2 ** 149 for h in range(H)]
-        assert all(e.denominator == 1 for e in exact)
-        want = torch.tensor([round_scaled(int(e), -149, 24) for e in exact], dtype=torch.float64).float()
-        assert torch.equal(got, want)
+    h1 = replay_modulated_rms_norm(x, n1, shift_msa, scale_msa, row_index, eps)
+    y1 = attn(h1)
+    x_out = replay_gated_residual(x, gate_msa, y1, row_index)
+    h2 = replay_modulated_rms_norm(x_out, n2, shift_mlp, scale_mlp, row_index, eps)
+    y2 = ff(h2)
+    dout = cot.float()
+    dy2 = back(ff, h2, gated_residual_backward(dout, gate_mlp, y2, row_index, torch.float32)[1])
+    total = modulated_rms_norm_backward(dy2, x_out, n2, shift_mlp, scale_mlp, row_index, rstd_of(x_out, eps),
+                                        dout)[0]
+    dy1 = back(attn, h1, gated_residual_backward(total, gate_msa, y1, row_index, torch.float32)[1])
+    terms = {}
+    for k, (xn, dy) in enumerate(((x, dy1), (x_out, dy2))):
+        t = torch_terms(xn, dy, rstd_of(xn, eps))
+        terms[3 * k], terms[3 * k + 1] = t[:, :H], t[:, H:]
+    terms[2], terms[5] = torch_terms(y1, total, None)[:, H:], torch_terms(y2, dout, None)[:, H:]
+    sums = {c: grouped(t.reshape(-1, H), rows, 3 * T) for c, t in terms.items()}
+    for k, (w, scale) in enumerate(((n1, scale_msa), (n2, scale_mlp))):
+        s1 = (1.0 + scale).tolist()
+        A = sums[3 * k + 1]
+        want = exact_round([sum(Fraction(s1[r][h]) * A[r][h] for r in range(3 * T)) for h in range(H)])
+        assert torch.equal(grads[2 + k], want), k
+    factors = {1: n1.tolist(), 4: n2.tolist()}
+    for m in range(3):
+        for c in range(6):
+            f = factors.get(c, [1.0] * H)
+            column = [Fraction(f[h]) * sum(sums[c][3 * t + m][h] for t in range(T)) for h in range(H)]
+            got = grads[1][m * 6 * H + c * H:m * 6 * H + (c + 1) * H]
+            assert torch.equal(got, exact_round(column)), (m, c)
 
 
-def test_backend_cupy_refuses_to_record():
+def test_backend_cupy_records_on_the_kernels_only_and_refuses_the_cpu_as_outside():
     params, embed, maps, (x, feats, row_index, cot) = model()
-    with ExactGradients(), pytest.raises(NotImplementedError, match="backend='torch'"):
+    with pytest.raises(Exception) as outside:
+        block_adaln_path(x, embed(feats), *params, row_index, *maps, backend="cupy")
+    with ExactGradients(), pytest.raises(type(outside.value), match=re.escape(str(outside.value))):
         block_adaln_path(x, embed(feats), *params, row_index, *maps, backend="cupy")
 
 

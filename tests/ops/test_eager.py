@@ -30,7 +30,7 @@ def _norm_inputs():
 
 def _norm(apply, leaves):
     """ModulatedRMSNorm's out on the torch route (no order, no residual, no block table, no row tables)."""
-    return apply(ModulatedRMSNorm, *leaves, 1e-5, torch.bfloat16, "torch", None, False, None, 0, None)[0]
+    return apply(ModulatedRMSNorm, *leaves, 1e-5, torch.bfloat16, "torch", None, False, None, 0, None, None)[0]
 
 
 def test_the_c_apply_gives_function_applys_outputs_and_gradients():

@@ -9,7 +9,7 @@ sample a rank on the largest w: its fp32 reduce-scatter) is caught by the same c
 check). Figures on the largest w: median ms of the exact step and of the plain FSDP2 step, the bytes of one rank's
 exact states (`ExactGradients.state_bytes`: the norm weights' limbs, the table's limbs and rows over the distinct
 timesteps) and one all-reduce's time (synchronised before and after).
-The AdaLN ops record on the torch route (a patched model with backend "torch": a block's kernels do not record yet).
+The AdaLN ops record on the torch route (a patched model with backend "torch", the same code on every rank).
 """
 
 from __future__ import annotations

@@ -302,18 +302,22 @@ def memory(ctx: Context) -> int:
 
 
 def exact(ctx: Context) -> int:
-    """The exact route's checks and cost (bench/tools/exact_kernel_cost.py) and its gradients' errors against float64
-    beside the plain ones' (bench/tools/exact_accuracy.py at 4097 rows)."""
+    """The exact route's checks and cost (bench/tools/exact_kernel_cost.py; a block's, bench/tools/block_exact_cost.py)
+    and its gradients' errors against float64 beside the plain ones' (bench/tools/exact_accuracy.py at 4097 rows)."""
     tools = ctx.root / "bench" / "tools"
     rc = ctx.run(["exact_kernel_cost.json", "exact_kernel_cost.log"],
                  [PY, str(tools / "exact_kernel_cost.py"), "--out", str(ctx.out / "exact_kernel_cost.json")],
                  stdout="exact_kernel_cost.log", stderr=STDOUT)
     ctx.show_tail("exact_kernel_cost.log", 2)
+    block = ctx.run(["block_exact_cost.json", "block_exact_cost.log"],
+                    [PY, str(tools / "block_exact_cost.py"), "--out", str(ctx.out / "block_exact_cost.json")],
+                    stdout="block_exact_cost.log", stderr=STDOUT)
+    ctx.show_tail("block_exact_cost.log", 2)
     accuracy = ctx.run(["exact_accuracy.json", "exact_accuracy.log"],
                        [PY, str(tools / "exact_accuracy.py"), "--rows", "4097", "--out",
                         str(ctx.out / "exact_accuracy.json")], stdout="exact_accuracy.log", stderr=STDOUT)
     ctx.show_tail("exact_accuracy.log", 2)
-    return rc or accuracy
+    return rc or block or accuracy
 
 
 def compare_needs_gpu(options) -> bool:
@@ -343,8 +347,8 @@ STEPS = {s.name: s for s in (
     Step("sweep", sweep, 200, "each shipped kernel timed alone: sweep.json, sweep.log"),
     Step("memory", memory, 120, "peak memory and growth over 1000 calls: memory_figures.json, memory_figures.log",
          shares=True),
-    Step("exact", exact, 240, "the exact route's checks, cost and accuracy: exact_kernel_cost.json, "
-         "exact_accuracy.json and their logs"),
+    Step("exact", exact, 360, "the exact route's checks, cost and accuracy: exact_kernel_cost.json, "
+         "block_exact_cost.json, exact_accuracy.json and their logs"),
 )}
 
 

@@ -28,6 +28,7 @@ from .tensors import row_partials_floats
 
 CHUNKS = ("shift_msa", "scale_msa", "gate_msa", "shift_mlp", "scale_mlp", "gate_mlp")
 SHIFT_MSA, GATE_MSA, SHIFT_MLP, GATE_MLP = 0, 2, 3, 5  # the first chunk each op (or op part) writes
+SCALE_MSA, SCALE_MLP = SHIFT_MSA + 1, SHIFT_MLP + 1  # the modulated norms' scale chunks
 
 
 def for_op(d_link: torch.Tensor | None, table: tuple, hidden_size: int, end: int, partials: int = 0) -> torch.Tensor:

@@ -28,7 +28,8 @@
 // Dynamic shared memory: LIMBS x 2 sums x 2 columns x threads int64 (plan.exact_smem; none with
 // ADALN_EXACT_CACHE 2, whose caches go straight to the outputs). ADALN_EXACT_AHEAD rows' x
 // and dy are loaded before their terms are added (their loads in flight together).
-// Run: adaln_lab.ops.final_adaln_out.exact.launch_sums.
+// Run: adaln_lab.ops.row_sums.launch_sums (norm_out's T table rows; a block's row ops with the 3T rows of its
+// chunks as T: the same sums of each modulated norm's rows, and of a gated residual's with x = y and rstd = 1).
 
 #define EXACT_SLOTS (2 * 2)  // (sum, column) states of a thread: shift, scale x its two columns
 
@@ -306,7 +307,7 @@ norm_modulate_bwd_exact_bf16(const bf16_t* __restrict__ dy, const bf16_t* __rest
 // exact_carry: core/exact.py's ExactSum._carry on limbs (ADALN_EXACT_LIMBS, n) int64 in place, one thread an element:
 // from the lowest limb up, the carry v >> 32 (floor) moves to the next limb, so limbs 0 .. LIMBS - 2 end in
 // [0, 2^32) and the top limb holds the sign; the same integers as the torch loop (9 steps of 3 ops each: 27 launches
-// a state). Run: adaln_lab.ops.final_adaln_out.exact.launch_carry.
+// a state). Run: adaln_lab.ops.row_sums.launch_carry.
 extern "C" __global__ void __launch_bounds__(256) exact_carry(long long* __restrict__ limbs, int n) {
     const int i = blockIdx.x * 256 + threadIdx.x;
     if (i >= n) return;

@@ -7,8 +7,8 @@
     acc.write()                                      # each one's .grad, once; temb's gradient into its producer
 
 Inside `with acc` norm_out (`final_adaln_out`) and each block's AdaLN (`block_adaln_path`), on the torch route
-(any CPU call, or backend="torch") and, for norm_out, on the kernels (CUDA; exact_sums.cu), keep the exact states
-of their cross-row sums (per-row float32 terms added as integers: ops/final_adaln_out/exact.py,
+(any CPU call, or backend="torch") and on the kernels (CUDA; exact_sums.cu), keep the exact states of their
+cross-row sums (per-row float32 terms added as integers: ops/row_sums.py, ops/final_adaln_out/exact.py,
 ops/block/exact.py) and their temb, graph and all. `write` rounds each sum
 once: the norm weights' and the table's gradient per distinct temb row (identical rows are one timestep, merged),
 then d_weight, d_bias and d_temb as fixed functions of those (ops/modulation_table/exact.py); the tembs' gradients,
@@ -18,9 +18,8 @@ accumulator's states (another group of micro-batches), in any order; `all_reduce
 (integers over torch.distributed), so that each rank's write gives one process's bits; under FSDP2 write sets the
 sharded masters' gradients (`own`; the time embedding frozen). LoRA adapters on a projection
 (`adapt`, noted by the nn layers) get their gradients from the exact table gradient at write
-(`TableSums.lora_gradients`). Not recorded yet, and refused inside `with acc` (NotImplementedError naming it): a
-block's kernels' route (backend "auto" on CUDA takes the torch route, warned), adapters with a bias or an active
-dropout, diffusers' own forward
+(`TableSums.lora_gradients`). Not recorded yet, and refused inside `with acc` (NotImplementedError naming it):
+adapters with a bias or an active dropout, diffusers' own forward
 (hooks on a patched module) and AdaLNOut's temb dtypes other than float32 / float64. A parameter shared by two
 AdaLNs is refused.
 temb's graph must live until write, so every op that reads temb must record (an H3 model whose AdaLNs all run
@@ -32,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.exact import ExactSum, recording, reset_recording
+from ..core.exact import recording, reset_recording, wide_zero
 from ..ops.final_adaln_out.exact import column_factors
 from ..ops.modulation_table.exact import TableSums, row_key, silu_grad
 
@@ -47,7 +46,7 @@ class _Group:
         self.weight, self.bias, self.norm_weights = weight, bias, tuple(norm_weights)
         self.norm_names = ("norm_weight",) if len(self.norm_weights) == 1 else ("norm1_weight", "norm2_weight")
         # a block's norm weights' states; norm_out's norm weight takes its gradient from the table's scale sums
-        self.norms = [ExactSum(w.shape, w.device) for w in self.norm_weights] if len(self.norm_weights) > 1 else []
+        self.norms = [wide_zero(w.shape, w.device) for w in self.norm_weights] if len(self.norm_weights) > 1 else []
         self.table = TableSums()
         self.tembs: list[torch.Tensor] = []
         self.pending: list = []
@@ -72,8 +71,10 @@ class _Group:
         """Fold the blocks' parts in, their backwards done (a later hook of theirs raises)."""
         for temb, sums in self.pending:
             sums.closed = True
-            self.table.add(temb, sums.table())
-            for mine, theirs in zip(self.norms, sums.norms):
+            if sums.flags:
+                self.checks.append(sums)
+            self.table.add(temb, sums.table(), None, sums.factors())
+            for mine, theirs in zip(self.norms, sums.norm_states()):
                 mine.merge(theirs)
         self.pending.clear()
 
@@ -223,6 +224,7 @@ class ExactGradients:
         """Set each recorded parameter's .grad from the exact sums, send d_temb to the kept tembs, forget all.
         Every gradient is formed before any is set: an error leaves every .grad as it was."""
         for group in self.groups.values():
+            group.settle()
             _check(group)
             params = {"weight": group.weight, "bias": group.bias}
             params.update(zip(group.norm_names, group.norm_weights))
@@ -350,5 +352,5 @@ def _temb_backward(temb_grads: dict) -> None:
         if "second time" not in str(e):
             raise
         raise RuntimeError("ExactGradients.write: temb's graph was freed before write (temb also fed ops whose "
-                           "backward ran and that do not record: a block outside the torch route, or another "
-                           "consumer); exact gradients need every op that reads temb to record") from e
+                           "backward ran and that do not record, such as diffusers' own forward); exact gradients "
+                           "need every op that reads temb to record") from e

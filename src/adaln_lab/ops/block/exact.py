@@ -1,122 +1,119 @@
-"""An H3 block's AdaLN recording its exact cross-row sums (inside `adaln_lab.nn.ExactGradients`; the torch route).
+"""An H3 block's AdaLN recording its exact cross-row sums (inside `adaln_lab.nn.ExactGradients`).
 
-The forward is diffusers' (`reference.block.replay_block_adaln` on detached copies of the parameters and temb, its
-table computed a temb row at a time: each row diffusers' bits for that row alone, whatever T), so x's, attn's and
-ff's gradients are diffusers' autograd's, and nothing reaches the AdaLN parameters or temb: hooks keep each of
-their cross-row sums as an exact state (`core.exact.ExactSum`) of per-row float32 terms,
-each the row's own:
+The block runs its own ops (`block_adaln_path`, on their routes) on detached parameters and temb, with its table
+computed a temb row at a time where the torch code makes it (`table_rows`: each row's bits whatever T; the table
+kernel's rows are so already), so x's, attn's and ff's gradients are the ops' and nothing reaches the AdaLN
+parameters or temb: each row op's backward adds its rows' terms to this part's BlockSums (`ops/row_sums.py`: B =
+dy and A = dy x rstd for a modulated norm, A = dy y for a gated residual, per table row; on exact_sums.cu where the
+op runs on the kernels, in torch code otherwise):
 
-    chunk c of table row r = row_index[s]   the gradient of row s's gathered chunk (autograd's, table dtype)
-    norm1_weight, norm2_weight              float32(dy_s float32(x_s rstd_s)), rstd_s = rsqrt(mean(x_s^2) + eps)
-                                            in float32, dy_s the gradient of the norm's output
+    chunk (3T, H) state      shift_msa, shift_mlp: B      scale_msa, scale_mlp: A      gate_msa, gate_mlp: A of dy y
+    norm k's product state   sum over the part's table rows r of s1[r] A[r], s1 = float32(1 + scale[r])
 
-    sums = BlockSums(T, H, device)     # a part's states; the ops add to them in their backward
-    sums.table()                       # ExactSum (T, 18H): the six (3T, H) chunk states as the table's columns
-    block_exact(x, temb, weight, bias, norm1_weight, norm2_weight, row_index, attn, ff, eps1, eps2, recorder)
+The recorder (`adaln_lab.nn.ExactGradients`) merges the parts' states and rounds each sum once at write: the table's
+gradient per distinct temb row, d_table = the chunks' states times their columns' factors (w1, w2 for the scale
+chunks, the forward's norm weights in float32; 1 elsewhere: `factors`), then d_weight, d_bias and d_temb from it
+(`ops/modulation_table/exact.py`); the norm weights' from the product states. All exact: the gradients are the
+exact functions of the exact sums, each rounded once.
 
-The recorder (`adaln_lab.nn.ExactGradients`) rounds each sum once at write: the table's over the distinct temb
-rows, then d_weight, d_bias and d_temb from it (`ops/modulation_table/exact.py`), and the two norm weights'.
-float32 and bfloat16 parameters (their gradients are rounded from the exact sums to their dtype).
+    sums = BlockSums(T, H, (norm1_weight, norm2_weight), device)
+    sums.norm(chunk, x, dy, rstd, row_index, scale, kernels)   # a modulated norm's rows (chunk: its shift chunk)
+    sums.gate(chunk, y, dy, row_index, kernels)                # a gated residual's rows (chunk: its gate chunk)
+    sums.table(), sums.factors(), sums.norm_states(), sums.check()   # at the recorder's settle and write
+    table, row_tables = exact_table(temb, weight, bias, kernel, with_row_tables, adapt_table)
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...core.exact import LIMBS, ExactSum
-from ...reference.backward import rows_index
-from ...reference.block import CHUNKS, MODALITIES, replay_gated_residual, replay_modulated_rms_norm, table_chunks
-from ...reference.final_adaln_out import rms_norm, table_rows
-from ..final_adaln_out.exact import normed_terms
+from ...core.exact import LIMBS, ExactSum, products, wide_zero
+from ...core.library import apply
+from ...core.table_gradient import SCALE_MLP, SCALE_MSA, SHIFT_MSA
+from ...reference.block import CHUNKS, MODALITIES
+from ...reference.final_adaln_out import table_rows
+from ..modulation_table.op import ModulationTable
+from ..row_sums import half, raise_flags, row_sums
+
+OP = "block_adaln_path"
 
 
 class BlockSums:
-    """A block's exact states for one part: `chunks`, six ExactSum (3T, H) (CHUNKS order); `norms`, two ExactSum
-    (H,) (norm1, norm2)."""
+    """A block's exact states for one part (module docstring): `chunks`, six ExactSum (3T, H) (CHUNKS order);
+    `scales` each norm's s1 (3T, H) float32 once its backward ran; `weights` the norm weights as the forward used
+    them (float32). The backward adds integers only (no host sync); the products wait for `norm_states`."""
 
-    def __init__(self, T: int, H: int, device=None):
+    def __init__(self, T: int, H: int, norm_weights, device=None):
         self.T, self.H = T, H
         self.chunks = [ExactSum((MODALITIES * T, H), device) for _ in CHUNKS]
-        self.norms = [ExactSum((H,), device) for _ in range(2)]
+        self.scales: list[torch.Tensor | None] = [None, None]
+        self.weights = [w.detach().float() for w in norm_weights]
+        self.flags: list[torch.Tensor] = []  # the kernels' error flags, read by `check`
         self.closed = False  # set when the accumulator folds these states in (its `with` ended)
 
-    def add(self, state: ExactSum, terms: torch.Tensor, index=None) -> None:
-        """state.add(terms, index), for a hook of this part's backward; refused once the states were folded in."""
+    def _open(self) -> None:
         if self.closed:
-            raise RuntimeError("block_adaln_path: this part's backward ran after its `with ExactGradients()` ended; "
-                               "run the backward inside the `with`")
-        state.add(terms, index)
+            raise RuntimeError(f"{OP}: this part's backward ran after its `with ExactGradients()` ended; run the "
+                               "backward inside the `with`")
+
+    def _sums(self, x, dy, rstd, row_index, kernels: bool) -> ExactSum:
+        self._open()
+        state, flags = row_sums(x, dy, rstd, row_index, MODALITIES * self.T, kernels, OP)
+        if flags is not None:
+            self.flags.append(flags)
+        return state
+
+    def norm(self, chunk: int, x, dy, rstd, row_index, scale, kernels: bool) -> None:
+        """Add a modulated norm's rows: x, dy (..., S, H) (its input and its output's gradient), rstd (rows,),
+        row_index (S,), scale (3T, H) its scale chunk (float32 holding the table's values); chunk its shift chunk."""
+        state = self._sums(x, dy, rstd, row_index, kernels)
+        self.chunks[chunk].merge(half(state, 0))
+        self.chunks[chunk + 1].merge(half(state, 1))
+        self.scales[0 if chunk == SHIFT_MSA else 1] = (1.0 + scale.detach().float()).contiguous()
+
+    def gate(self, chunk: int, y, dy, row_index, kernels: bool) -> None:
+        """Add a gated residual's rows: y (..., S, H) the branch output, dy its output's gradient; chunk its gate
+        chunk."""
+        self.chunks[chunk].merge(half(self._sums(y, dy, None, row_index, kernels), 1))
+
+    def norm_states(self) -> list[ExactSum]:
+        """The norm weights' product states (H,): sum over the part's chunk rows r of s1[r] A[r] (zero where a
+        norm's backward did not run)."""
+        return [wide_zero((self.H,), self.chunks[0].limbs.device) if s1 is None
+                else products(self.chunks[scale], s1).total()
+                for scale, s1 in zip((SCALE_MSA, SCALE_MLP), self.scales)]
 
     def table(self) -> ExactSum:
-        """The table gradient's state (T, 18H): chunk c of the (3T, 6H) view's row 3t + m is columns
+        """The table gradient's raw state (T, 18H): chunk c of the (3T, 6H) view's row 3t + m is columns
         m 6H + c H .. of table row t (diffusers' `view(-1, 6H).chunk(6)`)."""
         return ExactSum.from_limbs(torch.cat([c.limbs for c in self.chunks], dim=2).reshape(LIMBS, self.T, -1))
 
+    def factors(self) -> torch.Tensor:
+        """(18H,) float32: each table column's factor, w1 / w2 for the scale chunks' columns, 1 elsewhere."""
+        ones = torch.ones_like(self.weights[0])
+        row = [self.weights[0] if c == SCALE_MSA else self.weights[1] if c == SCALE_MLP else ones
+               for c in range(len(CHUNKS))]
+        return torch.cat(row * MODALITIES)
 
-class _Gathered:
-    """Chunk `c` standing in for the replay's `chunk.index_select(0, row_index)`: the rows expanded to x's leading
-    dimensions `lead` (the values the replay broadcasts), with a hook that adds each row's own gradient (before the
-    expand's backward sums the samples) to sums.chunks[c]."""
-
-    def __init__(self, chunk: torch.Tensor, sums: BlockSums, c: int, lead: tuple):
-        self.chunk, self.sums, self.c, self.lead = chunk, sums, c, lead
-
-    def index_select(self, dim: int, row_index: torch.Tensor) -> torch.Tensor:
-        rows = self.chunk.index_select(dim, row_index)
-        rows = rows.expand(*self.lead, *rows.shape)
-
-        def record(grad):
-            terms = grad.reshape(-1, grad.shape[-1]).float()  # bf16 or float32: exact in float32
-            self.sums.add(self.sums.chunks[self.c], terms, rows_index(row_index, grad))
-
-        rows.register_hook(record)
-        return rows
+    def check(self) -> None:
+        """Raise what the kernels flagged (a host read of each flag; `ops.row_sums.raise_flags`)."""
+        for flag in self.flags:
+            raise_flags(flag, OP)
+        self.flags.clear()
 
 
-def _norm(sums: BlockSums, k: int):
-    """A stand-in for `rms_norm` in the replay: rms_norm itself (its graph, so dx is autograd's), with a hook on
-    its output that adds norm k's per-row terms (module docstring) to sums.norms[k]."""
-
-    def norm(x, norm_weight, eps):
-        out = rms_norm(x, norm_weight, eps)
-        xs = x.detach()
-        out.register_hook(lambda dy: sums.add(sums.norms[k], normed_terms(xs, dy, eps)[0]))
-        return out
-
-    return norm
-
-
-def _leaf(t: torch.Tensor) -> torch.Tensor:
-    """A detached copy that wants a gradient: the hooks run even where x wants none (a frozen model's first
-    block); what reaches the copy is dropped with it."""
-    return t.detach().requires_grad_(True)
-
-
-def block_exact(x, temb, weight, bias, norm1_weight, norm2_weight, row_index, attn, ff, eps1: float, eps2: float,
-                recorder, adapt_table=None):
-    """The block's forward (diffusers' bits), recording its exact sums with `recorder` (module docstring).
-    adapt_table: None, or `block_adaln_path`'s (LoRA adapters' terms, applied to each table row's values without a
-    graph: the recorder forms the adapters' gradients from the exact table gradient)."""
-    for name, p in (("weight", weight), ("bias", bias), ("norm1_weight", norm1_weight),
-                    ("norm2_weight", norm2_weight)):
-        if p.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"block_adaln_path: exact gradients take float32 or bfloat16 parameters, got {name} "
-                             f"{p.dtype}")
-    T, H = temb.shape[0], x.shape[-1]
-    sums = BlockSums(T, H, x.device)
-    recorder.add_block((weight, bias, norm1_weight, norm2_weight), temb, sums)
-    # the table a temb row at a time (its rows' bits whatever T), from detached inputs, as a leaf (_leaf): the hooks
-    # record, nothing reaches weight, bias or temb
-    table = table_rows(temb.detach(), weight.detach(), bias.detach())
-    if adapt_table is not None:
-        with torch.no_grad():
+def exact_table(temb, weight, bias, kernel: bool, with_row_tables: bool, adapt_table=None):
+    """(table (T, 18H) float32 holding the table dtype's values, a leaf, the table kernel's bf16 row tables or None)
+    without a graph, each row's bits whatever T: the table kernel's (`kernel`, with its row tables where
+    `with_row_tables`) or `table_rows`' (a temb row at a time); adapt_table: None, or the LoRA adapters' terms,
+    applied to its values (the recorder forms the adapters' gradients from the exact table gradient)."""
+    with torch.no_grad():
+        if kernel:
+            table, row_tables = apply(ModulationTable, temb, weight, bias, "cupy", "cuda", with_row_tables)
+        else:
+            table, row_tables = table_rows(temb, weight, bias), None
+        if adapt_table is not None:
             table = adapt_table(table.float()).to(table.dtype)
-    table = _leaf(table)
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
-        _Gathered(chunk, sums, c, tuple(x.shape[:-2])) for c, chunk in enumerate(table_chunks(table, H)))
-    h = replay_modulated_rms_norm(x, _leaf(norm1_weight), shift_msa, scale_msa, row_index, eps1,
-                                  norm=_norm(sums, 0))
-    x = replay_gated_residual(x, gate_msa, attn(h), row_index)
-    h = replay_modulated_rms_norm(x, _leaf(norm2_weight), shift_mlp, scale_mlp, row_index, eps2,
-                                  norm=_norm(sums, 1))
-    return replay_gated_residual(x, gate_mlp, ff(h), row_index)
+    # a leaf that wants a gradient, so that the ops' backwards run (and record) even where nothing else wants one
+    # (a frozen model's first block); what reaches it is dropped with it
+    return table.float().requires_grad_(True), row_tables

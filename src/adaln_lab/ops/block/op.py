@@ -33,7 +33,7 @@ from ..gated_residual_norm.op import GatedResidualNorm, pair_route
 from ..modulated_rms_norm.op import ModulatedRMSNorm, norm_route
 from ..modulation_table.op import ModulationTable
 from ..row_order import row_order
-from .exact import block_exact
+from .exact import BlockSums, exact_table
 
 OP = "block_adaln_path"
 
@@ -92,17 +92,15 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
     if weight.dim() != 2 or weight.shape[0] != 6 * MODALITIES * H:
         raise ValueError(f"block_adaln_path needs weight of shape (18H, D) = ({18 * H}, D), got {tuple(weight.shape)}")
     recorder = exact.recorder() if torch.is_grad_enabled() else None
-    if recorder is not None:  # inside adaln_lab.nn.ExactGradients: record the exact sums (the torch route)
-        if backend == "cupy":
-            raise NotImplementedError("block_adaln_path: exact gradients (adaln_lab.nn.ExactGradients) of a block run "
-                                      "on the torch route for now; pass backend='torch' or 'auto' (got backend='cupy' "
-                                      f"on {x.device})")
-        if backend == "auto":  # the kernels do not record a block's sums yet: the torch route, warned on CUDA
-            support.warn_fallback(OP, x, NotImplementedError("a block's exact gradients are recorded on the torch "
-                                                             "route only"))
-        return block_exact(x, temb, weight, bias, norm1_weight, norm2_weight, row_index, attn, ff, float(eps1),
-                           float(eps2), recorder, adapt_table)
-    if backend == "torch":
+    if recorder is not None:  # inside adaln_lab.nn.ExactGradients: the ops record the exact sums (`exact`)
+        params = (weight, bias, norm1_weight, norm2_weight)
+        for name, p in zip(("weight", "bias", "norm1_weight", "norm2_weight"), params):
+            if p.dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError(f"block_adaln_path: exact gradients take float32 or bfloat16 parameters, got {name} "
+                                 f"{p.dtype}")
+        kept_temb = temb
+        temb, weight, bias, norm1_weight, norm2_weight = (t.detach() for t in (temb, *params))
+    elif backend == "torch":
         if adapt_table is not None:
             raise ValueError("block_adaln_path: adapt_table needs backend 'auto' or 'cupy' (backend 'torch' runs "
                              "diffusers' ops on weight and bias as given)")
@@ -111,14 +109,24 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
     check_rows(OP, x, row_index, norms={"norm1_weight": norm1_weight, "norm2_weight": norm2_weight})
     check_devices(OP, "x", x.device, (("temb", temb),))
     table_rows = MODALITIES * temb.shape[0]
-    table_route, rows_ok, weight, bias, norm1_weight, norm2_weight = _routes(
-        x, temb, weight, bias, norm1_weight, norm2_weight, backend)
+    if backend == "torch":  # only inside ExactGradients: the ops' torch code
+        table_route, rows_ok = "torch", False
+    else:
+        table_route, rows_ok, weight, bias, norm1_weight, norm2_weight = _routes(
+            x, temb, weight, bias, norm1_weight, norm2_weight, backend)
     table_dtype = weight.dtype
-    # on the kernels the table kernel also writes the norms' bf16 row tables, read in place of casting the chunks
-    with_row_tables = table_route == "cupy" and rows_ok and table_backend == "cuda" and adapt_table is None
-    table, row_tables = apply(ModulationTable, temb, weight, bias, table_route, table_backend, with_row_tables)
-    if adapt_table is not None:
-        table = adapt_table(table)
+    sums = None
+    if recorder is not None:  # the table without a graph, each row's bits whatever T; the ops add to `sums`
+        sums = BlockSums(temb.shape[0], H, (norm1_weight, norm2_weight), x.device)
+        recorder.add_block(params, kept_temb, sums)
+        table, row_tables = exact_table(temb, weight, bias, table_route == "cupy" and table_backend == "cuda",
+                                        rows_ok and adapt_table is None, adapt_table)
+    else:
+        # on the kernels the table kernel also writes the norms' bf16 row tables, read in place of casting the chunks
+        with_row_tables = table_route == "cupy" and rows_ok and table_backend == "cuda" and adapt_table is None
+        table, row_tables = apply(ModulationTable, temb, weight, bias, table_route, table_backend, with_row_tables)
+        if adapt_table is not None:
+            table = adapt_table(table)
     # the row ops take the chunks detached and the table itself, handed on from op to op (`core.table_gradient`)
     link = table if table.requires_grad and torch.is_grad_enabled() else None
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table_chunks(
@@ -127,18 +135,19 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
     # (whenever grad mode is on: attn's or ff's parameters alone may want a backward through them)
     order = row_order(row_index, table_rows, H) if rows_ok and torch.is_grad_enabled() else None
     eps1, eps2 = float(eps1), float(eps2)
-    route = "cupy" if rows_ok else norm_route(x, norm1_weight, shift_msa, scale_msa, row_index, table_dtype, "auto", OP)
+    rule = "torch" if backend == "torch" else "auto"  # the ops' own rule where the rows are not on the kernels
+    route = "cupy" if rows_ok else norm_route(x, norm1_weight, shift_msa, scale_msa, row_index, table_dtype, rule, OP)
     h, x, link = apply(ModulatedRMSNorm, x, norm1_weight, shift_msa, scale_msa, row_index, eps1, table_dtype, route,
-                       order, True, link, SHIFT_MSA, row_tables if route == "cupy" else None)
+                       order, True, link, SHIFT_MSA, row_tables if route == "cupy" else None, sums)
     y = attn(h)
     _check_branch("attn", y, x)
     route = "cupy" if rows_ok and _bf16_beside(y, x) else pair_route(x, gate_msa, y, row_index, norm2_weight,
-                                                                      shift_mlp, scale_mlp, table_dtype, "auto", OP)
+                                                                      shift_mlp, scale_mlp, table_dtype, rule, OP)
     x, h, link = apply(GatedResidualNorm, x, gate_msa, y, row_index, norm2_weight, shift_mlp, scale_mlp, eps2,
-                       table_dtype, route, order, link, GATE_MSA, row_tables if route == "cupy" else None)
+                       table_dtype, route, order, link, GATE_MSA, row_tables if route == "cupy" else None, sums)
     del y  # attn's output is not held while ff runs (diffusers' forward frees it there too)
     y = ff(h)
     _check_branch("ff", y, x)
     route = ("cupy" if rows_ok and _bf16_beside(y, x) and x.dtype == torch.bfloat16
-             else residual_route(x, gate_mlp, y, row_index, table_dtype, "auto", OP))
-    return apply(GatedResidual, x, gate_mlp, y, row_index, table_dtype, route, order, link, GATE_MLP)
+             else residual_route(x, gate_mlp, y, row_index, table_dtype, rule, OP))
+    return apply(GatedResidual, x, gate_mlp, y, row_index, table_dtype, route, order, link, GATE_MLP, sums)

@@ -36,11 +36,12 @@ from __future__ import annotations
 import torch
 
 from ...core import launchers, tensors
-from ...core.exact import LIMBS, MAX_TERMS, ExactSum, products
+from ...core.exact import LIMBS, ExactSum, products
 from ...core.library import eager
 from ...core.plan import forward_bytes
 from ...reference.backward import rows_index
 from ...reference.final_adaln_out import replay, table_rows
+from ..row_sums import check_rows, exact_row_order, half, launch_carry, launch_sums, raise_flags
 from . import launch
 
 
@@ -104,13 +105,8 @@ class NormOutSums:
         """Raise what the kernels flagged (a host read of each flag): ValueError for a non-finite term,
         IndexError for a timestep index outside [0, T); the states are then not sums of every term."""
         for flag in self.flags:
-            bits = int(flag)
-            if bits & 1:
-                raise ValueError("final_adaln_out: a non-finite gradient term (inf or NaN in x, dy or the table): "
-                                 "an exact sum of it does not exist")
-            if bits & 2:
-                raise IndexError("final_adaln_out: a timestep index outside [0, T) (check_indices=True finds it "
-                                 "before the kernels run)")
+            raise_flags(flag, "final_adaln_out", "a timestep index outside [0, T) (check_indices=True finds it "
+                        "before the kernels run)")
         self.flags.clear()
 
     def gradients(self, dtype: torch.dtype = torch.bfloat16):
@@ -125,23 +121,6 @@ class NormOutSums:
         return d_table, d_norm_weight, products(self.table.total(), factors).value(dtype)
 
 
-def half(state: ExactSum, k: int) -> ExactSum:
-    """The shift (k = 0) or scale (k = 1) half of a (T, 2H) table state, (T, H)."""
-    H = state.shape[-1] // 2
-    return ExactSum.from_limbs(state.limbs[..., k * H:(k + 1) * H])
-
-
-def launch_sums(k: dict, plan, stream: int, x: int, dy: int, rstd: int, timestep_indices: int, order: int,
-               table_limbs: int, flags: int, rows: int, S: int) -> None:
-    """exact_sums.cu: norm_out's cross-row sums (B | A) as uncarried int64 limbs added into table_limbs
-    (LIMBS, T, 2H), flags (1,) int32 or'd (the caller zeroes both), over the rows in the order `order` (rows,)
-    int32 (table-row order, `exact_row_order`); nothing with no rows."""
-    columns, chunks, per_chunk = plan.exact_grid(rows)
-    if chunks:
-        k["exact_sums_bf16"]((columns, chunks, 1), (dict(plan.tuning)["EXACT_THREADS"], 1, 1), plan.exact_smem,
-                             stream, x, dy, rstd, timestep_indices, order, table_limbs, flags, rows, S, per_chunk)
-
-
 def launch_row_sums(k: dict, plan, rows, stream: int, dy: int, x: int, rstd: int, norm_weight: int, table_f32: int,
                     timestep_indices: int, dx: int, table_limbs: int, flags: int, S: int) -> None:
     """exact_sums.cu's norm_modulate_bwd_exact_bf16: the backward row pass (dx (rows, H) bf16, norm_modulate_bwd_bf16's
@@ -151,21 +130,6 @@ def launch_row_sums(k: dict, plan, rows, stream: int, dy: int, x: int, rstd: int
         k["norm_modulate_bwd_exact_bf16"]((rows.bwd_ranges, 1, 1), (plan.bwd_threads, 1, 1), plan.bwd_smem, stream,
                                           dy, x, rstd, norm_weight, table_f32, timestep_indices, dx, table_limbs,
                                           flags, S, rows.rows, rows.bwd_rows_per_range, 2 * plan.H)
-
-
-def launch_carry(k: dict, stream: int, limbs: int, n: int) -> None:
-    """exact_sums.cu's exact_carry: limbs (LIMBS, n) int64 carried in place (core.exact.ExactSum._carry's integers)."""
-    if n:
-        k["exact_carry"]((-(-n // 256), 1, 1), (256, 1, 1), 0, stream, limbs, n)
-
-
-def exact_row_order(timestep_indices: torch.Tensor, rows: int) -> torch.Tensor:
-    """(rows,) int32: the rows of x (..., S, H) stably sorted by their table row timestep_indices[r % S] (exact_sums.cu
-    walks them in this order: a chunk's timestep changes at most T times)."""
-    S = timestep_indices.shape[0]
-    if rows == 0:
-        return timestep_indices.new_empty(0, dtype=torch.int32)
-    return torch.sort(timestep_indices.repeat(rows // S), stable=True).indices.to(torch.int32)
 
 
 def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int, dx=None) -> NormOutSums:
@@ -178,9 +142,7 @@ def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int,
     (ValueError)."""
     H = x.shape[-1]
     rows = x.numel() // H
-    if rows > MAX_TERMS:
-        raise ValueError(f"final_adaln_out: exact gradients on the kernels take at most {MAX_TERMS} rows a call (every "
-                         f"limb of the integer states below 2^62), got {rows}: split the batch into micro-batches")
+    check_rows(rows, "final_adaln_out")
     device = x.get_device()
     plan, rows_plan, k = tensors.context(device, H, D, T, rows)
     launchers.bind(device)

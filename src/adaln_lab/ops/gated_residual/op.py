@@ -30,16 +30,17 @@ from . import launch
 
 
 class GatedResidual(torch.autograd.Function):
-    """forward(x, gate, y, row_index, table_dtype, route, order, table, chunk) -> out; backward(dout) -> dx (dout
-    itself, in x's dtype), d_gate (or, where a block passed its table, the table gradient with d_gate in chunk
-    `chunk`'s columns, as the table's gradient), d_y."""
+    """forward(x, gate, y, row_index, table_dtype, route, order, table, chunk, sums) -> out; backward(dout) -> dx
+    (dout itself, in x's dtype), d_gate (or, where a block passed its table, the table gradient with d_gate in chunk
+    `chunk`'s columns, as the table's gradient), d_y. sums: None, or a block's `ops.block.exact.BlockSums` inside
+    `adaln_lab.nn.ExactGradients`: the backward adds its rows' exact sums there (`BlockSums.gate`)."""
 
     @staticmethod
-    def forward(ctx, x, gate, y, row_index, table_dtype, route, order, table, chunk):
+    def forward(ctx, x, gate, y, row_index, table_dtype, route, order, table, chunk, sums):
         dtype = tensors.promoted(x.dtype, table_dtype, y.dtype)
         out = torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
         launch.forward(x, gate, y, row_index, table_dtype, route, out)
-        ctx.x_dtype, ctx.table_dtype, ctx.route, ctx.chunk = x.dtype, table_dtype, route, chunk
+        ctx.x_dtype, ctx.table_dtype, ctx.route, ctx.chunk, ctx.sums = x.dtype, table_dtype, route, chunk, sums
         ctx.table = None if table is None else (table.shape, table.dtype, table.device)
         ctx.save_for_backward(gate, y, row_index, order)
         return out
@@ -59,10 +60,12 @@ class GatedResidual(torch.autograd.Function):
         d_y = torch.empty_like(y, memory_format=torch.contiguous_format)
         launch.backward(dout, gate, y, row_index, order, ctx.table_dtype, ctx.route, d_y, d_table, column,
                         partials)
+        if ctx.sums is not None:
+            ctx.sums.gate(ctx.chunk, y, dout, row_index, ctx.route == "cupy")
         dx = tensors.as_dtype(dout, ctx.x_dtype)
         if ctx.table is None:
-            return dx, tensors.as_dtype(d_table, gate.dtype), d_y, *(None,) * 6
-        return dx, None, d_y, *(None,) * 4, buffer, None
+            return dx, tensors.as_dtype(d_table, gate.dtype), d_y, *(None,) * 7
+        return dx, None, d_y, *(None,) * 4, buffer, None, None
 
 
 def residual_route(x, gate, y, row_index, table_dtype, backend: str, op: str, **bf16) -> str:
@@ -99,4 +102,4 @@ def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_ind
     check_option("backend", backend, BLOCK_BACKENDS)
     table_dtype = x.dtype if table_dtype is None else table_dtype
     route = residual_route(x, gate, y, row_index, table_dtype, backend, "gated_residual")
-    return apply(GatedResidual, x, gate, y, row_index, table_dtype, route, row_order, None, 0)
+    return apply(GatedResidual, x, gate, y, row_index, table_dtype, route, row_order, None, 0, None)

@@ -43,13 +43,15 @@ from . import launch
 
 class GatedResidualNorm(torch.autograd.Function):
     """forward(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, route, order, table, chunk,
-    row_tables) -> (x_out, out, the table handed on where given else None); backward(d_x_out, d_out, d_link) -> dx,
-    d_gate, d_y, d_norm_weight, d_shift, d_scale (or, where a block passed its table, the table gradient with
-    d_gate | d_shift | d_scale in chunks chunk .. chunk + 2, as the table's gradient)."""
+    row_tables, sums) -> (x_out, out, the table handed on where given else None); backward(d_x_out, d_out, d_link)
+    -> dx, d_gate, d_y, d_norm_weight, d_shift, d_scale (or, where a block passed its table, the table gradient with
+    d_gate | d_shift | d_scale in chunks chunk .. chunk + 2, as the table's gradient). sums: None, or a block's
+    `ops.block.exact.BlockSums` inside `adaln_lab.nn.ExactGradients`: the backward adds both parts' exact sums there
+    (`BlockSums.gate` with x_out's whole gradient, then `BlockSums.norm`), each on its part's route."""
 
     @staticmethod
     def forward(ctx, x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, route, order, table, chunk,
-                row_tables):
+                row_tables, sums):
         H = x.shape[-1]
         x_dtype = tensors.promoted(x.dtype, table_dtype, y.dtype)
         x_out = torch.empty_like(x, dtype=x_dtype, memory_format=torch.contiguous_format)
@@ -58,7 +60,10 @@ class GatedResidualNorm(torch.autograd.Function):
         launch.forward(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, route, row_tables, x_out,
                        out, rstd)
         ctx.set_materialize_grads(False)
-        ctx.x_dtype, ctx.table_dtype, ctx.route, ctx.chunk = x.dtype, table_dtype, route, chunk
+        if sums is not None and x_out.dtype != x.dtype:  # the gate's terms take x_out's whole gradient: dx is it
+            raise NotImplementedError(f"gated_residual_norm: exact gradients need x_out in x's dtype (x {x.dtype}, "
+                                      f"the branch output {y.dtype}, x_out {x_out.dtype})")
+        ctx.x_dtype, ctx.table_dtype, ctx.route, ctx.chunk, ctx.sums = x.dtype, table_dtype, route, chunk, sums
         ctx.table = None if table is None else (table.shape, table.dtype, table.device)
         ctx.save_for_backward(x_out, gate, y, row_index, norm_weight, shift, scale, rstd, order)
         return x_out, out, (None if table is None else table.detach())
@@ -83,11 +88,15 @@ class GatedResidualNorm(torch.autograd.Function):
         launch.backward(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, order,
                         ctx.table_dtype, ctx.route, dx, d_y, d_norm_weight, d_table, column,
                         partials)
+        if ctx.sums is not None:  # dx: x_out's whole gradient (the norm's dx plus d_x_out), the gate's dy
+            residual_route, norm_route = launch.parts(ctx.route)
+            ctx.sums.gate(ctx.chunk, y, dx, row_index, residual_route == "cupy")
+            ctx.sums.norm(ctx.chunk + 1, x_out, d_out, rstd, row_index, scale, norm_route == "cupy")
         if ctx.table is None:
             d_gate, d_shift, d_scale = (tensors.as_dtype(d_table[:, i * H:(i + 1) * H], t.dtype)
                                         for i, t in enumerate((gate, shift, scale)))
-            return dx, d_gate, d_y, None, d_norm_weight, d_shift, d_scale, *(None,) * 7
-        return dx, None, d_y, None, d_norm_weight, None, None, *(None,) * 4, buffer, None, None
+            return dx, d_gate, d_y, None, d_norm_weight, d_shift, d_scale, *(None,) * 8
+        return dx, None, d_y, None, d_norm_weight, None, None, *(None,) * 4, buffer, None, None, None
 
 
 def pair_route(x, gate, y, row_index, norm_weight, shift, scale, table_dtype, backend: str, op: str) -> str:
@@ -129,5 +138,5 @@ def gated_residual_norm(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, no
     table_dtype = x.dtype if table_dtype is None else table_dtype
     route = pair_route(x, gate, y, row_index, norm_weight, shift, scale, table_dtype, backend, "gated_residual_norm")
     x_out, out, _ = apply(GatedResidualNorm, x, gate, y, row_index, norm_weight, shift, scale, float(eps),
-                          table_dtype, route, row_order, None, 0, None)
+                          table_dtype, route, row_order, None, 0, None, None)
     return x_out, out

@@ -40,22 +40,24 @@ from . import launch
 
 class ModulatedRMSNorm(torch.autograd.Function):
     """forward(x, norm_weight, shift, scale, row_index, eps, table_dtype, route, order, residual, table, chunk,
-    row_tables) -> (out, x handed on where `residual` else None, the table handed on where given else None).
+    row_tables, sums) -> (out, x handed on where `residual` else None, the table handed on where given else None).
 
     A block passes its table with shift and scale detached chunks of it and `chunk` the index of shift's chunk
     (`core.table_gradient`): the backward then writes d_shift | d_scale into the table gradient and returns it as
-    the table's gradient; and its bf16 row tables, which the kernels read instead of casting shift and scale."""
+    the table's gradient; and its bf16 row tables, which the kernels read instead of casting shift and scale.
+    sums: None, or a block's `ops.block.exact.BlockSums` inside `adaln_lab.nn.ExactGradients`: the backward adds
+    its rows' exact sums there (`BlockSums.norm`, on exact_sums.cu on route "cupy")."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, shift, scale, row_index, eps, table_dtype, route, order, residual, table, chunk,
-                row_tables):
+                row_tables, sums):
         H = x.shape[-1]
         out = torch.empty_like(x, dtype=tensors.promoted(x.dtype, table_dtype), memory_format=torch.contiguous_format)
         rstd = x.new_empty(x.numel() // H, dtype=compute_dtype(x))
         launch.forward(x, norm_weight, shift, scale, row_index, eps, table_dtype, route, row_tables,
                        int(chunk == table_gradient.SHIFT_MLP), out, rstd)
         ctx.set_materialize_grads(False)
-        ctx.route, ctx.chunk, ctx.out_dtype = route, chunk, out.dtype
+        ctx.route, ctx.chunk, ctx.out_dtype, ctx.sums = route, chunk, out.dtype, sums
         ctx.table = None if table is None else (table.shape, table.dtype, table.device)
         ctx.save_for_backward(x, norm_weight, shift, scale, row_index, rstd, order)
         return out, (x if residual else None), (None if table is None else table.detach())
@@ -77,12 +79,16 @@ class ModulatedRMSNorm(torch.autograd.Function):
             buffer, partials = table_gradient.for_row_op(d_link, ctx.table, H, ctx.chunk + 2, ctx.route, x, R)
             d_table, column = table_gradient.columns(buffer, H), ctx.chunk * H
         dx, d_norm_weight = torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(norm_weight)
-        launch.backward(d_out.contiguous(), x, norm_weight, shift, scale, row_index, rstd, d_residual, order,
-                        ctx.route, dx, d_norm_weight, d_table, column, partials)
+        d_out = d_out.contiguous()
+        launch.backward(d_out, x, norm_weight, shift, scale, row_index, rstd, d_residual, order, ctx.route, dx,
+                        d_norm_weight, d_table, column, partials)
+        if ctx.sums is not None:
+            ctx.sums.norm(ctx.chunk, x, d_out, rstd, row_index, scale, ctx.route == "cupy")
         if ctx.table is None:
-            d_shift, d_scale = tensors.as_dtype(d_table[:, :H], shift.dtype), tensors.as_dtype(d_table[:, H:], scale.dtype)
-            return dx, d_norm_weight, d_shift, d_scale, *(None,) * 9
-        return dx, d_norm_weight, None, None, *(None,) * 6, buffer, None, None
+            d_shift = tensors.as_dtype(d_table[:, :H], shift.dtype)
+            d_scale = tensors.as_dtype(d_table[:, H:], scale.dtype)
+            return dx, d_norm_weight, d_shift, d_scale, *(None,) * 10
+        return dx, d_norm_weight, None, None, *(None,) * 6, buffer, None, None, None
 
 
 def norm_route(x, norm_weight, shift, scale, row_index, table_dtype, backend: str, op: str, **bf16) -> str:
@@ -118,7 +124,7 @@ def modulated_rms_norm(x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.
     table_dtype = x.dtype if table_dtype is None else table_dtype
     route = norm_route(x, norm_weight, shift, scale, row_index, table_dtype, backend, "modulated_rms_norm")
     return apply(ModulatedRMSNorm, x, norm_weight, shift, scale, row_index, float(eps), table_dtype, route, None,
-                 False, None, 0, None)[0]
+                 False, None, 0, None, None)[0]
 
 
 def modulated_rms_norm_and_residual(x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor,
@@ -143,5 +149,5 @@ def modulated_rms_norm_and_residual(x: torch.Tensor, norm_weight: torch.Tensor, 
     route = norm_route(x, norm_weight, shift, scale, row_index, table_dtype, backend,
                        "modulated_rms_norm_and_residual")
     out, x, _ = apply(ModulatedRMSNorm, x, norm_weight, shift, scale, row_index, float(eps), table_dtype, route,
-                      row_order, True, None, 0, None)
+                      row_order, True, None, 0, None, None)
     return out, x

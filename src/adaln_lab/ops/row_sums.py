@@ -1,0 +1,113 @@
+"""The exact per-table-row sums that the row ops' parameter gradients are fixed functions of.
+
+For rows x, dy (..., S, H), their rstd (rows,) and row_index (S,) int64 in [0, R) (row i of x in table row
+r = row_index[i % S]), per table row r and column h, over the rows of r:
+
+    B[r] = exact sum of dy_i        A[r] = exact sum of p_i = float32(dy_i float32(x_i rstd_i))
+
+each a float32 term of one row alone (each product rounded once, no contraction), kept as a `core.exact.ExactSum`
+state (R, 2H), B | A. A modulated norm's d_shift is B, its d_scale w A and its d_norm_weight sum_r s1[r] A[r]
+(w the norm weight, s1 = float32(1 + scale[r]); `core.exact.products` takes both exactly); a gated residual's
+d_gate is A with x = y and rstd = 1 (dy y: exact for bf16 dy and y). The states are integers, so every order of the
+rows, split into calls and merge of the calls' states gives the same sums.
+
+    state, flags = row_sums(x, dy, rstd, row_index, R, kernels)
+    raise_flags(flags, op)            # what the kernels flagged (a host read)
+
+kernels True (CUDA, bf16 x and dy, float32 rstd): kernels_cu/exact_sums.cu (`exact_sums_bf16`, rows walked in
+table-row order, `exact_row_order`; limbs added by integer atomics, then `exact_carry`); its flags (1,) int32 say
+what went wrong (bit 0 a non-finite term, bit 1 an index outside [0, R)) and are read by `raise_flags` later, so
+that no host sync sits in the backward. kernels False: the same formulas in torch code (flags None; ExactSum.add
+raises at once). At most MAX_TERMS rows a call (ValueError).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core import tensors
+from ..core.exact import LIMBS, MAX_TERMS, ExactSum
+
+
+def exact_row_order(row_index: torch.Tensor, rows: int) -> torch.Tensor:
+    """(rows,) int32: the rows of x (..., S, H) stably sorted by their table row row_index[i % S] (exact_sums.cu
+    walks them in this order: a chunk's table row changes at most R times)."""
+    S = row_index.shape[0]
+    if rows == 0:
+        return row_index.new_empty(0, dtype=torch.int32)
+    return torch.sort(row_index.repeat(rows // S), stable=True).indices.to(torch.int32)
+
+
+def launch_sums(k: dict, plan, stream: int, x: int, dy: int, rstd: int, row_index: int, order: int,
+                table_limbs: int, flags: int, rows: int, S: int) -> None:
+    """exact_sums.cu: the sums (B | A) as uncarried int64 limbs added into table_limbs (LIMBS, R, 2H) (R the plan's
+    T), flags (1,) int32 or'd (the caller zeroes both), over the rows in the order `order` (rows,) int32
+    (`exact_row_order`); nothing with no rows."""
+    columns, chunks, per_chunk = plan.exact_grid(rows)
+    if chunks:
+        k["exact_sums_bf16"]((columns, chunks, 1), (dict(plan.tuning)["EXACT_THREADS"], 1, 1), plan.exact_smem,
+                             stream, x, dy, rstd, row_index, order, table_limbs, flags, rows, S, per_chunk)
+
+
+def launch_carry(k: dict, stream: int, limbs: int, n: int) -> None:
+    """exact_sums.cu's exact_carry: limbs (LIMBS, n) int64 carried in place (core.exact.ExactSum._carry's integers)."""
+    if n:
+        k["exact_carry"]((-(-n // 256), 1, 1), (256, 1, 1), 0, stream, limbs, n)
+
+
+def check_rows(rows: int, op: str) -> None:
+    if rows > MAX_TERMS:
+        raise ValueError(f"{op}: exact gradients take at most {MAX_TERMS} rows a call (every limb of the integer "
+                         f"states below 2^62), got {rows}: split the batch into micro-batches")
+
+
+def raise_flags(flags: torch.Tensor, op: str, index: str = "a row index outside [0, R)") -> None:
+    """Raise what the kernels flagged in `flags` (1,) int32 (a host read): ValueError for a non-finite term,
+    IndexError for `index` (bit 1: a row index outside [0, R), its row left out); the states are then not sums of
+    every term."""
+    bits = int(flags)
+    if bits & 1:
+        raise ValueError(f"{op}: a non-finite gradient term (inf or NaN in x, dy or the table): an exact sum of it "
+                         "does not exist")
+    if bits & 2:
+        raise IndexError(f"{op}: {index}")
+
+
+def torch_terms(x: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor | None) -> torch.Tensor:
+    """(rows, 2H) float32 terms dy | float32(dy float32(x rstd)) of x, dy (..., S, H) and rstd (rows,) (None: 1)."""
+    H = x.shape[-1]
+    xf, g = x.reshape(-1, H).float(), dy.reshape(-1, H).float()
+    xhat = xf if rstd is None else xf * rstd.float()[:, None]
+    return torch.cat([g, g * xhat], dim=1)
+
+
+def row_sums(x: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor | None, row_index: torch.Tensor, R: int,
+             kernels: bool, op: str = "row_sums") -> tuple[ExactSum, torch.Tensor | None]:
+    """(the state (R, 2H) B | A, the kernels' flags (1,) int32 or None) of x, dy (..., S, H) with rstd (rows,)
+    (None: 1) and row_index (S,) int64 (module docstring); `kernels`: on exact_sums.cu (CUDA bf16 x and dy)."""
+    H = x.shape[-1]
+    rows = x.numel() // H
+    check_rows(rows, op)
+    if not kernels:
+        index = row_index.repeat(rows // x.shape[-2]) if rows else row_index[:0]
+        return ExactSum((R, 2 * H), x.device).add(torch_terms(x, dy, rstd), index), None
+    if x.dtype != torch.bfloat16 or dy.dtype != torch.bfloat16 or dy.shape != x.shape:
+        raise ValueError(f"{op}: the exact sums' kernel takes bf16 x and dy of one shape, got {x.dtype} "
+                         f"{tuple(x.shape)} and {dy.dtype} {tuple(dy.shape)}")
+    plan, _, k, stream = tensors.row_setup(x, R)
+    rstd = torch.ones(rows, dtype=torch.float32, device=x.device) if rstd is None else rstd.float().contiguous()
+    row_index = row_index.contiguous()
+    table = torch.zeros((LIMBS, R, 2 * H), dtype=torch.int64, device=x.device)
+    flags = torch.zeros(1, dtype=torch.int32, device=x.device)
+    (x, dy), at = tensors.aligned_addresses(x, dy)
+    order = exact_row_order(row_index, rows)
+    launch_sums(k, plan, stream, at[0], at[1], rstd.data_ptr(), row_index.data_ptr(), order.data_ptr(),
+                table.data_ptr(), flags.data_ptr(), rows, x.shape[-2])
+    launch_carry(k, stream, table.data_ptr(), R * 2 * H)
+    return ExactSum.from_limbs(table), flags
+
+
+def half(state: ExactSum, k: int) -> ExactSum:
+    """The B (k = 0) or A (k = 1) half of a (R, 2H) state, (R, H)."""
+    H = state.shape[-1] // 2
+    return ExactSum.from_limbs(state.limbs[..., k * H:(k + 1) * H])
