@@ -21,8 +21,9 @@ LAYOUTS = (("exact", 1, 4), ("exact", 2, 2), ("exact", 4, 1), ("plain", 1, 1), (
 
 
 def _model(device: str, lora: bool = False):
-    """(the patched tiny H3 model, its inputs, a cotangent of its sample) on `device` (CUDA: the torch route, which
-    records; the kernels do not yet); lora: PEFT LoRA on every AdaLN projection first (only the adapters train)."""
+    """(the patched tiny H3 model, its inputs, a cotangent of its sample) on `device` (CUDA: backend "torch", the fp32
+    masters as given, which the kernels do not take without autocast); lora: PEFT LoRA on every AdaLN projection
+    first (only the adapters train)."""
     import adaln_lab
     from adaln_lab.testing import tiny_h3_model
 
@@ -164,7 +165,7 @@ def _cuda_worker(rank, world, out):
 
 @pytest.mark.gpu
 def test_cuda_fsdp2_one_nccl_rank_writes_the_exact_gradients_as_sharded_masters(tmp_path):
-    """On CUDA (the torch route, which records), one NCCL rank, two micro-batches merged: the sharded fp32 masters'
+    """On CUDA (the torch route), one NCCL rank, two micro-batches merged: the sharded fp32 masters'
     gradients are the unsharded checkpoint layout's exact ones, within two roundings."""
     pytest.importorskip("diffusers")
     found = ranks(_cuda_worker, 1, tmp_path, backend="nccl")

@@ -115,6 +115,41 @@ def test_permutations_and_micro_batches_give_the_same_bits(device, backend):
                 assert torch.allclose(got[4], one[4], rtol=1e-4, atol=1e-5)  # temb's producer: reached
 
 
+@pytest.mark.gpu
+def test_on_the_kernels_each_ops_states_are_the_torch_codes_of_its_rows(monkeypatch):
+    """Backend "cupy": each of the block's four row-sum calls runs exact_sums.cu, and its state equals the torch
+    code's of the same tensors limb for limb (the wiring around them is the CPU-checked code); as a gross check (a
+    wrong chunk, factor or rstd moves a gradient by a large part of its size), each gradient lies within 2^-6 of the
+    largest of the plain kernels' (bf16 gradients, fixed-order float32 sums)."""
+    from adaln_lab.ops.block import exact as module
+
+    seen, original = [], module.row_sums
+
+    def spy(x, dy, rstd, row_index, R, kernels, op, order=None):
+        state, flags = original(x, dy, rstd, row_index, R, kernels, op, order)
+        seen.append((kernels, torch.equal(state.limbs, original(x, dy, rstd, row_index, R, False, op)[0].limbs)))
+        return state, flags
+
+    monkeypatch.setattr(module, "row_sums", spy)
+    params, embed, maps, batch = model(device="cuda")
+    exact, _ = step(params, embed, maps, [batch], backend="cupy")
+    assert seen == [(True, True)] * 4
+    plain, _ = step(params, embed, maps, [batch], exact=False, backend="cupy")
+    for e, p in zip(exact[:4], plain[:4]):
+        assert float((e.float() - p.float()).abs().max()) <= 2 ** -6 * float(p.float().abs().max())
+
+
+def test_float32_parameters_with_bf16_rows_record_through_a_float32_residual():
+    """fp32 parameters and bf16 x without autocast (x_out promoted to fp32 by the first gated residual): the gate's
+    terms take x_out's whole gradient in fp32, and every split gives the same bits."""
+    params, embed, maps, batch = model(dtype=torch.float32)
+    batch = (batch[0].bfloat16(), *batch[1:])
+    one, _ = step(params, embed, maps, [batch])
+    assert all(g.dtype == torch.float32 and bool(g.any()) for g in one[:4])
+    for parts in (by_sample(batch, 3), within(batch, 2)):
+        assert same(step(params, embed, maps, parts)[0], one)
+
+
 @pytest.mark.parametrize("device, backend", ROUTES)
 def test_a_planted_float32_accumulation_fails_the_same_check(device, backend):
     """Plain autograd (backend "torch": diffusers' ops; "cupy": the kernels' fixed-order sums) over the same splits

@@ -150,18 +150,24 @@ class ExactSum:
             self.limbs[limb + k + 1] += (value >> LIMB_BITS).sum(0)
         return self._carry()
 
-    def merge(self, other: "ExactSum") -> "ExactSum":
-        """Add another state of the same shape (one part's sum): the same result in any order of merging."""
+    def merge(self, other: "ExactSum", carry: bool = True) -> "ExactSum":
+        """Add another state of the same shape (one part's sum): the same result in any order of merging. carry
+        False leaves the carries to the caller (`carried`): each merge of carried states adds below 2^32 to a limb,
+        so 2^30 of them fit before one carry."""
         if other.shape != self.shape or other.limbs.shape[0] != self.limbs.shape[0] or other.e_min != self.e_min:
             raise ValueError(f"cannot merge a state of shape {tuple(other.shape)} (units 2^{other.e_min}) into "
                              f"{tuple(self.shape)} (units 2^{self.e_min})")
         self.limbs += other.limbs.to(self.limbs.device)
-        return self._carry()
+        return self._carry() if carry else self
 
     def total(self) -> "ExactSum":
         """The exact sum over the first dimension (shape[1:]): every row's terms in one sum (a bias over the
         timesteps' table rows), as exact as the rows."""
         return ExactSum.from_limbs(self.limbs.sum(1), self.e_min)._carry()  # limbs < 2^32: 2^30 rows fit in int64
+
+    def carried(self) -> "ExactSum":
+        """The state with its carries moved up (after merges with carry=False), in place."""
+        return self._carry()
 
     def _carry(self) -> "ExactSum":
         for k in range(self.limbs.shape[0] - 1):

@@ -33,7 +33,7 @@ from ...core.table_gradient import SCALE_MLP, SCALE_MSA, SHIFT_MSA
 from ...reference.block import CHUNKS, MODALITIES
 from ...reference.final_adaln_out import table_rows
 from ..modulation_table.op import ModulationTable
-from ..row_sums import half, raise_flags, row_sums
+from ..row_sums import exact_row_order, half, raise_flags, row_sums
 
 OP = "block_adaln_path"
 
@@ -47,8 +47,9 @@ class BlockSums:
         self.T, self.H = T, H
         self.chunks = [ExactSum((MODALITIES * T, H), device) for _ in CHUNKS]
         self.scales: list[torch.Tensor | None] = [None, None]
-        self.weights = [w.detach().float() for w in norm_weights]
+        self.weights = [w.detach().float().clone() for w in norm_weights]  # kept past FSDP2's reshard
         self.flags: list[torch.Tensor] = []  # the kernels' error flags, read by `check`
+        self.order = None  # ((row_index's address, rows), exact_row_order): sorted once for the block's four passes
         self.closed = False  # set when the accumulator folds these states in (its `with` ended)
 
     def _open(self) -> None:
@@ -58,7 +59,13 @@ class BlockSums:
 
     def _sums(self, x, dy, rstd, row_index, kernels: bool) -> ExactSum:
         self._open()
-        state, flags = row_sums(x, dy, rstd, row_index, MODALITIES * self.T, kernels, OP)
+        order = None
+        if kernels:
+            key = (row_index.data_ptr(), x.numel() // x.shape[-1])
+            if self.order is None or self.order[0] != key:
+                self.order = (key, exact_row_order(row_index.contiguous(), key[1]))
+            order = self.order[1]
+        state, flags = row_sums(x, dy, rstd, row_index, MODALITIES * self.T, kernels, OP, order)
         if flags is not None:
             self.flags.append(flags)
         return state
@@ -67,26 +74,27 @@ class BlockSums:
         """Add a modulated norm's rows: x, dy (..., S, H) (its input and its output's gradient), rstd (rows,),
         row_index (S,), scale (3T, H) its scale chunk (float32 holding the table's values); chunk its shift chunk."""
         state = self._sums(x, dy, rstd, row_index, kernels)
-        self.chunks[chunk].merge(half(state, 0))
-        self.chunks[chunk + 1].merge(half(state, 1))
+        self.chunks[chunk].merge(half(state, 0), carry=False)  # carried once, when read
+        self.chunks[chunk + 1].merge(half(state, 1), carry=False)
         self.scales[0 if chunk == SHIFT_MSA else 1] = (1.0 + scale.detach().float()).contiguous()
 
     def gate(self, chunk: int, y, dy, row_index, kernels: bool) -> None:
         """Add a gated residual's rows: y (..., S, H) the branch output, dy its output's gradient; chunk its gate
         chunk."""
-        self.chunks[chunk].merge(half(self._sums(y, dy, None, row_index, kernels), 1))
+        self.chunks[chunk].merge(half(self._sums(y, dy, None, row_index, kernels), 1), carry=False)
 
     def norm_states(self) -> list[ExactSum]:
         """The norm weights' product states (H,): sum over the part's chunk rows r of s1[r] A[r] (zero where a
         norm's backward did not run)."""
         return [wide_zero((self.H,), self.chunks[0].limbs.device) if s1 is None
-                else products(self.chunks[scale], s1).total()
+                else products(self.chunks[scale].carried(), s1).total()
                 for scale, s1 in zip((SCALE_MSA, SCALE_MLP), self.scales)]
 
     def table(self) -> ExactSum:
         """The table gradient's raw state (T, 18H): chunk c of the (3T, 6H) view's row 3t + m is columns
         m 6H + c H .. of table row t (diffusers' `view(-1, 6H).chunk(6)`)."""
-        return ExactSum.from_limbs(torch.cat([c.limbs for c in self.chunks], dim=2).reshape(LIMBS, self.T, -1))
+        limbs = torch.cat([c.carried().limbs for c in self.chunks], dim=2)
+        return ExactSum.from_limbs(limbs.reshape(LIMBS, self.T, -1))
 
     def factors(self) -> torch.Tensor:
         """(18H,) float32: each table column's factor, w1 / w2 for the scale chunks' columns, 1 elsewhere."""

@@ -60,9 +60,6 @@ class GatedResidualNorm(torch.autograd.Function):
         launch.forward(x, gate, y, row_index, norm_weight, shift, scale, eps, table_dtype, route, row_tables, x_out,
                        out, rstd)
         ctx.set_materialize_grads(False)
-        if sums is not None and x_out.dtype != x.dtype:  # the gate's terms take x_out's whole gradient: dx is it
-            raise NotImplementedError(f"gated_residual_norm: exact gradients need x_out in x's dtype (x {x.dtype}, "
-                                      f"the branch output {y.dtype}, x_out {x_out.dtype})")
         ctx.x_dtype, ctx.table_dtype, ctx.route, ctx.chunk, ctx.sums = x.dtype, table_dtype, route, chunk, sums
         ctx.table = None if table is None else (table.shape, table.dtype, table.device)
         ctx.save_for_backward(x_out, gate, y, row_index, norm_weight, shift, scale, rstd, order)
@@ -83,7 +80,9 @@ class GatedResidualNorm(torch.autograd.Function):
         else:
             buffer, partials = table_gradient.for_row_op(d_link, ctx.table, H, ctx.chunk + 3, ctx.route, x_out, R)
             d_table, column = table_gradient.columns(buffer, H), ctx.chunk * H
-        dx = torch.empty_like(x_out, dtype=ctx.x_dtype, memory_format=torch.contiguous_format)
+        # with sums, dx is x_out's whole gradient in x_out's dtype (the gate's dy), cast to x's after as launch casts
+        whole = x_out.dtype if ctx.sums is not None else ctx.x_dtype
+        dx = torch.empty_like(x_out, dtype=whole, memory_format=torch.contiguous_format)
         d_y, d_norm_weight = torch.empty_like(y, memory_format=torch.contiguous_format), torch.empty_like(norm_weight)
         launch.backward(d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, order,
                         ctx.table_dtype, ctx.route, dx, d_y, d_norm_weight, d_table, column,
@@ -92,6 +91,7 @@ class GatedResidualNorm(torch.autograd.Function):
             residual_route, norm_route = launch.parts(ctx.route)
             ctx.sums.gate(ctx.chunk, y, dx, row_index, residual_route == "cupy")
             ctx.sums.norm(ctx.chunk + 1, x_out, d_out, rstd, row_index, scale, norm_route == "cupy")
+            dx = tensors.as_dtype(dx, ctx.x_dtype)
         if ctx.table is None:
             d_gate, d_shift, d_scale = (tensors.as_dtype(d_table[:, i * H:(i + 1) * H], t.dtype)
                                         for i, t in enumerate((gate, shift, scale)))
