@@ -139,6 +139,49 @@ def test_on_the_kernels_each_ops_states_are_the_torch_codes_of_its_rows(monkeypa
         assert float((e.float() - p.float()).abs().max()) <= 2 ** -6 * float(p.float().abs().max())
 
 
+def test_the_kernel_routes_glue_runs_on_the_cpu_with_the_gpu_stood_in(monkeypatch):
+    """Backend "cupy" with the GPU stood in (`bench.host_model.gpu_stood_in`: each launch's argument block written
+    against its signature, the driver call a no-op): the exact block launches the plain block's kernels but the
+    table's backward and, in its backward, four exact_sums_bf16 passes with their carries, every row op on the
+    kernels' route, and write sets the four gradients in their parameters' dtypes."""
+    from adaln_lab.bench import host_model
+    from adaln_lab.harness.block_report import make_block
+    from adaln_lab.ops.block import exact as module
+
+    kernels, original = [], module.row_sums
+
+    def spy(*args):
+        kernels.append(args[5])
+        return original(*args)
+
+    monkeypatch.setattr(module, "row_sums", spy)
+    b = make_block(3, 64, "cpu", H=64, D=32)
+    x, n1, n2, temb, w, bias = (t.detach().clone().requires_grad_(True) for t in b.leaves)
+
+    def run(acc):
+        host_model.LAUNCHES.clear()
+        with acc or torch.enable_grad():
+            out = block_adaln_path(x, temb, w, bias, n1, n2, b.timestep_indices, lambda h: h, lambda h: h,
+                                   backend="cupy")
+            out.backward(torch.ones_like(out))
+        return list(host_model.LAUNCHES)
+
+    with host_model.gpu_stood_in():
+        plain = run(None)
+        for p in (w, bias, n1, n2):
+            p.grad = None
+        acc = ExactGradients()
+        exact = run(acc)
+        acc.write()
+    assert kernels == [True] * 4
+    extra = list(exact)
+    for name in plain:
+        if not name.startswith("table_bwd"):  # the table's backward: formed from the exact sums at write
+            extra.remove(name)
+    assert sorted(extra) == ["exact_carry"] * 4 + ["exact_sums_bf16"] * 4
+    assert [(p.grad.dtype, p.grad.shape) for p in (w, bias, n1, n2)] == [(p.dtype, p.shape) for p in (w, bias, n1, n2)]
+
+
 def test_float32_parameters_with_bf16_rows_record_through_a_float32_residual():
     """fp32 parameters and bf16 x without autocast (x_out promoted to fp32 by the first gated residual): the gate's
     terms take x_out's whole gradient in fp32, and every split gives the same bits."""
