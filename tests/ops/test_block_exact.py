@@ -117,33 +117,46 @@ def test_permutations_and_micro_batches_give_the_same_bits(device, backend):
 
 @pytest.mark.gpu
 def test_on_the_kernels_each_ops_states_are_the_torch_codes_of_its_rows(monkeypatch):
-    """Backend "cupy": each of the block's four row-sum calls runs exact_sums.cu, and its state equals the torch
-    code's of the same tensors limb for limb (the wiring around them is the CPU-checked code); as a gross check (a
-    wrong chunk, factor or rstd moves a gradient by a large part of its size), each gradient lies within 2^-6 of the
-    largest of the plain kernels' (bf16 gradients, fixed-order float32 sums)."""
+    """Backend "cupy": each norm's row pass with exact sums and each gate's exact_sums_bf16 pass gives the state the
+    torch code gives for the same tensors (x, the output's gradient, the saved rstd; y and x_out's whole gradient),
+    limb for limb (the wiring around them is the CPU-checked code); dx is the plain block's, bit for bit; as a gross
+    check (a wrong chunk, factor or rstd moves a gradient by a large part of its size), each gradient lies within
+    2^-6 of the largest of the plain kernels' (bf16 gradients, fixed-order float32 sums)."""
     from adaln_lab.ops.block import exact as module
+    from adaln_lab.ops.modulated_rms_norm import launch as norm_launch
+    from adaln_lab.ops.row_sums import row_sums
 
-    seen, original = [], module.row_sums
+    seen = []
+    gate_sums, norm_exact = module.row_sums, norm_launch.backward_exact
 
-    def spy(x, dy, rstd, row_index, R, kernels, op, order=None):
-        state, flags = original(x, dy, rstd, row_index, R, kernels, op, order)
-        seen.append((kernels, torch.equal(state.limbs, original(x, dy, rstd, row_index, R, False, op)[0].limbs)))
+    def gate_spy(x, dy, rstd, row_index, R, kernels, op, order=None):
+        state, flags = gate_sums(x, dy, rstd, row_index, R, kernels, op, order)
+        seen.append(("gate", kernels, torch.equal(state.limbs, row_sums(x, dy, rstd, row_index, R, False)[0].limbs)))
         return state, flags
 
-    monkeypatch.setattr(module, "row_sums", spy)
+    def norm_spy(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual, order, dx):
+        state, flags = norm_exact(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual, order, dx)
+        want = row_sums(x, dy, rstd, row_index, shift.shape[0], False)[0].limbs
+        seen.append(("norm", int(flags) == 0, torch.equal(state.limbs, want)))
+        return state, flags
+
+    monkeypatch.setattr(module, "row_sums", gate_spy)
+    monkeypatch.setattr(norm_launch, "backward_exact", norm_spy)
     params, embed, maps, batch = model(device="cuda")
-    exact, _ = step(params, embed, maps, [batch], backend="cupy")
-    assert seen == [(True, True)] * 4
-    plain, _ = step(params, embed, maps, [batch], exact=False, backend="cupy")
+    exact, [(_, dx)] = step(params, embed, maps, [batch], backend="cupy")
+    assert sorted(seen) == [("gate", True, True)] * 2 + [("norm", True, True)] * 2
+    plain, [(_, plain_dx)] = step(params, embed, maps, [batch], exact=False, backend="cupy")
+    assert torch.equal(dx, plain_dx)
     for e, p in zip(exact[:4], plain[:4]):
         assert float((e.float() - p.float()).abs().max()) <= 2 ** -6 * float(p.float().abs().max())
 
 
 def test_the_kernel_routes_glue_runs_on_the_cpu_with_the_gpu_stood_in(monkeypatch):
     """Backend "cupy" with the GPU stood in (`bench.host_model.gpu_stood_in`: each launch's argument block written
-    against its signature, the driver call a no-op): the exact block launches the plain block's kernels but the
-    table's backward and, in its backward, four exact_sums_bf16 passes with their carries, every row op on the
-    kernels' route, and write sets the four gradients in their parameters' dtypes."""
+    against its signature, the driver call a no-op): the exact block's forward launches the plain block's kernels;
+    its backward runs each norm's sorted pass with exact sums in place of the plain pass and its reduce, the gated
+    residuals' plain passes (for d_y) and two exact_sums_bf16 passes (the gates' sums), a carry per state and no
+    table backward (formed at write); write sets the four gradients in their parameters' dtypes."""
     from adaln_lab.bench import host_model
     from adaln_lab.harness.block_report import make_block
     from adaln_lab.ops.block import exact as module
@@ -159,12 +172,12 @@ def test_the_kernel_routes_glue_runs_on_the_cpu_with_the_gpu_stood_in(monkeypatc
     x, n1, n2, temb, w, bias = (t.detach().clone().requires_grad_(True) for t in b.leaves)
 
     def run(acc):
-        host_model.LAUNCHES.clear()
         with acc or torch.enable_grad():
             out = block_adaln_path(x, temb, w, bias, n1, n2, b.timestep_indices, lambda h: h, lambda h: h,
                                    backend="cupy")
+            host_model.LAUNCHES.clear()
             out.backward(torch.ones_like(out))
-        return list(host_model.LAUNCHES)
+        return sorted(host_model.LAUNCHES)
 
     with host_model.gpu_stood_in():
         plain = run(None)
@@ -173,12 +186,13 @@ def test_the_kernel_routes_glue_runs_on_the_cpu_with_the_gpu_stood_in(monkeypatc
         acc = ExactGradients()
         exact = run(acc)
         acc.write()
-    assert kernels == [True] * 4
-    extra = list(exact)
-    for name in plain:
-        if not name.startswith("table_bwd"):  # the table's backward: formed from the exact sums at write
-            extra.remove(name)
-    assert sorted(extra) == ["exact_carry"] * 4 + ["exact_sums_bf16"] * 4
+    assert kernels == [True] * 2
+    gone = ["norm_modulate_bwd_residual_sorted_bf16"] * 2 + ["reduce_partials_sorted_bf16"] * 2 + [
+        "table_bwd_bf16", "table_bwd_reduce"]
+    added = ["norm_modulate_bwd_residual_sorted_exact_bf16"] * 2 + ["exact_sums_bf16"] * 2 + ["exact_carry"] * 4
+    for name in gone:
+        plain.remove(name)
+    assert exact == sorted(plain + added)
     assert [(p.grad.dtype, p.grad.shape) for p in (w, bias, n1, n2)] == [(p.dtype, p.shape) for p in (w, bias, n1, n2)]
 
 

@@ -44,7 +44,8 @@ KERNELS = ("table_act", "table_bf16", "norm_modulate_bf16", "norm_modulate_rowwi
            "table_bwd_mma_terms", "table_bwd_mma_d_weight", "table_bwd_mma_dact",
            "table_bwd_reduce", "gated_residual_fwd_bf16", "gated_residual_bwd_sorted_bf16",
            "gated_residual_reduce_sorted", "gated_residual_norm_bf16", "exact_sums_bf16",
-           "exact_carry", "norm_modulate_bwd_exact_bf16")
+           "exact_carry", "norm_modulate_bwd_exact_bf16", "norm_modulate_bwd_sorted_exact_bf16",
+           "norm_modulate_bwd_residual_sorted_exact_bf16")
 TB_FUSED, TB_HALVES = ("table_bwd_bf16",), ("table_bwd_d_weight_bf16", "table_bwd_dact_bf16")
 TB_MMA = ("table_bwd_mma_terms", "table_bwd_mma_d_weight", "table_bwd_mma_dact")  # table_bwd_mma.cu (plan.tb_mma)
 ROW_ORDER_ONE, ROW_ORDER_WIDE = ("row_order",), ("row_order_count", "row_order_scan", "row_order_scatter")
@@ -158,10 +159,12 @@ def _compile(device_index: int, plan: Plan) -> dict:
         kernels["norm_modulate_bwd_bf16"].max_dynamic_shared_size_bytes = plan.bwd_smem
         kernels["norm_modulate_bwd_sorted_bf16"].max_dynamic_shared_size_bytes = plan.bwd_smem
         kernels["norm_modulate_bwd_exact_bf16"].max_dynamic_shared_size_bytes = plan.bwd_smem
+        kernels["norm_modulate_bwd_sorted_exact_bf16"].max_dynamic_shared_size_bytes = plan.bwd_smem
         if not plan.row_order_wide:
             kernels["row_order"].max_dynamic_shared_size_bytes = plan.row_order_smem(ROW_ORDER_KEYS_MAX)
         if plan.bwd_res_stages:
             kernels["norm_modulate_bwd_residual_sorted_bf16"].max_dynamic_shared_size_bytes = plan.bwd_res_smem
+            kernels["norm_modulate_bwd_residual_sorted_exact_bf16"].max_dynamic_shared_size_bytes = plan.bwd_res_smem
         kernels["reduce_partials_bf16"].max_dynamic_shared_size_bytes = plan.rp_smem
         return kernels
 

@@ -31,4 +31,6 @@ SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
     "exact_sums_bf16": "pppppppiii",
     "exact_carry": "pi",
     "norm_modulate_bwd_exact_bf16": "pppppppppiiii",
+    "norm_modulate_bwd_sorted_exact_bf16": "ppppppppppiiii",
+    "norm_modulate_bwd_residual_sorted_exact_bf16": "pppppppppppiiii",
 }

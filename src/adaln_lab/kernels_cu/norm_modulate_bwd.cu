@@ -230,10 +230,11 @@ __device__ __forceinline__ void row_pass(Sums& sums, const bf16_t* __restrict__ 
 }
 
 // The same rows' math over the positions of the rows in table-row order (row_order.cu): one stream of rows
-// through the stages whatever their table rows, the partial sums of table row t written to slot
+// through the stages whatever their table rows, the partial sums of table row t stored (`sums.store`) to slot
 // blockIdx.x + t when the stream leaves t (an H3 block's backward)
-template <int NIN, int STAGES>
-__device__ __forceinline__ void sorted_row_pass(const bf16_t* __restrict__ dy, const bf16_t* __restrict__ x,
+template <int NIN, int STAGES, typename Sums>
+__device__ __forceinline__ void sorted_row_pass(Sums& sums, const bf16_t* __restrict__ dy,
+                                                const bf16_t* __restrict__ x,
                                                 const bf16_t* __restrict__ d_residual, const float* __restrict__ rstd,
                                                 const bf16_t* __restrict__ norm_weight,
                                                 const float* __restrict__ table_f32,
@@ -251,7 +252,6 @@ __device__ __forceinline__ void sorted_row_pass(const bf16_t* __restrict__ dy, c
 
     int t = sorted_table_row(timesteps[0]);
     row_vectors w, s1;
-    FloatSums sums;
     load_modulation(norm_weight, table_f32 + (size_t)t * table_stride + ADALN_H, w, s1);
     sums.begin(t);
 #pragma unroll
@@ -270,7 +270,7 @@ __device__ __forceinline__ void sorted_row_pass(const bf16_t* __restrict__ dy, c
                         });
         const int next_t = k + 1 < n ? sorted_table_row(timesteps[k + 1]) : -1;
         if (next_t != t) {  // the stream leaves table row t: its sums to slot blockIdx.x + t
-            sums.store(row_partials + ((size_t)blockIdx.x + t) * 2 * ADALN_H, t);
+            sums.store(sums.slot(row_partials, (size_t)blockIdx.x + t), t);
             if (next_t >= 0) {
                 t = next_t;
                 load_modulation(norm_weight, table_f32 + (size_t)t * table_stride + ADALN_H, w, s1);
@@ -309,8 +309,9 @@ norm_modulate_bwd_sorted_bf16(const bf16_t* __restrict__ dy, const bf16_t* __res
     __shared__ int timesteps[ADALN_ROW_LIST_MAX];
     __shared__ float row_rstd[ADALN_ROW_LIST_MAX];
     __shared__ int row_ids[ADALN_ROW_LIST_MAX];
-    sorted_row_pass<2, ADALN_BWD_STAGES>(dy, x, nullptr, rstd, norm_weight, table_f32, row_index, row_order, dx,
-                                         row_partials, S, rows, rows_per_block, table_stride, stages, scratch,
+    FloatSums sums;
+    sorted_row_pass<2, ADALN_BWD_STAGES>(sums, dy, x, nullptr, rstd, norm_weight, table_f32, row_index, row_order,
+                                         dx, row_partials, S, rows, rows_per_block, table_stride, stages, scratch,
                                          timesteps, row_rstd, row_ids);
 }
 
@@ -326,7 +327,8 @@ norm_modulate_bwd_residual_sorted_bf16(const bf16_t* __restrict__ dy, const bf16
     __shared__ int timesteps[ADALN_ROW_LIST_MAX];
     __shared__ float row_rstd[ADALN_ROW_LIST_MAX];
     __shared__ int row_ids[ADALN_ROW_LIST_MAX];
-    sorted_row_pass<3, ADALN_BWD_RES_STAGES>(dy, x, d_residual, rstd, norm_weight, table_f32, row_index, row_order, dx,
-                                             row_partials, S, rows, rows_per_block, table_stride, stages, scratch,
-                                             timesteps, row_rstd, row_ids);
+    FloatSums sums;
+    sorted_row_pass<3, ADALN_BWD_RES_STAGES>(sums, dy, x, d_residual, rstd, norm_weight, table_f32, row_index,
+                                             row_order, dx, row_partials, S, rows, rows_per_block, table_stride,
+                                             stages, scratch, timesteps, row_rstd, row_ids);
 }

@@ -55,6 +55,28 @@ def launch_carry(k: dict, stream: int, limbs: int, n: int) -> None:
         k["exact_carry"]((-(-n // 256), 1, 1), (256, 1, 1), 0, stream, limbs, n)
 
 
+def launch_sorted_row_sums(k: dict, plan, rows, stream: int, dy: int, x: int, rstd: int, norm_weight: int,
+                           table_f32: int, row_index: int, row_order: int, dx: int, table_limbs: int, flags: int,
+                           S: int, d_residual: int = 0, table_stride: int = 0) -> None:
+    """exact_sums.cu's norm_modulate_bwd_(residual_)sorted_exact_bf16: a block's sorted row pass (dx as
+    launchers.launch_sorted_row_pass writes it, with d_residual where given) with its two column sums a table row
+    added exactly into table_limbs (LIMBS, R, 2H) (uncarried), flags (1,) int32 or'd (the caller zeroes both);
+    nothing with no rows."""
+    if not rows.rows:
+        return
+    stride = table_stride or 2 * plan.H
+    grid, block = (rows.bwd_ranges, 1, 1), (plan.bwd_threads, 1, 1)
+    if d_residual:
+        k["norm_modulate_bwd_residual_sorted_exact_bf16"](grid, block, plan.bwd_res_smem, stream, dy, x, d_residual,
+                                                          rstd, norm_weight, table_f32, row_index, row_order, dx,
+                                                          table_limbs, flags, S, rows.rows, rows.bwd_rows_per_range,
+                                                          stride)
+    else:
+        k["norm_modulate_bwd_sorted_exact_bf16"](grid, block, plan.bwd_smem, stream, dy, x, rstd, norm_weight,
+                                                 table_f32, row_index, row_order, dx, table_limbs, flags, S,
+                                                 rows.rows, rows.bwd_rows_per_range, stride)
+
+
 def check_rows(rows: int, op: str) -> None:
     if rows > MAX_TERMS:
         raise ValueError(f"{op}: exact gradients take at most {MAX_TERMS} rows a call (every limb of the integer "

@@ -4,8 +4,9 @@ The block runs its own ops (`block_adaln_path`, on their routes) on detached par
 computed a temb row at a time where the torch code makes it (`table_rows`: each row's bits whatever T; the table
 kernel's rows are so already), so x's, attn's and ff's gradients are the ops' and nothing reaches the AdaLN
 parameters or temb: each row op's backward adds its rows' terms to this part's BlockSums (`ops/row_sums.py`: B =
-dy and A = dy x rstd for a modulated norm, A = dy y for a gated residual, per table row; on exact_sums.cu where the
-op runs on the kernels, in torch code otherwise):
+dy and A = dy x rstd for a modulated norm, A = dy y for a gated residual, per table row; on the kernels a norm's
+own row pass keeps them (`modulated_rms_norm.launch.backward_exact`) and a gate's come from exact_sums_bf16, in
+torch code otherwise):
 
     chunk (3T, H) state      shift_msa, shift_mlp: B      scale_msa, scale_mlp: A      gate_msa, gate_mlp: A of dy y
     norm k's product state   sum over the part's table rows r of s1[r] A[r], s1 = float32(1 + scale[r])
@@ -73,7 +74,14 @@ class BlockSums:
     def norm(self, chunk: int, x, dy, rstd, row_index, scale, kernels: bool) -> None:
         """Add a modulated norm's rows: x, dy (..., S, H) (its input and its output's gradient), rstd (rows,),
         row_index (S,), scale (3T, H) its scale chunk (float32 holding the table's values); chunk its shift chunk."""
-        state = self._sums(x, dy, rstd, row_index, kernels)
+        self.add_norm(chunk, self._sums(x, dy, rstd, row_index, kernels), scale)
+
+    def add_norm(self, chunk: int, state: ExactSum, scale, flags: torch.Tensor | None = None) -> None:
+        """Add a modulated norm's state (3T, 2H) B | A made by its own row pass (`modulated_rms_norm.launch.
+        backward_exact`), with its kernels' flags; chunk and scale as `norm`'s."""
+        self._open()
+        if flags is not None:
+            self.flags.append(flags)
         self.chunks[chunk].merge(half(state, 0), carry=False)  # carried once, when read
         self.chunks[chunk + 1].merge(half(state, 1), carry=False)
         self.scales[0 if chunk == SHIFT_MSA else 1] = (1.0 + scale.detach().float()).contiguous()

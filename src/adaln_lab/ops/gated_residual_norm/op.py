@@ -36,7 +36,9 @@ from ...core import support, table_gradient, tensors
 from ...core.checks import BLOCK_BACKENDS, check_option, check_order, check_rows
 from ...core.library import apply
 from ...reference.backward import compute_dtype
+from ..gated_residual import launch as residual_launch
 from ..gated_residual.op import residual_route
+from ..modulated_rms_norm import launch as norm_launch
 from ..modulated_rms_norm.op import norm_route
 from . import launch
 
@@ -74,6 +76,9 @@ class GatedResidualNorm(torch.autograd.Function):
             support.check_saved("gated_residual_norm", x_out, norm_weight=norm_weight)
         d_out = torch.zeros_like(x_out) if d_out is None else d_out.contiguous()  # out unused: zeros, as autograd's
         d_x_out = torch.zeros_like(x_out) if d_x_out is None else d_x_out.contiguous()
+        if ctx.sums is not None and ctx.route == "cupy":
+            return _backward_exact(ctx, d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd,
+                                   order)
         if ctx.table is None:
             dtype = torch.float32 if "cupy" in ctx.route else torch.promote_types(gate.dtype, shift.dtype)
             d_table, column, partials = table_gradient.standalone(R, 3 * H, dtype, x_out.device), 0, None
@@ -97,6 +102,21 @@ class GatedResidualNorm(torch.autograd.Function):
                                         for i, t in enumerate((gate, shift, scale)))
             return dx, d_gate, d_y, None, d_norm_weight, d_shift, d_scale, *(None,) * 8
         return dx, None, d_y, None, d_norm_weight, None, None, *(None,) * 4, buffer, None, None, None
+
+
+def _backward_exact(ctx, d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, order):
+    """Route "cupy" inside ExactGradients: the norm's row pass with its exact sums (and d_x_out summed in: dx, x_out's
+    whole gradient), then the gated residual's pass for d_y (its d_gate partials unused) and the gate's exact sums of
+    dx y; the same dx and d_y as `launch.backward`, no parameter gradient."""
+    dx = torch.empty_like(x_out, memory_format=torch.contiguous_format)
+    state, flags = norm_launch.backward_exact(d_out, x_out, norm_weight, shift, scale, row_index, rstd,
+                                              tensors.as_dtype(d_x_out, x_out.dtype), order, dx)
+    ctx.sums.add_norm(ctx.chunk + 1, state, scale, flags)
+    d_y = torch.empty_like(y, memory_format=torch.contiguous_format)
+    scratch = table_gradient.standalone(*gate.shape, torch.float32, y.device)
+    residual_launch.backward(dx, gate, y, row_index, order, ctx.table_dtype, "cupy", d_y, scratch, 0, None)
+    ctx.sums.gate(ctx.chunk, y, dx, row_index, True)
+    return tensors.as_dtype(dx, ctx.x_dtype), None, d_y, *(None,) * 12
 
 
 def pair_route(x, gate, y, row_index, norm_weight, shift, scale, table_dtype, backend: str, op: str) -> str:

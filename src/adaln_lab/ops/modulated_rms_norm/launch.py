@@ -12,10 +12,13 @@ at [column + H, column + 2H) (an op's own (R, 2H), or a block's table gradient v
 is the norm's dx plus d_residual, added in x's dtype as autograd adds. partials: None, or float32 scratch for the
 sorted pass's partial sums (a block's, after its table gradient: `core.table_gradient.partials_of`).
 
+    backward_exact(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual, order, dx) -> (state, flags)
+
 route "cupy": norm_modulate.cu forward; backward the sorted row pass (the residual summed in it where three rows fit
 its stages, else torch's bf16 add: the same bits) and the reduce of its partials, in table-row order, every sum in a
 fixed order. route "torch": diffusers' replay and the exact derivative (`reference.backward`: per row in float32, the
-parameter sums in float64 in a fixed order, rounded once).
+parameter sums in float64 in a fixed order, rounded once). backward_exact (a block's norm inside ExactGradients, route
+"cupy", eager): the same dx from the sorted row pass with its column sums kept as exact integers (exact_sums.cu).
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from __future__ import annotations
 import torch
 
 from ...core import launchers, tensors
+from ...core.exact import LIMBS, ExactSum
 from ...core.library import library_op
 from ...reference.backward import modulated_rms_norm_backward, rstd_of
 from ...reference.block import replay_modulated_rms_norm
+from .. import row_sums
 from ..row_order import row_order
 
 
@@ -84,3 +89,30 @@ def backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, shift
                                             table_stride, d_table.stride(0))
     if d_residual is not None and not fused:  # a row too wide for three staged inputs: torch's bf16 add, same bits
         dx.add_(d_residual)
+
+
+def backward_exact(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, shift: torch.Tensor,
+                   scale: torch.Tensor, row_index: torch.Tensor, rstd: torch.Tensor, d_residual: torch.Tensor | None,
+                   order: torch.Tensor | None, dx: torch.Tensor) -> tuple[ExactSum, torch.Tensor]:
+    """Route "cupy" inside ExactGradients (eager): dx as `backward` writes it, and instead of the parameter
+    gradients the exact sums of its row pass (`ops.row_sums`: B | A (R, 2H), from norm_modulate_bwd_(residual_)
+    sorted_exact_bf16 in the same read of x and dy) with the kernels' flags (1,) int32."""
+    R, H = shift.shape
+    plan, rows, k, stream = tensors.row_setup(x, R)
+    row_sums.check_rows(rows.rows, "modulated_rms_norm")
+    (dy, x, norm_weight), at = tensors.aligned_addresses(dy, x, norm_weight)
+    table_f32, table_stride = tensors.shift_scale(shift, scale)
+    row_index, rstd = row_index.contiguous(), rstd.contiguous()
+    order = row_order(row_index, R, H) if order is None else order.contiguous()
+    fused = d_residual is not None and plan.bwd_res_stages > 0
+    d_residual = tensors.aligned(d_residual) if fused else d_residual
+    limbs = torch.zeros((LIMBS, R, 2 * H), dtype=torch.int64, device=x.device)
+    flags = torch.zeros(1, dtype=torch.int32, device=x.device)
+    row_sums.launch_sorted_row_sums(k, plan, rows, stream, at[0], at[1], rstd.data_ptr(), at[2],
+                                    table_f32.data_ptr(), row_index.data_ptr(), order.data_ptr(), dx.data_ptr(),
+                                    limbs.data_ptr(), flags.data_ptr(), x.shape[-2],
+                                    d_residual.data_ptr() if fused else 0, table_stride)
+    row_sums.launch_carry(k, stream, limbs.data_ptr(), R * 2 * H)
+    if d_residual is not None and not fused:
+        dx.add_(d_residual)
+    return ExactSum.from_limbs(limbs), flags

@@ -72,6 +72,12 @@ class ModulatedRMSNorm(torch.autograd.Function):
         if d_out is None:
             d_out = torch.zeros(x.shape, dtype=ctx.out_dtype, device=x.device)
         d_residual = None if d_x is None else tensors.as_dtype(d_x, x.dtype).contiguous()
+        if ctx.sums is not None and ctx.route == "cupy":  # the row pass keeps the exact sums; no parameter gradient
+            dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+            state, flags = launch.backward_exact(d_out.contiguous(), x, norm_weight, shift, scale, row_index, rstd,
+                                                 d_residual, order, dx)
+            ctx.sums.add_norm(ctx.chunk, state, scale, flags)
+            return dx, *(None,) * 13
         if ctx.table is None:
             dtype = torch.float32 if ctx.route == "cupy" else torch.promote_types(shift.dtype, scale.dtype)
             d_table, column, partials = table_gradient.standalone(R, 2 * H, dtype, x.device), 0, None
