@@ -8,9 +8,9 @@
 #   reversed order (the exact sums: the same integers), and differ from the plain route's for some split.
 # Then eager steps between CUDA events (medians; host time included: the exact route is eager only):
 #   plain       block_adaln_path forward + backward (fixed-order parameter sums)
-#   exact_part  the same inside `with ExactGradients()`: the norms' row passes with their sums exact (in place of the
-#               plain passes and their reduces), the gated residuals' plain passes and exact_sums.cu's passes over
-#               their rows, and the part's states folded in when the `with` ends (a micro-batch's cost)
+#   exact_part  the same inside `with ExactGradients()`: the norms' and the gated residuals' row passes with their
+#               sums exact (in place of the plain passes and their reduces), no table backward, and the part's
+#               states folded in when the `with` ends (a micro-batch's cost)
 #   write       ExactGradients.write of one part (once a step: the table's gradient over the distinct temb rows,
 #               d_weight and d_temb in float64 on the CPU)
 # and exact_part / plain.

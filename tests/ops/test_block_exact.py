@@ -117,21 +117,23 @@ def test_permutations_and_micro_batches_give_the_same_bits(device, backend):
 
 @pytest.mark.gpu
 def test_on_the_kernels_each_ops_states_are_the_torch_codes_of_its_rows(monkeypatch):
-    """Backend "cupy": each norm's row pass with exact sums and each gate's exact_sums_bf16 pass gives the state the
-    torch code gives for the same tensors (x, the output's gradient, the saved rstd; y and x_out's whole gradient),
-    limb for limb (the wiring around them is the CPU-checked code); dx is the plain block's, bit for bit; as a gross
-    check (a wrong chunk, factor or rstd moves a gradient by a large part of its size), each gradient lies within
-    2^-6 of the largest of the plain kernels' (bf16 gradients, fixed-order float32 sums)."""
-    from adaln_lab.ops.block import exact as module
+    """Backend "cupy": each norm's and each gate's row pass with exact sums gives the state the torch code gives for
+    the same tensors (x, the output's gradient, the saved rstd; y and the output's whole gradient, rstd 1), limb for
+    limb (the wiring around them is the CPU-checked code), and no flag; dx is the plain block's, bit for bit; as a
+    gross check (a wrong chunk, factor or rstd moves a gradient by a large part of its size), each gradient lies
+    within 2^-6 of the largest of the plain kernels' (bf16 gradients, fixed-order float32 sums)."""
+    from adaln_lab.ops.gated_residual import launch as gate_launch
     from adaln_lab.ops.modulated_rms_norm import launch as norm_launch
     from adaln_lab.ops.row_sums import row_sums
 
     seen = []
-    gate_sums, norm_exact = module.row_sums, norm_launch.backward_exact
+    gate_exact, norm_exact = gate_launch.backward_exact, norm_launch.backward_exact
 
-    def gate_spy(x, dy, rstd, row_index, R, kernels, op, order=None):
-        state, flags = gate_sums(x, dy, rstd, row_index, R, kernels, op, order)
-        seen.append(("gate", kernels, torch.equal(state.limbs, row_sums(x, dy, rstd, row_index, R, False)[0].limbs)))
+    def gate_spy(dout, gate, y, row_index, order, d_y):
+        state, flags = gate_exact(dout, gate, y, row_index, order, d_y)
+        want = row_sums(y, dout, None, row_index, gate.shape[0], False)[0]
+        seen.append(("gate", int(flags) == 0, torch.equal(state.limbs[..., state.shape[-1] // 2:],
+                                                          want.limbs[..., want.shape[-1] // 2:])))
         return state, flags
 
     def norm_spy(dy, x, norm_weight, shift, scale, row_index, rstd, d_residual, order, dx):
@@ -140,7 +142,7 @@ def test_on_the_kernels_each_ops_states_are_the_torch_codes_of_its_rows(monkeypa
         seen.append(("norm", int(flags) == 0, torch.equal(state.limbs, want)))
         return state, flags
 
-    monkeypatch.setattr(module, "row_sums", gate_spy)
+    monkeypatch.setattr(gate_launch, "backward_exact", gate_spy)
     monkeypatch.setattr(norm_launch, "backward_exact", norm_spy)
     params, embed, maps, batch = model(device="cuda")
     exact, [(_, dx)] = step(params, embed, maps, [batch], backend="cupy")
@@ -151,23 +153,15 @@ def test_on_the_kernels_each_ops_states_are_the_torch_codes_of_its_rows(monkeypa
         assert float((e.float() - p.float()).abs().max()) <= 2 ** -6 * float(p.float().abs().max())
 
 
-def test_the_kernel_routes_glue_runs_on_the_cpu_with_the_gpu_stood_in(monkeypatch):
+def test_the_kernel_routes_glue_runs_on_the_cpu_with_the_gpu_stood_in():
     """Backend "cupy" with the GPU stood in (`bench.host_model.gpu_stood_in`: each launch's argument block written
     against its signature, the driver call a no-op): the exact block's forward launches the plain block's kernels;
-    its backward runs each norm's sorted pass with exact sums in place of the plain pass and its reduce, the gated
-    residuals' plain passes (for d_y) and two exact_sums_bf16 passes (the gates' sums), a carry per state and no
-    table backward (formed at write); write sets the four gradients in their parameters' dtypes."""
+    its backward runs each norm's and each gate's sorted pass with exact sums in place of the plain pass and its
+    reduce, a carry per state and no table backward (formed at write); write sets the four gradients in their
+    parameters' dtypes."""
     from adaln_lab.bench import host_model
     from adaln_lab.harness.block_report import make_block
-    from adaln_lab.ops.block import exact as module
 
-    kernels, original = [], module.row_sums
-
-    def spy(*args):
-        kernels.append(args[5])
-        return original(*args)
-
-    monkeypatch.setattr(module, "row_sums", spy)
     b = make_block(3, 64, "cpu", H=64, D=32)
     x, n1, n2, temb, w, bias = (t.detach().clone().requires_grad_(True) for t in b.leaves)
 
@@ -186,13 +180,13 @@ def test_the_kernel_routes_glue_runs_on_the_cpu_with_the_gpu_stood_in(monkeypatc
         acc = ExactGradients()
         exact = run(acc)
         acc.write()
-    assert kernels == [True] * 2
-    gone = ["norm_modulate_bwd_residual_sorted_bf16"] * 2 + ["reduce_partials_sorted_bf16"] * 2 + [
-        "table_bwd_bf16", "table_bwd_reduce"]
-    added = ["norm_modulate_bwd_residual_sorted_exact_bf16"] * 2 + ["exact_sums_bf16"] * 2 + ["exact_carry"] * 4
+    pairs = (("norm_modulate_bwd_residual_sorted_bf16", "reduce_partials_sorted_bf16"),
+             ("gated_residual_bwd_sorted_bf16", "gated_residual_reduce_sorted"))
+    gone = [name for pair in pairs for name in pair] * 2 + ["table_bwd_bf16", "table_bwd_reduce"]
+    added = ["norm_modulate_bwd_residual_sorted_exact_bf16", "gated_residual_bwd_sorted_exact_bf16"] * 2
     for name in gone:
         plain.remove(name)
-    assert exact == sorted(plain + added)
+    assert exact == sorted(plain + added + ["exact_carry"] * 4)
     assert [(p.grad.dtype, p.grad.shape) for p in (w, bias, n1, n2)] == [(p.dtype, p.shape) for p in (w, bias, n1, n2)]
 
 

@@ -4,8 +4,8 @@ The block runs its own ops (`block_adaln_path`, on their routes) on detached par
 computed a temb row at a time where the torch code makes it (`table_rows`: each row's bits whatever T; the table
 kernel's rows are so already), so x's, attn's and ff's gradients are the ops' and nothing reaches the AdaLN
 parameters or temb: each row op's backward adds its rows' terms to this part's BlockSums (`ops/row_sums.py`: B =
-dy and A = dy x rstd for a modulated norm, A = dy y for a gated residual, per table row; on the kernels a norm's
-own row pass keeps them (`modulated_rms_norm.launch.backward_exact`) and a gate's come from exact_sums_bf16, in
+dy and A = dy x rstd for a modulated norm, A = dy y for a gated residual, per table row; on the kernels each op's
+own row pass keeps them (`modulated_rms_norm.launch.backward_exact`, `gated_residual.launch.backward_exact`), in
 torch code otherwise):
 
     chunk (3T, H) state      shift_msa, shift_mlp: B      scale_msa, scale_mlp: A      gate_msa, gate_mlp: A of dy y
@@ -86,10 +86,18 @@ class BlockSums:
         self.chunks[chunk + 1].merge(half(state, 1), carry=False)
         self.scales[0 if chunk == SHIFT_MSA else 1] = (1.0 + scale.detach().float()).contiguous()
 
-    def gate(self, chunk: int, y, dy, row_index, kernels: bool) -> None:
-        """Add a gated residual's rows: y (..., S, H) the branch output, dy its output's gradient; chunk its gate
-        chunk."""
-        self.chunks[chunk].merge(half(self._sums(y, dy, None, row_index, kernels), 1), carry=False)
+    def gate(self, chunk: int, y, dy, row_index) -> None:
+        """Add a gated residual's rows in torch code: y (..., S, H) the branch output, dy its output's gradient;
+        chunk its gate chunk."""
+        self.add_gate(chunk, self._sums(y, dy, None, row_index, False))
+
+    def add_gate(self, chunk: int, state: ExactSum, flags: torch.Tensor | None = None) -> None:
+        """Add a gated residual's state (3T, 2H) (the A half: its sums of dy y) made by its own pass
+        (`gated_residual.launch.backward_exact`), with its kernel's flags; chunk its gate chunk."""
+        self._open()
+        if flags is not None:
+            self.flags.append(flags)
+        self.chunks[chunk].merge(half(state, 1), carry=False)
 
     def norm_states(self) -> list[ExactSum]:
         """The norm weights' product states (H,): sum over the part's chunk rows r of s1[r] A[r] (zero where a

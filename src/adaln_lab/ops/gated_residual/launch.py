@@ -12,6 +12,8 @@ allocates its own). The residual's gradient is dout itself (the op's Function ha
 route "cupy": gated_residual.cu forward; backward its sorted pass (d_y per row; d_gate per table row, ordered
 per-range sums reduced in a fixed order). route "torch": diffusers' replay (the product rounded, then the sum) and
 the exact derivative (`reference.backward.gated_residual_backward`: d_gate in float64, rows in order, rounded once).
+backward_exact(dout, gate, y, row_index, order, d_y) -> (state, flags) (a block's gate inside ExactGradients, route
+"cupy", eager): the same d_y from the sorted pass with the gate's sums kept as exact integers (exact_sums.cu).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from __future__ import annotations
 import torch
 
 from ...core import launchers, tensors
+from ...core.exact import LIMBS, ExactSum
 from ...core.library import library_op
 from ...reference.backward import gated_residual_backward
 from ...reference.block import replay_gated_residual
+from .. import row_sums
 from ..row_order import row_order
 
 
@@ -60,3 +64,27 @@ def backward(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index:
     launchers.launch_gated_residual_bwd(k, plan, rows, stream, at[0], gate.data_ptr(), at[1], row_index.data_ptr(),
                                         order.data_ptr(), d_y.data_ptr(), partials.data_ptr(),
                                         d_table.data_ptr() + 4 * column, stride, y.shape[-2], d_table.stride(0))
+
+
+def backward_exact(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: torch.Tensor,
+                   order: torch.Tensor | None, d_y: torch.Tensor) -> tuple[ExactSum, torch.Tensor]:
+    """Route "cupy" inside ExactGradients (eager): d_y as `backward` writes it, and instead of d_gate the exact sums
+    of dout y a table row (`ops.row_sums`' (R, 2H) layout, the A half; gated_residual_bwd_sorted_exact_bf16, the same
+    read of dout and y) with the kernel's flags (1,) int32."""
+    R, H = gate.shape
+    plan, rows, k, stream = tensors.row_setup(y, R)
+    row_sums.check_rows(rows.rows, "gated_residual")
+    (dout, y), at = tensors.aligned_addresses(dout, y)
+    row_index = row_index.contiguous()
+    order = row_order(row_index, R, H) if order is None else order.contiguous()
+    gate, stride = tensors.gate_pointer(gate)
+    limbs = torch.zeros((LIMBS, R, 2 * H), dtype=torch.int64, device=y.device)
+    flags = torch.zeros(1, dtype=torch.int32, device=y.device)
+    if rows.rows:
+        k["gated_residual_bwd_sorted_exact_bf16"]((rows.bwd_ranges, -(-H // (8 * plan.gr_threads)), 1),
+                                                  (plan.gr_threads, 1, 1), 0, stream, at[0], gate.data_ptr(), at[1],
+                                                  row_index.data_ptr(), order.data_ptr(), d_y.data_ptr(),
+                                                  limbs.data_ptr(), flags.data_ptr(), stride, y.shape[-2], rows.rows,
+                                                  rows.bwd_rows_per_range)
+    row_sums.launch_carry(k, stream, limbs.data_ptr(), R * 2 * H)
+    return ExactSum.from_limbs(limbs), flags

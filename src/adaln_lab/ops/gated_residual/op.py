@@ -51,6 +51,11 @@ class GatedResidual(torch.autograd.Function):
         gate, y, row_index, order = ctx.saved_tensors
         R, H = gate.shape
         dout = dout.contiguous()
+        if ctx.sums is not None and ctx.route == "cupy":  # the pass keeps the gate's exact sums; no d_gate
+            d_y = torch.empty_like(y, memory_format=torch.contiguous_format)
+            state, flags = launch.backward_exact(dout, gate, y, row_index, order, d_y)
+            ctx.sums.add_gate(ctx.chunk, state, flags)
+            return tensors.as_dtype(dout, ctx.x_dtype), None, d_y, *(None,) * 7
         if ctx.table is None:
             dtype = torch.float32 if ctx.route == "cupy" else gate.dtype
             d_table, column, partials = table_gradient.standalone(R, H, dtype, y.device), 0, None
@@ -61,7 +66,7 @@ class GatedResidual(torch.autograd.Function):
         launch.backward(dout, gate, y, row_index, order, ctx.table_dtype, ctx.route, d_y, d_table, column,
                         partials)
         if ctx.sums is not None:
-            ctx.sums.gate(ctx.chunk, y, dout, row_index, ctx.route == "cupy")
+            ctx.sums.gate(ctx.chunk, y, dout, row_index)
         dx = tensors.as_dtype(dout, ctx.x_dtype)
         if ctx.table is None:
             return dx, tensors.as_dtype(d_table, gate.dtype), d_y, *(None,) * 7

@@ -39,6 +39,7 @@ from ...reference.backward import compute_dtype
 from ..gated_residual import launch as residual_launch
 from ..gated_residual.op import residual_route
 from ..modulated_rms_norm import launch as norm_launch
+from ..row_sums import row_sums
 from ..modulated_rms_norm.op import norm_route
 from . import launch
 
@@ -94,7 +95,10 @@ class GatedResidualNorm(torch.autograd.Function):
                         partials)
         if ctx.sums is not None:  # dx: x_out's whole gradient (the norm's dx plus d_x_out), the gate's dy
             residual_route, norm_route = launch.parts(ctx.route)
-            ctx.sums.gate(ctx.chunk, y, dx, row_index, residual_route == "cupy")
+            if residual_route == "cupy":  # the pass ran for d_y; the gate's sums in a pass of their own
+                ctx.sums.add_gate(ctx.chunk, *row_sums(y, dx, None, row_index, gate.shape[0], True, "gated_residual"))
+            else:
+                ctx.sums.gate(ctx.chunk, y, dx, row_index)
             ctx.sums.norm(ctx.chunk + 1, x_out, d_out, rstd, row_index, scale, norm_route == "cupy")
             dx = tensors.as_dtype(dx, ctx.x_dtype)
         if ctx.table is None:
@@ -106,16 +110,14 @@ class GatedResidualNorm(torch.autograd.Function):
 
 def _backward_exact(ctx, d_x_out, d_out, x_out, gate, y, row_index, norm_weight, shift, scale, rstd, order):
     """Route "cupy" inside ExactGradients: the norm's row pass with its exact sums (and d_x_out summed in: dx, x_out's
-    whole gradient), then the gated residual's pass for d_y (its d_gate partials unused) and the gate's exact sums of
-    dx y; the same dx and d_y as `launch.backward`, no parameter gradient."""
+    whole gradient), then the gated residual's with the gate's exact sums of dx y; the same dx and d_y as
+    `launch.backward`, no parameter gradient."""
     dx = torch.empty_like(x_out, memory_format=torch.contiguous_format)
     state, flags = norm_launch.backward_exact(d_out, x_out, norm_weight, shift, scale, row_index, rstd,
                                               tensors.as_dtype(d_x_out, x_out.dtype), order, dx)
     ctx.sums.add_norm(ctx.chunk + 1, state, scale, flags)
     d_y = torch.empty_like(y, memory_format=torch.contiguous_format)
-    scratch = table_gradient.standalone(*gate.shape, torch.float32, y.device)
-    residual_launch.backward(dx, gate, y, row_index, order, ctx.table_dtype, "cupy", d_y, scratch, 0, None)
-    ctx.sums.gate(ctx.chunk, y, dx, row_index, True)
+    ctx.sums.add_gate(ctx.chunk, *residual_launch.backward_exact(dx, gate, y, row_index, order, d_y))
     return tensors.as_dtype(dx, ctx.x_dtype), None, d_y, *(None,) * 12
 
 

@@ -88,8 +88,8 @@ class ModulatedRMSNorm(torch.autograd.Function):
         d_out = d_out.contiguous()
         launch.backward(d_out, x, norm_weight, shift, scale, row_index, rstd, d_residual, order, ctx.route, dx,
                         d_norm_weight, d_table, column, partials)
-        if ctx.sums is not None:
-            ctx.sums.norm(ctx.chunk, x, d_out, rstd, row_index, scale, ctx.route == "cupy")
+        if ctx.sums is not None:  # the torch code's route (the kernels' returned above)
+            ctx.sums.norm(ctx.chunk, x, d_out, rstd, row_index, scale, False)
         if ctx.table is None:
             d_shift = tensors.as_dtype(d_table[:, :H], shift.dtype)
             d_scale = tensors.as_dtype(d_table[:, H:], scale.dtype)
