@@ -97,3 +97,61 @@ def test_the_kernels_refuse_other_dtypes_by_name():
     x, dy, rstd, idx = case(4, "cuda")
     with pytest.raises(ValueError, match="bf16 x and dy"):
         row_sums(x.float(), dy, rstd, idx, R, kernels=True, op="test")
+
+
+def long_case(H: int, R: int = 6, S: int = 20000, seed: int = 5):
+    """One sequence of S rows (ranges of 128+ rows, crossing table rows; windows past 127 rows) on CUDA: x, dy,
+    d_residual (1, S, H) bf16, rstd (S,), row_index (S,), norm_weight (H,) bf16, a table (R, 2H) of bf16 values and a
+    gate (R, H)."""
+    g = torch.Generator().manual_seed(seed)
+    x, dy, res = (torch.randn(1, S, H, generator=g).bfloat16() for _ in range(3))
+    rstd = torch.rand(S, generator=g) + 0.5
+    idx = torch.randint(0, R, (S,), generator=g)
+    weight = (1 + 0.1 * torch.randn(H, generator=g)).bfloat16()
+    table = (0.2 * torch.randn(R, 3 * H, generator=g)).bfloat16().float()
+    return tuple(t.cuda() for t in (x, dy, res, rstd, idx, weight, table))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [16, 2056])  # 2056: two column tiles of the gate's pass, the second one vector wide
+def test_the_ops_passes_with_exact_sums_give_the_torch_codes_states_and_the_plain_dx(H):
+    """modulated_rms_norm.launch.backward_exact (with and without a residual gradient) and
+    gated_residual.launch.backward_exact on ranges that cross table rows and windows past 127 rows: their states are
+    the torch code's limb for limb, their dx and d_y the plain passes' bit for bit, no flag."""
+    from adaln_lab.ops.gated_residual import launch as gate_launch
+    from adaln_lab.ops.modulated_rms_norm import launch as norm_launch
+
+    x, dy, res, rstd, idx, weight, table = long_case(H)
+    R = table.shape[0]
+    shift, scale, gate = table[:, :H], table[:, H:2 * H], table[:, 2 * H:]
+    want = row_sums(x, dy, rstd, idx, R, kernels=False)[0].limbs
+    for d_residual in (None, res):
+        dx, plain_dx = torch.empty_like(x), torch.empty_like(x)
+        state, flags = norm_launch.backward_exact(dy, x, weight, shift, scale, idx, rstd, d_residual, None, dx)
+        norm_launch.backward(dy, x, weight, shift, scale, idx, rstd, d_residual, None, "cupy", plain_dx,
+                             torch.empty_like(weight), torch.empty(R, 2 * H, device="cuda"), 0, None)
+        assert int(flags) == 0 and torch.equal(state.limbs, want) and torch.equal(dx, plain_dx)
+    d_y, plain_d_y = torch.empty_like(x), torch.empty_like(x)
+    state, flags = gate_launch.backward_exact(dy, gate, x, idx, None, d_y)
+    gate_launch.backward(dy, gate, x, idx, None, torch.bfloat16, "cupy", plain_d_y, torch.empty(R, H, device="cuda"),
+                         0, None)
+    assert int(flags) == 0 and torch.equal(d_y, plain_d_y)
+    assert torch.equal(state.limbs, half(row_sums(x, dy, None, idx, R, kernels=False)[0], 1).limbs)
+
+
+@pytest.mark.gpu
+def test_the_ops_passes_with_exact_sums_flag_a_non_finite_term_and_a_row_outside_the_table():
+    from adaln_lab.ops.gated_residual import launch as gate_launch
+    from adaln_lab.ops.modulated_rms_norm import launch as norm_launch
+
+    x, dy, res, rstd, idx, weight, table = long_case(16, S=600)
+    R, H = table.shape[0], 16
+    bad, far = dy.clone(), idx.clone()
+    bad[0, 7, 3] = float("nan")
+    far[11] = R
+    for dout, rows, bit in ((bad, idx, 1), (dy, far, 2)):
+        _, flags = norm_launch.backward_exact(dout, x, weight, table[:, :H], table[:, H:2 * H], rows, rstd, None,
+                                              None, torch.empty_like(x))
+        assert int(flags) & bit
+        _, flags = gate_launch.backward_exact(dout, table[:, 2 * H:], x, rows, None, torch.empty_like(x))
+        assert int(flags) & bit

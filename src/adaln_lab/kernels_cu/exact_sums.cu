@@ -354,8 +354,8 @@ norm_modulate_bwd_residual_sorted_exact_bf16(const bf16_t* __restrict__ dy, cons
 
 // ExactGateSums: gated_residual_bwd_sorted_bf16's column sums of dout y (exact in float32: two bf16 numbers) kept as
 // exact integers, ExactRowSums' windows for a thread's 8 columns c * 8 + e: one int64 window a column (its limb pair
-// in 4 bits of `pairs`), sent by integer atomics to table_limbs (LIMBS, R, 2H) at column H + c * 8 + e (the A half of
-// ops/row_sums.py's layout) when a term lands in another pair, after 127 rows, and when the rows leave a table row.
+// in 4 bits of `pairs`), sent by integer atomics to table_limbs (LIMBS, R, H) at column c * 8 + e when a term lands in
+// another pair, after 127 rows, and when the rows leave a table row.
 struct ExactGateSums {
     long long acc[ADALN_VEC];
     unsigned long long pairs;
@@ -366,9 +366,8 @@ struct ExactGateSums {
     __device__ __forceinline__ void flush(int e) {
         long long& w = acc[e];
         if (w != 0) {
-            const size_t limb = (size_t)ADALN_T * 2 * ADALN_H;
-            unsigned long long* at = table_limbs + (size_t)current * 2 * ADALN_H + ADALN_H + c * ADALN_VEC + e +
-                                     pair(e) * limb;
+            const size_t limb = (size_t)ADALN_T * ADALN_H;
+            unsigned long long* at = table_limbs + (size_t)current * ADALN_H + c * ADALN_VEC + e + pair(e) * limb;
             const long long low = w & 0xffffffffLL, high = w >> 32;
             if (low) atomicAdd(at, (unsigned long long)low);  // two's complement: signed additions
             if (high) atomicAdd(at + limb, (unsigned long long)high);
@@ -404,7 +403,7 @@ struct ExactGateSums {
 };
 
 // An H3 block's gated residual backward (gated_residual_bwd_sorted_bf16's d_y and grid, rows in table-row order) with
-// its gate sums exact (ExactGateSums) into table_limbs (LIMBS, R, 2H), columns H .. 2H (zeroed by the caller), flags
+// its gate sums exact (ExactGateSums) into table_limbs (LIMBS, R, H) (zeroed by the caller), flags
 // (1,) int32 or'd (bit 0 a non-finite term, bit 1 a row of no table row: left out, its d_y NaN): no partials, no
 // reduce. Run: adaln_lab.ops.gated_residual.launch.backward_exact.
 extern "C" __global__ void __launch_bounds__(ADALN_GR_THREADS)

@@ -86,18 +86,18 @@ class BlockSums:
         self.chunks[chunk + 1].merge(half(state, 1), carry=False)
         self.scales[0 if chunk == SHIFT_MSA else 1] = (1.0 + scale.detach().float()).contiguous()
 
-    def gate(self, chunk: int, y, dy, row_index) -> None:
-        """Add a gated residual's rows in torch code: y (..., S, H) the branch output, dy its output's gradient;
-        chunk its gate chunk."""
-        self.add_gate(chunk, self._sums(y, dy, None, row_index, False))
+    def gate(self, chunk: int, y, dy, row_index, kernels: bool) -> None:
+        """Add a gated residual's rows: y (..., S, H) the branch output, dy its output's gradient; chunk its gate
+        chunk (`kernels`: exact_sums.cu, a pass of its own)."""
+        self.add_gate(chunk, half(self._sums(y, dy, None, row_index, kernels), 1))
 
     def add_gate(self, chunk: int, state: ExactSum, flags: torch.Tensor | None = None) -> None:
-        """Add a gated residual's state (3T, 2H) (the A half: its sums of dy y) made by its own pass
+        """Add a gated residual's state (3T, H) (its sums of dy y) made by its own pass
         (`gated_residual.launch.backward_exact`), with its kernel's flags; chunk its gate chunk."""
         self._open()
         if flags is not None:
             self.flags.append(flags)
-        self.chunks[chunk].merge(half(state, 1), carry=False)
+        self.chunks[chunk].merge(state, carry=False)
 
     def norm_states(self) -> list[ExactSum]:
         """The norm weights' product states (H,): sum over the part's chunk rows r of s1[r] A[r] (zero where a

@@ -69,8 +69,8 @@ def backward(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index:
 def backward_exact(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: torch.Tensor,
                    order: torch.Tensor | None, d_y: torch.Tensor) -> tuple[ExactSum, torch.Tensor]:
     """Route "cupy" inside ExactGradients (eager): d_y as `backward` writes it, and instead of d_gate the exact sums
-    of dout y a table row (`ops.row_sums`' (R, 2H) layout, the A half; gated_residual_bwd_sorted_exact_bf16, the same
-    read of dout and y) with the kernel's flags (1,) int32."""
+    of dout y a table row (an ExactSum (R, H); gated_residual_bwd_sorted_exact_bf16, the same read of dout and y) with
+    the kernel's flags (1,) int32."""
     R, H = gate.shape
     plan, rows, k, stream = tensors.row_setup(y, R)
     row_sums.check_rows(rows.rows, "gated_residual")
@@ -78,7 +78,7 @@ def backward_exact(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_
     row_index = row_index.contiguous()
     order = row_order(row_index, R, H) if order is None else order.contiguous()
     gate, stride = tensors.gate_pointer(gate)
-    limbs = torch.zeros((LIMBS, R, 2 * H), dtype=torch.int64, device=y.device)
+    limbs = torch.zeros((LIMBS, R, H), dtype=torch.int64, device=y.device)
     flags = torch.zeros(1, dtype=torch.int32, device=y.device)
     if rows.rows:
         k["gated_residual_bwd_sorted_exact_bf16"]((rows.bwd_ranges, -(-H // (8 * plan.gr_threads)), 1),
@@ -86,5 +86,5 @@ def backward_exact(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_
                                                   row_index.data_ptr(), order.data_ptr(), d_y.data_ptr(),
                                                   limbs.data_ptr(), flags.data_ptr(), stride, y.shape[-2], rows.rows,
                                                   rows.bwd_rows_per_range)
-    row_sums.launch_carry(k, stream, limbs.data_ptr(), R * 2 * H)
+    row_sums.launch_carry(k, stream, limbs.data_ptr(), R * H)
     return ExactSum.from_limbs(limbs), flags

@@ -66,7 +66,7 @@ class GatedResidual(torch.autograd.Function):
         launch.backward(dout, gate, y, row_index, order, ctx.table_dtype, ctx.route, d_y, d_table, column,
                         partials)
         if ctx.sums is not None:
-            ctx.sums.gate(ctx.chunk, y, dout, row_index)
+            ctx.sums.gate(ctx.chunk, y, dout, row_index, False)  # the torch code's route
         dx = tensors.as_dtype(dout, ctx.x_dtype)
         if ctx.table is None:
             return dx, tensors.as_dtype(d_table, gate.dtype), d_y, *(None,) * 7

@@ -39,7 +39,7 @@ from ...reference.backward import compute_dtype
 from ..gated_residual import launch as residual_launch
 from ..gated_residual.op import residual_route
 from ..modulated_rms_norm import launch as norm_launch
-from ..row_sums import row_sums
+from ..row_order import row_order
 from ..modulated_rms_norm.op import norm_route
 from . import launch
 
@@ -95,10 +95,7 @@ class GatedResidualNorm(torch.autograd.Function):
                         partials)
         if ctx.sums is not None:  # dx: x_out's whole gradient (the norm's dx plus d_x_out), the gate's dy
             residual_route, norm_route = launch.parts(ctx.route)
-            if residual_route == "cupy":  # the pass ran for d_y; the gate's sums in a pass of their own
-                ctx.sums.add_gate(ctx.chunk, *row_sums(y, dx, None, row_index, gate.shape[0], True, "gated_residual"))
-            else:
-                ctx.sums.gate(ctx.chunk, y, dx, row_index)
+            ctx.sums.gate(ctx.chunk, y, dx, row_index, residual_route == "cupy")  # kernels: a pass of their own
             ctx.sums.norm(ctx.chunk + 1, x_out, d_out, rstd, row_index, scale, norm_route == "cupy")
             dx = tensors.as_dtype(dx, ctx.x_dtype)
         if ctx.table is None:
@@ -113,6 +110,8 @@ def _backward_exact(ctx, d_x_out, d_out, x_out, gate, y, row_index, norm_weight,
     whole gradient), then the gated residual's with the gate's exact sums of dx y; the same dx and d_y as
     `launch.backward`, no parameter gradient."""
     dx = torch.empty_like(x_out, memory_format=torch.contiguous_format)
+    if order is None:  # one sort for the two passes
+        order = row_order(row_index.contiguous(), *shift.shape)
     state, flags = norm_launch.backward_exact(d_out, x_out, norm_weight, shift, scale, row_index, rstd,
                                               tensors.as_dtype(d_x_out, x_out.dtype), order, dx)
     ctx.sums.add_norm(ctx.chunk + 1, state, scale, flags)
