@@ -352,10 +352,11 @@ norm_modulate_bwd_residual_sorted_exact_bf16(const bf16_t* __restrict__ dy, cons
     if (sums.bad) atomicOr(flags, sums.bad);
 }
 
-// ExactGateSums: gated_residual_bwd_sorted_bf16's column sums of dout y (exact in float32: two bf16 numbers) kept as
-// exact integers, ExactRowSums' windows for a thread's 8 columns c * 8 + e: one int64 window a column (its limb pair
-// in 4 bits of `pairs`), sent by integer atomics to table_limbs (LIMBS, R, H) at column c * 8 + e when a term lands in
-// another pair, after 127 rows, and when the rows leave a table row.
+// ExactGateSums: gated_residual.cu's FloatGateSums (the sorted pass's column sums of dout y, exact in float32: two
+// bf16 numbers) kept as exact integers, ExactRowSums' windows for a thread's 8 columns c * 8 + e: one int64 window a
+// column (its limb pair in 4 bits of `pairs`), sent by integer atomics to table_limbs (LIMBS, R, H) at column
+// c * 8 + e when a term lands in another pair, after 127 rows, and when the rows leave a table row. A row of no table
+// row sets flag bit 1 and adds nothing; a non-finite term bit 0.
 struct ExactGateSums {
     long long acc[ADALN_VEC];
     unsigned long long pairs;
@@ -374,7 +375,7 @@ struct ExactGateSums {
         }
         w = 0;
     }
-    __device__ __forceinline__ void flush_all() {
+    __device__ __forceinline__ void store(int) {  // every window out (the rows leave table row `current`)
 #pragma unroll
         for (int e = 0; e < ADALN_VEC; ++e) flush(e);
         rows_since = 0;
@@ -386,8 +387,12 @@ struct ExactGateSums {
         pairs = 0;
         rows_since = 0;
     }
-    __device__ __forceinline__ void add_row(const float dyv[ADALN_VEC], const float yv[ADALN_VEC]) {
-        if (++rows_since == 127) flush_all();  // at most 127 terms a window
+    __device__ __forceinline__ void add(int ts, const float dyv[ADALN_VEC], const float yv[ADALN_VEC]) {
+        if (ts < 0) {
+            bad |= 2;
+            return;
+        }
+        if (++rows_since == 127) store(current);  // at most 127 terms a window
 #pragma unroll
         for (int e = 0; e < ADALN_VEC; ++e) {
             long long v;
@@ -403,61 +408,20 @@ struct ExactGateSums {
 };
 
 // An H3 block's gated residual backward (gated_residual_bwd_sorted_bf16's d_y and grid, rows in table-row order) with
-// its gate sums exact (ExactGateSums) into table_limbs (LIMBS, R, H) (zeroed by the caller), flags
-// (1,) int32 or'd (bit 0 a non-finite term, bit 1 a row of no table row: left out, its d_y NaN): no partials, no
-// reduce. Run: adaln_lab.ops.gated_residual.launch.backward_exact.
+// its gate sums exact (ExactGateSums) into table_limbs (LIMBS, R, H) (zeroed by the caller), flags (1,) int32 or'd:
+// no partials, no reduce. Run: adaln_lab.ops.gated_residual.launch.backward_exact.
 extern "C" __global__ void __launch_bounds__(ADALN_GR_THREADS)
 gated_residual_bwd_sorted_exact_bf16(const bf16_t* __restrict__ dout, const float* __restrict__ gate,
                                      const bf16_t* __restrict__ y, const index_t* __restrict__ row_index,
                                      const int* __restrict__ row_order, bf16_t* __restrict__ d_y,
                                      unsigned long long* __restrict__ table_limbs, int* __restrict__ flags,
                                      int gate_stride, int S, int rows, int rows_per_range) {
-    __shared__ int row_ids[ADALN_ROW_LIST_MAX], timesteps[ADALN_ROW_LIST_MAX];
     const int c = blockIdx.y * ADALN_GR_THREADS + threadIdx.x;
-    const int p0 = blockIdx.x * rows_per_range, n = min(rows, p0 + rows_per_range) - p0;
-    fill_sorted_rows(row_ids, timesteps, row_index, row_order, row_order + ADALN_T + 1, p0, n, S, S ? rows / S : 0);
-    __syncthreads();
-    if (c >= GR_VECTORS_H) return;
     ExactGateSums sums;
     sums.table_limbs = table_limbs;
     sums.bad = 0;
     sums.c = c;
-    int i = sorted_table_row(timesteps[0]);
-    float g[ADALN_VEC];
-    load_gate8(gate + (size_t)i * gate_stride + c * ADALN_VEC, g);
-    sums.begin(i);
-#pragma unroll 1
-    for (int k = 0; k < n; k += GR_ROWS_IN_FLIGHT) {
-        uint4 dy_raw[GR_ROWS_IN_FLIGHT], y_raw[GR_ROWS_IN_FLIGHT];
-#pragma unroll
-        for (int q = 0; q < GR_ROWS_IN_FLIGHT; ++q) {  // every load of the group issued before any use
-            const size_t at = (size_t)max(row_ids[min(k + q, n - 1)], 0) * ADALN_H + c * ADALN_VEC;
-            dy_raw[q] = load_raw8(dout + at);
-            y_raw[q] = load_raw8(y + at);
-        }
-#pragma unroll
-        for (int q = 0; q < GR_ROWS_IN_FLIGHT; ++q) {
-            if (k + q >= n) break;
-            const int ts = timesteps[k + q];
-            if (sorted_table_row(ts) != i) {  // the rows leave table row i: its windows out
-                sums.flush_all();
-                i = sorted_table_row(ts);
-                load_gate8(gate + (size_t)i * gate_stride + c * ADALN_VEC, g);
-                sums.begin(i);
-            }
-            float dyv[ADALN_VEC], yv[ADALN_VEC], dyy[ADALN_VEC];
-            unpack8(dy_raw[q], dyv);
-            unpack8(y_raw[q], yv);
-#pragma unroll
-            for (int e = 0; e < ADALN_VEC; ++e) dyy[e] = ts < 0 ? GR_NAN : g[e] * dyv[e];
-            if (ts < 0)
-                sums.bad |= 2;
-            else
-                sums.add_row(dyv, yv);
-            if (row_ids[k + q] >= 0) store8(d_y + (size_t)row_ids[k + q] * ADALN_H + c * ADALN_VEC, dyy);
-        }
-    }
-    sums.flush_all();
+    gated_residual_sorted_pass(sums, dout, gate, y, row_index, row_order, d_y, gate_stride, S, rows, rows_per_range, c);
     if (sums.bad) atomicOr(flags, sums.bad);
 }
 

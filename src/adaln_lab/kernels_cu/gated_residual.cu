@@ -5,7 +5,9 @@
 // bf16 numbers). Rounding as diffusers in bf16: g = bf16(gate), p = bf16(g * y), out = bf16(x + p).
 //   gated_residual_fwd_bf16: elementwise; block = ADALN_GR_THREADS, one 8-wide vector per thread,
 //     grid = ceil(rows * H / 8 / ADALN_GR_THREADS).
-//   gated_residual_bwd_sorted_bf16: d_y = bf16(g * dout) per element, over the rows in table-row order
+//   gated_residual_bwd_sorted_bf16 (`gated_residual_sorted_pass` with FloatGateSums; exact_sums.cu's
+//     gated_residual_bwd_sorted_exact_bf16 runs it with exact sums): d_y = bf16(g * dout) per element, over the rows
+//     in table-row order
 //     (row_order.cu; `row_order` = its row_offsets | order); gate_partials[b + i, h] = sum over the rows of
 //     range b (Rows.bwd_rows_per_range consecutive positions of that order) with table row i of dout * y (fp32,
 //     in row order; the products of two bf16 numbers are exact in fp32). A thread keeps its 8 columns' sums
@@ -59,23 +61,43 @@ __device__ __forceinline__ void store_gate_sums(float* gate_partials, size_t slo
     p[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
-extern "C" __global__ void __launch_bounds__(ADALN_GR_THREADS)
-gated_residual_bwd_sorted_bf16(const bf16_t* __restrict__ dout, const float* __restrict__ gate,
-                               const bf16_t* __restrict__ y, const index_t* __restrict__ row_index,
-                               const int* __restrict__ row_order, bf16_t* __restrict__ d_y,
-                               float* __restrict__ gate_partials, int gate_stride, int S, int rows,
-                               int rows_per_range) {
+// The plain sums of the sorted pass: a thread's 8 column sums of dout * y of the current table row, in float32 (row
+// order), written to slot blockIdx.x + i of gate_partials when the rows leave table row i; a row of no table row
+// adds NaN. (exact_sums.cu's ExactGateSums keeps them as exact integers instead: the pass takes either.)
+struct FloatGateSums {
+    float sums[ADALN_VEC];
+    float* gate_partials;
+    int c;
+    __device__ __forceinline__ void begin(int) {
+#pragma unroll
+        for (int e = 0; e < ADALN_VEC; ++e) sums[e] = 0.0f;
+    }
+    __device__ __forceinline__ void add(int ts, const float dyv[ADALN_VEC], const float yv[ADALN_VEC]) {
+#pragma unroll
+        for (int e = 0; e < ADALN_VEC; ++e) sums[e] += ts < 0 ? GR_NAN : dyv[e] * yv[e];
+    }
+    __device__ __forceinline__ void store(int i) { store_gate_sums(gate_partials, (size_t)blockIdx.x + i, c, sums); }
+};
+
+// d_y over the rows of range blockIdx.x in table-row order (the header's gated_residual_bwd_sorted_bf16), the column
+// sums of each table row through `sums` (begin when the rows enter table row i, add a row, store when they leave it)
+template <typename Sums>
+__device__ __forceinline__ void gated_residual_sorted_pass(Sums& sums, const bf16_t* __restrict__ dout,
+                                                           const float* __restrict__ gate,
+                                                           const bf16_t* __restrict__ y,
+                                                           const index_t* __restrict__ row_index,
+                                                           const int* __restrict__ row_order, bf16_t* __restrict__ d_y,
+                                                           int gate_stride, int S, int rows, int rows_per_range,
+                                                           int c) {
     __shared__ int row_ids[ADALN_ROW_LIST_MAX], timesteps[ADALN_ROW_LIST_MAX];
-    const int c = blockIdx.y * ADALN_GR_THREADS + threadIdx.x;
     const int p0 = blockIdx.x * rows_per_range, n = min(rows, p0 + rows_per_range) - p0;
     fill_sorted_rows(row_ids, timesteps, row_index, row_order, row_order + ADALN_T + 1, p0, n, S, S ? rows / S : 0);
     __syncthreads();
     if (c >= GR_VECTORS_H) return;
     int i = sorted_table_row(timesteps[0]);
-    float g[ADALN_VEC], sums[ADALN_VEC];
+    float g[ADALN_VEC];
     load_gate8(gate + (size_t)i * gate_stride + c * ADALN_VEC, g);
-#pragma unroll
-    for (int e = 0; e < ADALN_VEC; ++e) sums[e] = 0.0f;
+    sums.begin(i);
 #pragma unroll 1
     for (int k = 0; k < n; k += GR_ROWS_IN_FLIGHT) {
         uint4 dy_raw[GR_ROWS_IN_FLIGHT], y_raw[GR_ROWS_IN_FLIGHT];
@@ -89,25 +111,35 @@ gated_residual_bwd_sorted_bf16(const bf16_t* __restrict__ dout, const float* __r
         for (int q = 0; q < GR_ROWS_IN_FLIGHT; ++q) {
             if (k + q >= n) break;
             const int ts = timesteps[k + q];
-            if (sorted_table_row(ts) != i) {  // the rows leave table row i: its sums to slot blockIdx.x + i
-                store_gate_sums(gate_partials, (size_t)blockIdx.x + i, c, sums);
+            if (sorted_table_row(ts) != i) {  // the rows leave table row i
+                sums.store(i);
                 i = sorted_table_row(ts);
                 load_gate8(gate + (size_t)i * gate_stride + c * ADALN_VEC, g);
-#pragma unroll
-                for (int e = 0; e < ADALN_VEC; ++e) sums[e] = 0.0f;
+                sums.begin(i);
             }
             float dyv[ADALN_VEC], yv[ADALN_VEC], dyy[ADALN_VEC];
             unpack8(dy_raw[q], dyv);
             unpack8(y_raw[q], yv);
 #pragma unroll
-            for (int e = 0; e < ADALN_VEC; ++e) {
-                dyy[e] = ts < 0 ? GR_NAN : g[e] * dyv[e];
-                sums[e] += ts < 0 ? GR_NAN : dyv[e] * yv[e];
-            }
+            for (int e = 0; e < ADALN_VEC; ++e) dyy[e] = ts < 0 ? GR_NAN : g[e] * dyv[e];
+            sums.add(ts, dyv, yv);
             if (row_ids[k + q] >= 0) store8(d_y + (size_t)row_ids[k + q] * ADALN_H + c * ADALN_VEC, dyy);
         }
     }
-    store_gate_sums(gate_partials, (size_t)blockIdx.x + i, c, sums);
+    sums.store(i);
+}
+
+extern "C" __global__ void __launch_bounds__(ADALN_GR_THREADS)
+gated_residual_bwd_sorted_bf16(const bf16_t* __restrict__ dout, const float* __restrict__ gate,
+                               const bf16_t* __restrict__ y, const index_t* __restrict__ row_index,
+                               const int* __restrict__ row_order, bf16_t* __restrict__ d_y,
+                               float* __restrict__ gate_partials, int gate_stride, int S, int rows,
+                               int rows_per_range) {
+    const int c = blockIdx.y * ADALN_GR_THREADS + threadIdx.x;
+    FloatGateSums sums;
+    sums.gate_partials = gate_partials;
+    sums.c = c;
+    gated_residual_sorted_pass(sums, dout, gate, y, row_index, row_order, d_y, gate_stride, S, rows, rows_per_range, c);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * ADALN_SUM_GROUPS)
