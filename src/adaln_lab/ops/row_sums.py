@@ -104,11 +104,9 @@ def torch_terms(x: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor | None) ->
 
 
 def row_sums(x: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor | None, row_index: torch.Tensor, R: int,
-             kernels: bool, op: str = "row_sums", order: torch.Tensor | None = None
-             ) -> tuple[ExactSum, torch.Tensor | None]:
+             kernels: bool, op: str = "row_sums") -> tuple[ExactSum, torch.Tensor | None]:
     """(the state (R, 2H) B | A, the kernels' flags (1,) int32 or None) of x, dy (..., S, H) with rstd (rows,)
-    (None: 1) and row_index (S,) int64 (module docstring); `kernels`: on exact_sums.cu (CUDA bf16 x and dy), the
-    rows in `order` (`exact_row_order(row_index, rows)`, made here where None)."""
+    (None: 1) and row_index (S,) int64 (module docstring); `kernels`: on exact_sums.cu (CUDA bf16 x and dy)."""
     H = x.shape[-1]
     rows = x.numel() // H
     check_rows(rows, op)
@@ -124,7 +122,7 @@ def row_sums(x: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor | None, row_i
     table = torch.zeros((LIMBS, R, 2 * H), dtype=torch.int64, device=x.device)
     flags = torch.zeros(1, dtype=torch.int32, device=x.device)
     (x, dy), at = tensors.aligned_addresses(x, dy)
-    order = exact_row_order(row_index, rows) if order is None else order
+    order = exact_row_order(row_index, rows)
     launch_sums(k, plan, stream, at[0], at[1], rstd.data_ptr(), row_index.data_ptr(), order.data_ptr(),
                 table.data_ptr(), flags.data_ptr(), rows, x.shape[-2])
     launch_carry(k, stream, table.data_ptr(), R * 2 * H)

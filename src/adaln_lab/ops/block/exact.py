@@ -34,7 +34,7 @@ from ...core.table_gradient import SCALE_MLP, SCALE_MSA, SHIFT_MSA
 from ...reference.block import CHUNKS, MODALITIES
 from ...reference.final_adaln_out import table_rows
 from ..modulation_table.op import ModulationTable
-from ..row_sums import exact_row_order, half, raise_flags, row_sums
+from ..row_sums import half, raise_flags, row_sums
 
 OP = "block_adaln_path"
 
@@ -50,7 +50,6 @@ class BlockSums:
         self.scales: list[torch.Tensor | None] = [None, None]
         self.weights = [w.detach().float().clone() for w in norm_weights]  # kept past FSDP2's reshard
         self.flags: list[torch.Tensor] = []  # the kernels' error flags, read by `check`
-        self.order = None  # ((row_index's address, rows), exact_row_order): sorted once for the block's four passes
         self.closed = False  # set when the accumulator folds these states in (its `with` ended)
 
     def _open(self) -> None:
@@ -60,13 +59,7 @@ class BlockSums:
 
     def _sums(self, x, dy, rstd, row_index, kernels: bool) -> ExactSum:
         self._open()
-        order = None
-        if kernels:
-            key = (row_index.data_ptr(), x.numel() // x.shape[-1])
-            if self.order is None or self.order[0] != key:
-                self.order = (key, exact_row_order(row_index.contiguous(), key[1]))
-            order = self.order[1]
-        state, flags = row_sums(x, dy, rstd, row_index, MODALITIES * self.T, kernels, OP, order)
+        state, flags = row_sums(x, dy, rstd, row_index, MODALITIES * self.T, kernels, OP)
         if flags is not None:
             self.flags.append(flags)
         return state
