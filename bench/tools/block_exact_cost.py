@@ -13,7 +13,9 @@
 #               states folded in when the `with` ends (a micro-batch's cost)
 #   write       ExactGradients.write of one part (once a step: the table's gradient over the distinct temb rows,
 #               d_weight and d_temb in float64 on the CPU)
-# and exact_part / plain.
+# and exact_part / plain; then GPU time alone (CUDA-graph replays, as the block report times its candidates) of the
+# plain fwd+bwd and of the exact one inside an open `with` (its fold-in at the `with`'s end left out: host work),
+# and their ratio (a capture that fails is reported with its error, not timed).
 #
 #     python3 bench/tools/block_exact_cost.py [--rows 4097,32768] [--out FILE.json]
 
@@ -28,7 +30,7 @@ import time
 import torch
 
 from adaln_lab import block_adaln_path
-from adaln_lab.bench.timing import gpu_us
+from adaln_lab.bench.timing import gpu_us, graph_us
 from adaln_lab.harness.block_protocol import rowwise_attn, rowwise_ff
 from adaln_lab.nn import ExactGradients
 
@@ -117,7 +119,16 @@ def measure(rows: int) -> dict:
         writes.append((time.perf_counter() - start) * 1e6)
     us = {"plain": gpu_us(plain, reps=10), "exact_part": gpu_us(exact_part, reps=10),
           "write": statistics.median(writes)}
-    return {"rows": rows, "us": us, "exact_part_over_plain": us["exact_part"] / us["plain"]}
+    entry = {"rows": rows, "us": us, "exact_part_over_plain": us["exact_part"] / us["plain"]}
+    acc = ExactGradients()
+    try:
+        us["plain_graph"] = graph_us(plain)
+        with acc:  # the parts' states pile up in acc while the graph is captured and replayed; never written
+            us["exact_graph"] = graph_us(lambda: step(*case))
+        entry["exact_graph_over_plain_graph"] = us["exact_graph"] / us["plain_graph"]
+    except RuntimeError as error:  # a capture the exact route's host work breaks: said, not hidden
+        entry["graph_error"] = str(error)
+    return entry
 
 
 def main() -> None:
@@ -129,8 +140,11 @@ def main() -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         entry = measure(rows)
         result["sizes"].append(entry)
+        graph = (f"graph {entry['us']['plain_graph']:.1f} / {entry['us']['exact_graph']:.1f} us "
+                 f"({entry['exact_graph_over_plain_graph']:.2f}x)" if "graph_error" not in entry
+                 else f"graph capture failed: {entry['graph_error'][:200]}")
         print(f"rows {rows}: plain {entry['us']['plain']:.1f} us, exact part {entry['us']['exact_part']:.1f} us "
-              f"({entry['exact_part_over_plain']:.2f}x), write {entry['us']['write']:.0f} us", flush=True)
+              f"({entry['exact_part_over_plain']:.2f}x), write {entry['us']['write']:.0f} us; {graph}", flush=True)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
