@@ -104,7 +104,7 @@ def test_parts_that_disagree_on_a_table_row_or_the_norm_weight_are_refused_untou
     with pytest.raises(ValueError, match="factors must be float32"):
         TableSums().add(temb, state, torch.ones(2, 3), torch.ones(5))
     with pytest.raises(ValueError, match="without its scale"):
-        TableSums().add(temb, state).norm_weight_sum(slice(3, 6))
+        TableSums().add(temb, state).norm_weight_sums([slice(3, 6)])
 
 
 def test_a_planted_float32_accumulation_fails_the_same_check():

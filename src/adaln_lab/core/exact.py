@@ -7,7 +7,6 @@
     state.merge(other)                         # another part's state, in any order
     state.total()                              # the sum over the first dimension, exact
     products(state, factors)                   # state x float32 factors (broadcast), exactly: a wide state
-    wide_zero(shape, device)                   # a zero wide state (where parts' products are merged)
     state.value(torch.float32 | torch.bfloat16) -> (*shape,) the exact sum, rounded once to nearest even
 
 Why: integer addition is associative, so a sum kept as integers has one value for every order of its terms, every
@@ -257,11 +256,6 @@ def products(state: ExactSum, factors: torch.Tensor) -> ExactSum:
         out.scatter_add_(0, target.clamp(max=2 * LIMBS - 1), torch.where(keep, part, 0))
     out = torch.where(negative, -out, out)
     return ExactSum.from_limbs(out, 2 * E_MIN)._carry()
-
-
-def wide_zero(shape, device=None) -> ExactSum:
-    """A zero product state (`products`' units and limbs) of `shape`: where product states of parts are merged."""
-    return ExactSum.from_limbs(torch.zeros((2 * LIMBS, *shape), dtype=torch.int64, device=device), 2 * E_MIN)
 
 
 def round_scaled(n: int, scale: int, precision: int) -> float:

@@ -31,22 +31,20 @@ from __future__ import annotations
 
 import torch
 
-from ..core.exact import recording, reset_recording, wide_zero
+from ..core.exact import recording, reset_recording
+from ..ops.block.exact import scale_columns
 from ..ops.final_adaln_out.exact import column_factors
 from ..ops.modulation_table.exact import TableSums, row_key, silu_grad
 
 
 class _Group:
     """One AdaLN's parameters, their exact states and the kept tembs: norm_out's (weight, bias, norm_weight) or a
-    block's (weight, bias, norm1_weight, norm2_weight); `norms` a block's norm weights' states (norm_out's comes
-    from the table's scale sums: `norm_gradients`), `pending` a block's parts (temb, BlockSums), whose backwards
-    fill them until write."""
+    block's (weight, bias, norm1_weight, norm2_weight); the norm weights' gradients come from the table's scale
+    sums (`norm_gradients`); `pending` a block's parts (temb, BlockSums), whose backwards fill them until write."""
 
     def __init__(self, weight, bias, norm_weights):
         self.weight, self.bias, self.norm_weights = weight, bias, tuple(norm_weights)
         self.norm_names = ("norm_weight",) if len(self.norm_weights) == 1 else ("norm1_weight", "norm2_weight")
-        # a block's norm weights' states; norm_out's norm weight takes its gradient from the table's scale sums
-        self.norms = [wide_zero(w.shape, w.device) for w in self.norm_weights] if len(self.norm_weights) > 1 else []
         self.table = TableSums()
         self.tembs: list[torch.Tensor] = []
         self.pending: list = []
@@ -60,12 +58,12 @@ class _Group:
             self.tembs.append(temb)
 
     def norm_gradients(self, targets) -> list[torch.Tensor]:
-        """The norm weights' gradients in their targets' dtypes, each rounded once: a block's from its states,
-        norm_out's the exact sum over the distinct rows of (1 + scale[t]) times the table's scale sums."""
-        if self.norms:
-            return [state.value(w.dtype) for w, state in zip(targets, self.norms)]
+        """The norm weights' gradients in their targets' dtypes, each rounded once: the exact sum over the distinct
+        rows of (1 + scale) times the table's scale sums (norm_out's scale half; a block's scale chunks)."""
         H = targets[0].shape[0]
-        return [self.table.norm_weight_sum(slice(H, 2 * H)).value(targets[0].dtype)]
+        columns = [slice(H, 2 * H)] if len(targets) == 1 else scale_columns(H)
+        states = self.table.norm_weight_sums(columns, len(targets))
+        return [state.value(w.dtype) for w, state in zip(targets, states)]
 
     def settle(self) -> None:
         """Fold the blocks' parts in, their backwards done (a later hook of theirs raises)."""
@@ -73,9 +71,7 @@ class _Group:
             sums.closed = True
             if sums.flags:
                 self.checks.append(sums)
-            self.table.add(temb, sums.table(), None, sums.factors())
-            for mine, theirs in zip(self.norms, sums.norm_states()):
-                mine.merge(theirs)
+            self.table.add(temb, sums.table(), sums.scales, sums.factors())
         self.pending.clear()
 
 
@@ -169,8 +165,6 @@ class ExactGradients:
         other._open("merge")
         for theirs in other.groups.values():
             mine = self._group(theirs.weight, theirs.bias, theirs.norm_weights)
-            for a, b in zip(mine.norms, theirs.norms):
-                a.merge(b)
             mine.table.merge(theirs.table)
             mine.pending += theirs.pending  # none once their `with` ended
             mine.checks += theirs.checks
@@ -184,13 +178,12 @@ class ExactGradients:
         return self
 
     def state_bytes(self) -> int:
-        """Bytes of this accumulator's exact states: a block's norm weights' limbs, the table's limbs, rows and
-        (norm_out's) scale rows over this rank's distinct timesteps (all_reduce sends the table's over the union of
+        """Bytes of this accumulator's exact states: the table's limbs, rows and scale rows over this rank's distinct
+        timesteps (all_reduce sends the table's over the union of
         the ranks' timesteps)."""
         total = 0
         for group in self.groups.values():
             group.settle()
-            total += sum(state.limbs.nbytes for state in group.norms)
             total += sum(row.nbytes + state.limbs.nbytes for row, state in group.table.rows.values())
             total += sum(scale.nbytes for scale in group.table.scales.values())
         return total
@@ -207,15 +200,12 @@ class ExactGradients:
         for mine in self.groups.values():
             mine.settle()
             _check(mine)
-        shapes = [(tuple(g.weight.shape), len(g.norms)) for g in self.groups.values()]
+        shapes = [(tuple(g.weight.shape), len(g.norm_weights)) for g in self.groups.values()]
         everyone = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, shapes, group=group)
         if any(other != shapes for other in everyone):
             raise ValueError(f"ExactGradients.all_reduce: the ranks recorded different AdaLNs ({everyone})")
         for mine in self.groups.values():
-            for state in mine.norms:
-                dist.all_reduce(state.limbs, group=group)
-                state._carry()
             mine.owned = mine.table.all_reduce(mine.weight.shape[0], group, mine.weight.device)
         self.reduced = True
         return self

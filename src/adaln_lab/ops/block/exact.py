@@ -9,18 +9,20 @@ own row pass keeps them (`modulated_rms_norm.launch.backward_exact`, `gated_resi
 torch code otherwise):
 
     chunk (3T, H) state      shift_msa, shift_mlp: B      scale_msa, scale_mlp: A      gate_msa, gate_mlp: A of dy y
-    norm k's product state   sum over the part's table rows r of s1[r] A[r], s1 = float32(1 + scale[r])
 
-The recorder (`adaln_lab.nn.ExactGradients`) merges the parts' states and rounds each sum once at write: the table's
-gradient per distinct temb row, d_table = the chunks' states times their columns' factors (w1, w2 for the scale
-chunks, the forward's norm weights in float32; 1 elsewhere: `factors`), then d_weight, d_bias and d_temb from it
-(`ops/modulation_table/exact.py`); the norm weights' from the product states. All exact: the gradients are the
-exact functions of the exact sums, each rounded once.
+The recorder (`adaln_lab.nn.ExactGradients`) merges the parts' states by temb row and rounds each sum once at write
+(`ops/modulation_table/exact.py`'s TableSums): the table's gradient per distinct temb row, d_table = the chunks'
+states times their columns' factors (w1, w2 for the scale chunks, the forward's norm weights in float32; 1
+elsewhere: `factors`), then d_weight, d_bias and d_temb from it; each norm weight's the sum over the distinct temb
+rows and the three modalities of s1 = float32(1 + scale) (`scales`, from the forward's table) times its scale chunk's
+A (`SCALE_COLUMNS`). All exact: the gradients are the exact functions of the exact sums, each rounded once.
 
-    sums = BlockSums(T, H, (norm1_weight, norm2_weight), device)
-    sums.norm(chunk, x, dy, rstd, row_index, scale, kernels)   # a modulated norm's rows (chunk: its shift chunk)
-    sums.gate(chunk, y, dy, row_index, kernels)                # a gated residual's rows (chunk: its gate chunk)
-    sums.table(), sums.factors(), sums.norm_states(), sums.check()   # at the recorder's settle and write
+    sums = BlockSums(T, H, (norm1_weight, norm2_weight), table)
+    sums.norm(chunk, x, dy, rstd, row_index, kernels)   # a modulated norm's rows (chunk: its shift chunk)
+    sums.add_norm(chunk, state, flags)                  # or the state its own row pass kept
+    sums.gate(chunk, y, dy, row_index, kernels)         # a gated residual's rows (chunk: its gate chunk)
+    sums.add_gate(chunk, state, flags)
+    sums.table(), sums.factors(), sums.scales, sums.check()   # at the recorder's settle and write
     table, row_tables = exact_table(temb, weight, bias, kernel, with_row_tables, adapt_table)
 """
 
@@ -28,26 +30,35 @@ from __future__ import annotations
 
 import torch
 
-from ...core.exact import LIMBS, ExactSum, products, wide_zero
+from ...core.exact import LIMBS, ExactSum
 from ...core.library import apply
-from ...core.table_gradient import SCALE_MLP, SCALE_MSA, SHIFT_MSA
+from ...core.table_gradient import SCALE_MLP, SCALE_MSA
 from ...reference.block import CHUNKS, MODALITIES
 from ...reference.final_adaln_out import table_rows
 from ..modulation_table.op import ModulationTable
 from ..row_sums import half, raise_flags, row_sums
 
 OP = "block_adaln_path"
+# the norms' scale chunks as table columns (T, 18H): norm1's scale_msa of modality m at m 6H + H, then norm2's
+# scale_mlp at m 6H + 4H; `scales` holds their s1 in this order (TableSums.norm_weight_sums' columns, 2 norms)
+
+
+def scale_columns(H: int) -> list[slice]:
+    return [slice(m * 6 * H + c * H, m * 6 * H + (c + 1) * H) for c in (SCALE_MSA, SCALE_MLP)
+            for m in range(MODALITIES)]
 
 
 class BlockSums:
     """A block's exact states for one part (module docstring): `chunks`, six ExactSum (3T, H) (CHUNKS order);
-    `scales` each norm's s1 (3T, H) float32 once its backward ran; `weights` the norm weights as the forward used
-    them (float32). The backward adds integers only (no host sync); the products wait for `norm_states`."""
+    `scales` (T, 6H) float32 each temb row's s1 of the norms' scale chunks (`scale_columns`' order), from the
+    forward's table (T, 18H); `weights` the norm weights as the forward used them (float32). The backward adds
+    integers only (no host sync); every product waits for write."""
 
-    def __init__(self, T: int, H: int, norm_weights, device=None):
+    def __init__(self, T: int, H: int, norm_weights, table: torch.Tensor):
         self.T, self.H = T, H
-        self.chunks = [ExactSum((MODALITIES * T, H), device) for _ in CHUNKS]
-        self.scales: list[torch.Tensor | None] = [None, None]
+        self.chunks = [ExactSum((MODALITIES * T, H), table.device) for _ in CHUNKS]
+        with torch.no_grad():
+            self.scales = 1.0 + torch.cat([table[:, c].float() for c in scale_columns(H)], dim=1)
         self.weights = [w.detach().float().clone() for w in norm_weights]  # kept past FSDP2's reshard
         self.flags: list[torch.Tensor] = []  # the kernels' error flags, read by `check`
         self.closed = False  # set when the accumulator folds these states in (its `with` ended)
@@ -64,20 +75,19 @@ class BlockSums:
             self.flags.append(flags)
         return state
 
-    def norm(self, chunk: int, x, dy, rstd, row_index, scale, kernels: bool) -> None:
+    def norm(self, chunk: int, x, dy, rstd, row_index, kernels: bool) -> None:
         """Add a modulated norm's rows: x, dy (..., S, H) (its input and its output's gradient), rstd (rows,),
-        row_index (S,), scale (3T, H) its scale chunk (float32 holding the table's values); chunk its shift chunk."""
-        self.add_norm(chunk, self._sums(x, dy, rstd, row_index, kernels), scale)
+        row_index (S,); chunk its shift chunk."""
+        self.add_norm(chunk, self._sums(x, dy, rstd, row_index, kernels))
 
-    def add_norm(self, chunk: int, state: ExactSum, scale, flags: torch.Tensor | None = None) -> None:
+    def add_norm(self, chunk: int, state: ExactSum, flags: torch.Tensor | None = None) -> None:
         """Add a modulated norm's state (3T, 2H) B | A made by its own row pass (`modulated_rms_norm.launch.
-        backward_exact`), with its kernels' flags; chunk and scale as `norm`'s."""
+        backward_exact`), with its kernels' flags; chunk its shift chunk."""
         self._open()
         if flags is not None:
             self.flags.append(flags)
         self.chunks[chunk].merge(half(state, 0), carry=False)  # carried once, when read
         self.chunks[chunk + 1].merge(half(state, 1), carry=False)
-        self.scales[0 if chunk == SHIFT_MSA else 1] = (1.0 + scale.detach().float()).contiguous()
 
     def gate(self, chunk: int, y, dy, row_index, kernels: bool) -> None:
         """Add a gated residual's rows: y (..., S, H) the branch output, dy its output's gradient; chunk its gate
@@ -92,18 +102,11 @@ class BlockSums:
             self.flags.append(flags)
         self.chunks[chunk].merge(state, carry=False)
 
-    def norm_states(self) -> list[ExactSum]:
-        """The norm weights' product states (H,): sum over the part's chunk rows r of s1[r] A[r] (zero where a
-        norm's backward did not run)."""
-        return [wide_zero((self.H,), self.chunks[0].limbs.device) if s1 is None
-                else products(self.chunks[scale].carried(), s1).total()
-                for scale, s1 in zip((SCALE_MSA, SCALE_MLP), self.scales)]
-
     def table(self) -> ExactSum:
         """The table gradient's raw state (T, 18H): chunk c of the (3T, 6H) view's row 3t + m is columns
         m 6H + c H .. of table row t (diffusers' `view(-1, 6H).chunk(6)`)."""
-        limbs = torch.cat([c.carried().limbs for c in self.chunks], dim=2)
-        return ExactSum.from_limbs(limbs.reshape(LIMBS, self.T, -1))
+        limbs = torch.cat([c.limbs for c in self.chunks], dim=2)  # the chunks' merges uncarried: one carry here
+        return ExactSum.from_limbs(limbs.reshape(LIMBS, self.T, -1)).carried()
 
     def factors(self) -> torch.Tensor:
         """(18H,) float32: each table column's factor, w1 / w2 for the scale chunks' columns, 1 elsewhere."""

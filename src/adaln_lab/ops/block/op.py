@@ -117,10 +117,10 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
     table_dtype = weight.dtype
     sums = None
     if recorder is not None:  # the table without a graph, each row's bits whatever T; the ops add to `sums`
-        sums = BlockSums(temb.shape[0], H, (norm1_weight, norm2_weight), x.device)
-        recorder.add_block(params, kept_temb, sums)
         table, row_tables = exact_table(temb, weight, bias, table_route == "cupy" and table_backend == "cuda",
                                         rows_ok and adapt_table is None, adapt_table)
+        sums = BlockSums(temb.shape[0], H, (norm1_weight, norm2_weight), table)
+        recorder.add_block(params, kept_temb, sums)
     else:
         # on the kernels the table kernel also writes the norms' bf16 row tables, read in place of casting the chunks
         with_row_tables = table_route == "cupy" and rows_ok and table_backend == "cuda" and adapt_table is None

@@ -96,7 +96,7 @@ class GatedResidualNorm(torch.autograd.Function):
         if ctx.sums is not None:  # dx: x_out's whole gradient (the norm's dx plus d_x_out), the gate's dy
             residual_route, norm_route = launch.parts(ctx.route)
             ctx.sums.gate(ctx.chunk, y, dx, row_index, residual_route == "cupy")  # kernels: a pass of their own
-            ctx.sums.norm(ctx.chunk + 1, x_out, d_out, rstd, row_index, scale, norm_route == "cupy")
+            ctx.sums.norm(ctx.chunk + 1, x_out, d_out, rstd, row_index, norm_route == "cupy")
             dx = tensors.as_dtype(dx, ctx.x_dtype)
         if ctx.table is None:
             d_gate, d_shift, d_scale = (tensors.as_dtype(d_table[:, i * H:(i + 1) * H], t.dtype)
@@ -114,7 +114,7 @@ def _backward_exact(ctx, d_x_out, d_out, x_out, gate, y, row_index, norm_weight,
         order = row_order(row_index.contiguous(), *shift.shape)
     state, flags = norm_launch.backward_exact(d_out, x_out, norm_weight, shift, scale, row_index, rstd,
                                               tensors.as_dtype(d_x_out, x_out.dtype), order, dx)
-    ctx.sums.add_norm(ctx.chunk + 1, state, scale, flags)
+    ctx.sums.add_norm(ctx.chunk + 1, state, flags)
     d_y = torch.empty_like(y, memory_format=torch.contiguous_format)
     ctx.sums.add_gate(ctx.chunk, *residual_launch.backward_exact(dx, gate, y, row_index, order, d_y))
     return tensors.as_dtype(dx, ctx.x_dtype), None, d_y, *(None,) * 12

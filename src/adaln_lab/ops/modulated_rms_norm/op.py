@@ -76,7 +76,7 @@ class ModulatedRMSNorm(torch.autograd.Function):
             dx = torch.empty_like(x, memory_format=torch.contiguous_format)
             state, flags = launch.backward_exact(d_out.contiguous(), x, norm_weight, shift, scale, row_index, rstd,
                                                  d_residual, order, dx)
-            ctx.sums.add_norm(ctx.chunk, state, scale, flags)
+            ctx.sums.add_norm(ctx.chunk, state, flags)
             return dx, *(None,) * 13
         if ctx.table is None:
             dtype = torch.float32 if ctx.route == "cupy" else torch.promote_types(shift.dtype, scale.dtype)
@@ -89,7 +89,7 @@ class ModulatedRMSNorm(torch.autograd.Function):
         launch.backward(d_out, x, norm_weight, shift, scale, row_index, rstd, d_residual, order, ctx.route, dx,
                         d_norm_weight, d_table, column, partials)
         if ctx.sums is not None:  # the torch code's route (the kernels' returned above)
-            ctx.sums.norm(ctx.chunk, x, d_out, rstd, row_index, scale, False)
+            ctx.sums.norm(ctx.chunk, x, d_out, rstd, row_index, False)
         if ctx.table is None:
             d_shift = tensors.as_dtype(d_table[:, :H], shift.dtype)
             d_scale = tensors.as_dtype(d_table[:, H:], scale.dtype)

@@ -2,7 +2,7 @@
 
     sums = TableSums()
     sums.add(temb, state)        # temb (T, D); state: core.exact.ExactSum (T, N), table row t's exact sum
-    sums.add(temb, state, scale, factors)   # norm_out's: each row's s1 (T, H) and the columns' factors (N,)
+    sums.add(temb, state, scale, factors)   # each row's s1 (T, K) of its norms and the columns' factors (N,)
     sums.merge(other)            # another part's, in any order
     rows, d_temb, d_weight, d_bias = sums.gradients(weight, bias_dtype)
     d_act, lora = sums.lora_gradients(adapters)   # LoRA adapters on the projection: their gradients, temb's part
@@ -14,8 +14,8 @@ in the order of their bytes (a function of the set of rows alone), rounds each r
 (reference.backward.modulation_table_backward, on the CPU for states on any device) on that order; d_bias is the
 exact sum over every row, rounded once. norm_out's states hold sums that its gradients take times a column's
 float32 factor (its norm weight for the scale half: `factors`) and times a row's (1 + scale[t]: `scale`), both
-applied exactly before the one rounding (`core.exact.products`): d_table = factors A, and `norm_weight_sum` the exact
-sum over the distinct rows of scale A.
+applied exactly before the one rounding (`core.exact.products`): d_table = factors A, and `norm_weight_sums` the exact
+sum over the distinct rows of scale A (a block: its two norms' scale chunks, each norm's three modalities summed).
 LoRA adapters (A (r, D), B (N, r), scaling s: table += s B A act, act = silu(temb)) get theirs from the same
 d_table and rows in float64: dB = s d_table^T (act A^T), dA = s (d_table B)^T act, and temb's gradient the part
 s (d_table B) A of d_act (the caller adds it times SiLU's derivative, `silu_grad`).
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...core.exact import LIMBS, ExactSum, products
+from ...core.exact import E_MIN, LIMBS, ExactSum, products
 from ...reference.backward import modulation_table_backward, table_weight_grad
 
 _F64 = torch.float64
@@ -51,19 +51,19 @@ class TableSums:
 
     def __init__(self):
         self.rows: dict[bytes, tuple[torch.Tensor, ExactSum]] = {}
-        self.scales: dict[bytes, torch.Tensor] = {}  # norm_out's s1 row (H,) float32 a temb row
-        self.factors: torch.Tensor | None = None      # norm_out's columns' factors (N,) float32
+        self.scales: dict[bytes, torch.Tensor] = {}  # the norms' s1 row (K,) float32 a temb row
+        self.factors: torch.Tensor | None = None      # the columns' factors (N,) float32
 
     def add(self, temb: torch.Tensor, state: ExactSum, scale: torch.Tensor | None = None,
             factors: torch.Tensor | None = None) -> "TableSums":
-        """Merge state's row t into the state of temb's row t, for every t (temb (T, D), state (T, N)); norm_out's
-        `scale` (T, H) and `factors` (N,) float32 with them (the same for every part of one temb row: ValueError
+        """Merge state's row t into the state of temb's row t, for every t (temb (T, D), state (T, N)); the norms'
+        `scale` (T, K) and `factors` (N,) float32 with them (the same for every part of one temb row: ValueError
         otherwise)."""
         T = state.shape[0]
         if temb.dim() != 2 or temb.shape[0] != T:
             raise ValueError(f"temb must be (T, D) with T = the state's {T} rows, got {tuple(temb.shape)}")
         if scale is not None and (scale.dim() != 2 or scale.shape[0] != T or scale.dtype != torch.float32):
-            raise ValueError(f"scale must be float32 (T, H) with T = {T}, got {scale.dtype} {tuple(scale.shape)}")
+            raise ValueError(f"scale must be float32 (T, K) with T = {T}, got {scale.dtype} {tuple(scale.shape)}")
         if factors is not None and (factors.shape != state.shape[1:] or factors.dtype != torch.float32):
             raise ValueError(f"factors must be float32 ({state.shape[1]},), got {factors.dtype} "
                              f"{tuple(factors.shape)}")
@@ -154,18 +154,23 @@ class TableSums:
             d_table = total.value(torch.float32).cpu()
         return torch.stack([self.rows[k][0] for k in keys]), d_table, bias
 
-    def norm_weight_sum(self, columns: slice) -> ExactSum:
-        """The exact sum over the distinct rows of scale (their s1 row) times the row's sums in `columns` (norm_out's
-        d_norm_weight before its rounding): a product state."""
+    def norm_weight_sums(self, columns: list[slice], norms: int = 1) -> list[ExactSum]:
+        """The norm weights' sums before their rounding, product states (H,): over the distinct rows, the row's scale
+        (its K float32 factors, s1 = 1 + scale) times its sums in `columns` (slices of H columns, K / H of them,
+        in the scale's order), the slices split into `norms` consecutive groups, one a norm, each group summed
+        (norm_out: [slice(H, 2H)], 1; a block: its three modalities' scale_msa chunks, then their scale_mlp ones, 2)."""
         keys = sorted(self.rows)
         missing = [k for k in keys if k not in self.scales]
         if not keys:
-            raise ValueError("TableSums.norm_weight_sum: no rows were added")
+            raise ValueError("TableSums.norm_weight_sums: no rows were added")
         if missing:
-            raise ValueError("TableSums.norm_weight_sum: a row without its scale (only norm_out's sums hold them)")
-        total = ExactSum.from_limbs(torch.cat([self.rows[k][1].limbs[..., columns] for k in keys], dim=1))
+            raise ValueError("TableSums.norm_weight_sums: a row without its scale (only the norms' sums hold them)")
+        total = ExactSum.from_limbs(torch.cat([torch.cat([self.rows[k][1].limbs[..., c] for c in columns], dim=-1)
+                                               for k in keys], dim=1))
         scale = torch.stack([self.scales[k] for k in keys])
-        return products(total, scale).total()
+        limbs = products(total, scale).total().limbs            # (2 LIMBS, K)
+        limbs = limbs.reshape(limbs.shape[0], norms, -1, columns[0].stop - columns[0].start).sum(2)
+        return [ExactSum.from_limbs(limbs[:, k].contiguous(), 2 * E_MIN)._carry() for k in range(norms)]
 
     def lora_gradients(self, adapters):
         """(d_act (U, D) float64 or None, [(dA (r, D), dB (N, r)) float64]) of the LoRA adapters [(A, B, scaling)]
