@@ -308,14 +308,14 @@ norm_modulate_bwd_exact_bf16(const bf16_t* __restrict__ dy, const bf16_t* __rest
 // dx, the same grid and rows in table-row order) with their column sums exact (ExactRowSums, sent out when the stream
 // leaves a table row) into table_limbs (LIMBS, R, 2H) (R the plan's T: the block's 3T chunk rows), zeroed by the
 // caller, and flags (1,) int32, or'd: no row_partials, no reduce. Run: adaln_lab.ops.row_sums.launch_sorted_row_sums.
-extern "C" __global__ void __launch_bounds__(ADALN_BWD_THREADS)
-norm_modulate_bwd_sorted_exact_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__ x,
-                                    const float* __restrict__ rstd, const bf16_t* __restrict__ norm_weight,
-                                    const float* __restrict__ table_f32, const index_t* __restrict__ row_index,
-                                    const int* __restrict__ row_order, bf16_t* __restrict__ dx,
-                                    unsigned long long* __restrict__ table_limbs, int* __restrict__ flags, int S,
-                                    int rows, int rows_per_block, int table_stride) {
-    extern __shared__ __align__(16) uint4 stages[];  // [ADALN_BWD_STAGES][2][ADALN_BWD_VPT][ADALN_BWD_THREADS]
+// the two kernels' body: their shared arrays (the plain sorted kernels'), the pass with ExactRowSums, the flags
+template <int NIN, int STAGES>
+__device__ __forceinline__ void sorted_exact_pass(const bf16_t* dy, const bf16_t* x, const bf16_t* d_residual,
+                                                  const float* rstd, const bf16_t* norm_weight, const float* table_f32,
+                                                  const index_t* row_index, const int* row_order, bf16_t* dx,
+                                                  unsigned long long* table_limbs, int* flags, int S, int rows,
+                                                  int rows_per_block, int table_stride) {
+    extern __shared__ __align__(16) uint4 stages[];  // [STAGES][NIN][ADALN_BWD_VPT][ADALN_BWD_THREADS]
     __shared__ float scratch[ADALN_BWD_THREADS / 32 + 1];
     __shared__ int timesteps[ADALN_ROW_LIST_MAX];
     __shared__ float row_rstd[ADALN_ROW_LIST_MAX];
@@ -323,10 +323,21 @@ norm_modulate_bwd_sorted_exact_bf16(const bf16_t* __restrict__ dy, const bf16_t*
     ExactRowSums sums;
     sums.table_limbs = table_limbs;
     sums.bad = 0;
-    sorted_row_pass<2, ADALN_BWD_STAGES>(sums, dy, x, nullptr, rstd, norm_weight, table_f32, row_index, row_order,
-                                         dx, nullptr, S, rows, rows_per_block, table_stride, stages, scratch,
-                                         timesteps, row_rstd, row_ids);
+    sorted_row_pass<NIN, STAGES>(sums, dy, x, d_residual, rstd, norm_weight, table_f32, row_index, row_order, dx,
+                                 nullptr, S, rows, rows_per_block, table_stride, stages, scratch, timesteps, row_rstd,
+                                 row_ids);
     if (sums.bad) atomicOr(flags, sums.bad);
+}
+
+extern "C" __global__ void __launch_bounds__(ADALN_BWD_THREADS)
+norm_modulate_bwd_sorted_exact_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__ x,
+                                    const float* __restrict__ rstd, const bf16_t* __restrict__ norm_weight,
+                                    const float* __restrict__ table_f32, const index_t* __restrict__ row_index,
+                                    const int* __restrict__ row_order, bf16_t* __restrict__ dx,
+                                    unsigned long long* __restrict__ table_limbs, int* __restrict__ flags, int S,
+                                    int rows, int rows_per_block, int table_stride) {
+    sorted_exact_pass<2, ADALN_BWD_STAGES>(dy, x, nullptr, rstd, norm_weight, table_f32, row_index, row_order, dx,
+                                           table_limbs, flags, S, rows, rows_per_block, table_stride);
 }
 
 extern "C" __global__ void __launch_bounds__(ADALN_BWD_THREADS)
@@ -338,18 +349,8 @@ norm_modulate_bwd_residual_sorted_exact_bf16(const bf16_t* __restrict__ dy, cons
                                              const int* __restrict__ row_order, bf16_t* __restrict__ dx,
                                              unsigned long long* __restrict__ table_limbs, int* __restrict__ flags,
                                              int S, int rows, int rows_per_block, int table_stride) {
-    extern __shared__ __align__(16) uint4 stages[];  // [ADALN_BWD_RES_STAGES][3][ADALN_BWD_VPT][ADALN_BWD_THREADS]
-    __shared__ float scratch[ADALN_BWD_THREADS / 32 + 1];
-    __shared__ int timesteps[ADALN_ROW_LIST_MAX];
-    __shared__ float row_rstd[ADALN_ROW_LIST_MAX];
-    __shared__ int row_ids[ADALN_ROW_LIST_MAX];
-    ExactRowSums sums;
-    sums.table_limbs = table_limbs;
-    sums.bad = 0;
-    sorted_row_pass<3, ADALN_BWD_RES_STAGES>(sums, dy, x, d_residual, rstd, norm_weight, table_f32, row_index,
-                                             row_order, dx, nullptr, S, rows, rows_per_block, table_stride, stages,
-                                             scratch, timesteps, row_rstd, row_ids);
-    if (sums.bad) atomicOr(flags, sums.bad);
+    sorted_exact_pass<3, ADALN_BWD_RES_STAGES>(dy, x, d_residual, rstd, norm_weight, table_f32, row_index, row_order,
+                                               dx, table_limbs, flags, S, rows, rows_per_block, table_stride);
 }
 
 // ExactGateSums: gated_residual.cu's FloatGateSums (the sorted pass's column sums of dout y, exact in float32: two
