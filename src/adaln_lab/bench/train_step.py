@@ -8,8 +8,10 @@ Two precisions, one model each (the variants share its weights: patched by `adal
 - `autocast`: fp32 master weights, every step under `torch.autocast("cuda", torch.bfloat16)` (what accelerate's
   `mixed_precision="bf16"` does).
 Variants: `diffusers`, `diffusers_deterministic` (`torch.use_deterministic_algorithms(True)`, CUBLAS_WORKSPACE_CONFIG
-set), `adaln_lab` (patched) and `adaln_lab_deterministic` (patched, and deterministic algorithms for the rest of
-the model: attention's backward among them). A step is forward, backward of a fixed random upstream, `zero_grad(set_to_none=True)`
+set), `adaln_lab` (patched), `adaln_lab_deterministic` (patched, and deterministic algorithms for the rest of
+the model: attention's backward among them) and `adaln_lab_exact` (patched, each step inside
+`adaln_lab.nn.ExactGradients` and its write: the AdaLN gradients exact; `exact_over_plain` its step time over
+`adaln_lab`'s). A step is forward, backward of a fixed random upstream, `zero_grad(set_to_none=True)`
 after it. Per variant: the median step time of 10 timed steps after 3 warm-ups (CUDA events, the default SDPA
 backend), every AdaLNFallbackWarning / KernelFallbackWarning the variant raised, and whether its AdaLN
 gradients (norm_out's and each block's norm1, norm2, adaln_proj) repeat bit for bit over two steps, under the
@@ -42,7 +44,7 @@ from adaln_lab.testing import h3_inputs  # noqa: E402
 
 CONFIG = dict(num_layers=2, num_refiner_layers=1)
 ROWS = dict(text=512, video=3072, audio=513)
-VARIANTS = ("diffusers", "diffusers_deterministic", "adaln_lab", "adaln_lab_deterministic")
+VARIANTS = ("diffusers", "diffusers_deterministic", "adaln_lab", "adaln_lab_deterministic", "adaln_lab_exact")
 
 
 def build(precision: str):
@@ -70,37 +72,44 @@ def adaln_keys(model):
                                                 and any(k in name for k in (".norm1.", ".norm2.", ".adaln_proj.")))]
 
 
-def step(model, inputs, dys, autocast: bool):
-    with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
-        out = model(**inputs)
-    torch.autograd.backward([out.sample, out.audio_sample], [d.to(out.sample.dtype) for d in dys])
+def step(model, inputs, dys, autocast: bool, exact: bool = False):
+    """Forward and backward of the fixed upstream; `exact`: inside an ExactGradients, then its write."""
+    from adaln_lab.nn import ExactGradients
+
+    acc = ExactGradients()
+    with acc if exact else torch.enable_grad():
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            out = model(**inputs)
+        torch.autograd.backward([out.sample, out.audio_sample], [d.to(out.sample.dtype) for d in dys])
+    if exact:
+        acc.write()
     return out
 
 
-def adaln_grads(model, inputs, dys, autocast):
+def adaln_grads(model, inputs, dys, autocast, exact=False):
     model.zero_grad(set_to_none=True)
-    step(model, inputs, dys, autocast)
+    step(model, inputs, dys, autocast, exact)
     grads = {k: p.grad.clone() for k, p in model.named_parameters() if k in set(adaln_keys(model))}
     model.zero_grad(set_to_none=True)
     return grads
 
 
-def repeats(model, inputs, dys, autocast, backend=None):
+def repeats(model, inputs, dys, autocast, backend=None, exact=False):
     """The AdaLN parameters whose gradients differ between two identical steps."""
     if backend is None:
-        first, second = adaln_grads(model, inputs, dys, autocast), adaln_grads(model, inputs, dys, autocast)
+        first, second = (adaln_grads(model, inputs, dys, autocast, exact) for _ in range(2))
     else:
         with sdpa_kernel(backend):
-            first, second = adaln_grads(model, inputs, dys, autocast), adaln_grads(model, inputs, dys, autocast)
+            first, second = (adaln_grads(model, inputs, dys, autocast, exact) for _ in range(2))
     return sorted(k for k in first if not torch.equal(first[k], second[k]))
 
 
-def time_steps(model, inputs, dys, autocast, steps, warmup=3):
+def time_steps(model, inputs, dys, autocast, steps, warmup=3, exact=False):
     times = []
     for i in range(warmup + steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        step(model, inputs, dys, autocast)
+        step(model, inputs, dys, autocast, exact)
         model.zero_grad(set_to_none=True)
         end.record()
         torch.cuda.synchronize()
@@ -110,7 +119,7 @@ def time_steps(model, inputs, dys, autocast, steps, warmup=3):
 
 
 def run_variant(model, inputs, dys, autocast, variant, steps):
-    deterministic = variant.endswith("_deterministic")
+    deterministic, exact = variant.endswith("_deterministic"), variant.endswith("_exact")
     if variant.startswith("adaln_lab"):
         adaln_lab.patch(model)
     torch.use_deterministic_algorithms(deterministic)
@@ -119,9 +128,9 @@ def run_variant(model, inputs, dys, autocast, variant, steps):
             warnings.simplefilter("always")
             with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=autocast):
                 out = model(**inputs)
-            ms = time_steps(model, inputs, dys, autocast, steps)
-            differ_default = repeats(model, inputs, dys, autocast)
-            differ_math = repeats(model, inputs, dys, autocast, SDPBackend.MATH)
+            ms = time_steps(model, inputs, dys, autocast, steps, exact=exact)
+            differ_default = repeats(model, inputs, dys, autocast, exact=exact)
+            differ_math = repeats(model, inputs, dys, autocast, SDPBackend.MATH, exact)
         fallbacks = sorted({str(w.message)[:160] for w in seen
                             if issubclass(w.category, (AdaLNFallbackWarning, KernelFallbackWarning))})
     finally:
@@ -165,10 +174,12 @@ def main():
             entry["diffusers_deterministic"]["step_ms"] / entry["adaln_lab"]["step_ms"], 3)
         entry["deterministic_speedup"] = round(
             entry["diffusers_deterministic"]["step_ms"] / entry["adaln_lab_deterministic"]["step_ms"], 3)
+        entry["exact_over_plain"] = round(entry["adaln_lab_exact"]["step_ms"] / entry["adaln_lab"]["step_ms"], 3)
         results["precisions"][precision] = entry
         print(f"{precision}: adaln_lab {entry['speedup_vs_diffusers']}x diffusers, "
-              f"{entry['speedup_vs_deterministic']}x deterministic diffusers, deterministic {entry['deterministic_speedup']}x "
-              f"deterministic diffusers; forward max |patched - diffusers| "
+              f"{entry['speedup_vs_deterministic']}x deterministic diffusers, deterministic "
+              f"{entry['deterministic_speedup']}x deterministic diffusers, exact {entry['exact_over_plain']}x plain; "
+              f"forward max |patched - diffusers| "
               f"{entry['patched_vs_diffusers_max_abs']:.3g} (diffusers vs the fp32 model: "
               f"{entry['diffusers_vs_fp32_model_max_abs']:.3g})", file=sys.stderr, flush=True)
         del model, inputs, dys, outs
