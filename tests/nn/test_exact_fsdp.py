@@ -21,9 +21,9 @@ LAYOUTS = (("exact", 1, 4), ("exact", 2, 2), ("exact", 4, 1), ("plain", 1, 1), (
 
 
 def _model(device: str, lora: bool = False):
-    """(the patched tiny H3 model, its inputs, a cotangent of its sample) on `device` (CUDA: backend "torch", the fp32
-    masters as given, which the kernels do not take without autocast); lora: PEFT LoRA on every AdaLN projection
-    first (only the adapters train)."""
+    """(the patched tiny H3 model, its inputs, a cotangent of its sample) on `device` (backend "auto": on CUDA each
+    AdaLN on the kernels where they take its inputs, FSDP2's bf16 unsharded parameters among them, else its torch
+    code, warned); lora: PEFT LoRA on every AdaLN projection first (only the adapters train)."""
     import adaln_lab
     from adaln_lab.testing import tiny_h3_model
 
@@ -33,7 +33,7 @@ def _model(device: str, lora: bool = False):
 
         inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=["adaln_proj.linear", "norm_out.linear"],
                                            init_lora_weights=False), model, adapter_name="a")
-    adaln_lab.patch(model, backend="torch" if device == "cuda" else "auto")
+    adaln_lab.patch(model)
     cot = torch.randn(4, *model(**inputs).sample.shape[1:], generator=torch.Generator().manual_seed(5))
     return model.to(device), {k: v.to(device) for k, v in inputs.items()}, cot.to(device)
 
@@ -165,8 +165,8 @@ def _cuda_worker(rank, world, out):
 
 @pytest.mark.gpu
 def test_cuda_fsdp2_one_nccl_rank_writes_the_exact_gradients_as_sharded_masters(tmp_path):
-    """On CUDA (the torch route), one NCCL rank, two micro-batches merged: the sharded fp32 masters'
-    gradients are the unsharded checkpoint layout's exact ones, within two roundings."""
+    """On CUDA (backend "auto"), one NCCL rank, two micro-batches merged: the sharded fp32 masters' gradients are the
+    unsharded checkpoint layout's exact ones, within two roundings."""
     pytest.importorskip("diffusers")
     found = ranks(_cuda_worker, 1, tmp_path, backend="nccl")
     assert_the_exact_sums_of(found["reference"], found["exact"])
