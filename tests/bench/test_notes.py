@@ -86,9 +86,7 @@ def paths(text: str) -> list[str]:
 
 
 def git_exists(rev: str, path: str) -> bool:
-    done = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{rev}:{path.rstrip('/')}"],
-                          capture_output=True)
-    return done.returncode == 0
+    return git_ok("cat-file", "-e", f"{rev}:{path.rstrip('/')}")
 
 
 def git_names(rev: str, folder: str) -> list[str]:
@@ -135,11 +133,11 @@ def check_paragraph(paragraph: str, names: set[str]) -> tuple[int, list[str]]:
     branch here, REV must be in it."""
     checked, missing = 0, []
     refs = GIT_REF.findall(paragraph)
-    elsewhere = [b for b in BRANCH.findall(paragraph) if not branch_here(b)]
     for rev, path in refs:
         checked += 1
         if git_exists(rev, path):
             continue
+        elsewhere = any(not branch_here(b) for b in BRANCH.findall(paragraph))  # only where a ref is missing
         if not (elsewhere and not git_ok("cat-file", "-e", f"{rev}^{{commit}}")):
             missing.append(f"{rev}:{path}")
     folders = {(rev, path.rstrip("/") if path.endswith("/") else path.rsplit("/", 1)[0]) for rev, path in refs}
