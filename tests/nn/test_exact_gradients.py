@@ -309,7 +309,7 @@ def test_a_parameter_in_two_adalns_and_a_bypassed_adaln_are_refused():
     from adaln_lab.nn import AdaLNOut
 
     module = AdaLNOut(H, D, eps=1e-5, backend="torch").bfloat16()
-    with ExactGradients(), pytest.raises(NotImplementedError, match="not recorded"):
+    with ExactGradients(), pytest.raises(NotImplementedError, match="bfloat16 on the torch route.*not recorded"):
         module(x, embed(feats).bfloat16(), idx)
 
 
@@ -334,3 +334,36 @@ def test_merged_accumulators_and_tembs_gradient_are_the_same_bits():
     for order in ((0, 1), (1, 0)):
         got = run(by_sample(batch, 4), order)
         assert same(got, one) and torch.equal(got[3], one[3]), order
+
+
+@pytest.mark.gpu
+def test_autocast_with_a_bf16_temb_records_on_the_kernels():
+    """fp32 master parameters under autocast, temb in bf16 (what a time embedding under autocast gives): AdaLNOut
+    records on the kernels (temb widened exactly), every split gives the same bits for its three parameters and for
+    temb's gradient (bf16, sent to the part that first held each row), and they match the float32 temb's
+    gradients of the same values (temb's gradient: that float32 rounded to bf16)."""
+    pytest.importorskip("diffusers")
+    from adaln_lab.nn import AdaLNOut
+
+    _, embed, batch = model()
+    module = AdaLNOut(H, D, eps=1e-5, backend="cupy").cuda()
+    x, feats, idx, cot = (t.cuda() for t in batch)
+    values = embed.cuda()(feats).detach().bfloat16()
+
+    def run(parts, dtype=torch.bfloat16):
+        module.zero_grad(set_to_none=True)
+        acc, tembs = ExactGradients(), []
+        for x_, idx_, cot_ in parts:
+            tembs.append(values.to(dtype).requires_grad_(True))
+            with acc, torch.autocast("cuda", torch.bfloat16):
+                (module(x_, tembs[-1], idx_).float() * cot_).sum().backward()
+        acc.write()
+        return [p.grad for p in (module.norm.weight, module.linear.weight, module.linear.bias)] + [tembs[0].grad]
+
+    one = run([(x, idx, cot)])
+    assert all(g.dtype == torch.float32 for g in one[:3]) and one[3].dtype == torch.bfloat16
+    for n in (2, 3):
+        got = run([(x_, idx_, cot_) for x_, _, idx_, cot_ in by_sample((x, feats, idx, cot), n)])
+        assert same(got, one) and torch.equal(got[3], one[3]), n
+    wide = run([(x, idx, cot)], torch.float32)
+    assert same(wide, one) and torch.equal(wide[3].bfloat16(), one[3])

@@ -1,6 +1,7 @@
 """`adaln_lab.modulation_table`: diffusers' `adaln_proj` table upcast to float32, its launch ops (`launch.forward` /
 `launch.backward`, writing caller-allocated outputs) and its one autograd node, exact float64 backward; GPU: table.cu
-against cuBLAS, T-invariant rows, fallbacks, gradients against float64."""
+against cuBLAS, T-invariant rows, fallbacks, gradients against float64. The exact gradients' float64 products
+(`exact.weight_grad`, `exact.input_grad`) in their documented order on any device."""
 
 import pytest
 import torch
@@ -223,3 +224,64 @@ def test_cuda_opcheck(route):
     d_table = torch.randn(GT, 18 * GH, device="cuda")
     temb, weight, bias = temb.detach(), weight.detach(), bias.detach()
     torch.library.opcheck(launch.backward.op, (d_table, temb, weight, route, *_grad_outputs(temb, weight, bias)))
+
+
+def _tree(values: list[float]) -> float:
+    """input_grad's order in Python floats (IEEE float64): the upper half added onto the lower until one is left."""
+    values, n = list(values), len(values)
+    while n > 1:
+        half = (n + 1) // 2
+        for i in range(n - half):
+            values[i] = values[i] + values[half + i]
+        n = half
+    return values[0]
+
+
+def _exact_parts(seed: int, U: int = 3, N: int = 37, D: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    d_table = torch.randn(U, N, generator=g) * torch.exp2(torch.randint(-20, 20, (U, N), generator=g).float())
+    weight = torch.randn(N, D, generator=g).bfloat16()
+    act = torch.nn.functional.silu(torch.randn(U, D, generator=g, dtype=torch.float64))
+    return d_table, weight, act
+
+
+def test_the_table_products_follow_their_documented_order_whatever_the_blocks(monkeypatch):
+    """weight_grad (a sum over u in order, a product and an add a rounding each) and input_grad (exact products, a
+    pairwise tree fixed by N) equal the same order replayed in Python floats, for the whole tensor, blocks of 1 or 7
+    products' rows or columns, and a block of rows alone (a shard); a sequential sum (a planted other order) differs
+    from input_grad's tree for some column, so the replay can tell orders apart."""
+    from adaln_lab.ops.modulation_table import exact
+
+    d_table, weight, act = _exact_parts(0)
+    (U, N), D = d_table.shape, act.shape[1]
+    want_w = torch.tensor([[_sequential([float(d_table[u, n]) * float(act[u, d]) for u in range(U)])
+                            for d in range(D)] for n in range(N)], dtype=torch.float64)
+    want_a = torch.tensor([[_tree([float(d_table[u, n]) * float(weight[n, d]) for n in range(N)])
+                            for d in range(D)] for u in range(U)], dtype=torch.float64)
+    planted = torch.tensor([[_sequential([float(d_table[u, n]) * float(weight[n, d]) for n in range(N)])
+                             for d in range(D)] for u in range(U)], dtype=torch.float64)
+    assert not torch.equal(planted, want_a)
+    for elements in (exact.PRODUCT_ELEMENTS, 1, 7 * max(N, D)):
+        monkeypatch.setattr(exact, "PRODUCT_ELEMENTS", elements)
+        assert torch.equal(exact.weight_grad(d_table, act, torch.float64, "cpu"), want_w), elements
+        assert torch.equal(exact.input_grad(d_table, weight, "cpu"), want_a), elements
+        assert torch.equal(exact.weight_grad(d_table, act, torch.float64, "cpu", slice(5, 19)), want_w[5:19])
+
+
+def _sequential(values: list[float]) -> float:
+    total = values[0]
+    for v in values[1:]:
+        total = total + v
+    return total
+
+
+@pytest.mark.gpu
+def test_the_table_products_are_the_same_bits_on_the_gpu():
+    """TableSums' float64 products run on the parameters' device: CUDA gives the CPU's bits (the same elementwise
+    order), at a shape that takes several blocks."""
+    from adaln_lab.ops.modulation_table import exact
+
+    d_table, weight, act = _exact_parts(1, U=3, N=4099, D=9000)
+    for f in (lambda dev: exact.weight_grad(d_table, act, torch.bfloat16, dev),
+              lambda dev: exact.input_grad(d_table, weight, dev)):
+        assert torch.equal(f("cuda").cpu(), f("cpu"))

@@ -65,7 +65,7 @@ def refuse_unrecorded(where: str, why: str) -> None:
     if _RECORDERS and torch.is_grad_enabled():
         raise NotImplementedError(f"{where}: {why}: its gradients would not be recorded by adaln_lab.nn."
                                   "ExactGradients (not recorded: diffusers' own forward, adapters, temb dtypes "
-                                  "other than float32 / float64)")
+                                  "other than float32 / float64 except the projection's on the kernels)")
 
 
 def decompose(terms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -142,11 +142,12 @@ class AdaLNOut(nn.Module):
                 return self._exact_adapted_forward(hidden_states, temb, timestep_indices, base, names, eps, exact)
             return self._adapted_forward(hidden_states, temb, timestep_indices, base, names, eps)
         if temb.dtype not in _EXACT_TEMB_DTYPES:
-            refuse_unrecorded("AdaLNOut", f"temb is {temb.dtype}")
             if self._resolved_backend(hidden_states, weight, bias) == "torch":
+                refuse_unrecorded("AdaLNOut", f"temb is {temb.dtype} on the torch route")
                 # diffusers' ops on temb as given (SiLU at temb's precision), bitwise the diffusers module
                 return replay(hidden_states, norm_weight, temb, weight, bias, timestep_indices, eps)
             if temb.dtype != autocast_params(hidden_states, weight)[0].dtype:  # (bf16 under autocast)
+                refuse_unrecorded("AdaLNOut", f"temb is {temb.dtype} and the projection {weight.dtype}")
                 warnings.warn(
                     f"AdaLNOut: temb is {temb.dtype} but the projection is {weight.dtype}; diffusers rounds "
                     f"SiLU(temb) to {temb.dtype} and then to {weight.dtype}, which the CUDA kernels do not "
@@ -154,7 +155,9 @@ class AdaLNOut(nn.Module):
                     f"or in {weight.dtype} to use the kernels.",
                     AdaLNOutFallbackWarning, stacklevel=2)
                 return replay(hidden_states, norm_weight, temb, weight, bias, timestep_indices, eps)
-            # SiLU in float32 rounded once to weight's dtype == diffusers' SiLU at temb's (= weight's) dtype
+            # SiLU in float32 rounded once to weight's dtype == diffusers' SiLU at temb's (= weight's) dtype. Inside
+            # ExactGradients temb's gradient (float64) is then rounded to float32, and by this cast's backward to
+            # temb's dtype
             temb = temb.float()
         exact = recorder()
         if exact is not None:  # inside ExactGradients: where these parameters live (FSDP2 reshards them)

@@ -20,8 +20,9 @@ sharded masters' gradients (`own`; the time embedding frozen). LoRA adapters on 
 (`adapt`, noted by the nn layers) get their gradients from the exact table gradient at write
 (`TableSums.lora_gradients`). Not recorded yet, and refused inside `with acc` (NotImplementedError naming it):
 adapters with a bias or an active dropout, diffusers' own forward
-(hooks on a patched module) and AdaLNOut's temb dtypes other than float32 / float64. A parameter shared by two
-AdaLNs is refused.
+(hooks on a patched module) and AdaLNOut's temb dtypes other than float32 / float64, except a temb of the
+projection's dtype (bf16 under autocast) on the kernels, which record it widened: its gradient is rounded to float32,
+then to temb's dtype. A parameter shared by two AdaLNs is refused.
 temb's graph must live until write, so every op that reads temb must record (an H3 model whose AdaLNs all run
 here does). The active accumulator is process-wide (a stack in core.exact, which torch.compile can read): one
 training thread.
@@ -244,7 +245,7 @@ class ExactGradients:
             if _sharded(weight):  # FSDP2: no temb gradient (refused above), d_weight in the master's dtype, and where
                 # the shard is a block of rows (FSDP2's Shard(0) on one mesh dimension) only this rank's rows
                 rows, d_temb, d_weight, d_bias = group.table.gradients(None, bias.dtype, weight.dtype,
-                                                                       _local_rows(weight))
+                                                                       _local_rows(weight), weight.device)
             else:
                 rows, d_temb, d_weight, d_bias = group.table.gradients(group.weight, bias.dtype)
                 if d_act is not None:  # the adapters' part of temb's gradient

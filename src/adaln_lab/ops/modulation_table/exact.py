@@ -10,9 +10,10 @@
 Rows of temb with the same bits are one timestep: their states are merged (integers: any order), so the parts of a
 batch (micro-batches, ranks) may hold a timestep each, or several, in any order. `gradients` takes the distinct rows
 in the order of their bytes (a function of the set of rows alone), rounds each row's exact sum once to float32
-(d_table), and forms d_weight and d_temb from those with the reference's float64 backward
-(reference.backward.modulation_table_backward, on the CPU for states on any device) on that order; d_bias is the
-exact sum over every row, rounded once. norm_out's states hold sums that its gradients take times a column's
+(d_table), and forms d_weight and d_temb from those in float64 on the parameters' device (`weight_grad`,
+`input_grad`: elementwise products and adds in an order fixed by the shapes alone, so every device and every block of
+rows gives the same bits; SiLU and its derivative of the rows on the CPU); d_bias is the exact sum over every row,
+rounded once. norm_out's states hold sums that its gradients take times a column's
 float32 factor (its norm weight for the scale half: `factors`) and times a row's (1 + scale[t]: `scale`), both
 applied exactly before the one rounding (`core.exact.products`): d_table = factors A, and `norm_weight_sums` the exact
 sum over the distinct rows of scale A (a block: its two norms' scale chunks, each norm's three modalities summed).
@@ -29,15 +30,56 @@ import torch
 import torch.nn.functional as F
 
 from ...core.exact import E_MIN, LIMBS, ExactSum, products
-from ...reference.backward import modulation_table_backward, table_weight_grad
 
 _F64 = torch.float64
+PRODUCT_ELEMENTS = 1 << 25  # float64 products held at once by weight_grad and input_grad (256 MB)
 
 
 def silu_grad(rows: torch.Tensor) -> torch.Tensor:
     """d silu(t) / dt at rows, float64 (the factor modulation_table_backward applies to d_act)."""
     sig = torch.sigmoid(rows.to(_F64))
     return sig * (1.0 + rows.to(_F64) * (1.0 - sig))
+
+
+def weight_grad(d_table: torch.Tensor, act: torch.Tensor, dtype: torch.dtype, device,
+                rows: slice | None = None) -> torch.Tensor:
+    """d_weight (N, D) = d_table^T act rounded once to `dtype`, on `device`, from d_table (U, N) float32 and act
+    (U, D) float64 (SiLU of the distinct rows): element (n, d) is the float64 sum over u in order of d_table[u, n]
+    act[u, d], each product and each add one rounding (separate elementwise ops, no fused multiply-add): the same bits
+    on every device and for every block of rows; `rows`: only those rows of d_weight (a shard's)."""
+    g = d_table.to(device=device, dtype=_F64)
+    g = g if rows is None else g[:, rows]
+    act = act.to(device=device, dtype=_F64)
+    (U, N), D = g.shape, act.shape[1]
+    out = torch.empty(N, D, dtype=dtype, device=device)
+    step = max(1, PRODUCT_ELEMENTS // max(D, 1))
+    for n in range(0, N, step):
+        part = g[0, n:n + step, None] * act[0]
+        for u in range(1, U):
+            part += g[u, n:n + step, None] * act[u]
+        out[n:n + step] = part
+    return out
+
+
+def input_grad(d_table: torch.Tensor, weight: torch.Tensor, device) -> torch.Tensor:
+    """d_act (U, D) float64 = d_table weight on `device`, from d_table (U, N) float32 and weight (N, D): each product
+    exact (float32 times a float32 or bf16 value: at most 48 significant bits), a column's N products added in one
+    pairwise tree fixed by N (the upper half of the rows added elementwise onto the lower, the odd middle row kept, until
+    one row is left): the same bits on every device and for every block of columns."""
+    g, weight = d_table.to(device=device, dtype=_F64), weight.detach().to(device)
+    (U, N), D = g.shape, weight.shape[1]
+    out = torch.empty(U, D, dtype=_F64, device=device)
+    step = max(1, PRODUCT_ELEMENTS // max(N, 1))
+    for u in range(U):
+        for d in range(0, D, step):
+            part = g[u, :, None] * weight[:, d:d + step].to(_F64)
+            n = N
+            while n > 1:
+                half = (n + 1) // 2
+                part[:n - half] += part[half:n]
+                n = half
+            out[u, d:d + step] = part[0]
+    return out
 
 
 def row_key(row: torch.Tensor) -> bytes:
@@ -188,14 +230,16 @@ class TableSums:
         return d_act, grads
 
     def gradients(self, weight: torch.Tensor | None, bias_dtype: torch.dtype, weight_dtype: torch.dtype | None = None,
-                  weight_rows: slice | None = None):
-        """(rows (U, D), d_temb (U, D), d_weight (N, D), d_bias (N,)) over the distinct rows (module docstring).
-        weight None: no d_temb (None), d_weight in weight_dtype (the projection's values are not needed), and with
-        `weight_rows` only those rows of it (a rank's shard: each row is its own sum over the distinct rows, so a
-        shard has the bits of the whole gradient's rows)."""
+                  weight_rows: slice | None = None, device=None):
+        """(rows (U, D), d_temb (U, D) float64 on the CPU, d_weight (N, D) on `device` (default: weight's, else the
+        CPU), d_bias (N,)) over the distinct rows (module docstring). weight None: no d_temb (None), d_weight in
+        weight_dtype (the projection's values are not needed), and with `weight_rows` only those rows of it (a rank's
+        shard: each row is its own sum over the distinct rows, so a shard has the bits of the whole gradient's
+        rows)."""
         rows, d_table, bias = self._d_table()
+        device = device if device is not None else weight.device if weight is not None else "cpu"
+        act = F.silu(rows.to(_F64))
         if weight is None:
-            columns = d_table if weight_rows is None else d_table[:, weight_rows]
-            return rows, None, table_weight_grad(columns, rows).to(weight_dtype), bias.value(bias_dtype)
-        d_temb, d_weight, _ = modulation_table_backward(d_table, rows.double(), weight.detach().cpu(), bias_dtype)
-        return rows, d_temb, d_weight, bias.value(bias_dtype)
+            return rows, None, weight_grad(d_table, act, weight_dtype, device, weight_rows), bias.value(bias_dtype)
+        d_temb = input_grad(d_table, weight, device).cpu() * silu_grad(rows)
+        return rows, d_temb, weight_grad(d_table, act, weight.dtype, device), bias.value(bias_dtype)
