@@ -354,7 +354,7 @@ def test_autocast_with_a_bf16_temb_records_on_the_kernels():
         module.zero_grad(set_to_none=True)
         acc, tembs = ExactGradients(), []
         for x_, idx_, cot_ in parts:
-            tembs.append(values.to(dtype).requires_grad_(True))
+            tembs.append(values.to(dtype, copy=True).requires_grad_(True))  # a leaf a part
             with acc, torch.autocast("cuda", torch.bfloat16):
                 (module(x_, tembs[-1], idx_).float() * cot_).sum().backward()
         acc.write()

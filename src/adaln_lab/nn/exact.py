@@ -247,8 +247,9 @@ class ExactGradients:
                 rows, d_temb, d_weight, d_bias = group.table.gradients(None, bias.dtype, weight.dtype,
                                                                        _local_rows(weight), weight.device)
             else:
-                rows, d_temb, d_weight, d_bias = group.table.gradients(group.weight, bias.dtype)
-                if d_act is not None:  # the adapters' part of temb's gradient
+                rows, d_temb, d_weight, d_bias = group.table.gradients(group.weight, bias.dtype,
+                                                                       with_temb=bool(group.tembs))
+                if d_act is not None and d_temb is not None:  # the adapters' part of temb's gradient
                     d_temb = d_temb + d_act * silu_grad(rows)
             for (A, B, _), (d_A, d_B) in zip(group.adapters, lora):  # the masters (`own`), in their dtype
                 A, B = self._target(A), self._target(B)

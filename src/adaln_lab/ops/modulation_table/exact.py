@@ -230,16 +230,17 @@ class TableSums:
         return d_act, grads
 
     def gradients(self, weight: torch.Tensor | None, bias_dtype: torch.dtype, weight_dtype: torch.dtype | None = None,
-                  weight_rows: slice | None = None, device=None):
+                  weight_rows: slice | None = None, device=None, with_temb: bool = True):
         """(rows (U, D), d_temb (U, D) float64 on the CPU, d_weight (N, D) on `device` (default: weight's, else the
         CPU), d_bias (N,)) over the distinct rows (module docstring). weight None: no d_temb (None), d_weight in
         weight_dtype (the projection's values are not needed), and with `weight_rows` only those rows of it (a rank's
         shard: each row is its own sum over the distinct rows, so a shard has the bits of the whole gradient's
-        rows)."""
+        rows). with_temb False: no d_temb either (nothing wants temb's gradient)."""
         rows, d_table, bias = self._d_table()
         device = device if device is not None else weight.device if weight is not None else "cpu"
         act = F.silu(rows.to(_F64))
-        if weight is None:
-            return rows, None, weight_grad(d_table, act, weight_dtype, device, weight_rows), bias.value(bias_dtype)
+        if weight is None or not with_temb:
+            dtype = weight_dtype if weight is None else weight.dtype
+            return rows, None, weight_grad(d_table, act, dtype, device, weight_rows), bias.value(bias_dtype)
         d_temb = input_grad(d_table, weight, device).cpu() * silu_grad(rows)
         return rows, d_temb, weight_grad(d_table, act, weight.dtype, device), bias.value(bias_dtype)
