@@ -171,7 +171,7 @@ class ExactSum:
     def _carry(self) -> "ExactSum":
         for k in range(self.limbs.shape[0] - 1):
             carry = self.limbs[k] >> LIMB_BITS
-            self.limbs[k] -= carry << LIMB_BITS
+            self.limbs[k] &= 2 ** LIMB_BITS - 1  # = limb - (carry << LIMB_BITS): the floor's remainder
             self.limbs[k + 1] += carry
         return self
 

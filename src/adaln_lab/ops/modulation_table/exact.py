@@ -109,8 +109,9 @@ class TableSums:
         if factors is not None and (factors.shape != state.shape[1:] or factors.dtype != torch.float32):
             raise ValueError(f"factors must be float32 ({state.shape[1]},), got {factors.dtype} "
                              f"{tuple(factors.shape)}")
-        rows = [temb[t].detach().cpu().contiguous() for t in range(T)]
-        scales = None if scale is None else [scale[t].detach().cpu() for t in range(T)]
+        host = temb.detach().cpu()  # one copy a tensor (each a wait for the device)
+        rows = [host[t].contiguous() for t in range(T)]
+        scales = None if scale is None else list(scale.detach().cpu())
         self._check(None if factors is None else factors.detach().cpu(), zip(rows, scales or [None] * T))
         if factors is not None:
             self.factors = factors.detach().cpu()
