@@ -43,7 +43,7 @@ def silu_grad(rows: torch.Tensor) -> torch.Tensor:
 
 def weight_grad(d_table: torch.Tensor, act: torch.Tensor, dtype: torch.dtype, device,
                 rows: slice | None = None) -> torch.Tensor:
-    """d_weight (N, D) = d_table^T act rounded once to `dtype`, on `device`, from d_table (U, N) float32 and act
+    """d_weight (N, D) = d_table^T act cast to `dtype` (torch's cast), on `device`, from d_table (U, N) float32 and act
     (U, D) float64 (SiLU of the distinct rows): element (n, d) is the float64 sum over u in order of d_table[u, n]
     act[u, d], each product and each add one rounding (separate elementwise ops, no fused multiply-add): the same bits
     on every device and for every block of rows; `rows`: only those rows of d_weight (a shard's)."""
@@ -64,8 +64,8 @@ def weight_grad(d_table: torch.Tensor, act: torch.Tensor, dtype: torch.dtype, de
 def input_grad(d_table: torch.Tensor, weight: torch.Tensor, device) -> torch.Tensor:
     """d_act (U, D) float64 = d_table weight on `device`, from d_table (U, N) float32 and weight (N, D): each product
     exact (float32 times a float32 or bf16 value: at most 48 significant bits), a column's N products added in one
-    pairwise tree fixed by N (the upper half of the rows added elementwise onto the lower, the odd middle row kept, until
-    one row is left): the same bits on every device and for every block of columns."""
+    pairwise tree fixed by N (the upper half of the rows added elementwise onto the lower, the odd middle row kept,
+    until one row is left): the same bits on every device and for every block of columns."""
     g, weight = d_table.to(device=device, dtype=_F64), weight.detach().to(device)
     (U, N), D = g.shape, weight.shape[1]
     out = torch.empty(U, D, dtype=_F64, device=device)
