@@ -169,10 +169,13 @@ class ExactSum:
         return self._carry()
 
     def _carry(self) -> "ExactSum":
-        for k in range(self.limbs.shape[0] - 1):
-            carry = self.limbs[k] >> LIMB_BITS
-            self.limbs[k] &= 2 ** LIMB_BITS - 1  # = limb - (carry << LIMB_BITS): the floor's remainder
-            self.limbs[k + 1] += carry
+        # from the lowest limb up, limb k's carry (its floor / 2^32, carry-in included) joins limb k + 1; then every
+        # limb but the top keeps its remainder, one mask for all (the carries read the whole values). In-place ops on
+        # views: two a step, no copy back
+        limbs = self.limbs
+        for k in range(limbs.shape[0] - 1):
+            limbs[k + 1].add_(limbs[k] >> LIMB_BITS)
+        limbs[:-1].bitwise_and_(2 ** LIMB_BITS - 1)
         return self
 
     def value(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
