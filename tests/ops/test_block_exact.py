@@ -156,8 +156,8 @@ def test_the_kernel_routes_glue_runs_on_the_cpu_with_the_gpu_stood_in(monkeypatc
     """Backend "cupy" with the GPU stood in (`bench.host_model.gpu_stood_in`: each launch's argument block written
     against its signature, the driver call a no-op): the exact block's forward launches the plain block's kernels;
     its backward runs each norm's and each gate's sorted pass with exact sums in place of the plain pass and its
-    reduce, a carry per state and no table backward (formed at write); write sets the four gradients in their
-    parameters' dtypes."""
+    reduce, a carry per state and no table backward (formed at write); write launches exact_products.cu's one pass
+    for the projection's gradient and sets the four gradients in their parameters' dtypes."""
     from adaln_lab.bench import host_model
     from adaln_lab.harness.block_report import make_block
     from adaln_lab.ops.block import op
@@ -185,7 +185,10 @@ def test_the_kernel_routes_glue_runs_on_the_cpu_with_the_gpu_stood_in(monkeypatc
             p.grad = None
         acc = ExactGradients()
         exact = run(acc)
+        host_model.LAUNCHES.clear()
         acc.write()
+        written = sorted(host_model.LAUNCHES)
+    assert written == ["exact_weight_products_bf16"]  # the projection's gradient in one pass (exact_products.cu)
     pairs = (("norm_modulate_bwd_residual_sorted_bf16", "reduce_partials_sorted_bf16"),
              ("gated_residual_bwd_sorted_bf16", "gated_residual_reduce_sorted"))
     gone = [name for pair in pairs for name in pair] * 2 + ["table_bwd_bf16", "table_bwd_reduce"]

@@ -285,3 +285,27 @@ def test_the_table_products_are_the_same_bits_on_the_gpu():
     for f in (lambda dev: exact.weight_grad(d_table, act, torch.bfloat16, dev),
               lambda dev: exact.input_grad(d_table, weight, dev)):
         assert torch.equal(f("cuda").cpu(), f("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, bits", [(torch.float32, torch.int32), (torch.bfloat16, torch.int16)])
+def test_the_weight_products_kernel_gives_the_torch_codes_bits(dtype, bits):
+    """exact_products.cu's one pass (with a compiled unit, as a block's write uses it) against weight_grad's torch ops
+    on the CPU: the same bits, compared as integers (so -0 and +0 differ), for the whole gradient and a block of rows
+    (a shard's), with sums that round to float32 subnormals and to FLT_MIN, overflow to inf, and are -0 (each made,
+    as the last asserts check)."""
+    from adaln_lab.core import tensors
+    from adaln_lab.ops.modulation_table import exact
+
+    d_table, _, act = _exact_parts(2, U=3, N=4099, D=1000)
+    d_table[:, :64] *= 2.0 ** -140                    # products about 2^-141 and below: subnormal in float32
+    d_table[:, 64:80], act[:, :8] = 3e38, 1e10        # past float32's range: inf
+    d_table[:, 80:96] = -0.0                          # -0 times act: a sum of signed zeros
+    act[:, 8:16] = -act[:, 8:16].abs()
+    kernels = tensors.context(0, 64, 8, 9, 1)[2]
+    for rows in (None, slice(7, 2050)):
+        want = exact.weight_grad(d_table, act, dtype, "cpu", rows)
+        got = exact.weight_grad(d_table, act, dtype, "cuda", rows, kernels).cpu()
+        assert torch.equal(got.view(bits), want.view(bits)), rows
+    assert bool((want.float().abs() < 2.0 ** -126).logical_and(want != 0).any())  # subnormals were made
+    assert bool(want.isinf().any()) and bool((want.view(bits) == torch.iinfo(bits).min).any())  # inf and -0

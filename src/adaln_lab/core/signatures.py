@@ -34,4 +34,6 @@ SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
     "norm_modulate_bwd_sorted_exact_bf16": "ppppppppppiiii",
     "norm_modulate_bwd_residual_sorted_exact_bf16": "pppppppppppiiii",
     "gated_residual_bwd_sorted_exact_bf16": "ppppppppiiii",
+    "exact_weight_products_f32": "pppiiiii",
+    "exact_weight_products_bf16": "pppiiiii",
 }

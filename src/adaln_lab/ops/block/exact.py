@@ -51,11 +51,12 @@ def scale_columns(H: int) -> list[slice]:
 class BlockSums:
     """A block's exact states for one part (module docstring): `chunks`, six ExactSum (3T, H) (CHUNKS order);
     `scales` (T, 6H) float32 each temb row's s1 of the norms' scale chunks (`scale_columns`' order), from the
-    forward's table (T, 18H); `weights` the norm weights as the forward used them (float32). The backward adds
+    forward's table (T, 18H); `weights` the norm weights as the forward used them (float32); `kernels` the row
+    kernels' compiled unit where they run (write forms the projection's gradient on it), else None. The backward adds
     integers only (no host sync); every product waits for write."""
 
-    def __init__(self, T: int, H: int, norm_weights, table: torch.Tensor):
-        self.T, self.H = T, H
+    def __init__(self, T: int, H: int, norm_weights, table: torch.Tensor, kernels: dict | None = None):
+        self.T, self.H, self.kernels = T, H, kernels
         self.chunks = [ExactSum((MODALITIES * T, H), table.device) for _ in CHUNKS]
         with torch.no_grad():
             self.scales = 1.0 + torch.cat([table[:, c].float() for c in scale_columns(H)], dim=1)

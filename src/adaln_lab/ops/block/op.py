@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ...core import exact, support
+from ...core import exact, support, tensors
 from ...core.autocast import autocast_params
 from ...core.checks import (BLOCK_BACKENDS, TABLE_BACKENDS, check_devices, check_option, check_rows,
                             check_table_inputs)
@@ -119,7 +119,8 @@ def block_adaln_path(x: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, 
     if recorder is not None:  # the table without a graph, each row's bits whatever T; the ops add to `sums`
         table, row_tables = exact_table(temb, weight, bias, table_route == "cupy" and table_backend == "cuda",
                                         rows_ok and adapt_table is None, adapt_table)
-        sums = BlockSums(temb.shape[0], H, (norm1_weight, norm2_weight), table)
+        kernels = tensors.row_setup(x, table_rows)[2] if rows_ok else None  # the row ops' unit (a cache hit)
+        sums = BlockSums(temb.shape[0], H, (norm1_weight, norm2_weight), table, kernels)
         recorder.add_block(params, kept_temb, sums)
     else:
         # on the kernels the table kernel also writes the norms' bf16 row tables, read in place of casting the chunks

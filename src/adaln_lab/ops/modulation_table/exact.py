@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...core import launchers, tensors
 from ...core.exact import E_MIN, LIMBS, ExactSum, products
 
 _F64 = torch.float64
@@ -42,14 +43,20 @@ def silu_grad(rows: torch.Tensor) -> torch.Tensor:
 
 
 def weight_grad(d_table: torch.Tensor, act: torch.Tensor, dtype: torch.dtype, device,
-                rows: slice | None = None) -> torch.Tensor:
+                rows: slice | None = None, kernels: dict | None = None) -> torch.Tensor:
     """d_weight (N, D) = d_table^T act cast to `dtype` (torch's cast), on `device`, from d_table (U, N) float32 and act
     (U, D) float64 (SiLU of the distinct rows): element (n, d) is the float64 sum over u in order of d_table[u, n]
     act[u, d], each product and each add one rounding (separate elementwise ops, no fused multiply-add): the same bits
-    on every device and for every block of rows; `rows`: only those rows of d_weight (a shard's)."""
+    on every device and for every block of rows; `rows`: only those rows of d_weight (a shard's). With `kernels` (a
+    compiled unit) on the GPU: exact_products.cu's one pass, the same bits; else torch ops in blocks of rows."""
     g = d_table.to(device=device, dtype=_F64)
-    g = g if rows is None else g[:, rows]
     act = act.to(device=device, dtype=_F64)
+    if kernels is not None and tensors.gpu(g) and dtype in WEIGHT_PRODUCTS:
+        picked = range(g.shape[1])[rows if rows is not None else slice(None)]
+        out = torch.empty(len(picked), act.shape[1], dtype=dtype, device=device)
+        launch_weight_products(kernels, g.contiguous(), act.contiguous(), out, picked.start)
+        return out
+    g = g if rows is None else g[:, rows]
     (U, N), D = g.shape, act.shape[1]
     out = torch.empty(N, D, dtype=dtype, device=device)
     step = max(1, PRODUCT_ELEMENTS // max(D, 1))
@@ -59,6 +66,22 @@ def weight_grad(d_table: torch.Tensor, act: torch.Tensor, dtype: torch.dtype, de
             part += g[u, n:n + step, None] * act[u]
         out[n:n + step] = part
     return out
+
+
+WEIGHT_PRODUCTS = {torch.float32: "exact_weight_products_f32", torch.bfloat16: "exact_weight_products_bf16"}
+
+
+def launch_weight_products(k: dict, g: torch.Tensor, act: torch.Tensor, out: torch.Tensor, r0: int) -> None:
+    """exact_products.cu's exact_weight_products_(f32|bf16) on torch's current stream: out (rows, D) = rows r0 ..
+    of d_weight from g (U, N) and act (U, D), contiguous float64 (`weight_grad`)."""
+    (U, N), (rows, D) = g.shape, out.shape
+    if rows * D == 0:
+        return
+    index = g.device.index
+    launchers.bind(index)
+    blocks = min(-(-rows * D // 256), 1 << 16)  # a grid-stride loop past this
+    k[WEIGHT_PRODUCTS[out.dtype]]((blocks, 1, 1), (256, 1, 1), 0, tensors.current_stream(index), g.data_ptr(),
+                                  act.data_ptr(), out.data_ptr(), U, N, D, r0, rows)
 
 
 def input_grad(d_table: torch.Tensor, weight: torch.Tensor, device) -> torch.Tensor:
@@ -95,9 +118,10 @@ class TableSums:
         self.rows: dict[bytes, tuple[torch.Tensor, ExactSum]] = {}
         self.scales: dict[bytes, torch.Tensor] = {}  # the norms' s1 row (K,) float32 a temb row
         self.factors: torch.Tensor | None = None      # the columns' factors (N,) float32
+        self.kernels: dict | None = None              # a compiled unit for write's products (`weight_grad`)
 
     def add(self, temb: torch.Tensor, state: ExactSum, scale: torch.Tensor | None = None,
-            factors: torch.Tensor | None = None) -> "TableSums":
+            factors: torch.Tensor | None = None, kernels: dict | None = None) -> "TableSums":
         """Merge state's row t into the state of temb's row t, for every t (temb (T, D), state (T, N)); the norms'
         `scale` (T, K) and `factors` (N,) float32 with them (the same for every part of one temb row: ValueError
         otherwise)."""
@@ -115,6 +139,7 @@ class TableSums:
         self._check(None if factors is None else factors.detach().cpu(), zip(rows, scales or [None] * T))
         if factors is not None:
             self.factors = factors.detach().cpu()
+        self.kernels = self.kernels or kernels
         for t, row in enumerate(rows):
             self._merge_row(row, ExactSum.from_limbs(state.limbs[:, t:t + 1].clone()),
                             None if scales is None else scales[t])
@@ -125,6 +150,7 @@ class TableSums:
         self._check(other.factors, ((row, other.scales.get(key)) for key, (row, _) in other.rows.items()))
         if other.factors is not None:
             self.factors = other.factors
+        self.kernels = self.kernels or other.kernels
         for key, (row, part) in other.rows.items():
             self._merge_row(row, ExactSum.from_limbs(part.limbs.clone()), other.scales.get(key))
         return self
@@ -242,6 +268,8 @@ class TableSums:
         act = F.silu(rows.to(_F64))
         if weight is None or not with_temb:
             dtype = weight_dtype if weight is None else weight.dtype
-            return rows, None, weight_grad(d_table, act, dtype, device, weight_rows), bias.value(bias_dtype)
+            d_weight = weight_grad(d_table, act, dtype, device, weight_rows, self.kernels)
+            return rows, None, d_weight, bias.value(bias_dtype)
         d_temb = input_grad(d_table, weight, device).cpu() * silu_grad(rows)
-        return rows, d_temb, weight_grad(d_table, act, weight.dtype, device), bias.value(bias_dtype)
+        d_weight = weight_grad(d_table, act, weight.dtype, device, kernels=self.kernels)
+        return rows, d_temb, d_weight, bias.value(bias_dtype)
