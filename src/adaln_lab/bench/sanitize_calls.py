@@ -11,7 +11,9 @@ of adaln_lab at small shapes, 0 and 1 rows included.
   table also on three other tile shapes, the same bits), modulated_rms_norm (with and without d_residual),
   gated_residual and gated_residual_norm on R = 3T table rows (strided shift / scale / gate slices of the table; and
   as a block calls them: the table kernel's row tables read, a table gradient written at the chunks' columns, row
-  stride 6H) at 0, 1, 7 and 300 rows.
+  stride 6H) at 0, 1, 7 and 300 rows;
+- a block's exact route (inside ExactGradients: the norms' and gates' sorted passes with exact sums, the carries,
+  and write) at H 264, D 64, T 3, 0, 1, 7 and 300 rows.
 Every result is checked finite (and, for 0 rows, the parameter gradients exactly zero), so a workload that
 computes garbage fails here too. Prints one line per part and "small calls done".
 """
@@ -204,8 +206,34 @@ def block_calls() -> None:
     print("block kernels: done")
 
 
+def block_exact_calls() -> None:
+    """A block's exact route (backend "cupy", identity attn and ff), one part and write; every gradient finite."""
+    from adaln_lab import block_adaln_path
+    from adaln_lab.nn import ExactGradients
+
+    H, D, T = 264, 64, 3
+    g = torch.Generator(device="cuda").manual_seed(0)
+    params = [torch.nn.Parameter((scale * torch.randn(shape, device="cuda", generator=g) + shift).bfloat16())
+              for shape, scale, shift in (((18 * H, D), 0.02, 0.0), ((18 * H,), 0.02, 0.0), ((H,), 0.1, 1.0),
+                                          ((H,), 0.1, 1.0))]
+    for rows in ROWS:
+        x = torch.randn(1, rows, H, device="cuda", generator=g).bfloat16().requires_grad_(True)
+        temb = torch.randn(T, D, device="cuda", generator=g)
+        idx = torch.randint(0, 3 * T, (rows,), device="cuda", generator=g)
+        for p in params:
+            p.grad = None
+        acc = ExactGradients()
+        with acc:
+            out = block_adaln_path(x, temb, *params, idx, lambda h: h, lambda h: h, backend="cupy")
+            out.backward(upstream(1, out))
+        acc.write()
+        _finite(x.grad, *(p.grad for p in params))
+    print("block kernels, exact: done")
+
+
 if __name__ == "__main__":
     op_calls()
     exact_calls()
     block_calls()
+    block_exact_calls()
     print("small calls done")
