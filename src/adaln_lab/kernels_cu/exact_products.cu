@@ -1,5 +1,6 @@
 // exact_products.cu: ExactGradients.write's float64 products of the projection's gradient, the bits of the torch
-// code (ops/modulation_table/exact.py: weight_grad) on every device.
+// code (ops/modulation_table/exact.py: weight_grad) on every device (a NaN's bits aside: torch's own casts differ
+// there between its vector and scalar loops).
 //
 // exact_weight_products_f32 / _bf16: out (rows, D), row-major, = rows r0 .. r0 + rows - 1 of d_weight (N, D):
 //   element (n, d) = the float64 sum over u = 0 .. U - 1, in that order, of g[u, n] * act[u, d], each product and

@@ -47,12 +47,13 @@ def weight_grad(d_table: torch.Tensor, act: torch.Tensor, dtype: torch.dtype, de
     """d_weight (N, D) = d_table^T act cast to `dtype` (torch's cast), on `device`, from d_table (U, N) float32 and act
     (U, D) float64 (SiLU of the distinct rows): element (n, d) is the float64 sum over u in order of d_table[u, n]
     act[u, d], each product and each add one rounding (separate elementwise ops, no fused multiply-add): the same bits
-    on every device and for every block of rows; `rows`: only those rows of d_weight (a shard's). With `kernels` (a
-    compiled unit) on the GPU: exact_products.cu's one pass, the same bits; else torch ops in blocks of rows."""
+    on every device and for every block of rows (a NaN's payload aside); `rows`: only those rows of d_weight (a
+    shard's). With `kernels` (a compiled unit of `device`) on the GPU and rows in steps of 1: exact_products.cu's one
+    pass, the same bits; else torch ops in blocks of rows."""
     g = d_table.to(device=device, dtype=_F64)
     act = act.to(device=device, dtype=_F64)
-    if kernels is not None and tensors.gpu(g) and dtype in WEIGHT_PRODUCTS:
-        picked = range(g.shape[1])[rows if rows is not None else slice(None)]
+    picked = range(g.shape[1])[rows if rows is not None else slice(None)]
+    if kernels is not None and tensors.gpu(g) and dtype in WEIGHT_PRODUCTS and picked.step == 1:
         out = torch.empty(len(picked), act.shape[1], dtype=dtype, device=device)
         launch_weight_products(kernels, g.contiguous(), act.contiguous(), out, picked.start)
         return out
@@ -118,7 +119,7 @@ class TableSums:
         self.rows: dict[bytes, tuple[torch.Tensor, ExactSum]] = {}
         self.scales: dict[bytes, torch.Tensor] = {}  # the norms' s1 row (K,) float32 a temb row
         self.factors: torch.Tensor | None = None      # the columns' factors (N,) float32
-        self.kernels: dict | None = None              # a compiled unit for write's products (`weight_grad`)
+        self.kernels: dict = {}  # device index -> a compiled unit there, for write's products (`weight_grad`)
 
     def add(self, temb: torch.Tensor, state: ExactSum, scale: torch.Tensor | None = None,
             factors: torch.Tensor | None = None, kernels: dict | None = None) -> "TableSums":
@@ -139,7 +140,8 @@ class TableSums:
         self._check(None if factors is None else factors.detach().cpu(), zip(rows, scales or [None] * T))
         if factors is not None:
             self.factors = factors.detach().cpu()
-        self.kernels = self.kernels or kernels
+        if kernels is not None:  # the unit the part's row ops ran, on the state's device
+            self.kernels.setdefault(state.limbs.device.index, kernels)
         for t, row in enumerate(rows):
             self._merge_row(row, ExactSum.from_limbs(state.limbs[:, t:t + 1].clone()),
                             None if scales is None else scales[t])
@@ -150,7 +152,8 @@ class TableSums:
         self._check(other.factors, ((row, other.scales.get(key)) for key, (row, _) in other.rows.items()))
         if other.factors is not None:
             self.factors = other.factors
-        self.kernels = self.kernels or other.kernels
+        for index, unit in other.kernels.items():
+            self.kernels.setdefault(index, unit)
         for key, (row, part) in other.rows.items():
             self._merge_row(row, ExactSum.from_limbs(part.limbs.clone()), other.scales.get(key))
         return self
@@ -256,6 +259,10 @@ class TableSums:
             d_act += g @ A
         return d_act, grads
 
+    def _unit(self, device) -> dict | None:
+        """The compiled unit a part recorded on `device`'s index, or None (weight_grad launches it on CUDA tensors)."""
+        return self.kernels.get(torch.device(device).index)
+
     def gradients(self, weight: torch.Tensor | None, bias_dtype: torch.dtype, weight_dtype: torch.dtype | None = None,
                   weight_rows: slice | None = None, device=None, with_temb: bool = True):
         """(rows (U, D), d_temb (U, D) float64 on the CPU, d_weight (N, D) on `device` (default: weight's, else the
@@ -268,8 +275,8 @@ class TableSums:
         act = F.silu(rows.to(_F64))
         if weight is None or not with_temb:
             dtype = weight_dtype if weight is None else weight.dtype
-            d_weight = weight_grad(d_table, act, dtype, device, weight_rows, self.kernels)
+            d_weight = weight_grad(d_table, act, dtype, device, weight_rows, self._unit(device))
             return rows, None, d_weight, bias.value(bias_dtype)
         d_temb = input_grad(d_table, weight, device).cpu() * silu_grad(rows)
-        d_weight = weight_grad(d_table, act, weight.dtype, device, kernels=self.kernels)
+        d_weight = weight_grad(d_table, act, weight.dtype, device, kernels=self._unit(device))
         return rows, d_temb, d_weight, bias.value(bias_dtype)
