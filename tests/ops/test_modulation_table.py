@@ -261,7 +261,7 @@ def test_the_table_products_follow_their_documented_order_whatever_the_blocks(mo
     planted = torch.tensor([[_sequential([float(d_table[u, n]) * float(weight[n, d]) for n in range(N)])
                              for d in range(D)] for u in range(U)], dtype=torch.float64)
     assert not torch.equal(planted, want_a)
-    for elements in (exact.PRODUCT_ELEMENTS, 1, 7 * max(N, D)):
+    for elements in (exact.PRODUCT_ELEMENTS, 1, 7 * D, 2 * N):  # whole; one a block; 7 rows of 37; 2 columns of 5
         monkeypatch.setattr(exact, "PRODUCT_ELEMENTS", elements)
         assert torch.equal(exact.weight_grad(d_table, act, torch.float64, "cpu"), want_w), elements
         assert torch.equal(exact.input_grad(d_table, weight, "cpu"), want_a), elements

@@ -228,6 +228,7 @@ def block_exact_calls() -> None:
             out.backward(upstream(1, out))
         acc.write()
         _finite(x.grad, *(p.grad for p in params))
+        assert rows or not any(bool(p.grad.any()) for p in params), "0 rows: nonzero parameter gradients"
     print("block kernels, exact: done")
 
 

@@ -22,7 +22,8 @@ sharded masters' gradients (`own`; the time embedding frozen). LoRA adapters on 
 adapters with a bias or an active dropout, diffusers' own forward
 (hooks on a patched module) and AdaLNOut's temb dtypes other than float32 / float64, except a temb of the
 projection's dtype (bf16 under autocast) on the kernels, which record it widened: its gradient is rounded to float32,
-then to temb's dtype. A parameter shared by two AdaLNs is refused.
+then to temb's dtype by the widening's backward, and added in that dtype to the blocks' (which keep the bf16 temb
+itself). A parameter shared by two AdaLNs is refused.
 temb's graph must live until write, so every op that reads temb must record (an H3 model whose AdaLNs all run
 here does). The active accumulator is process-wide (a stack in core.exact, which torch.compile can read): one
 training thread.

@@ -33,7 +33,7 @@ from ...core import launchers, tensors
 from ...core.exact import E_MIN, LIMBS, ExactSum, products
 
 _F64 = torch.float64
-PRODUCT_ELEMENTS = 1 << 25  # float64 products held at once by weight_grad and input_grad (256 MB)
+PRODUCT_ELEMENTS = 1 << 25  # float64 elements a block of weight_grad's / input_grad's products (two at once: 512 MB)
 
 
 def silu_grad(rows: torch.Tensor) -> torch.Tensor:
@@ -92,11 +92,12 @@ def input_grad(d_table: torch.Tensor, weight: torch.Tensor, device) -> torch.Ten
     until one row is left): the same bits on every device and for every block of columns."""
     g, weight = d_table.to(device=device, dtype=_F64), weight.detach().to(device)
     (U, N), D = g.shape, weight.shape[1]
-    out = torch.empty(U, D, dtype=_F64, device=device)
+    out = torch.zeros(U, D, dtype=_F64, device=device)  # N = 0: the empty sum
     step = max(1, PRODUCT_ELEMENTS // max(N, 1))
-    for u in range(U):
-        for d in range(0, D, step):
-            part = g[u, :, None] * weight[:, d:d + step].to(_F64)
+    for d in range(0, D if N else 0, step):
+        columns = weight[:, d:d + step].to(_F64)  # widened once a block, for every u
+        for u in range(U):
+            part = g[u, :, None] * columns
             n = N
             while n > 1:
                 half = (n + 1) // 2
@@ -269,7 +270,7 @@ class TableSums:
         CPU), d_bias (N,)) over the distinct rows (module docstring). weight None: no d_temb (None), d_weight in
         weight_dtype (the projection's values are not needed), and with `weight_rows` only those rows of it (a rank's
         shard: each row is its own sum over the distinct rows, so a shard has the bits of the whole gradient's
-        rows). with_temb False: no d_temb either (nothing wants temb's gradient)."""
+        rows; also with weight given). with_temb False: no d_temb either (nothing wants temb's gradient)."""
         rows, d_table, bias = self._d_table()
         device = device if device is not None else weight.device if weight is not None else "cpu"
         act = F.silu(rows.to(_F64))
@@ -278,5 +279,5 @@ class TableSums:
             d_weight = weight_grad(d_table, act, dtype, device, weight_rows, self._unit(device))
             return rows, None, d_weight, bias.value(bias_dtype)
         d_temb = input_grad(d_table, weight, device).cpu() * silu_grad(rows)
-        d_weight = weight_grad(d_table, act, weight.dtype, device, kernels=self._unit(device))
+        d_weight = weight_grad(d_table, act, weight.dtype, device, weight_rows, self._unit(device))
         return rows, d_temb, d_weight, bias.value(bias_dtype)
