@@ -156,8 +156,12 @@ class AdaLNOut(nn.Module):
                     AdaLNOutFallbackWarning, stacklevel=2)
                 return replay(hidden_states, norm_weight, temb, weight, bias, timestep_indices, eps)
             # SiLU in float32 rounded once to weight's dtype == diffusers' SiLU at temb's (= weight's) dtype. Inside
-            # ExactGradients temb's gradient (float64) is then rounded to float32, and by this cast's backward to
-            # temb's dtype
+            # ExactGradients the caller's temb is kept and the op gets a widened copy without a graph, so write sends
+            # the caller's temb its gradient (float64, with the blocks' that share it), rounded once to its dtype
+            exact = recorder()
+            if exact is not None and torch.is_grad_enabled():
+                exact.keep_temb((norm_weight, weight, bias), temb)
+                temb = temb.detach()
             temb = temb.float()
         exact = recorder()
         if exact is not None:  # inside ExactGradients: where these parameters live (FSDP2 reshards them)

@@ -21,9 +21,8 @@ sharded masters' gradients (`own`; the time embedding frozen). LoRA adapters on 
 (`TableSums.lora_gradients`). Not recorded yet, and refused inside `with acc` (NotImplementedError naming it):
 adapters with a bias or an active dropout, diffusers' own forward
 (hooks on a patched module) and AdaLNOut's temb dtypes other than float32 / float64, except a temb of the
-projection's dtype (bf16 under autocast) on the kernels, which record it widened: its gradient is rounded to float32,
-then to temb's dtype by the widening's backward, and added in that dtype to the blocks' (which keep the bf16 temb
-itself). A parameter shared by two AdaLNs is refused.
+projection's dtype (bf16 under autocast) on the kernels, which record it widened and keep the caller's: its
+gradient joins the blocks' in float64, rounded once to its dtype. A parameter shared by two AdaLNs is refused.
 temb's graph must live until write, so every op that reads temb must record (an H3 model whose AdaLNs all run
 here does). The active accumulator is process-wide (a stack in core.exact, which torch.compile can read): one
 training thread.
@@ -323,12 +322,15 @@ def _as_grad_of(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 def _temb_grads(tembs, rows, d_temb, into: dict, owned=None) -> None:
     """Add d_temb of each distinct row (of those `owned`, if given) to the first kept temb that holds it, in float64
-    (into: id -> (temb, its gradient so far)); the groups add theirs in the order they were first recorded."""
+    (into: id -> (temb, its gradient so far)); the groups add theirs in the order they were first recorded. A kept
+    temb narrower than the rows (a bf16 temb that norm_out widened) holds a row whose widening, exact, has the row's
+    bits."""
     pending = {key: k for k, key in enumerate(map(row_key, rows)) if owned is None or key in owned}
     for temb in tembs:
         _, g = into.setdefault(id(temb), (temb, torch.zeros(temb.shape, dtype=torch.float64)))
+        wider = rows.dtype if temb.dtype.itemsize < rows.dtype.itemsize else temb.dtype
         for t in range(temb.shape[0]):
-            k = pending.pop(row_key(temb[t]), None)
+            k = pending.pop(row_key(temb[t].to(wider)), None)
             if k is not None:
                 g[t] += d_temb[k]  # float64 (TableSums.gradients), rounded once in _temb_backward
 
