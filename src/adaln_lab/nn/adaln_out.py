@@ -136,8 +136,8 @@ class AdaLNOut(nn.Module):
         eps = self.norm.eps
         if eps is None:  # what F.rms_norm does with eps=None: the epsilon of its compute dtype
             eps = torch.finfo(torch.promote_types(hidden_states.dtype, torch.float32)).eps
+        exact = recorder()
         if names:
-            exact = recorder()
             if exact is not None:
                 return self._exact_adapted_forward(hidden_states, temb, timestep_indices, base, names, eps, exact)
             return self._adapted_forward(hidden_states, temb, timestep_indices, base, names, eps)
@@ -158,12 +158,10 @@ class AdaLNOut(nn.Module):
             # SiLU in float32 rounded once to weight's dtype == diffusers' SiLU at temb's (= weight's) dtype. Inside
             # ExactGradients the caller's temb is kept and the op gets a widened copy without a graph, so write sends
             # the caller's temb its gradient (float64, with the blocks' that share it), rounded once to its dtype
-            exact = recorder()
             if exact is not None and torch.is_grad_enabled():
                 exact.keep_temb((norm_weight, weight, bias), temb)
                 temb = temb.detach()
             temb = temb.float()
-        exact = recorder()
         if exact is not None:  # inside ExactGradients: where these parameters live (FSDP2 reshards them)
             exact.own(self, ("linear.weight", "linear.bias", "norm.weight"))
         return final_adaln_out(hidden_states, norm_weight, temb, weight, bias, timestep_indices, eps=eps,

@@ -329,8 +329,9 @@ def _temb_grads(tembs, rows, d_temb, into: dict, owned=None) -> None:
     for temb in tembs:
         _, g = into.setdefault(id(temb), (temb, torch.zeros(temb.shape, dtype=torch.float64)))
         wider = rows.dtype if temb.dtype.itemsize < rows.dtype.itemsize else temb.dtype
+        host = temb.detach().to("cpu", wider)  # one copy a temb (each a wait for the device)
         for t in range(temb.shape[0]):
-            k = pending.pop(row_key(temb[t].to(wider)), None)
+            k = pending.pop(row_key(host[t]), None)
             if k is not None:
                 g[t] += d_temb[k]  # float64 (TableSums.gradients), rounded once in _temb_backward
 

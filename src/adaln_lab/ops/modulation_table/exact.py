@@ -273,11 +273,9 @@ class TableSums:
         rows; also with weight given). with_temb False: no d_temb either (nothing wants temb's gradient)."""
         rows, d_table, bias = self._d_table()
         device = device if device is not None else weight.device if weight is not None else "cpu"
-        act = F.silu(rows.to(_F64))
-        if weight is None or not with_temb:
-            dtype = weight_dtype if weight is None else weight.dtype
-            d_weight = weight_grad(d_table, act, dtype, device, weight_rows, self._unit(device))
-            return rows, None, d_weight, bias.value(bias_dtype)
-        d_temb = input_grad(d_table, weight, device).cpu() * silu_grad(rows)
-        d_weight = weight_grad(d_table, act, weight.dtype, device, weight_rows, self._unit(device))
+        d_weight = weight_grad(d_table, F.silu(rows.to(_F64)), weight_dtype if weight is None else weight.dtype,
+                               device, weight_rows, self._unit(device))
+        d_temb = None
+        if weight is not None and with_temb:
+            d_temb = input_grad(d_table, weight, device).cpu() * silu_grad(rows)
         return rows, d_temb, d_weight, bias.value(bias_dtype)
