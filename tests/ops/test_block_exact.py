@@ -156,8 +156,9 @@ def test_the_kernel_routes_glue_runs_on_the_cpu_with_the_gpu_stood_in(monkeypatc
     """Backend "cupy" with the GPU stood in (`bench.host_model.gpu_stood_in`: each launch's argument block written
     against its signature, the driver call a no-op): the exact block's forward launches the plain block's kernels;
     its backward runs each norm's and each gate's sorted pass with exact sums in place of the plain pass and its
-    reduce, a carry per state and no table backward (formed at write); write launches exact_products.cu's one pass
-    for the projection's gradient and sets the four gradients in their parameters' dtypes."""
+    reduce, a carry per state (and the table's at the `with`'s end) and no table backward (formed at write); write launches exact_products.cu's one pass
+    for the projection's gradient and exact_state.cu's carries, products and roundings (no torch integer code on
+    the GPU), and sets the four gradients in their parameters' dtypes."""
     from adaln_lab.bench import host_model
     from adaln_lab.harness.block_report import make_block
     from adaln_lab.ops.block import op
@@ -188,14 +189,19 @@ def test_the_kernel_routes_glue_runs_on_the_cpu_with_the_gpu_stood_in(monkeypatc
         host_model.LAUNCHES.clear()
         acc.write()
         written = sorted(host_model.LAUNCHES)
-    assert written == ["exact_weight_products_bf16"]  # the projection's gradient in one pass (exact_products.cu)
+    # the projection's gradient in one pass (exact_products.cu); the states' integer steps one launch each
+    # (exact_state.cu): carries of d_bias's total, the norm sums' total and their two norms' states; products of
+    # d_table, d_bias and the norm sums; roundings of d_table, d_bias and the two norm weights
+    assert written == sorted(["exact_carry"] * 4 + ["exact_products"] * 3 + ["exact_round"] * 4
+                             + ["exact_weight_products_bf16"])
     pairs = (("norm_modulate_bwd_residual_sorted_bf16", "reduce_partials_sorted_bf16"),
              ("gated_residual_bwd_sorted_bf16", "gated_residual_reduce_sorted"))
     gone = [name for pair in pairs for name in pair] * 2 + ["table_bwd_bf16", "table_bwd_reduce"]
     added = ["norm_modulate_bwd_residual_sorted_exact_bf16", "gated_residual_bwd_sorted_exact_bf16"] * 2
     for name in gone:
         plain.remove(name)
-    assert exact == sorted(plain + added + ["exact_carry"] * 4)
+    # a carry per state, and one of the table's state when the `with` ends (the parts folded in)
+    assert exact == sorted(plain + added + ["exact_carry"] * 5)
     assert [(p.grad.dtype, p.grad.shape) for p in (w, bias, n1, n2)] == [(p.dtype, p.shape) for p in (w, bias, n1, n2)]
 
 

@@ -8,6 +8,8 @@
     state.total()                              # the sum over the first dimension, exact
     products(state, factors)                   # state x float32 factors (broadcast), exactly: a wide state
     state.value(torch.float32 | torch.bfloat16) -> (*shape,) the exact sum, rounded once to nearest even
+    ExactSum(shape, device, kernels) / ExactSum.from_limbs(limbs, kernels=kernels)   # carries, products and
+                                               # roundings by kernels_cu/exact_state.cu (core.exact_kernels)
 
 Why: integer addition is associative, so a sum kept as integers has one value for every order of its terms, every
 split into parts and every order of merging the parts (micro-batches, ranks); float addition has not.
@@ -25,7 +27,9 @@ state of its own (`e_min`) that merges, totals and rounds like the others but ta
 Rounding (`value`): the integer is rounded once to the dtype's precision (24 bits for float32, 8 for bfloat16; their
 common least normal exponent -126 sets the subnormal quantum), ties to even; past the largest finite value, inf.
 `value` rounds in torch integer ops (`rounded`), checked against the Python-integer reference `round_scaled`. A sum
-that is exactly zero is +0.
+that is exactly zero is +0. A state with `kernels` (an object with carry / products / rounded and `takes(limbs)`:
+core.exact_kernels.ExactKernels) hands those three steps to them where they take its limbs: the same integers and
+values in one launch each (products and totals keep the kernels).
 """
 
 from __future__ import annotations
@@ -80,17 +84,23 @@ def decompose(terms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class ExactSum:
     """The exact sum of float32 terms per element of `shape` (module docstring): add, merge, value."""
 
-    def __init__(self, shape, device=None):
+    def __init__(self, shape, device=None, kernels=None):
         self.limbs = torch.zeros((LIMBS, *shape), dtype=torch.int64, device=device)
         self.e_min = E_MIN  # the unit: limb k weighs 2^(LIMB_BITS k + e_min)
+        self.kernels = kernels
 
     @classmethod
-    def from_limbs(cls, limbs: torch.Tensor, e_min: int = E_MIN) -> "ExactSum":
+    def from_limbs(cls, limbs: torch.Tensor, e_min: int = E_MIN, kernels=None) -> "ExactSum":
         """A state holding `limbs` (L, *shape) int64 as they are (carried, or carried by the caller), limb k worth
-        2^(LIMB_BITS k + e_min): L = LIMBS and e_min = E_MIN for sums of terms, `products`' wide states otherwise."""
+        2^(LIMB_BITS k + e_min): L = LIMBS and e_min = E_MIN for sums of terms, `products`' wide states otherwise;
+        `kernels` as the constructor's."""
         out = cls.__new__(cls)
-        out.limbs, out.e_min = limbs, e_min
+        out.limbs, out.e_min, out.kernels = limbs, e_min, kernels
         return out
+
+    def _kernels(self):
+        """The state's kernels where they take its limbs, else None (the torch code)."""
+        return self.kernels if self.kernels is not None and self.kernels.takes(self.limbs) else None
 
     def _terms_state(self, what: str) -> None:
         if self.e_min != E_MIN or self.limbs.shape[0] != LIMBS:
@@ -162,7 +172,8 @@ class ExactSum:
     def total(self) -> "ExactSum":
         """The exact sum over the first dimension (shape[1:]): every row's terms in one sum (a bias over the
         timesteps' table rows), as exact as the rows."""
-        return ExactSum.from_limbs(self.limbs.sum(1), self.e_min)._carry()  # limbs < 2^32: 2^30 rows fit in int64
+        # limbs < 2^32: 2^30 rows fit in int64
+        return ExactSum.from_limbs(self.limbs.sum(1), self.e_min, self.kernels)._carry()
 
     def carried(self) -> "ExactSum":
         """The state with its carries moved up (after merges with carry=False), in place."""
@@ -173,6 +184,9 @@ class ExactSum:
         # limb but the top keeps its remainder, one mask for all (the carries read the whole values). In-place ops on
         # views: two a step, no copy back
         limbs = self.limbs
+        if self._kernels() is not None:
+            self.kernels.carry(limbs)
+            return self
         for k in range(limbs.shape[0] - 1):
             limbs[k + 1].add_(limbs[k] >> LIMB_BITS)
         limbs[:-1].bitwise_and_(2 ** LIMB_BITS - 1)
@@ -183,6 +197,9 @@ class ExactSum:
         if dtype not in _PRECISION:
             raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
         limbs = self.limbs.reshape(self.limbs.shape[0], -1)
+        kernels = self._kernels()
+        if kernels is not None:
+            return kernels.rounded(limbs, _PRECISION[dtype], self.e_min).to(dtype).reshape(self.shape)
         return rounded(limbs, _PRECISION[dtype], self.e_min).to(dtype).reshape(self.shape)
 
 
@@ -243,6 +260,8 @@ def products(state: ExactSum, factors: torch.Tensor) -> ExactSum:
     factors = factors.to(device=state.limbs.device, dtype=torch.float32).expand(state.shape).contiguous()
     if not bool(torch.isfinite(factors).all()):
         raise ValueError("products: the factors must be finite")
+    if state._kernels() is not None:
+        return ExactSum.from_limbs(state.kernels.products(state.limbs, factors), 2 * E_MIN, state.kernels)
     m, shift = decompose(factors)
     negative = (state.limbs[-1] < 0) ^ (m < 0)
     mag = magnitude(state.limbs)

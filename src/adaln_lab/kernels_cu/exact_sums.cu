@@ -425,22 +425,3 @@ gated_residual_bwd_sorted_exact_bf16(const bf16_t* __restrict__ dout, const floa
     gated_residual_sorted_pass(sums, dout, gate, y, row_index, row_order, d_y, gate_stride, S, rows, rows_per_range, c);
     if (sums.bad) atomicOr(flags, sums.bad);
 }
-
-// exact_carry: core/exact.py's ExactSum._carry on limbs (ADALN_EXACT_LIMBS, n) int64 in place, one thread an element:
-// from the lowest limb up, the carry v >> 32 (floor) moves to the next limb, so limbs 0 .. LIMBS - 2 end in
-// [0, 2^32) and the top limb holds the sign; the same integers as the torch loop (9 steps of 3 ops each: 27 launches
-// a state). Run: adaln_lab.ops.row_sums.launch_carry.
-extern "C" __global__ void __launch_bounds__(256) exact_carry(long long* __restrict__ limbs, int n) {
-    const int i = blockIdx.x * 256 + threadIdx.x;
-    if (i >= n) return;
-    long long carry = 0;
-#pragma unroll
-    for (int l = 0; l < ADALN_EXACT_LIMBS; ++l) {
-        long long v = limbs[(size_t)l * n + i] + carry;
-        if (l < ADALN_EXACT_LIMBS - 1) {
-            carry = v >> 32;
-            v -= carry << 32;
-        }
-        limbs[(size_t)l * n + i] = v;
-    }
-}

@@ -72,7 +72,7 @@ class _Group:
             sums.closed = True
             if sums.flags:
                 self.checks.append(sums)
-            self.table.add(temb, sums.table(), sums.scales, sums.factors(), sums.kernels)
+            self.table.add(temb, sums.table(), sums.scales, sums.factors())
         self.pending.clear()
 
 

@@ -50,9 +50,9 @@ def launch_sums(k: dict, plan, stream: int, x: int, dy: int, rstd: int, row_inde
 
 
 def launch_carry(k: dict, stream: int, limbs: int, n: int) -> None:
-    """exact_sums.cu's exact_carry: limbs (LIMBS, n) int64 carried in place (core.exact.ExactSum._carry's integers)."""
+    """exact_state.cu's exact_carry: limbs (LIMBS, n) int64 carried in place (core.exact.ExactSum._carry's integers)."""
     if n:
-        k["exact_carry"]((-(-n // 256), 1, 1), (256, 1, 1), 0, stream, limbs, n)
+        k["exact_carry"]((-(-n // 256), 1, 1), (256, 1, 1), 0, stream, limbs, LIMBS, n)
 
 
 def launch_sorted_row_sums(k: dict, plan, rows, stream: int, dy: int, x: int, rstd: int, norm_weight: int,
@@ -132,4 +132,4 @@ def row_sums(x: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor | None, row_i
 def half(state: ExactSum, k: int) -> ExactSum:
     """The B (k = 0) or A (k = 1) half of a (R, 2H) state, (R, H)."""
     H = state.shape[-1] // 2
-    return ExactSum.from_limbs(state.limbs[..., k * H:(k + 1) * H])
+    return ExactSum.from_limbs(state.limbs[..., k * H:(k + 1) * H], kernels=state.kernels)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from ...core.exact import LIMBS, ExactSum
+from ...core.exact_kernels import ExactKernels
 from ...core.library import apply
 from ...core.table_gradient import SCALE_MLP, SCALE_MSA
 from ...reference.block import CHUNKS, MODALITIES
@@ -52,12 +53,14 @@ class BlockSums:
     """A block's exact states for one part (module docstring): `chunks`, six ExactSum (3T, H) (CHUNKS order);
     `scales` (T, 6H) float32 each temb row's s1 of the norms' scale chunks (`scale_columns`' order), from the
     forward's table (T, 18H); `weights` the norm weights as the forward used them (float32); `kernels` the row
-    kernels' compiled unit where they run (write forms the projection's gradient on it), else None. The backward adds
+    kernels' compiled unit where they run, kept as core.exact_kernels.ExactKernels (the states' carries, write's
+    products and roundings, and the projection's gradient run on it), else None. The backward adds
     integers only (no host sync); every product waits for write."""
 
     def __init__(self, T: int, H: int, norm_weights, table: torch.Tensor, kernels: dict | None = None):
-        self.T, self.H, self.kernels = T, H, kernels
-        self.chunks = [ExactSum((MODALITIES * T, H), table.device) for _ in CHUNKS]
+        self.T, self.H = T, H
+        self.kernels = None if kernels is None else ExactKernels(kernels, table.device.index)
+        self.chunks = [ExactSum((MODALITIES * T, H), table.device, self.kernels) for _ in CHUNKS]
         with torch.no_grad():
             self.scales = 1.0 + torch.cat([table[:, c].float() for c in scale_columns(H)], dim=1)
         self.weights = [w.detach().float().clone() for w in norm_weights]  # kept past FSDP2's reshard
@@ -107,7 +110,7 @@ class BlockSums:
         """The table gradient's raw state (T, 18H): chunk c of the (3T, 6H) view's row 3t + m is columns
         m 6H + c H .. of table row t (diffusers' `view(-1, 6H).chunk(6)`)."""
         limbs = torch.cat([c.limbs for c in self.chunks], dim=2)  # the chunks' merges uncarried: one carry here
-        return ExactSum.from_limbs(limbs.reshape(LIMBS, self.T, -1)).carried()
+        return ExactSum.from_limbs(limbs.reshape(LIMBS, self.T, -1), kernels=self.kernels).carried()
 
     def factors(self) -> torch.Tensor:
         """(18H,) float32: each table column's factor, w1 / w2 for the scale chunks' columns, 1 elsewhere."""

@@ -120,13 +120,15 @@ class TableSums:
         self.rows: dict[bytes, tuple[torch.Tensor, ExactSum]] = {}
         self.scales: dict[bytes, torch.Tensor] = {}  # the norms' s1 row (K,) float32 a temb row
         self.factors: torch.Tensor | None = None      # the columns' factors (N,) float32
-        self.kernels: dict = {}  # device index -> a compiled unit there, for write's products (`weight_grad`)
+        # device index -> the states' core.exact_kernels.ExactKernels there: their carries, write's products and
+        # roundings, and d_weight (`weight_grad`) on its unit
+        self.kernels: dict = {}
 
     def add(self, temb: torch.Tensor, state: ExactSum, scale: torch.Tensor | None = None,
-            factors: torch.Tensor | None = None, kernels: dict | None = None) -> "TableSums":
+            factors: torch.Tensor | None = None) -> "TableSums":
         """Merge state's row t into the state of temb's row t, for every t (temb (T, D), state (T, N)); the norms'
         `scale` (T, K) and `factors` (N,) float32 with them (the same for every part of one temb row: ValueError
-        otherwise)."""
+        otherwise). The state's kernels (if any) carry the rows' states and run write on its device."""
         T = state.shape[0]
         if temb.dim() != 2 or temb.shape[0] != T:
             raise ValueError(f"temb must be (T, D) with T = the state's {T} rows, got {tuple(temb.shape)}")
@@ -141,10 +143,10 @@ class TableSums:
         self._check(None if factors is None else factors.detach().cpu(), zip(rows, scales or [None] * T))
         if factors is not None:
             self.factors = factors.detach().cpu()
-        if kernels is not None:  # the unit the part's row ops ran, on the state's device
-            self.kernels.setdefault(state.limbs.device.index, kernels)
+        if state.kernels is not None:  # the unit the part's row ops ran, on the state's device
+            self.kernels.setdefault(state.limbs.device.index, state.kernels)
         for t, row in enumerate(rows):
-            self._merge_row(row, ExactSum.from_limbs(state.limbs[:, t:t + 1].clone()),
+            self._merge_row(row, ExactSum.from_limbs(state.limbs[:, t:t + 1].clone(), kernels=state.kernels),
                             None if scales is None else scales[t])
         return self
 
@@ -153,10 +155,10 @@ class TableSums:
         self._check(other.factors, ((row, other.scales.get(key)) for key, (row, _) in other.rows.items()))
         if other.factors is not None:
             self.factors = other.factors
-        for index, unit in other.kernels.items():
-            self.kernels.setdefault(index, unit)
+        for index, kernels in other.kernels.items():
+            self.kernels.setdefault(index, kernels)
         for key, (row, part) in other.rows.items():
-            self._merge_row(row, ExactSum.from_limbs(part.limbs.clone()), other.scales.get(key))
+            self._merge_row(row, ExactSum.from_limbs(part.limbs.clone(), kernels=part.kernels), other.scales.get(key))
         return self
 
     def _check(self, factors, rows) -> None:
@@ -205,9 +207,10 @@ class TableSums:
             if key in self.rows:
                 limbs[:, u] = self.rows[key][1].limbs[:, 0]
         dist.all_reduce(limbs, group=group)
-        total = ExactSum.from_limbs(limbs)._carry()
-        self.rows = {key: (rows[key], ExactSum.from_limbs(total.limbs[:, u:u + 1].clone())) for u, key in
-                     enumerate(keys)}
+        kernels = self._exact(device)
+        total = ExactSum.from_limbs(limbs, kernels=kernels)._carry()
+        self.rows = {key: (rows[key], ExactSum.from_limbs(total.limbs[:, u:u + 1].clone(), kernels=kernels))
+                     for u, key in enumerate(keys)}
         rank = dist.get_rank(group)
         return {key for key in keys if next(r for r, held in enumerate(everyone) if key in held) == rank}
 
@@ -218,7 +221,8 @@ class TableSums:
         if not self.rows:
             raise ValueError("no rows were added: the gradients of an empty batch are zeros, not computed here")
         keys = sorted(self.rows)
-        total = ExactSum.from_limbs(torch.cat([self.rows[k][1].limbs for k in keys], dim=1))  # carried
+        limbs = torch.cat([self.rows[k][1].limbs for k in keys], dim=1)
+        total = ExactSum.from_limbs(limbs, kernels=self._exact(limbs.device))  # carried
         bias = total.total()
         if self.factors is not None:
             d_table = products(total, self.factors).value(torch.float32).cpu()
@@ -238,12 +242,13 @@ class TableSums:
             raise ValueError("TableSums.norm_weight_sums: no rows were added")
         if missing:
             raise ValueError("TableSums.norm_weight_sums: a row without its scale (only the norms' sums hold them)")
-        total = ExactSum.from_limbs(torch.cat([torch.cat([self.rows[k][1].limbs[..., c] for c in columns], dim=-1)
-                                               for k in keys], dim=1))
+        limbs = torch.cat([torch.cat([self.rows[k][1].limbs[..., c] for c in columns], dim=-1) for k in keys], dim=1)
+        kernels = self._exact(limbs.device)
+        total = ExactSum.from_limbs(limbs, kernels=kernels)
         scale = torch.stack([self.scales[k] for k in keys])
         limbs = products(total, scale).total().limbs            # (2 LIMBS, K)
         limbs = limbs.reshape(limbs.shape[0], norms, -1, columns[0].stop - columns[0].start).sum(2)
-        return [ExactSum.from_limbs(limbs[:, k].contiguous(), 2 * E_MIN)._carry() for k in range(norms)]
+        return [ExactSum.from_limbs(limbs[:, k].contiguous(), 2 * E_MIN, kernels)._carry() for k in range(norms)]
 
     def lora_gradients(self, adapters):
         """(d_act (U, D) float64 or None, [(dA (r, D), dB (N, r)) float64]) of the LoRA adapters [(A, B, scaling)]
@@ -260,8 +265,8 @@ class TableSums:
             d_act += g @ A
         return d_act, grads
 
-    def _unit(self, device) -> dict | None:
-        """The compiled unit a part recorded on `device`'s index, or None (weight_grad launches it on CUDA tensors)."""
+    def _exact(self, device):
+        """The ExactKernels a part recorded on `device`'s index, or None (the torch code)."""
         return self.kernels.get(torch.device(device).index)
 
     def gradients(self, weight: torch.Tensor | None, bias_dtype: torch.dtype, weight_dtype: torch.dtype | None = None,
@@ -273,8 +278,9 @@ class TableSums:
         rows; also with weight given). with_temb False: no d_temb either (nothing wants temb's gradient)."""
         rows, d_table, bias = self._d_table()
         device = device if device is not None else weight.device if weight is not None else "cpu"
+        exact = self._exact(device)
         d_weight = weight_grad(d_table, F.silu(rows.to(_F64)), weight_dtype if weight is None else weight.dtype,
-                               device, weight_rows, self._unit(device))
+                               device, weight_rows, None if exact is None else exact.unit)
         d_temb = None
         if weight is not None and with_temb:
             d_temb = input_grad(d_table, weight, device).cpu() * silu_grad(rows)
