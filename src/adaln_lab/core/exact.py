@@ -235,7 +235,9 @@ def rounded(limbs: torch.Tensor, precision: int, e_min: int = E_MIN) -> torch.Te
     sticky = ((round_limb & ((1 << ro) - 1)) != 0) | (lower > 0)
     up = (drop > 0) & (((round_limb >> ro) & 1) == 1) & (sticky | (kept & 1).bool())
     kept = kept + up.long()
-    value = torch.ldexp(kept.double(), (drop + e_min).double())
+    # kept (below 2^25) times 2^(drop + e_min), a normal float64 made from its bits: exact on every device (torch.ldexp
+    # multiplies by pow(2, exponent), which CUDA's pow does not always give exactly)
+    value = kept.double() * ((drop + e_min + 1023) << 52).view(torch.float64)
     largest = (2 ** precision - 1) * 2.0 ** (128 - precision)
     value = torch.where(value > largest, torch.inf, value)
     value = torch.where(k < 0, 0.0, value)
