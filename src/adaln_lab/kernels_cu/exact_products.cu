@@ -75,9 +75,19 @@ extern "C" __global__ void __launch_bounds__(256) exact_weight_products_bf16(
 
 #define INPUT_FOLD 5
 
-__device__ __forceinline__ double weight_value(const float* w, index_t at) { return (double)w[at]; }
+__device__ __forceinline__ double widened(unsigned int bits) {
+    // float32 bits as a float64, exactly: the unit's -ftz=true makes a float -> double conversion flush a subnormal
+    // (cvt.ftz.f64.f32), so a subnormal (exponent field 0, zeros too) is its fraction times 2^-149 in integer code
+    if ((bits & 0x7F800000u) == 0u) {
+        const double m = (double)(bits & 0x007FFFFFu) * __longlong_as_double((long long)(1023 - 149) << 52);
+        return (bits >> 31) ? -m : m;
+    }
+    return (double)__uint_as_float(bits);
+}
+
+__device__ __forceinline__ double weight_value(const float* w, index_t at) { return widened(__float_as_uint(w[at])); }
 __device__ __forceinline__ double weight_value(const bf16_t* w, index_t at) {
-    return (double)__uint_as_float((unsigned int)w[at] << 16);
+    return widened((unsigned int)w[at] << 16);
 }
 
 template <typename W>

@@ -161,7 +161,7 @@ def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int,
         launch_sums(k, plan, stream, at[1], at[0], rstd.data_ptr(), timestep_indices.data_ptr(), order.data_ptr(),
                     table.data_ptr(), flags.data_ptr(), rows, x.shape[-2])
     launch_carry(k, stream, table.data_ptr(), T * 2 * H)
-    sums.table = ExactSum.from_limbs(table, kernels=ExactKernels(k, device))  # write's products and roundings
+    sums.table = ExactSum.from_limbs(table, kernels=ExactKernels(k, x.device.index))  # write's products and roundings
     sums.scale, sums.norm_weight = table_factors(norm_weight, table_f32)
     sums.flags = [flags]
     return sums
