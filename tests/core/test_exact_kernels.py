@@ -13,18 +13,9 @@ import torch
 from adaln_lab.core import exact
 from adaln_lab.core.exact import E_MIN, LIMB_BITS, LIMBS, ExactSum, round_scaled, rounded
 
+from .test_exact import as_limbs
+
 pytestmark = pytest.mark.gpu
-
-
-def as_limbs(ns, count: int) -> torch.Tensor:
-    """Python integers as carried limbs (count, len(ns)) on the GPU: LIMB_BITS-bit limbs, the top one signed."""
-    limbs = torch.zeros(count, len(ns), dtype=torch.int64)
-    for i, n in enumerate(ns):
-        for k in range(count - 1):
-            limbs[k, i] = n & (2 ** LIMB_BITS - 1)
-            n >>= LIMB_BITS
-        limbs[count - 1, i] = n
-    return limbs.cuda()
 
 
 def integers(seed: int, bits: int, count: int = 4000) -> list[int]:
@@ -81,7 +72,7 @@ def test_roundings_are_round_scaled(count, e_min):
     bfloat16's 8 bits; a planted rounding through float64 and float32 (two or three times) differs on these
     integers."""
     ns = integers(count, LIMB_BITS * count - 10)
-    limbs = as_limbs(ns, count)
+    limbs = as_limbs(ns, count).cuda()
     kernels = unit()
     for precision in (24, 8):
         want = torch.tensor([round_scaled(n, e_min, precision) for n in ns], dtype=torch.float64)
@@ -103,7 +94,7 @@ def test_products_give_the_torch_codes_limbs_and_values():
     factors = [rng.choice(specials) if rng.random() < 0.3 else rng.uniform(-1, 1) * 2.0 ** rng.randint(-149, 127)
                for _ in ns]
     factors = torch.tensor(factors, dtype=torch.float32).cuda()
-    limbs = as_limbs(ns, LIMBS)
+    limbs = as_limbs(ns, LIMBS).cuda()
     plain = exact.products(ExactSum.from_limbs(limbs), factors)
     fast = exact.products(ExactSum.from_limbs(limbs, kernels=unit()), factors)
     assert fast.kernels is not None and fast.e_min == plain.e_min == 2 * E_MIN
