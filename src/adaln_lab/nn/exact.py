@@ -325,6 +325,8 @@ def _temb_grads(tembs, rows, d_temb, into: dict, owned=None) -> None:
     (into: id -> (temb, its gradient so far)); the groups add theirs in the order they were first recorded. A kept
     temb narrower than the rows (a bf16 temb that norm_out widened) holds a row whose widening, exact, has the row's
     bits."""
+    if not tembs:  # nothing wants temb's gradient: no row keys to make
+        return
     pending = {key: k for k, key in enumerate(map(row_key, rows)) if owned is None or key in owned}
     for temb in tembs:
         _, g = into.setdefault(id(temb), (temb, torch.zeros(temb.shape, dtype=torch.float64)))
