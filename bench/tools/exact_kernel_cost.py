@@ -30,11 +30,12 @@ import torch
 from adaln_lab.bench.timing import graph_us
 from adaln_lab.core import launchers, plan as plan_module, tensors
 from adaln_lab.core.exact import LIMBS, ExactSum
+from adaln_lab.core.exact_kernels import ExactKernels
 from adaln_lab.core.plan import forward_bytes
 from adaln_lab.harness.latency import copy_bandwidth
 from adaln_lab.ops.final_adaln_out import launch
 from adaln_lab.ops.final_adaln_out.exact import kernel_sums
-from adaln_lab.ops.row_sums import exact_row_order, launch_carry, launch_sums
+from adaln_lab.ops.row_sums import exact_row_order, launch_sums
 
 H, D, T = 5376, 2688, 3
 
@@ -104,9 +105,8 @@ def measure(rows: int, copy_TBps: float) -> dict:
         launch.forward(x, nw, temb, weight, bias, idx, 1e-5, "cupy", "cuda", out, workspace)
         kernel_sums(dy, x, nw, idx, workspace, T, D, dx=grads[0])
 
-    def carry():
-        stream = tensors.current_stream(x.get_device())
-        launch_carry(kernels[shipped][2], stream, table.data_ptr(), T * 2 * H)
+    def carry(exact=ExactKernels(kernels[shipped][2], x.get_device())):
+        exact.carry(table)
 
     steps = (("fwd_bwd", fwd_bwd), ("exact_sums", exact_sums),
              *((f"exact_sums_cache{knob}", lambda knob=knob: exact_sums(kernels[knob])) for knob in others),

@@ -56,6 +56,22 @@ def test_each_tool_has_a_one_line_docstring_that_the_bench_readme_repeats():
         assert f"`{tool.name}`: {doc[0].lower()}{doc[1:]}" in readme or f"`{tool.name}`: {doc}" in readme, tool.name
 
 
+def test_each_name_a_tool_imports_from_adaln_lab_exists():
+    """The tools run only on the device; a name they import that a refactor removed fails here, on the CPU."""
+    import importlib
+
+    missing = []
+    for tool in TOOLS:
+        for node in ast.walk(ast.parse(tool.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "adaln_lab":
+                module = importlib.import_module(node.module)
+                missing += [f"{tool.name}: {node.module}.{alias.name}" for alias in node.names
+                            if not hasattr(module, alias.name) and not (
+                                hasattr(module, "__path__")
+                                and importlib.util.find_spec(f"{node.module}.{alias.name}"))]
+    assert not missing
+
+
 def test_the_bench_readme_names_every_step_and_device_sh_is_a_thin_wrapper():
     readme = (ROOT / "bench" / "README.md").read_text()
     for name in STEPS:
