@@ -259,9 +259,10 @@ def products(state: ExactSum, factors: torch.Tensor) -> ExactSum:
     m 2^(k + E_MIN) multiplies |n| limb by limb by |m| (each below 2^56), carried, then shifted up k bits (a limb
     below 2^32 moves into two, < 2^63); the sign last."""
     state._terms_state("products")
-    factors = factors.to(device=state.limbs.device, dtype=torch.float32).expand(state.shape).contiguous()
-    if not bool(torch.isfinite(factors).all()):
+    factors = factors.to(torch.float32)
+    if not bool(torch.isfinite(factors).all()):  # checked where the factors are (CPU ones: no wait for the device)
         raise ValueError("products: the factors must be finite")
+    factors = factors.to(state.limbs.device).expand(state.shape).contiguous()
     if state._kernels() is not None:
         return ExactSum.from_limbs(state.kernels.products(state.limbs, factors), 2 * E_MIN, state.kernels)
     m, shift = decompose(factors)
