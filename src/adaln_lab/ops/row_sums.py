@@ -15,7 +15,7 @@ rows, split into calls and merge of the calls' states gives the same sums.
     raise_flags(flags, op)            # what the kernels flagged (a host read)
 
 kernels True (CUDA, bf16 x and dy, float32 rstd): kernels_cu/exact_sums.cu (`exact_sums_bf16`, rows walked in
-table-row order, `exact_row_order`; limbs added by integer atomics, then `exact_carry`); its flags (1,) int32 say
+table-row order, `exact_row_order`; limbs added by integer atomics, then carried by exact_state.cu's `exact_carry`); its flags (1,) int32 say
 what went wrong (bit 0 a non-finite term, bit 1 an index outside [0, R)) and are read by `raise_flags` later, so
 that no host sync sits in the backward. kernels False: the same formulas in torch code (flags None; ExactSum.add
 raises at once). At most MAX_TERMS rows a call (ValueError).
@@ -27,6 +27,7 @@ import torch
 
 from ..core import tensors
 from ..core.exact import LIMBS, MAX_TERMS, ExactSum
+from ..core.exact_kernels import ExactKernels
 
 
 def exact_row_order(row_index: torch.Tensor, rows: int) -> torch.Tensor:
@@ -47,12 +48,6 @@ def launch_sums(k: dict, plan, stream: int, x: int, dy: int, rstd: int, row_inde
     if chunks:
         k["exact_sums_bf16"]((columns, chunks, 1), (dict(plan.tuning)["EXACT_THREADS"], 1, 1), plan.exact_smem,
                              stream, x, dy, rstd, row_index, order, table_limbs, flags, rows, S, per_chunk)
-
-
-def launch_carry(k: dict, stream: int, limbs: int, n: int) -> None:
-    """exact_state.cu's exact_carry: limbs (LIMBS, n) int64 carried in place (core.exact.ExactSum._carry's integers)."""
-    if n:
-        k["exact_carry"]((-(-n // 256), 1, 1), (256, 1, 1), 0, stream, limbs, LIMBS, n)
 
 
 def launch_sorted_row_sums(k: dict, plan, rows, stream: int, dy: int, x: int, rstd: int, norm_weight: int,
@@ -125,8 +120,7 @@ def row_sums(x: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor | None, row_i
     order = exact_row_order(row_index, rows)
     launch_sums(k, plan, stream, at[0], at[1], rstd.data_ptr(), row_index.data_ptr(), order.data_ptr(),
                 table.data_ptr(), flags.data_ptr(), rows, x.shape[-2])
-    launch_carry(k, stream, table.data_ptr(), R * 2 * H)
-    return ExactSum.from_limbs(table), flags
+    return ExactSum.from_limbs(table, kernels=ExactKernels(k, x.device.index)).carried(), flags
 
 
 def half(state: ExactSum, k: int) -> ExactSum:

@@ -42,7 +42,7 @@ from ...core.library import eager
 from ...core.plan import forward_bytes
 from ...reference.backward import rows_index
 from ...reference.final_adaln_out import replay, table_rows
-from ..row_sums import check_rows, exact_row_order, half, launch_carry, launch_sums, raise_flags
+from ..row_sums import check_rows, exact_row_order, half, launch_sums, raise_flags
 from . import launch
 
 
@@ -160,8 +160,8 @@ def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int,
         order = exact_row_order(timestep_indices, rows)
         launch_sums(k, plan, stream, at[1], at[0], rstd.data_ptr(), timestep_indices.data_ptr(), order.data_ptr(),
                     table.data_ptr(), flags.data_ptr(), rows, x.shape[-2])
-    launch_carry(k, stream, table.data_ptr(), T * 2 * H)
-    sums.table = ExactSum.from_limbs(table, kernels=ExactKernels(k, x.device.index))  # write's products and roundings
+    # carried by exact_state.cu, whose kernels also form write's products and roundings
+    sums.table = ExactSum.from_limbs(table, kernels=ExactKernels(k, x.device.index)).carried()
     sums.scale, sums.norm_weight = table_factors(norm_weight, table_f32)
     sums.flags = [flags]
     return sums

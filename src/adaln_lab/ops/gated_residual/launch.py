@@ -22,6 +22,7 @@ import torch
 
 from ...core import launchers, tensors
 from ...core.exact import LIMBS, ExactSum
+from ...core.exact_kernels import ExactKernels
 from ...core.library import library_op
 from ...reference.backward import gated_residual_backward
 from ...reference.block import replay_gated_residual
@@ -86,5 +87,4 @@ def backward_exact(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_
                                                   row_index.data_ptr(), order.data_ptr(), d_y.data_ptr(),
                                                   limbs.data_ptr(), flags.data_ptr(), stride, y.shape[-2], rows.rows,
                                                   rows.bwd_rows_per_range)
-    row_sums.launch_carry(k, stream, limbs.data_ptr(), R * H)
-    return ExactSum.from_limbs(limbs), flags
+    return ExactSum.from_limbs(limbs, kernels=ExactKernels(k, y.device.index)).carried(), flags

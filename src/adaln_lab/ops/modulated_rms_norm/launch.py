@@ -27,6 +27,7 @@ import torch
 
 from ...core import launchers, tensors
 from ...core.exact import LIMBS, ExactSum
+from ...core.exact_kernels import ExactKernels
 from ...core.library import library_op
 from ...reference.backward import modulated_rms_norm_backward, rstd_of
 from ...reference.block import replay_modulated_rms_norm
@@ -112,7 +113,7 @@ def backward_exact(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor,
                                     table_f32.data_ptr(), row_index.data_ptr(), order.data_ptr(), dx.data_ptr(),
                                     limbs.data_ptr(), flags.data_ptr(), x.shape[-2],
                                     d_residual.data_ptr() if fused else 0, table_stride)
-    row_sums.launch_carry(k, stream, limbs.data_ptr(), R * 2 * H)
+    state = ExactSum.from_limbs(limbs, kernels=ExactKernels(k, x.device.index)).carried()
     if d_residual is not None and not fused:
         dx.add_(d_residual)
-    return ExactSum.from_limbs(limbs), flags
+    return state, flags
