@@ -189,11 +189,12 @@ def test_the_kernel_routes_glue_runs_on_the_cpu_with_the_gpu_stood_in(monkeypatc
         host_model.LAUNCHES.clear()
         acc.write()
         written = sorted(host_model.LAUNCHES)
-    # the projection's gradient in one pass (exact_products.cu); the states' integer steps one launch each
+    # the projection's gradient in one pass and temb's in three (exact_products.cu: the products' tree of N = 18 H =
+    # 1152 rows five levels a launch, 1152 -> 36 -> 2 -> 1); the states' integer steps one launch each
     # (exact_state.cu): carries of d_bias's total, the norm sums' total and their two norms' states; products of
     # d_table, d_bias and the norm sums; roundings of d_table, d_bias and the two norm weights
     assert written == sorted(["exact_carry"] * 4 + ["exact_products"] * 3 + ["exact_round"] * 4
-                             + ["exact_weight_products_bf16"])
+                             + ["exact_weight_products_bf16", "exact_input_products_bf16"] + ["exact_input_fold"] * 2)
     pairs = (("norm_modulate_bwd_residual_sorted_bf16", "reduce_partials_sorted_bf16"),
              ("gated_residual_bwd_sorted_bf16", "gated_residual_reduce_sorted"))
     gone = [name for pair in pairs for name in pair] * 2 + ["table_bwd_bf16", "table_bwd_reduce"]

@@ -309,3 +309,29 @@ def test_the_weight_products_kernel_gives_the_torch_codes_bits(dtype, bits):
         assert torch.equal(got.view(bits), want.view(bits)), rows
     assert bool((want.float().abs() < 2.0 ** -126).logical_and(want != 0).any())  # subnormals were made
     assert bool(want.isinf().any()) and bool((want.view(bits) == torch.iinfo(bits).min).any())  # inf and -0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_input_products_kernels_give_the_torch_codes_bits(dtype):
+    """exact_products.cu's input passes (five levels of the tree a launch) against input_grad's torch ops on the CPU:
+    the same float64 bits, compared as integers, for N of one level, of levels not a multiple of five, odd sizes
+    along the way, and H3's block width (N = 18 * 5376: 96768 -> 3024 -> 95 -> 3 -> 1), with products spread over
+    2^80 so that the order of the adds shows (a sequential sum differs), and subnormal, zero and -0 weights (the
+    unit's -ftz must not flush a subnormal weight: a column of them alone is checked nonzero)."""
+    from adaln_lab.core import tensors
+    from adaln_lab.ops.modulation_table import exact
+
+    kernels = tensors.context(0, 64, 8, 9, 1)[2]
+    for N, D in ((1, 3), (31, 40), (33, 7), (1025, 65), (4099, 130), (96768, 24)):
+        d_table, weight, _ = _exact_parts(N, U=3, N=N, D=D)
+        d_table *= torch.exp2(torch.randint(-20, 20, (1, N), generator=torch.Generator().manual_seed(N)).float())
+        weight = weight.to(dtype)
+        weight[:, 0] = torch.randn(N, generator=torch.Generator().manual_seed(1)).to(dtype) * 2.0 ** -130  # subnormal
+        weight[: N // 2, 1] = -0.0
+        want = exact.input_grad(d_table, weight, "cpu")
+        assert bool(want[:, 0].ne(0).all()) and bool((weight[:, 0].float().abs() < 2.0 ** -126).all())
+        got = exact.input_grad(d_table, weight, "cuda", kernels).cpu()
+        assert torch.equal(got.view(torch.int64), want.view(torch.int64)), N
+    sequential = (d_table.double()[:, :, None] * weight.double()[None]).cumsum(1)[:, -1]
+    assert not torch.equal(sequential, want)

@@ -38,4 +38,7 @@ SIGNATURES = {  # argument kinds in order: p pointer, i int32, f float32
     "exact_weight_products_bf16": "pppiiiii",
     "exact_products": "pppii",
     "exact_round": "ppiiii",
+    "exact_input_products_f32": "pppiii",
+    "exact_input_products_bf16": "pppiii",
+    "exact_input_fold": "ppiii",
 }

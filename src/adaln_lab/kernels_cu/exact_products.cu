@@ -59,3 +59,112 @@ extern "C" __global__ void __launch_bounds__(256) exact_weight_products_bf16(
     int r0, int rows) {
     weight_products(g, act, out, U, N, D, r0, rows);
 }
+
+// exact_input_products_f32 / _bf16, then exact_input_fold: d_act (U, D) float64 = d_table weight, the bits of the
+// torch code (ops/modulation_table/exact.py: input_grad): element (u, d) sums the N exact products g[u, n] w[n, d]
+// (float64 from float32 times float32 or bf16: at most 48 significant bits, __dmul_rn exact) in one pairwise tree
+// fixed by N: level sizes n_0 = N, n_(k+1) = ceil(n_k / 2); position j of level k + 1 is position j of level k plus
+// (__dadd_rn) position j + n_(k+1) of level k where j < n_k - n_(k+1) (the upper half added onto the lower), else
+// position j of level k (the odd middle row kept); the result is position 0 of the level of size 1.
+// Each launch moves INPUT_FOLD (5) levels up: out (U, n', D) holds every position of the level 5 above its input
+// level, one thread an element (d fastest: a warp reads consecutive columns), its subtree of at most 32 input
+// positions evaluated by the template recursion below in the tree's order (levels past size 1 add nothing).
+//   exact_input_products_*: the input level is the products (level 0: g (U, N) float64, w (N, D) row-major).
+//   exact_input_fold: the input level is `in` (U, n, D), a previous launch's output.
+// The caller launches products, then folds until the level has size 1: out[:, 0, :] is d_act.
+
+#define INPUT_FOLD 5
+
+__device__ __forceinline__ double widened(unsigned int bits) {
+    // float32 bits as a float64, exactly: the unit's -ftz=true makes a float -> double conversion flush a subnormal
+    // (cvt.ftz.f64.f32), so a subnormal (exponent field 0, zeros too) is its fraction times 2^-149 in integer code
+    if ((bits & 0x7F800000u) == 0u) {
+        const double m = (double)(bits & 0x007FFFFFu) * __longlong_as_double((long long)(1023 - 149) << 52);
+        return (bits >> 31) ? -m : m;
+    }
+    return (double)__uint_as_float(bits);
+}
+
+__device__ __forceinline__ double weight_value(const float* w, index_t at) { return widened(__float_as_uint(w[at])); }
+__device__ __forceinline__ double weight_value(const bf16_t* w, index_t at) {
+    return widened((unsigned int)w[at] << 16);
+}
+
+template <typename W>
+struct ProductLeaf {  // position j of level 0: the product g[j] w[j, d]
+    const double* __restrict__ g;
+    const W* __restrict__ w;
+    int D, d;
+    __device__ __forceinline__ double operator()(int j) const {
+        return __dmul_rn(g[j], weight_value(w, (index_t)j * D + d));
+    }
+};
+
+struct LevelLeaf {  // position j of a stored level (n, D)
+    const double* __restrict__ level;
+    int D, d;
+    __device__ __forceinline__ double operator()(int j) const { return level[(index_t)j * D + d]; }
+};
+
+template <int K, typename Leaf>
+struct InputFold {  // position j of level K above the leaves' (sizes[k]: level k's size)
+    __device__ __forceinline__ static double at(const Leaf& leaf, const int* sizes, int j) {
+        double v = InputFold<K - 1, Leaf>::at(leaf, sizes, j);
+        if (j < sizes[K - 1] - sizes[K]) v = __dadd_rn(v, InputFold<K - 1, Leaf>::at(leaf, sizes, j + sizes[K]));
+        return v;
+    }
+};
+
+template <typename Leaf>
+struct InputFold<0, Leaf> {
+    __device__ __forceinline__ static double at(const Leaf& leaf, const int*, int j) { return leaf(j); }
+};
+
+template <typename Leaves>
+__device__ __forceinline__ void fold_levels(double* __restrict__ out, int U, int n, int D, const Leaves& leaves) {
+    int sizes[INPUT_FOLD + 1];
+    sizes[0] = n;
+#pragma unroll
+    for (int k = 1; k <= INPUT_FOLD; ++k) sizes[k] = (sizes[k - 1] + 1) / 2;
+    const int up = sizes[INPUT_FOLD];
+    const index_t total = (index_t)U * up * D;
+    for (index_t e = (index_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (index_t)gridDim.x * blockDim.x) {
+        const int d = (int)(e % D);
+        const index_t rest = e / D;
+        out[e] = InputFold<INPUT_FOLD, decltype(leaves(0, 0))>::at(leaves((int)(rest / up), d), sizes,
+                                                                   (int)(rest % up));
+    }
+}
+
+template <typename W>
+struct Products {  // the leaves of row u: its products
+    const double* __restrict__ g;
+    const W* __restrict__ w;
+    int N, D;
+    __device__ __forceinline__ ProductLeaf<W> operator()(int u, int d) const {
+        return ProductLeaf<W>{g + (index_t)u * N, w, D, d};
+    }
+};
+
+struct Level {  // the leaves of row u: its stored level
+    const double* __restrict__ level;
+    int n, D;
+    __device__ __forceinline__ LevelLeaf operator()(int u, int d) const {
+        return LevelLeaf{level + (index_t)u * n * D, D, d};
+    }
+};
+
+extern "C" __global__ void __launch_bounds__(256) exact_input_products_f32(
+    const double* __restrict__ g, const float* __restrict__ w, double* __restrict__ out, int U, int N, int D) {
+    fold_levels(out, U, N, D, Products<float>{g, w, N, D});
+}
+
+extern "C" __global__ void __launch_bounds__(256) exact_input_products_bf16(
+    const double* __restrict__ g, const bf16_t* __restrict__ w, double* __restrict__ out, int U, int N, int D) {
+    fold_levels(out, U, N, D, Products<bf16_t>{g, w, N, D});
+}
+
+extern "C" __global__ void __launch_bounds__(256) exact_input_fold(const double* __restrict__ in,
+                                                                   double* __restrict__ out, int U, int n, int D) {
+    fold_levels(out, U, n, D, Level{in, n, D});
+}

@@ -85,13 +85,17 @@ def launch_weight_products(k: dict, g: torch.Tensor, act: torch.Tensor, out: tor
                                   act.data_ptr(), out.data_ptr(), U, N, D, r0, rows)
 
 
-def input_grad(d_table: torch.Tensor, weight: torch.Tensor, device) -> torch.Tensor:
+def input_grad(d_table: torch.Tensor, weight: torch.Tensor, device, kernels: dict | None = None) -> torch.Tensor:
     """d_act (U, D) float64 = d_table weight on `device`, from d_table (U, N) float32 and weight (N, D): each product
     exact (float32 times a float32 or bf16 value: at most 48 significant bits), a column's N products added in one
     pairwise tree fixed by N (the upper half of the rows added elementwise onto the lower, the odd middle row kept,
-    until one row is left): the same bits on every device and for every block of columns."""
+    until one row is left): the same bits on every device and for every block of columns. With `kernels` (a compiled
+    unit of `device`) on the GPU: exact_products.cu's input passes, five levels of the tree a launch; else torch ops
+    in blocks of columns."""
     g, weight = d_table.to(device=device, dtype=_F64), weight.detach().to(device)
     (U, N), D = g.shape, weight.shape[1]
+    if kernels is not None and tensors.gpu(g) and weight.dtype in INPUT_PRODUCTS and N and U * D:
+        return launch_input_products(kernels, g.contiguous(), weight.contiguous())
     out = torch.zeros(U, D, dtype=_F64, device=device)  # N = 0: the empty sum
     step = max(1, PRODUCT_ELEMENTS // max(N, 1))
     for d in range(0, D if N else 0, step):
@@ -105,6 +109,33 @@ def input_grad(d_table: torch.Tensor, weight: torch.Tensor, device) -> torch.Ten
                 n = half
             out[u, d:d + step] = part[0]
     return out
+
+
+INPUT_PRODUCTS = {torch.float32: "exact_input_products_f32", torch.bfloat16: "exact_input_products_bf16"}
+INPUT_FOLD = 5  # levels of the tree a launch (exact_products.cu)
+
+
+def launch_input_products(k: dict, g: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """exact_products.cu's exact_input_products_(f32|bf16), then exact_input_fold until one position is left, on
+    torch's current stream: d_act (U, D) float64 from g (U, N) float64 and weight (N, D), contiguous, N >= 1
+    (`input_grad`)."""
+    (U, N), D = g.shape, weight.shape[1]
+    index = g.device.index
+    launchers.bind(index)
+    stream = tensors.current_stream(index)
+    level, n, name = None, N, INPUT_PRODUCTS[weight.dtype]
+    while level is None or n > 1:
+        up = n
+        for _ in range(INPUT_FOLD):
+            up = (up + 1) // 2
+        out = torch.empty(U, up, D, dtype=_F64, device=g.device)
+        blocks = min(-(-U * up * D // 256), 1 << 16)  # a grid-stride loop past this
+        if level is None:
+            k[name]((blocks, 1, 1), (256, 1, 1), 0, stream, g.data_ptr(), weight.data_ptr(), out.data_ptr(), U, N, D)
+        else:
+            k["exact_input_fold"]((blocks, 1, 1), (256, 1, 1), 0, stream, level.data_ptr(), out.data_ptr(), U, n, D)
+        level, n = out, up
+    return level[:, 0]
 
 
 def row_key(row: torch.Tensor) -> bytes:
@@ -279,9 +310,10 @@ class TableSums:
         rows, d_table, bias = self._d_table()
         device = device if device is not None else weight.device if weight is not None else "cpu"
         exact = self._exact(device)
+        unit = None if exact is None else exact.unit  # the states' compiled unit there: the products' kernels
         d_weight = weight_grad(d_table, F.silu(rows.to(_F64)), weight_dtype if weight is None else weight.dtype,
-                               device, weight_rows, None if exact is None else exact.unit)
+                               device, weight_rows, unit)
         d_temb = None
         if weight is not None and with_temb:
-            d_temb = input_grad(d_table, weight, device).cpu() * silu_grad(rows)
+            d_temb = input_grad(d_table, weight, device, unit).cpu() * silu_grad(rows)
         return rows, d_temb, d_weight, bias.value(bias_dtype)
