@@ -322,12 +322,17 @@ def test_table_backward_on_tensor_cores_within_its_derived_bounds_and_dact_rows_
         assert torch.equal(table_bwd(d_table[3:].contiguous(), temb[3:].contiguous(), weight)[0], d_temb[3:])
 
 
+TABLE_TILES = ((32, 1, 1, 2), (32, 2, 2, 4), (32, 2, 4, 3), (32, 4, 1, 2), (32, 1, 4, 1), (32, 1, 8, 2))
+
+
 @pytest.mark.parametrize("T_", [3, 9, 17])
 def test_every_table_tile_gives_the_same_bits_and_rows_alone_their_batchs(monkeypatch, T_):
     """table.cu's tile shapes (TABLE_TILES: 16 MT rows x 8 NT timesteps, AHEAD steps in flight) are speed only:
     every shape gives every table element the same bits, and a timestep computed alone (T = 1, at another
     position of its tile) or a slice of the columns computed alone gives the batch's bits. N not a multiple of
-    any tile's rows (ragged last tiles), D = 264 not a multiple of the 32 k of a step (lanes past D in the last)."""
+    any tile's rows (ragged last tiles), D = 264 not a multiple of the 32 k of a step (lanes past D in the last).
+    Every tile at T 17 (full and ragged timestep tiles of 8 and 16, ragged ones of 32 and 64: each tile one unit
+    compiled), the plan's own tile at T 3 and 9 and beside them."""
     from adaln_lab.core import launchers, plan as plan_module
 
     g = torch.Generator("cuda").manual_seed(T_)
@@ -337,7 +342,7 @@ def test_every_table_tile_gives_the_same_bits_and_rows_alone_their_batchs(monkey
     bias = (torch.randn(N, device="cuda", generator=g) * 0.1).bfloat16()
     tables = {}
     try:
-        for tile in ((32, 1, 1, 2), (32, 2, 2, 4), (32, 2, 4, 3), (32, 4, 1, 2), (32, 1, 4, 1), (32, 1, 8, 2)):
+        for tile in TABLE_TILES if T_ == 17 else ():
             monkeypatch.setitem(plan_module.TUNING, "TABLE_TILES", (tile,))
             launchers.forget_compiled()
             assert plan_module.plan(8, D_, T_, table_n=N, table_f32_rounded=True).table_tile == tile[1:]
@@ -345,6 +350,7 @@ def test_every_table_tile_gives_the_same_bits_and_rows_alone_their_batchs(monkey
     finally:
         monkeypatch.undo()
         launchers.forget_compiled()
+    tables["shipped"] = table_fwd(temb, weight, bias)
     first = next(iter(tables.values()))
     assert all(torch.equal(t, first) for t in tables.values())
     for t in range(T_):  # alone, and in a window of two at the other position of a pair
