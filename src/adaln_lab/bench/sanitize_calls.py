@@ -12,8 +12,9 @@ of adaln_lab at small shapes, 0 and 1 rows included.
   gated_residual and gated_residual_norm on R = 3T table rows (strided shift / scale / gate slices of the table; and
   as a block calls them: the table kernel's row tables read, a table gradient written at the chunks' columns, row
   stride 6H) at 0, 1, 7 and 300 rows;
-- a block's exact route (inside ExactGradients: the norms' and gates' sorted passes with exact sums, the carries, and
-  write's exact_products.cu) at H 264, D 64, T 3, 0, 1, 7 and 300 rows.
+- a block's exact route (inside ExactGradients: the norms' and gates' sorted passes with exact sums, the carries,
+  write's exact_state.cu and exact_products.cu: d_weight's and d_temb's products) at H 264, D 64, T 3, 0, 1, 7 and
+  300 rows, with bf16 and with float32 parameters.
 Every result is checked finite (and, for 0 rows, the parameter gradients exactly zero), so a workload that
 computes garbage fails here too. Prints one line per part and "small calls done".
 """
@@ -207,28 +208,31 @@ def block_calls() -> None:
 
 
 def block_exact_calls() -> None:
-    """A block's exact route (backend "cupy", identity attn and ff), one part and write; every gradient finite."""
+    """A block's exact route (backend "cupy", identity attn and ff), one part and write, with bf16 and with float32
+    parameters (write's d_weight and d_temb products of each weight dtype) and a temb that wants its gradient
+    (d_temb's input passes); every gradient finite."""
     from adaln_lab import block_adaln_path
     from adaln_lab.nn import ExactGradients
 
     H, D, T = 264, 64, 3
     g = torch.Generator(device="cuda").manual_seed(0)
-    params = [torch.nn.Parameter((scale * torch.randn(shape, device="cuda", generator=g) + shift).bfloat16())
-              for shape, scale, shift in (((18 * H, D), 0.02, 0.0), ((18 * H,), 0.02, 0.0), ((H,), 0.1, 1.0),
-                                          ((H,), 0.1, 1.0))]
-    for rows in ROWS:
-        x = torch.randn(1, rows, H, device="cuda", generator=g).bfloat16().requires_grad_(True)
-        temb = torch.randn(T, D, device="cuda", generator=g)
-        idx = torch.randint(0, 3 * T, (rows,), device="cuda", generator=g)
-        for p in params:
-            p.grad = None
-        acc = ExactGradients()
-        with acc:
-            out = block_adaln_path(x, temb, *params, idx, lambda h: h, lambda h: h, backend="cupy")
-            out.backward(upstream(1, out))
-        acc.write()
-        _finite(x.grad, *(p.grad for p in params))
-        assert rows or not any(bool(p.grad.any()) for p in params), "0 rows: nonzero parameter gradients"
+    for dtype in (torch.bfloat16, torch.float32):
+        params = [torch.nn.Parameter((scale * torch.randn(shape, device="cuda", generator=g) + shift).to(dtype))
+                  for shape, scale, shift in (((18 * H, D), 0.02, 0.0), ((18 * H,), 0.02, 0.0), ((H,), 0.1, 1.0),
+                                              ((H,), 0.1, 1.0))]
+        for rows in ROWS:
+            x = torch.randn(1, rows, H, device="cuda", generator=g).bfloat16().requires_grad_(True)
+            temb = torch.randn(T, D, device="cuda", generator=g).requires_grad_(True)
+            idx = torch.randint(0, 3 * T, (rows,), device="cuda", generator=g)
+            for p in params:
+                p.grad = None
+            acc = ExactGradients()
+            with acc:
+                out = block_adaln_path(x, temb, *params, idx, lambda h: h, lambda h: h, backend="cupy")
+                out.backward(upstream(1, out))
+            acc.write()
+            _finite(x.grad, temb.grad, *(p.grad for p in params))
+            assert rows or not any(bool(p.grad.any()) for p in params), "0 rows: nonzero parameter gradients"
     print("block kernels, exact: done")
 
 
