@@ -14,7 +14,7 @@ of adaln_lab at small shapes, 0 and 1 rows included.
   stride 6H) at 0, 1, 7 and 300 rows;
 - a block's exact route (inside ExactGradients: the norms' and gates' sorted passes with exact sums, the carries,
   write's exact_state.cu and exact_products.cu: d_weight's and d_temb's products) at H 264, D 64, T 3, 0, 1, 7 and
-  300 rows, with bf16 and with float32 parameters.
+  300 rows, with bf16 parameters and with float32 masters under autocast.
 Every result is checked finite (and, for 0 rows, the parameter gradients exactly zero), so a workload that
 computes garbage fails here too. Prints one line per part and "small calls done".
 """
@@ -208,9 +208,9 @@ def block_calls() -> None:
 
 
 def block_exact_calls() -> None:
-    """A block's exact route (backend "cupy", identity attn and ff), one part and write, with bf16 and with float32
-    parameters (write's d_weight and d_temb products of each weight dtype) and a temb that wants its gradient
-    (d_temb's input passes); every gradient finite."""
+    """A block's exact route (backend "cupy", identity attn and ff), one part and write, with bf16 parameters and
+    with float32 masters under autocast (write's d_weight and d_temb products of each weight dtype), and a temb that
+    wants its gradient (d_temb's input passes); every gradient finite."""
     from adaln_lab import block_adaln_path
     from adaln_lab.nn import ExactGradients
 
@@ -227,7 +227,7 @@ def block_exact_calls() -> None:
             for p in params:
                 p.grad = None
             acc = ExactGradients()
-            with acc:
+            with acc, torch.autocast("cuda", torch.bfloat16, enabled=dtype == torch.float32):
                 out = block_adaln_path(x, temb, *params, idx, lambda h: h, lambda h: h, backend="cupy")
                 out.backward(upstream(1, out))
             acc.write()
