@@ -12,12 +12,12 @@
 #               sums exact (in place of the plain passes and their reduces), no table backward, and the part's
 #               states folded in when the `with` ends (a micro-batch's cost)
 #   write       ExactGradients.write of one part (once a step: the table's gradient over the distinct temb rows,
-#               d_weight and d_temb in float64 on the CPU)
+#               d_weight as exact float64 products on the weight's device; temb wants no gradient here)
 # and exact_part / plain; then GPU time alone (CUDA-graph replays, as the block report times its candidates) of the
 # plain fwd+bwd and of the exact one inside an open `with` (its fold-in at the `with`'s end left out: host work),
 # and their ratio (a capture that fails is reported with its error, not timed).
 #
-#     python3 bench/tools/block_exact_cost.py [--rows 4097,32768] [--out FILE.json]
+#     python3 bench/tools/block_exact_cost.py [--rows 4097,32768] [--out FILE.json] [--profile-write]
 
 from __future__ import annotations
 
@@ -91,7 +91,8 @@ def check(rows: int) -> None:
         raise AssertionError(f"no split changed the plain route's gradients at {rows} rows: the check cannot fail")
 
 
-def measure(rows: int) -> dict:
+def measure(rows: int, profile_write: bool = False) -> dict:
+    """The checks, then the timings at `rows` (module comment); profile_write: write's profile printed too."""
     check(rows)
     case = inputs(rows)
     params = case[3]
@@ -117,6 +118,8 @@ def measure(rows: int) -> dict:
         acc.write()
         torch.cuda.synchronize()
         writes.append((time.perf_counter() - start) * 1e6)
+    if profile_write:
+        print(write_profile(params, case), flush=True)
     us = {"plain": gpu_us(plain, reps=10), "exact_part": gpu_us(exact_part, reps=10),
           "write": statistics.median(writes)}
     entry = {"rows": rows, "us": us, "exact_part_over_plain": us["exact_part"] / us["plain"]}
@@ -131,14 +134,34 @@ def measure(rows: int) -> dict:
     return entry
 
 
+def write_profile(params, case, top: int = 25) -> str:
+    """torch.profiler's tables of one write (after a recorded part): the ops by their own GPU time, then by their own
+    CPU time (copies between the host and the device and waits for the device included), where write's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for p in params:
+        p.grad = None
+    acc = ExactGradients()
+    step(*case, acc=acc)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        acc.write()
+        torch.cuda.synchronize()
+    table = prof.key_averages()
+    return (f"write's ops by own GPU time:\n{table.table(sort_by='self_device_time_total', row_limit=top)}\n"
+            f"write's ops by own CPU time:\n{table.table(sort_by='self_cpu_time_total', row_limit=top)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", default="4097,32768")
     parser.add_argument("--out")
+    parser.add_argument("--profile-write", action="store_true",
+                        help="print torch.profiler's tables of one write at each size")
     args = parser.parse_args()
     result = {"gpu": torch.cuda.get_device_name(0), "H": H, "D": D, "T": T, "sizes": []}
     for rows in (int(r) for r in args.rows.split(",")):
-        entry = measure(rows)
+        entry = measure(rows, args.profile_write)
         result["sizes"].append(entry)
         graph = (f"graph {entry['us']['plain_graph']:.1f} / {entry['us']['exact_graph']:.1f} us "
                  f"({entry['exact_graph_over_plain_graph']:.2f}x)" if "graph_error" not in entry
