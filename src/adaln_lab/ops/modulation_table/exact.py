@@ -246,9 +246,9 @@ class TableSums:
         return {key for key in keys if next(r for r, held in enumerate(everyone) if key in held) == rank}
 
     def _d_table(self):
-        """(rows (U, D), d_table (U, N) float32 on the CPU, d_bias's state) over
-        the distinct rows in the order of their bytes (on the CPU, wherever the states are: the same float64 bits
-        after); with `factors`, d_table and d_bias are the exact products' roundings."""
+        """(rows (U, D) on the CPU, d_table (U, N) float32 on the states' device, d_bias's state) over the distinct
+        rows in the order of their bytes; with `factors`, d_table and d_bias are the exact products' roundings (each
+        value rounded once: the same bits on every device, so d_table stays where it was formed)."""
         if not self.rows:
             raise ValueError("no rows were added: the gradients of an empty batch are zeros, not computed here")
         keys = sorted(self.rows)
@@ -256,10 +256,10 @@ class TableSums:
         total = ExactSum.from_limbs(limbs, kernels=self._exact(limbs.device))  # carried
         bias = total.total()
         if self.factors is not None:
-            d_table = products(total, self.factors).value(torch.float32).cpu()
+            d_table = products(total, self.factors).value(torch.float32)
             bias = products(bias, self.factors)
         else:
-            d_table = total.value(torch.float32).cpu()
+            d_table = total.value(torch.float32)
         return torch.stack([self.rows[k][0] for k in keys]), d_table, bias
 
     def norm_weight_sums(self, columns: list[slice], norms: int = 1) -> list[ExactSum]:
@@ -287,7 +287,7 @@ class TableSums:
         if not adapters:
             return None, []
         rows, d_table, _ = self._d_table()
-        d_table, act = d_table.to(_F64), F.silu(rows.to(_F64))
+        d_table, act = d_table.to("cpu", _F64), F.silu(rows.to(_F64))  # float64 products on the CPU
         d_act, grads = torch.zeros_like(act), []
         for A, B, s in adapters:
             A, B = A.detach().cpu().to(_F64), B.detach().cpu().to(_F64)
