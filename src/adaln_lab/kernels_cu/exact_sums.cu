@@ -69,21 +69,23 @@ __device__ __forceinline__ void cache_out(ExactCache& c, unsigned long long* g, 
 // k / 32); false for a zero term (nothing to add) and for inf or NaN (flag bit 0: no exact sum exists)
 __device__ __forceinline__ bool exact_split(float f, int& flags, long long& v, int& limb) {
     const unsigned bits = __float_as_uint(f);
-    const unsigned biased = (bits >> 23) & 0xffu;
-    if (biased == 0xffu) {
+    const unsigned k = ((bits >> 23) & 0xffu) - 1u;  // a normal f is m 2^(k - 149), m with the implicit bit, k < 254
+    if (k < 254u) {
+        // v = f 2^(149 - 32 limb) = +-m 2^(k % 32): f's bits with 149 - 32 limb added to the exponent field (giving
+        // 150 .. 181: no carry into the sign bit), a float holding an integer below 2^56, which the conversion to
+        // int64 gives exactly, sign included (one F2I in place of the 64-bit shift and negation)
+        limb = (int)(k >> 5);
+        v = __float2ll_rz(__uint_as_float(bits + ((149u - 32u * (k >> 5)) << 23)));
+        return true;
+    }
+    if (k == 254u) {  // inf or NaN: no exact sum exists
         flags |= 1;
         return false;
     }
-    long long m = (long long)(bits & 0x7fffffu);
-    int k = 0;                                  // subnormal or zero: m 2^-149
-    if (biased != 0u) {
-        m |= 0x800000LL;                        // the implicit bit
-        k = (int)biased - 1;                    // m 2^(biased - 150) = m 2^(k - 149)
-    }
+    const long long m = (long long)(bits & 0x7fffffu);  // zero or subnormal: m 2^-149, limb 0
     if (m == 0) return false;
-    if (bits >> 31) m = -m;
-    v = m << (k & 31);                          // arithmetic on two's complement
-    limb = k >> 5;
+    v = (bits >> 31) ? -m : m;
+    limb = 0;
     return true;
 }
 
