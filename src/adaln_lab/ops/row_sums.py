@@ -15,10 +15,10 @@ rows, split into calls and merge of the calls' states gives the same sums.
     raise_flags(flags, op)            # what the kernels flagged (a host read)
 
 kernels True (CUDA, bf16 x and dy, float32 rstd): kernels_cu/exact_sums.cu (`exact_sums_bf16`, rows walked in
-table-row order, `exact_row_order`; limbs added by integer atomics, then carried by exact_state.cu's `exact_carry`); its flags (1,) int32 say
-what went wrong (bit 0 a non-finite term, bit 1 an index outside [0, R)) and are read by `raise_flags` later, so
-that no host sync sits in the backward. kernels False: the same formulas in torch code (flags None; ExactSum.add
-raises at once). At most MAX_TERMS rows a call (ValueError).
+table-row order, `exact_row_order`; limbs added by integer atomics, then carried by exact_state.cu's `exact_carry`);
+its flags (1,) int32 say what went wrong (bit 0 a non-finite term, bit 1 an index outside [0, R)) and are read by
+`raise_flags` later, so that no host sync sits in the backward. kernels False: the same formulas in torch code
+(flags None; ExactSum.add raises at once). At most MAX_TERMS rows a call (ValueError).
 """
 
 from __future__ import annotations
