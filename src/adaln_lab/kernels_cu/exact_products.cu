@@ -7,8 +7,9 @@
 //   each add rounded once (__dmul_rn, __dadd_rn: never a fused multiply-add), then cast as torch casts float64:
 //   to float32 (round to nearest even, subnormals kept), and for bf16 on from that float32 to bf16 (torch's
 //   round_to_nearest_even on the bits: NaN -> 0x7FC0). g (U, N) and act (U, D) are float64 (g: the float32
-//   d_table widened by torch, exactly). One thread an element in a grid-stride loop over rows * D (row-major, so a
-//   warp writes consecutive columns); the U values of g a row and act's U * D values stay in the caches.
+//   d_table widened by torch, exactly). A thread holds one column d and WEIGHT_ROWS (8) rows' sums: it reads
+//   act[u, d] once for all of them (a warp: consecutive columns), and g's values of those rows (the same for the
+//   whole block: broadcast loads). Grid: x the blocks of 256 columns, y a stride loop over the tiles of rows.
 //   The conversions are integer code or double-precision instructions: the unit's -ftz=true (float32 only) never
 //   flushes a subnormal result here.
 // Run: adaln_lab.ops.modulation_table.exact.weight_grad (launch_weight_products).
@@ -32,19 +33,32 @@ __device__ __forceinline__ void store_product(bf16_t* out, double v) {
     *out = nan ? (bf16_t)0x7FC0 : (bf16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+#define WEIGHT_ROWS 8
+
 template <typename Out>
 __device__ __forceinline__ void weight_products(const double* __restrict__ g, const double* __restrict__ act,
                                                 Out* __restrict__ out, int U, int N, int D, int r0, int rows) {
-    const index_t total = (index_t)rows * D;
-    for (index_t i = (index_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (index_t)gridDim.x * blockDim.x) {
-        const int r = (int)(i / D);
-        const int d = (int)(i - (index_t)r * D);
-        const int n = r0 + r;
-        double acc = __dmul_rn(g[n], act[d]);
+    const int d = blockIdx.x * blockDim.x + threadIdx.x;
+    if (d >= D) return;
+    for (int t = blockIdx.y * WEIGHT_ROWS; t < rows; t += gridDim.y * WEIGHT_ROWS) {
+        const int m = min(WEIGHT_ROWS, rows - t);
+        const double* g0 = g + r0 + t;
+        double acc[WEIGHT_ROWS];
+        const double a0 = act[d];
+#pragma unroll
+        for (int j = 0; j < WEIGHT_ROWS; ++j) acc[j] = j < m ? __dmul_rn(g0[j], a0) : 0.0;
         for (int u = 1; u < U; ++u) {
-            acc = __dadd_rn(acc, __dmul_rn(g[(index_t)u * N + n], act[(index_t)u * D + d]));
+            const double a = act[(index_t)u * D + d];
+            const double* gu = g0 + (index_t)u * N;
+#pragma unroll
+            for (int j = 0; j < WEIGHT_ROWS; ++j) {
+                if (j < m) acc[j] = __dadd_rn(acc[j], __dmul_rn(gu[j], a));
+            }
         }
-        store_product(out + i, acc);
+#pragma unroll
+        for (int j = 0; j < WEIGHT_ROWS; ++j) {
+            if (j < m) store_product(out + (index_t)(t + j) * D + d, acc[j]);
+        }
     }
 }
 
