@@ -292,8 +292,8 @@ def test_the_table_products_are_the_same_bits_on_the_gpu():
 def test_the_weight_products_kernel_gives_the_torch_codes_bits(dtype, bits):
     """exact_products.cu's one pass (with a compiled unit, as a block's write uses it) against weight_grad's torch ops
     on the CPU: the same bits, compared as integers (so -0 and +0 differ), for the whole gradient and a block of rows
-    (a shard's), at U 1, 3 and 9 (tiles of 8 rows: ragged last tiles, ragged column blocks), with sums that round to float32 subnormals and to FLT_MIN, overflow to inf, and are -0 (each made,
-    as the last asserts check)."""
+    (a shard's), at U 1, 3 and 9 (tiles of 8 rows: ragged last tiles, ragged column blocks), with sums that round
+    to float32 subnormals and to FLT_MIN, overflow to inf, and are -0 (each made, as the last asserts check)."""
     from adaln_lab.core import tensors
     from adaln_lab.ops.modulation_table import exact
 
