@@ -5,7 +5,7 @@ of adaln_lab at small shapes, 0 and 1 rows included.
 - `final_adaln_out` (backend "cupy"), forward+backward: (H, D, T) = (264, 64, 3), (1024, 256, 1), the real
   (5376, 2688, 3), (1024, 256, 12) and (264, 64, 32) (the sorted backward, table_bwd's narrower lanes), at 0, 1, 7
   and 300 rows (300 not at the real size), plus x (2, 7, H) (leading dims);
-- norm_out's exact route (inside `adaln_lab.nn.ExactGradients`: exact_sums.cu) at (264, 64, 3) and (1024, 256, 12),
+- norm_out's exact route (inside `adaln_lab.nn.ExactGradients`: exact_row_pass.cu) at (264, 64, 3) and (1024, 256, 12),
   0, 1, 7 and 300 rows;
 - the blocks' kernels through the ops' launch ops (route "cupy"): modulation_table (H 264, D 64, T 3, N = 18H; the
   table also on three other tile shapes, the same bits), modulated_rms_norm (with and without d_residual),

@@ -34,7 +34,7 @@ from .warnings import KernelCacheWarning
 
 KERNEL_FILES = ("adaln_common.cuh", "table.cu", "norm_modulate.cu", "row_order.cu", "norm_modulate_bwd.cu",
                 "reduce_partials.cu", "table_bwd.cu", "table_bwd_mma.cu", "gated_residual.cu", "gated_residual_norm.cu",
-                "exact_sums.cu", "exact_products.cu", "exact_state.cu")
+                "exact_sums.cu", "exact_row_pass.cu", "exact_products.cu", "exact_state.cu")
 INCLUDE_LINE = '#include "adaln_common.cuh"'
 COMPILE_OPTIONS = ("--std=c++17",)
 KERNELS = ("table_act", "table_bf16", "norm_modulate_bf16", "norm_modulate_rowwise_bf16", "norm_modulate_warp_bf16",

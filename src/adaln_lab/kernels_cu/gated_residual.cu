@@ -5,7 +5,7 @@
 // bf16 numbers). Rounding as diffusers in bf16: g = bf16(gate), p = bf16(g * y), out = bf16(x + p).
 //   gated_residual_fwd_bf16: elementwise; block = ADALN_GR_THREADS, one 8-wide vector per thread,
 //     grid = ceil(rows * H / 8 / ADALN_GR_THREADS).
-//   gated_residual_bwd_sorted_bf16 (`gated_residual_sorted_pass` with FloatGateSums; exact_sums.cu's
+//   gated_residual_bwd_sorted_bf16 (`gated_residual_sorted_pass` with FloatGateSums; exact_row_pass.cu's
 //     gated_residual_bwd_sorted_exact_bf16 runs it with exact sums): d_y = bf16(g * dout) per element, over the rows
 //     in table-row order
 //     (row_order.cu; `row_order` = its row_offsets | order); gate_partials[b + i, h] = sum over the rows of
@@ -63,7 +63,7 @@ __device__ __forceinline__ void store_gate_sums(float* gate_partials, size_t slo
 
 // The plain sums of the sorted pass: a thread's 8 column sums of dout * y of the current table row, in float32 (row
 // order), written to slot blockIdx.x + i of gate_partials when the rows leave table row i; a row of no table row
-// adds NaN. (exact_sums.cu's ExactGateSums keeps them as exact integers instead: the pass takes either.)
+// adds NaN. (exact_row_pass.cu's ExactGateSums keeps them as exact integers instead: the pass takes either.)
 struct FloatGateSums {
     float sums[ADALN_VEC];
     float* gate_partials;

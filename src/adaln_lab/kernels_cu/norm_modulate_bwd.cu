@@ -78,7 +78,7 @@ __device__ __forceinline__ void load_modulation(const bf16_t* norm_weight, const
 }
 
 // The row passes' per-table-row column sums of this thread's columns, in float32 registers: A = sum dy * xhat (one
-// fma a row) and B = sum dy, in row order; store() writes them to `slot` (2, H): A, then B. (exact_sums.cu's
+// fma a row) and B = sum dy, in row order; store() writes them to `slot` (2, H): A, then B. (exact_row_pass.cu's
 // ExactRowSums keeps the same two sums as exact integers instead: the row passes take either.)
 struct FloatSums {
     row_vectors dy_xhat, dy;

@@ -7,8 +7,8 @@
     acc.write()                                      # each one's .grad, once; temb's gradient into its producer
 
 Inside `with acc` norm_out (`final_adaln_out`) and each block's AdaLN (`block_adaln_path`), on the torch route
-(any CPU call, or backend="torch") and on the kernels (CUDA; exact_sums.cu), keep the exact states of their
-cross-row sums (per-row float32 terms added as integers: ops/row_sums.py, ops/final_adaln_out/exact.py,
+(any CPU call, or backend="torch") and on the kernels (CUDA; exact_sums.cu, exact_row_pass.cu), keep the exact
+states of their cross-row sums (per-row float32 terms added as integers: ops/row_sums.py, ops/final_adaln_out/exact.py,
 ops/block/exact.py) and their temb, graph and all. `write` rounds each sum
 once: the norm weights' and the table's gradient per distinct temb row (identical rows are one timestep, merged),
 then d_weight, d_bias and d_temb as fixed functions of those (ops/modulation_table/exact.py); the tembs' gradients,

@@ -53,7 +53,7 @@ def launch_sums(k: dict, plan, stream: int, x: int, dy: int, rstd: int, row_inde
 def launch_sorted_row_sums(k: dict, plan, rows, stream: int, dy: int, x: int, rstd: int, norm_weight: int,
                            table_f32: int, row_index: int, row_order: int, dx: int, table_limbs: int, flags: int,
                            S: int, d_residual: int = 0, table_stride: int = 0) -> None:
-    """exact_sums.cu's norm_modulate_bwd_(residual_)sorted_exact_bf16: a block's sorted row pass (dx as
+    """exact_row_pass.cu's norm_modulate_bwd_(residual_)sorted_exact_bf16: a block's sorted row pass (dx as
     launchers.launch_sorted_row_pass writes it, with d_residual where given) with its two column sums a table row
     added exactly into table_limbs (LIMBS, R, 2H) (uncarried), flags (1,) int32 or'd (the caller zeroes both);
     nothing with no rows."""

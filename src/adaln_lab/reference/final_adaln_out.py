@@ -25,6 +25,13 @@ def table_reference(temb, weight, bias):
     return F.linear(F.silu(temb).to(weight.dtype), weight, bias)
 
 
+def table_from_torch(temb, weight, bias):
+    """(table (T, 2H) in weight's dtype, table_f32 (T, 2H)): the table by F.linear (cuBLAS), diffusers' bits, and its
+    fp32 twin: the same sums unrounded (as table.cu's table_f32), which the backward uses."""
+    act = F.silu(temb).to(weight.dtype)
+    return F.linear(act, weight, bias), F.linear(act.float(), weight.float(), bias.float())
+
+
 def table_rows(temb, weight, bias):
     """`table_reference` one temb row at a time: each row's bits are those of a batch of that row alone, whatever
     the other rows (F.linear's on a CPU can depend on T). The exact-gradient paths' table."""

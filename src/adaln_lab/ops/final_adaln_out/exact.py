@@ -23,7 +23,7 @@ int64 in [0, T). The states are integers (core.exact.ExactSum), so merging parts
 ranks give one answer. The CPU reference of the exact-gradient contract. A sums' `scale` (T, H) holds s1 and
 `norm_weight` (H,) w as float32 (the forward's: parts of one table row hold the same ones).
 
-On the kernels (route "cupy", `kernel_sums`: kernels_cu/exact_sums.cu) the terms are the same products of the same
+On the kernels (route "cupy", `kernel_sums`: kernels_cu/exact_row_pass.cu) the terms are the same products of the same
 float32 values, with the kernels' rstd (the forward's, from its own reduction tree) in place of torch's and their
 float32 table: the same integers wherever the two agree, and on CUDA fp32 subnormal products flush to zero (-ftz).
 So a batch's CPU and GPU gradients may differ in the last bits; each route alone gives one answer for every order
@@ -124,9 +124,9 @@ class NormOutSums:
 
 def launch_row_sums(k: dict, plan, rows, stream: int, dy: int, x: int, rstd: int, norm_weight: int, table_f32: int,
                     timestep_indices: int, dx: int, table_limbs: int, flags: int, S: int) -> None:
-    """exact_sums.cu's norm_modulate_bwd_exact_bf16: the backward row pass (dx (rows, H) bf16, norm_modulate_bwd_bf16's
-    bits and grid) with its two column sums a table row added exactly into table_limbs (LIMBS, T, 2H) (uncarried),
-    flags (1,) int32 or'd (the caller zeroes both); nothing with no rows."""
+    """exact_row_pass.cu's norm_modulate_bwd_exact_bf16: the backward row pass (dx (rows, H) bf16,
+    norm_modulate_bwd_bf16's bits and grid) with its two column sums a table row added exactly into table_limbs
+    (LIMBS, T, 2H) (uncarried), flags (1,) int32 or'd (the caller zeroes both); nothing with no rows."""
     if rows.rows:
         k["norm_modulate_bwd_exact_bf16"]((rows.bwd_ranges, 1, 1), (plan.bwd_threads, 1, 1), plan.bwd_smem, stream,
                                           dy, x, rstd, norm_weight, table_f32, timestep_indices, dx, table_limbs,
@@ -134,7 +134,7 @@ def launch_row_sums(k: dict, plan, rows, stream: int, dy: int, x: int, rstd: int
 
 
 def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int, dx=None) -> NormOutSums:
-    """This part's NormOutSums from kernels_cu/exact_sums.cu on CUDA tensors: dy, x (..., S, H) bf16 contiguous,
+    """This part's NormOutSums from kernels_cu/exact_row_pass.cu on CUDA tensors: dy, x (..., S, H) bf16 contiguous,
     norm_weight (H,) bf16, timestep_indices (S,) int64, workspace the forward's (`launch.saved_views`: table_f32,
     rstd; s1 from its table_f32). With dx (x's shape) given, the backward's row pass with exact sums writes dx and
     the states in one read of x and dy (norm_modulate_bwd_exact_bf16); without, exact_sums_bf16 walks x and dy in
@@ -186,12 +186,12 @@ def record(x, norm_weight, temb, weight, bias, timestep_indices, eps: float, rec
 
 class ExactNormOut(torch.autograd.Function):
     """norm_out recording its exact sums (inside `adaln_lab.nn.ExactGradients`): forward(x, norm_weight, temb, weight,
-    bias, timestep_indices, eps, route, recorder, params, adapt, *watched) -> out; backward(dy) -> dx at once and no other gradient:
-    the recorder gets this part's NormOutSums under `params` (the caller's norm_weight, weight, bias) and writes them
-    all once (`ExactGradients.write`). temb comes detached: the recorder keeps the caller's (`keep_temb`) and sends
-    d_temb through it when it writes. adapt: None, or (table, temb) -> the table with LoRA adapters' terms (route
-    "torch" only; the recorder forms their gradients, `ExactGradients.adapt`); watched: leaves that get no gradient
-    here (the recorder writes theirs), inputs so that the backward runs when only they want one.
+    bias, timestep_indices, eps, route, recorder, params, adapt, *watched) -> out; backward(dy) -> dx at once and no
+    other gradient: the recorder gets this part's NormOutSums under `params` (the caller's norm_weight, weight, bias)
+    and writes them all once (`ExactGradients.write`). temb comes detached: the recorder keeps the caller's
+    (`keep_temb`) and sends d_temb through it when it writes. adapt: None, or (table, temb) -> the table with LoRA
+    adapters' terms (route "torch" only; the recorder forms their gradients, `ExactGradients.adapt`); watched: leaves
+    that get no gradient here (the recorder writes theirs), inputs so that the backward runs when only they want one.
     route "torch": the replay's out on the table computed a row at a time (`table_rows`: diffusers' bits for each row
     alone), dx the replay's, the sums `NormOutSums.add`'s. route "cupy" (bf16 CUDA inputs the kernels take, in
     eager code): the kernels' out and dx (their table rows do not depend on T), the sums `kernel_sums`'."""

@@ -22,20 +22,12 @@ torch route is the replay under torch's autograd).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ...core import launchers, tensors
 from ...core.library import library_op
 from ...core.plan import forward_workspace
 from ...reference.backward import final_adaln_out_backward
-from ...reference.final_adaln_out import replay
-
-
-def table_from_torch(temb, weight, bias):
-    """The table by F.linear (cuBLAS), diffusers' bits, and its fp32 twin: the same sums unrounded (as
-    table.cu's table_f32), which the backward uses."""
-    act = F.silu(temb).to(weight.dtype)
-    return F.linear(act, weight, bias), F.linear(act.float(), weight.float(), bias.float())
+from ...reference.final_adaln_out import replay, table_from_torch
 
 
 def reference_forward(x, norm_weight, temb, weight, bias, timestep_indices, eps: float):

@@ -13,7 +13,7 @@ route "cupy": gated_residual.cu forward; backward its sorted pass (d_y per row; 
 per-range sums reduced in a fixed order). route "torch": diffusers' replay (the product rounded, then the sum) and
 the exact derivative (`reference.backward.gated_residual_backward`: d_gate in float64, rows in order, rounded once).
 backward_exact(dout, gate, y, row_index, order, d_y) -> (state, flags) (a block's gate inside ExactGradients, route
-"cupy", eager): the same d_y from the sorted pass with the gate's sums kept as exact integers (exact_sums.cu).
+"cupy", eager): the same d_y from the sorted pass with the gate's sums kept as exact integers (exact_row_pass.cu).
 """
 
 from __future__ import annotations

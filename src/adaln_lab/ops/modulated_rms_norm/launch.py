@@ -18,7 +18,7 @@ route "cupy": norm_modulate.cu forward; backward the sorted row pass (the residu
 its stages, else torch's bf16 add: the same bits) and the reduce of its partials, in table-row order, every sum in a
 fixed order. route "torch": diffusers' replay and the exact derivative (`reference.backward`: per row in float32, the
 parameter sums in float64 in a fixed order, rounded once). backward_exact (a block's norm inside ExactGradients, route
-"cupy", eager): the same dx from the sorted row pass with its column sums kept as exact integers (exact_sums.cu).
+"cupy", eager): the same dx from the sorted row pass with its column sums kept as exact integers (exact_row_pass.cu).
 """
 
 from __future__ import annotations

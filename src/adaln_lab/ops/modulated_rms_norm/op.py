@@ -46,7 +46,7 @@ class ModulatedRMSNorm(torch.autograd.Function):
     (`core.table_gradient`): the backward then writes d_shift | d_scale into the table gradient and returns it as
     the table's gradient; and its bf16 row tables, which the kernels read instead of casting shift and scale.
     sums: None, or a block's `ops.block.exact.BlockSums` inside `adaln_lab.nn.ExactGradients`: the backward adds
-    its rows' exact sums there (`BlockSums.norm`, on exact_sums.cu on route "cupy")."""
+    its rows' exact sums there (`BlockSums.norm`, on exact_row_pass.cu on route "cupy")."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, shift, scale, row_index, eps, table_dtype, route, order, residual, table, chunk,

@@ -37,7 +37,7 @@ import contextlib
 
 import torch
 
-from ..launch import table_from_torch
+from ....reference.final_adaln_out import table_from_torch
 
 
 def _numba_cuda():
