@@ -37,7 +37,7 @@ def imported(path: Path, modules: set) -> set:
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     tree = ast.parse(path.read_text())
-    guarded = [node for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)]
+    guarded = [n for n in ast.walk(tree) if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)]
     skipped = {id(n) for node in guarded for child in node.body for n in ast.walk(child)}
     out = set()
     for node in ast.walk(tree):
