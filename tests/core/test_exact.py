@@ -257,3 +257,20 @@ def test_add_words_refuses_what_the_state_cannot_hold():
         state.add_words(torch.zeros(2, 3, dtype=torch.int64), E_MIN - 1)
     with pytest.raises(ValueError, match=str(E_MIN)):
         state.add_words(torch.zeros(2, 3, dtype=torch.int64), E_MIN + LIMB_BITS * (LIMBS - 2))
+
+
+def test_all_finite_finds_one_inf_or_nan_among_many_in_every_dtype():
+    """exact.all_finite (numpy's pass on CPU float32 / float64, torch's otherwise) against torch.isfinite: one
+    non-finite value planted at either end or in the middle of 96768 is found, the largest finite and subnormal
+    values are finite."""
+    from adaln_lab.core.exact import all_finite
+
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        values = torch.randn(96768, generator=torch.Generator().manual_seed(0)).to(dtype)
+        values[:2] = torch.tensor([torch.finfo(dtype).max, torch.finfo(dtype).smallest_normal / 4], dtype=dtype)
+        assert all_finite(values) and all_finite(values[:0])
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            for at in (0, 48384, 96767):
+                planted = values.clone()
+                planted[at] = bad
+                assert not all_finite(planted) and not bool(torch.isfinite(planted).all()), (dtype, bad, at)

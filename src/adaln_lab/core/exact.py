@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 LIMB_BITS = 32
@@ -70,6 +71,14 @@ def refuse_unrecorded(where: str, why: str) -> None:
         raise NotImplementedError(f"{where}: {why}: its gradients would not be recorded by adaln_lab.nn."
                                   "ExactGradients (not recorded: diffusers' own forward, adapters, temb dtypes "
                                   "other than float32 / float64 except the projection's on the kernels)")
+
+
+def all_finite(values: torch.Tensor) -> bool:
+    """Whether every element of a float32 / float64 tensor is finite: numpy's one pass on the CPU (torch's isfinite
+    makes several there, about 10x the time of this for a block's 96768 factors), torch's elsewhere."""
+    if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64):
+        return bool(np.isfinite(values.detach().numpy()).all())
+    return bool(torch.isfinite(values).all())
 
 
 def decompose(terms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +133,7 @@ class ExactSum:
             raise ValueError(f"index must be int64 of shape ({terms.shape[0]},) in [0, {self.shape[0]})")
         if terms.shape[0] > MAX_TERMS:
             raise ValueError(f"at most {MAX_TERMS} terms per element in one add, got {terms.shape[0]}")
-        if not bool(torch.isfinite(terms).all()):
+        if not all_finite(terms):
             raise ValueError("the terms must be finite: an exact sum of inf or NaN does not exist")
         m, shift = decompose(terms)
         value = m << (shift % LIMB_BITS)                 # |value| < 2^55
@@ -260,7 +269,7 @@ def products(state: ExactSum, factors: torch.Tensor) -> ExactSum:
     below 2^32 moves into two, < 2^63); the sign last."""
     state._terms_state("products")
     factors = factors.to(torch.float32)
-    if not bool(torch.isfinite(factors).all()):  # checked where the factors are (CPU ones: no wait for the device)
+    if not all_finite(factors):  # checked where the factors are (CPU ones: no wait for the device)
         raise ValueError("products: the factors must be finite")
     factors = factors.to(state.limbs.device).expand(state.shape).contiguous()
     if state._kernels() is not None:
