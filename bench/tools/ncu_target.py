@@ -15,6 +15,11 @@
 #         --section WarpStateStats --section SchedulerStats python3 bench/tools/ncu_target.py table
 # (the second: where the block's row backward passes stall, bench/NOTES.md v13 says why that is the question; the
 # third: the table kernel, bench/NOTES.md v21)
+# With `exact`, norm_out's two calls run inside adaln_lab.nn.ExactGradients (the exact route: the row pass with its
+# sums exact, exact_row_pass.cu; bench/NOTES.md v58 asks whether issue or latency binds it):
+#     ncu -k regex:"norm_modulate_bwd" --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+#         --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats \
+#         python3 bench/tools/ncu_target.py exact
 
 import sys
 
@@ -42,5 +47,12 @@ else:
 leaves = [t.detach().clone().requires_grad_(True) for t in inputs.leaves]
 ones = torch.ones_like(inputs.x)
 for _ in range(2):
-    fn(*leaves, inputs.timestep_indices).backward(ones)
+    if sys.argv[1:] == ["exact"]:
+        from adaln_lab import final_adaln_out
+        from adaln_lab.nn import ExactGradients
+
+        with ExactGradients():  # the states are dropped unwritten: only the passes are profiled
+            final_adaln_out(*leaves, inputs.timestep_indices, backend="cupy").backward(ones)
+    else:
+        fn(*leaves, inputs.timestep_indices).backward(ones)
 torch.cuda.synchronize()
