@@ -23,9 +23,10 @@ int64 in [0, T). The states are integers (core.exact.ExactSum), so merging parts
 ranks give one answer. The CPU reference of the exact-gradient contract. A sums' `scale` (T, H) holds s1 and
 `norm_weight` (H,) w as float32 (the forward's: parts of one table row hold the same ones).
 
-On the kernels (route "cupy", `kernel_sums`: kernels_cu/exact_row_pass.cu) the terms are the same products of the same
-float32 values, with the kernels' rstd (the forward's, from its own reduction tree) in place of torch's and their
-float32 table: the same integers wherever the two agree, and on CUDA fp32 subnormal products flush to zero (-ftz).
+On the kernels (route "cupy", `kernel_sums`: kernels_cu/exact_row_pass.cu, or exact_sums.cu's pass of its own) the
+terms are the same products of the same float32 values, with the kernels' rstd (the forward's, from its own reduction
+tree) in place of torch's and their float32 table: the same integers wherever the two agree, and on CUDA fp32
+subnormal products flush to zero (-ftz).
 So a batch's CPU and GPU gradients may differ in the last bits; each route alone gives one answer for every order
 and split. A call takes at most MAX_TERMS (2^30) rows on the kernels (every limb stays below 2^62); a non-finite
 term or a timestep index outside [0, T) raises when the sums are read (`NormOutSums.check`), never a wrong sum.
@@ -134,13 +135,13 @@ def launch_row_sums(k: dict, plan, rows, stream: int, dy: int, x: int, rstd: int
 
 
 def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int, dx=None) -> NormOutSums:
-    """This part's NormOutSums from kernels_cu/exact_row_pass.cu on CUDA tensors: dy, x (..., S, H) bf16 contiguous,
-    norm_weight (H,) bf16, timestep_indices (S,) int64, workspace the forward's (`launch.saved_views`: table_f32,
-    rstd; s1 from its table_f32). With dx (x's shape) given, the backward's row pass with exact sums writes dx and
-    the states in one read of x and dy (norm_modulate_bwd_exact_bf16); without, exact_sums_bf16 walks x and dy in
-    table-row order for the states alone (the same integers). The states' limbs are added by integer atomics and
-    carried by exact_carry; the kernels' flags are kept for `NormOutSums.check`. At most MAX_TERMS rows
-    (ValueError)."""
+    """This part's NormOutSums from the kernels on CUDA tensors: dy, x (..., S, H) bf16 contiguous, norm_weight (H,)
+    bf16, timestep_indices (S,) int64, workspace the forward's (`launch.saved_views`: table_f32, rstd; s1 from its
+    table_f32). With dx (x's shape) given, the backward's row pass with exact sums writes dx and the states in one
+    read of x and dy (exact_row_pass.cu's norm_modulate_bwd_exact_bf16); without, exact_sums.cu's exact_sums_bf16
+    walks x and dy in table-row order for the states alone (the same integers). The states' limbs are added by
+    integer atomics and carried by exact_state.cu's exact_carry; the kernels' flags are kept for `NormOutSums.check`.
+    At most MAX_TERMS rows (ValueError)."""
     H = x.shape[-1]
     rows = x.numel() // H
     check_rows(rows, "final_adaln_out")
