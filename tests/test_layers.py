@@ -1,4 +1,4 @@
-"""The package's shape (DESIGN's layers): no file of src/adaln_lab over 400 lines, no import cycle between its modules,
+"""The package's shape (the project's design: layers whose imports only point down, `LAYERS`): no file of src/adaln_lab over 400 lines, no import cycle between its modules,
 and imports that only point down the layers. Every `from` / `import` of adaln_lab anywhere in a module counts (a
 function's lazy import too); only `if TYPE_CHECKING:` blocks are left out (they never run). The checkers also run on
 planted counter-examples, so a cycle or an edge up a layer cannot slip past them."""
@@ -31,13 +31,19 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def type_checking(test: ast.expr) -> bool:
+    """Whether an `if` test is `TYPE_CHECKING` itself (or `typing.TYPE_CHECKING`): never true when the code runs."""
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
+            or isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
 def imported(path: Path, modules: set) -> set:
     """The modules of adaln_lab that `path` imports (a name imported from a package counts as its module where it is
     one), outside `if TYPE_CHECKING:` blocks."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     tree = ast.parse(path.read_text())
-    guarded = [n for n in ast.walk(tree) if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)]
+    guarded = [n for n in ast.walk(tree) if isinstance(n, ast.If) and type_checking(n.test)]
     skipped = {id(n) for node in guarded for child in node.body for n in ast.walk(child)}
     out = set()
     for node in ast.walk(tree):
@@ -108,10 +114,18 @@ def edges_not_down(graph: dict) -> list:
     return bad
 
 
-def test_no_file_of_the_package_is_over_400_lines():
-    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+def long_files(root: Path) -> dict:
+    """{path under root: lines} of the source and text files (.py, .cu, .cuh, .md) over MAX_LINES lines."""
+    return {str(p.relative_to(root)): n for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts
             and p.suffix in {".py", ".cu", ".cuh", ".md"} and (n := p.read_text().count("\n")) > MAX_LINES}
-    assert not long, long
+
+
+def test_no_file_of_the_package_is_over_400_lines(tmp_path):
+    assert long_files(PACKAGE) == {}
+    (tmp_path / "kernels_cu").mkdir()
+    (tmp_path / "kernels_cu" / "big.cu").write_text("//\n" * (MAX_LINES + 1))  # planted: one line too many
+    (tmp_path / "ok.py").write_text("#\n" * MAX_LINES)
+    assert long_files(tmp_path) == {"kernels_cu/big.cu": MAX_LINES + 1}
 
 
 def test_no_module_imports_back_into_a_cycle_and_every_import_points_down_a_layer():
@@ -131,3 +145,6 @@ def test_the_checkers_catch_a_planted_cycle_and_an_import_up_a_layer():
     assert edges_not_down(sideways) == [("adaln_lab.ops.gated_residual.op", "adaln_lab.ops.modulation_table.exact")]
     lazy = imported(PACKAGE / "ops" / "final_adaln_out" / "launch.py", set(graph))
     assert "adaln_lab.ops.final_adaln_out.twin.op" in lazy  # a function's own import is an edge
+    guards = [ast.parse(code).body[0].test for code in ("if TYPE_CHECKING: pass", "if typing.TYPE_CHECKING: pass",
+                                                        "if not TYPE_CHECKING: pass", "if TYPE_CHECKING or X: pass")]
+    assert [type_checking(g) for g in guards] == [True, True, False, False]  # only the first two never run

@@ -1,4 +1,4 @@
-"""What the shipped exact sums (kernels_cu/exact_sums.cu) cost beside norm_out's kernels' forward+backward."""
+"""What the shipped exact sums (kernels_cu/exact_sums.cu, exact_row_pass.cu) cost beside norm_out's fwd+bwd."""
 
 # Issue 40, the kernels' route (NOTES v39). At MiniMax-H3's width (H 5376, D 2688, T 3) and each row count: the
 # states of `kernel_sums` (exact_sums' every form, and the row pass's) and the row pass's dx checked first against
@@ -10,9 +10,9 @@
 #   exact_sums_cache<k>  the same with TUNING's EXACT_CACHE = k for the other forms (0: every add in shared memory,
 #               1: a register cache of the last limb pair, 2: the caches alone, sent out by integer atomics), each
 #               checked the same way
-#   carry       the states' carries (exact_sums.cu's exact_carry, one launch a state)
+#   carry       the states' carries (exact_state.cu's exact_carry, one launch a state)
 #   exact_route the exact route's kernels as ExactNormOut runs them: the forward, then `kernel_sums` with dx (the
-#               backward's row pass with its sums exact, norm_modulate_bwd_exact_bf16; the carries)
+#               backward's row pass with its sums exact, exact_row_pass.cu's norm_modulate_bwd_exact_bf16; the carries)
 # and exact_route / fwd_bwd, the issue's ratio (bar 1.10x at 32768 rows, 1.15x at 4097). The recorder's host work
 # (one state per temb row, read on the CPU at write) is not in these figures. Floor: exact_sums' bytes (x and dy
 # read) at the run's copy bandwidth.

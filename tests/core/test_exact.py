@@ -274,3 +274,5 @@ def test_all_finite_finds_one_inf_or_nan_among_many_in_every_dtype():
                 planted = values.clone()
                 planted[at] = bad
                 assert not all_finite(planted) and not bool(torch.isfinite(planted).all()), (dtype, bad, at)
+    values = torch.tensor([1.0, float("inf")])
+    assert not all_finite(values.neg().conj()) and not all_finite(torch._neg_view(values))  # a view with the neg bit

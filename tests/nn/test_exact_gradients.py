@@ -146,8 +146,8 @@ def test_write_says_when_tembs_graph_was_freed_by_another_consumer():
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["torch", "cupy"])
 def test_cuda_routes_give_the_same_bits_for_every_split(backend):
-    """On CUDA, backend "torch" (the replay) and "cupy" (the kernels, exact_sums.cu): the states live on the GPU and
-    the table's parameter gradients are formed on the CPU. One batch, its rows permuted, the temb rows permuted
+    """On CUDA, backend "torch" (the replay) and "cupy" (the kernels, exact_row_pass.cu): the states live on the GPU
+    and the table's parameter gradients are formed on the CPU. One batch, its rows permuted, the temb rows permuted
     (indices remapped) and its splits into 2, 3 and 8 parts by sample and within samples, in reversed order, give
     the same bits, on the parameters' device; plain autograd over the same splits (the planted float32
     accumulation) changes them."""

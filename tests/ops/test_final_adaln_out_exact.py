@@ -197,7 +197,7 @@ def exact_cache(request):
 def test_the_kernels_states_are_the_exact_sums_of_their_terms(shape, exact_cache):
     """exact_sums.cu's carried integers equal ExactSum.add's of the same float32 terms formed by torch from the
     forward's saved rstd and table_f32 (module docstring), limb for limb; one limb moved is seen; with dx asked
-    for, the row pass with exact sums writes the plain backward's dx and the same integers."""
+    for, the row pass with exact sums (exact_row_pass.cu) writes the plain backward's dx and the same integers."""
     from adaln_lab.core.exact import ExactSum
     from adaln_lab.ops.final_adaln_out import launch
     from adaln_lab.ops.final_adaln_out.exact import kernel_sums

@@ -289,11 +289,12 @@ def test_the_table_products_are_the_same_bits_on_the_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, bits", [(torch.float32, torch.int32), (torch.bfloat16, torch.int16)])
-def test_the_weight_products_kernel_gives_the_torch_codes_bits(dtype, bits):
+def test_the_weight_products_kernel_gives_the_torch_codes_bits(dtype, bits, monkeypatch):
     """exact_products.cu's one pass (with a compiled unit, as a block's write uses it) against weight_grad's torch ops
     on the CPU: the same bits, compared as integers (so -0 and +0 differ), for the whole gradient and a block of rows
-    (a shard's), at U 1, 3 and 9 (tiles of 8 rows: ragged last tiles, ragged column blocks), with sums that round
-    to float32 subnormals and to FLT_MIN, overflow to inf, and are -0 (each made, as the last asserts check)."""
+    (a shard's), at U 1, 3 and 9 (tiles of 8 rows: ragged last tiles, ragged column blocks; a grid of 2 tiles' rows
+    whose threads stride over the rest), with sums that round to float32 subnormals and to FLT_MIN, overflow to inf,
+    and are -0 (each made, as the asserts after the first loop check)."""
     from adaln_lab.core import tensors
     from adaln_lab.ops.modulation_table import exact
 
@@ -309,7 +310,10 @@ def test_the_weight_products_kernel_gives_the_torch_codes_bits(dtype, bits):
         assert torch.equal(got.view(bits), want.view(bits)), rows
     assert bool((want.float().abs() < 2.0 ** -126).logical_and(want != 0).any())  # subnormals were made
     assert bool(want.isinf().any()) and bool((want.view(bits) == torch.iinfo(bits).min).any())  # inf and -0
-    for U, rows in ((1, None), (9, slice(3, 70))):  # one timestep; more than a tile's rows, a ragged last tile
+    for U, rows, tiles in ((1, None, None), (9, slice(3, 70), None), (3, slice(1, 74), 2)):
+        # one timestep; more than a tile's rows with a ragged last tile; then 2 tiles a grid: the stride loop
+        if tiles is not None:
+            monkeypatch.setattr(exact, "WEIGHT_TILES_MAX", tiles)
         d_table, _, act = _exact_parts(3, U=U, N=75, D=300)
         want = exact.weight_grad(d_table, act, dtype, "cpu", rows)
         assert torch.equal(exact.weight_grad(d_table, act, dtype, "cuda", rows, kernels).cpu().view(bits),

@@ -60,7 +60,7 @@ def op_calls() -> None:
 
 
 def exact_calls() -> None:
-    """norm_out's exact route: forward, backward (exact_sums.cu), write; every gradient finite."""
+    """norm_out's exact route: forward, backward (exact_row_pass.cu), write; every gradient finite."""
     from adaln_lab.nn import ExactGradients
 
     for shape in (OP_SHAPES[0], OP_SHAPES[3]):

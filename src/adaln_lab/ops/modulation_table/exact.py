@@ -71,6 +71,7 @@ def weight_grad(d_table: torch.Tensor, act: torch.Tensor, dtype: torch.dtype, de
 
 WEIGHT_PRODUCTS = {torch.float32: "exact_weight_products_f32", torch.bfloat16: "exact_weight_products_bf16"}
 WEIGHT_ROWS = 8  # rows of d_weight a thread sums (exact_products.cu)
+WEIGHT_TILES_MAX = 65535  # the grid's y (tiles of rows): a stride loop over the tiles past it
 
 
 def launch_weight_products(k: dict, g: torch.Tensor, act: torch.Tensor, out: torch.Tensor, r0: int) -> None:
@@ -81,7 +82,7 @@ def launch_weight_products(k: dict, g: torch.Tensor, act: torch.Tensor, out: tor
         return
     index = g.device.index
     launchers.bind(index)
-    tiles = min(-(-rows // WEIGHT_ROWS), 65535)  # a stride loop over the tiles of rows past this
+    tiles = min(-(-rows // WEIGHT_ROWS), WEIGHT_TILES_MAX)
     k[WEIGHT_PRODUCTS[out.dtype]]((-(-D // 256), tiles, 1), (256, 1, 1), 0, tensors.current_stream(index), g.data_ptr(),
                                   act.data_ptr(), out.data_ptr(), U, N, D, r0, rows)
 
