@@ -35,7 +35,7 @@ import torch
 from ..core.exact import recording, reset_recording
 from ..ops.block.exact import scale_columns
 from ..ops.final_adaln_out.exact import column_factors
-from ..ops.modulation_table.exact import TableSums, row_key, silu_grad
+from ..ops.modulation_table.exact import TableSums, row_keys, silu_grad
 
 
 class _Group:
@@ -327,13 +327,13 @@ def _temb_grads(tembs, rows, d_temb, into: dict, owned=None) -> None:
     bits."""
     if not tembs:  # nothing wants temb's gradient: no row keys to make
         return
-    pending = {key: k for k, key in enumerate(map(row_key, rows)) if owned is None or key in owned}
+    pending = {key: k for k, key in enumerate(row_keys(rows)) if owned is None or key in owned}
     for temb in tembs:
         _, g = into.setdefault(id(temb), (temb, torch.zeros(temb.shape, dtype=torch.float64)))
         wider = rows.dtype if temb.dtype.itemsize < rows.dtype.itemsize else temb.dtype
-        host = temb.detach().to("cpu", wider)  # one copy a temb (each a wait for the device)
-        for t in range(temb.shape[0]):
-            k = pending.pop(row_key(host[t]), None)
+        keys = row_keys(temb.detach().to("cpu", wider))  # one copy a temb (each a wait for the device)
+        for t, key in enumerate(keys):
+            k = pending.pop(key, None)
             if k is not None:
                 g[t] += d_temb[k]  # float64 (TableSums.gradients), rounded once in _temb_backward
 

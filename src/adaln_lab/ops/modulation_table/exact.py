@@ -140,10 +140,12 @@ def launch_input_products(k: dict, g: torch.Tensor, weight: torch.Tensor) -> tor
     return level[:, 0]
 
 
-def row_key(row: torch.Tensor) -> bytes:
-    """A temb row's identity: its dtype and bytes (rows with the same key are one timestep)."""
-    row = row.detach().cpu().contiguous()
-    return str(row.dtype).encode() + row.view(-1).view(torch.uint8).numpy().tobytes()
+def row_keys(rows: torch.Tensor) -> list[bytes]:
+    """Each temb row's identity, of rows (n, D): its dtype and bytes (rows with the same key are one timestep), from
+    one copy of the rows to the CPU (a row's key does not depend on the other rows)."""
+    host = rows.detach().cpu().contiguous()
+    prefix = str(host.dtype).encode()
+    return [prefix + raw.tobytes() for raw in host.view(torch.uint8).numpy()]
 
 
 class TableSums:
@@ -170,42 +172,42 @@ class TableSums:
         if factors is not None and (factors.shape != state.shape[1:] or factors.dtype != torch.float32):
             raise ValueError(f"factors must be float32 ({state.shape[1]},), got {factors.dtype} "
                              f"{tuple(factors.shape)}")
-        host = temb.detach().cpu()  # one copy a tensor (each a wait for the device)
-        rows = [host[t].contiguous() for t in range(T)]
+        host = temb.detach().cpu().contiguous()  # one copy a tensor (each a wait for the device)
+        rows, keys = host.unbind(0), row_keys(host)
         scales = None if scale is None else list(scale.detach().cpu())
-        self._check(None if factors is None else factors.detach().cpu(), zip(rows, scales or [None] * T))
+        self._check(None if factors is None else factors.detach().cpu(), zip(keys, scales or [None] * T))
         if factors is not None:
             self.factors = factors.detach().cpu()
         if state.kernels is not None:  # the unit the part's row ops ran, on the state's device
             self.kernels.setdefault(state.limbs.device.index, state.kernels)
-        for t, row in enumerate(rows):
-            self._merge_row(row, ExactSum.from_limbs(state.limbs[:, t:t + 1].clone(), kernels=state.kernels),
+        for t, (key, row) in enumerate(zip(keys, rows)):
+            self._merge_row(key, row, ExactSum.from_limbs(state.limbs[:, t:t + 1].clone(), kernels=state.kernels),
                             None if scales is None else scales[t])
         return self
 
     def merge(self, other: "TableSums") -> "TableSums":
         """Add another part's states (any order of merging gives the same states)."""
-        self._check(other.factors, ((row, other.scales.get(key)) for key, (row, _) in other.rows.items()))
+        self._check(other.factors, ((key, other.scales.get(key)) for key in other.rows))
         if other.factors is not None:
             self.factors = other.factors
         for index, kernels in other.kernels.items():
             self.kernels.setdefault(index, kernels)
         for key, (row, part) in other.rows.items():
-            self._merge_row(row, ExactSum.from_limbs(part.limbs.clone(), kernels=part.kernels), other.scales.get(key))
+            self._merge_row(key, row, ExactSum.from_limbs(part.limbs.clone(), kernels=part.kernels),
+                            other.scales.get(key))
         return self
 
     def _check(self, factors, rows) -> None:
-        """Raise ValueError, before anything is merged, where `factors` or a (row, scale) differs from what this
+        """Raise ValueError, before anything is merged, where `factors` or a (row's key, scale) differs from what this
         holds already (so a refused part leaves the states as they were)."""
         if factors is not None and self.factors is not None and not torch.equal(self.factors, factors):
             raise ValueError("TableSums: parts with other column factors (another norm weight)")
-        for row, scale in rows:
-            held = self.scales.get(row_key(row))
+        for key, scale in rows:
+            held = self.scales.get(key)
             if scale is not None and held is not None and not torch.equal(held, scale):
                 raise ValueError("TableSums: one temb row with two table rows (parts on other routes or weights)")
 
-    def _merge_row(self, row: torch.Tensor, part: ExactSum, scale: torch.Tensor | None = None) -> None:
-        key = row_key(row)
+    def _merge_row(self, key: bytes, row: torch.Tensor, part: ExactSum, scale: torch.Tensor | None = None) -> None:
         if key in self.rows:
             self.rows[key][1].merge(part)
         else:
@@ -224,7 +226,7 @@ class TableSums:
         dist.all_gather_object(everyone, (mine, self.factors), group=group)
         rows = {}
         for held, factors in everyone:
-            self._check(factors, held.values())
+            self._check(factors, ((key, scale) for key, (_, scale) in held.items()))
             self.factors = self.factors if factors is None else factors
             for key, (row, scale) in held.items():
                 rows.setdefault(key, row)
