@@ -1,7 +1,8 @@
-"""The package's shape (the project's design: layers whose imports only point down, `LAYERS`): no file of src/adaln_lab over 400 lines, no import cycle between its modules,
-and imports that only point down the layers. Every `from` / `import` of adaln_lab anywhere in a module counts (a
-function's lazy import too); only `if TYPE_CHECKING:` blocks are left out (they never run). The checkers also run on
-planted counter-examples, so a cycle or an edge up a layer cannot slip past them."""
+"""The package's shape (the project's design: layers whose imports only point down, `LAYERS`): no file of src/adaln_lab
+over 400 lines, no import cycle between its modules, and imports that only point down the layers. Every `from` /
+`import` of adaln_lab anywhere in a module counts (a function's lazy import too); only `if TYPE_CHECKING:` blocks are
+left out (they never run). The checkers also run on planted counter-examples, so a cycle or an edge up a layer cannot
+slip past them."""
 
 import ast
 from pathlib import Path

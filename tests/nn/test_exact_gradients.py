@@ -204,10 +204,11 @@ def test_a_patched_h3_model_gives_the_same_adaln_gradients_for_every_split_by_sa
     the timesteps' order permuted (indices remapped), 2 parts in both orders, 3 uneven parts and 4 parts of one
     sample shuffled; plain autograd over the same parts changes them all. (A split within a sample is no split of a
     model: attention mixes its rows.) On the CPU fp32, every AdaLN on the torch route; on CUDA the checkpoint's
-    layout (bf16, its fp32 modules kept), every AdaLN on the kernels (no fallback warning names one). There the rest of the model is not batch-invariant (cuBLAS and SDPA: samples 0-1 of
-    a batch of 4 and alone give other forward bits, seen on an H100), so a part runs as the whole batch with the
-    other samples' cotangent zero: every row's gradient has the one batch's bits, the parts' terms sum to its, and
-    the exact states must too (zero terms add nothing)."""
+    layout (bf16, its fp32 modules kept), every AdaLN on the kernels (no fallback warning names one). There the rest
+    of the model is not batch-invariant (cuBLAS and SDPA: samples 0-1 of a batch of 4 and alone give other forward
+    bits, seen on an H100), so a part runs as the whole batch with the other samples' cotangent zero: every row's
+    gradient has the one batch's bits, the parts' terms sum to its, and the exact states must too (zero terms add
+    nothing)."""
     pytest.importorskip("diffusers")
     import adaln_lab
     from adaln_lab.core.support import KernelFallbackWarning
