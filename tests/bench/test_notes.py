@@ -8,8 +8,9 @@ that is gone.
   `adaln_lab/bench/sweep.py`, `results/h100/`) exists; `REV:path` (a file of git's history) exists at REV; a bare file
   name (`table_bwd.cu`, `block_profile_33e296a.txt`) is a file of the checkout or sits in the folder of a `REV:path` of
   the same paragraph. A `REV:path` of a branch not merged into main names the branch in its paragraph (`branch NAME`):
-  where a clone holds main alone, neither REV nor NAME is here and the reference is left unchecked. The trees the
-  runner's steps copy along (.old_tree/, .ab_tree/, .dtests/) are names, not paths of the checkout.
+  where a clone holds main alone, neither REV nor NAME is here and the reference, with the bare names of its
+  paragraph, is left unchecked. The trees the runner's steps copy along (.old_tree/, .ab_tree/, .dtests/) are names,
+  not paths of the checkout.
 """
 
 from __future__ import annotations
@@ -130,21 +131,24 @@ def check_paragraph(paragraph: str, names: set[str]) -> tuple[int, list[str]]:
 
     A `REV:path` whose REV is not a commit of this clone counts as checked elsewhere only when the paragraph names
     the branch that holds it (`branch NAME`) and that branch is not here either (a clone of main alone); with the
-    branch here, REV must be in it."""
-    checked, missing = 0, []
+    branch here, REV must be in it. Such a paragraph's bare names are then checked elsewhere too: the folder they sit
+    in is not here to list."""
+    checked, missing, away = 0, [], False
     refs = GIT_REF.findall(paragraph)
     for rev, path in refs:
         checked += 1
         if git_exists(rev, path):
             continue
         elsewhere = any(not branch_here(b) for b in BRANCH.findall(paragraph))  # only where a ref is missing
-        if not (elsewhere and not git_ok("cat-file", "-e", f"{rev}^{{commit}}")):
+        if elsewhere and not git_ok("cat-file", "-e", f"{rev}^{{commit}}"):
+            away = True
+        else:
             missing.append(f"{rev}:{path}")
     folders = {(rev, path.rstrip("/") if path.endswith("/") else path.rsplit("/", 1)[0]) for rev, path in refs}
     beside = [name for rev, folder in folders for name in git_names(rev, folder)]
     for name in BARE.findall(GIT_REF.sub(" ", paragraph)):
         checked += 1
-        if not (fnmatch.filter(names, name) or fnmatch.filter(beside, name)):
+        if not (fnmatch.filter(names, name) or fnmatch.filter(beside, name) or away):
             missing.append(name)
     return checked, missing
 
@@ -168,4 +172,7 @@ def test_the_history_check_catches_a_missing_file_a_missing_commit_and_a_branch_
     assert check_paragraph("0000001:src/x.py", set()) == (1, ["0000001:src/x.py"])
     assert check_paragraph("on branch no-such-branch-here: 0000001:src/x.py", set()) == (1, [])
     assert check_paragraph("on branch HEAD: 0000001:src/x.py", set()) == (1, ["0000001:src/x.py"])
+    assert check_paragraph("on branch no-such-branch-here: 0000001:bench/x.txt beside y.txt", set()) == (2, [])
+    assert check_paragraph("0000001:bench/x.txt beside y.txt", set()) == (2, ["0000001:bench/x.txt", "y.txt"])
+    assert check_paragraph(f"{head}:src/adaln_lab/__init__.py beside gone.txt", set()) == (2, ["gone.txt"])
     assert check_paragraph("table_bwd.cu and gone_away.cu", {"table_bwd.cu"}) == (2, ["gone_away.cu"])
