@@ -18,6 +18,7 @@
 # and their ratio (a capture that fails is reported with its error, not timed).
 #
 #     python3 bench/tools/block_exact_cost.py [--rows 4097,32768] [--out FILE.json] [--profile-write]
+#                                            [--row-double 0|1]
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import torch
 
 from adaln_lab import block_adaln_path
 from adaln_lab.bench.timing import gpu_us, graph_us
+from adaln_lab.core import launchers, plan as plan_module
 from adaln_lab.harness.block_protocol import rowwise_attn, rowwise_ff
 from adaln_lab.nn import ExactGradients
 
@@ -158,8 +160,15 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--profile-write", action="store_true",
                         help="print torch.profiler's tables of one write at each size")
+    parser.add_argument("--row-double", type=int, choices=(0, 1),
+                        help="TUNING's EXACT_ROW_DOUBLE for this run (the norms' exact passes' windows; default: "
+                             "the shipped one)")
     args = parser.parse_args()
-    result = {"gpu": torch.cuda.get_device_name(0), "H": H, "D": D, "T": T, "sizes": []}
+    if args.row_double is not None:
+        plan_module.TUNING["EXACT_ROW_DOUBLE"] = args.row_double
+        launchers.forget_compiled()
+    result = {"gpu": torch.cuda.get_device_name(0), "H": H, "D": D, "T": T,
+              "exact_row_double": plan_module.TUNING["EXACT_ROW_DOUBLE"], "sizes": []}
     for rows in (int(r) for r in args.rows.split(",")):
         entry = measure(rows, args.profile_write)
         result["sizes"].append(entry)

@@ -13,11 +13,14 @@
 #   carry       the states' carries (exact_state.cu's exact_carry, one launch a state)
 #   exact_route the exact route's kernels as ExactNormOut runs them: the forward, then `kernel_sums` with dx (the
 #               backward's row pass with its sums exact, exact_row_pass.cu's norm_modulate_bwd_exact_bf16; the carries)
+#   exact_route_double<k>  the same with TUNING's EXACT_ROW_DOUBLE = k for each form of --row-forms other than the
+#               shipped one (1: float64 windows checked at their close, exact_row_windows.cu, and its fixup kernel),
+#               each checked the same way first; `fixups` counts the entries its pass appended
 # and exact_route / fwd_bwd, the issue's ratio (bar 1.10x at 32768 rows, 1.15x at 4097). The recorder's host work
 # (one state per temb row, read on the CPU at write) is not in these figures. Floor: exact_sums' bytes (x and dy
 # read) at the run's copy bandwidth.
 #
-#     python3 bench/tools/exact_kernel_cost.py [--rows 4097,32768] [--out FILE.json]
+#     python3 bench/tools/exact_kernel_cost.py [--rows 4097,32768] [--row-forms 0,1] [--out FILE.json]
 
 from __future__ import annotations
 
@@ -34,8 +37,8 @@ from adaln_lab.core.exact_kernels import ExactKernels
 from adaln_lab.core.plan import forward_bytes
 from adaln_lab.harness.latency import copy_bandwidth
 from adaln_lab.ops.final_adaln_out import launch
-from adaln_lab.ops.final_adaln_out.exact import kernel_sums
-from adaln_lab.ops.row_sums import exact_row_order, launch_sums
+from adaln_lab.ops.final_adaln_out.exact import kernel_sums, launch_row_sums
+from adaln_lab.ops.row_sums import exact_row_order, launch_sums, pass_buffers
 
 H, D, T = 5376, 2688, 3
 
@@ -43,13 +46,42 @@ H, D, T = 5376, 2688, 3
 KNOBS = (0, 1, 2)  # TUNING's EXACT_CACHE forms
 
 
-def cache_knob(value: int) -> None:
-    """TUNING's EXACT_CACHE set to value, every plan and compiled kernel forgotten."""
-    plan_module.TUNING["EXACT_CACHE"] = value
+def cache_knob(value: int, key: str = "EXACT_CACHE") -> None:
+    """TUNING's `key` set to value, every plan and compiled kernel forgotten."""
+    plan_module.TUNING[key] = value
     launchers.forget_compiled()
 
 
-def measure(rows: int, copy_TBps: float) -> dict:
+def fixup_count(dy, x, nw, idx, workspace, rows: int) -> int:
+    """The fixup entries norm_out's exact row pass appends on these inputs (exact_row_windows.cu; 0 for the int64
+    windows), read back from its flags."""
+    plan, rows_plan, k = tensors.context(x.get_device(), H, D, T, rows)
+    _, table_f32, rstd = launch.saved_views(workspace, T, H, rows, D)
+    table, flags, fixups = pass_buffers(plan, rows_plan, False, x.device)
+    dx = torch.empty_like(x)
+    launch_row_sums(k, plan, rows_plan, tensors.current_stream(x.get_device()), dy.data_ptr(), x.data_ptr(),
+                    rstd.data_ptr(), nw.data_ptr(), table_f32.data_ptr(), idx.data_ptr(), dx.data_ptr(),
+                    table.data_ptr(), flags.data_ptr(), fixups.data_ptr(), rows)
+    return int(flags[1])
+
+
+def route_forms(dy, x, nw, idx, workspace, rows: int, want, dx_want, forms) -> dict:
+    """{form: fixup entries} of TUNING's EXACT_ROW_DOUBLE forms, each route's dx and integers checked first; the
+    shipped form restored."""
+    shipped, counts = plan_module.TUNING["EXACT_ROW_DOUBLE"], {}
+    for form in forms:
+        cache_knob(form, "EXACT_ROW_DOUBLE")
+        dx = torch.empty_like(x)
+        got = kernel_sums(dy, x, nw, idx, workspace, T, D, dx=dx)
+        got.check()
+        if not (torch.equal(dx, dx_want) and torch.equal(got.table.limbs, want.limbs)):
+            raise AssertionError(f"the row pass with EXACT_ROW_DOUBLE {form} at {rows} rows: dx or the integers differ")
+        counts[form] = fixup_count(dy, x, nw, idx, workspace, rows)
+    cache_knob(shipped, "EXACT_ROW_DOUBLE")
+    return counts
+
+
+def measure(rows: int, copy_TBps: float, forms=()) -> dict:
     g = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(1, rows, H, device="cuda", generator=g).bfloat16()
     dy = (torch.randn(1, rows, H, device="cuda", generator=g) * 1e-3).bfloat16()
@@ -82,6 +114,7 @@ def measure(rows: int, copy_TBps: float) -> dict:
         raise AssertionError(f"the exact route's dx differs from the backward's at {rows} rows")
     if not torch.equal(fused.table.limbs, want_table.limbs):
         raise AssertionError(f"the row pass's exact sums at {rows} rows differ from the exact sums of their terms")
+    fixups = route_forms(dy, x, nw, idx, workspace, rows, want_table, grads[0], forms)
     del p, want_table, dx, fused
     kernels = {}
     for knob in (*others, shipped):
@@ -108,30 +141,46 @@ def measure(rows: int, copy_TBps: float) -> dict:
     def carry(exact=ExactKernels(kernels[shipped][2], x.get_device())):
         exact.carry(table)
 
+    def route_form(form):  # graph_us captures the kernels of the form set now
+        cache_knob(form, "EXACT_ROW_DOUBLE")
+        try:
+            return graph_us(exact_route)
+        finally:
+            cache_knob(fixups_shipped, "EXACT_ROW_DOUBLE")
+
+    fixups_shipped = plan_module.TUNING["EXACT_ROW_DOUBLE"]
     steps = (("fwd_bwd", fwd_bwd), ("exact_sums", exact_sums),
              *((f"exact_sums_cache{knob}", lambda knob=knob: exact_sums(kernels[knob])) for knob in others),
              ("carry", carry),
              ("exact_route", exact_route))
     us = {name: graph_us(step) for name, step in steps}
+    us.update({f"exact_route_double{form}": route_form(form) for form in forms if form != fixups_shipped})
     return {"rows": rows, "us": us, "exact_floor_us": 4 * rows * H / (copy_TBps * 1e12) * 1e6,
-            "grid": list(plan.exact_grid(rows)),
-            "exact_route_over_fwd_bwd": us["exact_route"] / us["fwd_bwd"]}
+            "grid": list(plan.exact_grid(rows)), "fixups": fixups,
+            "exact_route_over_fwd_bwd": us["exact_route"] / us["fwd_bwd"],
+            **{f"exact_route_double{form}_over_fwd_bwd": us[f"exact_route_double{form}"] / us["fwd_bwd"]
+               for form in forms if form != fixups_shipped}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", default="4097,32768")
+    parser.add_argument("--row-forms", default="0,1", help="TUNING's EXACT_ROW_DOUBLE forms checked and timed")
     parser.add_argument("--out")
     args = parser.parse_args()
+    forms = [int(f) for f in args.row_forms.split(",") if f]
     copy = copy_bandwidth(torch.device("cuda"), 2 ** 31)
     result = {"gpu": torch.cuda.get_device_name(0), "copy_TBps": copy, "H": H, "D": D, "T": T, "sizes": []}
     for rows in (int(r) for r in args.rows.split(",")):
-        entry = measure(rows, copy)
+        entry = measure(rows, copy, forms)
         result["sizes"].append(entry)
         print(f"rows {rows}: fwd_bwd {entry['us']['fwd_bwd']:.1f} us, exact_sums {entry['us']['exact_sums']:.1f} "
               f"({', '.join(f'{k}: {v:.1f}' for k, v in entry['us'].items() if k.startswith('exact_sums_cache'))}) "
               f"(floor {entry['exact_floor_us']:.1f}), carry {entry['us']['carry']:.1f}: exact route "
-              f"{entry['exact_route_over_fwd_bwd']:.2f}x", flush=True)
+              f"{entry['exact_route_over_fwd_bwd']:.2f}x"
+              + "".join(f", EXACT_ROW_DOUBLE {f} {entry[f'exact_route_double{f}_over_fwd_bwd']:.2f}x"
+                        for f in forms if f"exact_route_double{f}_over_fwd_bwd" in entry)
+              + f", fixup entries {entry['fixups']}", flush=True)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -131,3 +131,19 @@ def test_the_largest_T_accepted_is_compiled_above_and_the_next_is_refused():
     assert any(len(shape) == 3 and shape[2] == plan_module.T_MAX for shape in SHAPES)
     with pytest.raises(ValueError, match=r"T \(temb.shape\[0\]\) <= "):
         plan_module.check_shapes(64, 64, plan_module.T_MAX + 1)
+
+@pytest.mark.parametrize("shape", [(5376, 2688, 3), (264, 64, 32)])
+def test_the_float64_windows_compile(shape, monkeypatch):
+    """TUNING's EXACT_ROW_DOUBLE 1 (exact_row_windows.cu: the exact row passes' float64 windows) compiles at H3's
+    width and at a wide T, its fixup kernels without spills."""
+    import io
+
+    monkeypatch.setitem(plan_module.TUNING, "EXACT_ROW_DOUBLE", 1)
+    plan_module.clear_caches()
+    log = io.StringIO()
+    try:
+        compile_unit(loader.source(plan(*shape)), "sm_90", log)
+    finally:
+        plan_module.clear_caches()
+    spilled = spills(log.getvalue())
+    assert spilled["exact_fixup_rows_bf16"] == 0 and spilled["exact_fixup_sorted_bf16"] == 0, spilled

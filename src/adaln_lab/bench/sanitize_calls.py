@@ -14,10 +14,14 @@ of adaln_lab at small shapes, 0 and 1 rows included.
   stride 6H) at 0, 1, 7 and 300 rows;
 - a block's exact route (inside ExactGradients: the norms' and gates' sorted passes with exact sums, the carries,
   write's exact_state.cu and exact_products.cu: d_weight's and d_temb's products) at H 264, D 64, T 3, 0, 1, 7 and
-  300 rows, with bf16 parameters and with float32 masters under autocast.
+  300 rows, with bf16 parameters and with float32 masters under autocast;
+- both exact routes again with TUNING's EXACT_ROW_DOUBLE 1 (exact_row_windows.cu and its fixup kernels), dy spread
+  over 100 binades so that windows are refused and the fixups run.
 Every result is checked finite (and, for 0 rows, the parameter gradients exactly zero), so a workload that
 computes garbage fails here too. Prints one line per part and "small calls done".
 """
+
+import contextlib
 
 import torch
 
@@ -59,8 +63,35 @@ def op_calls() -> None:
     print("final_adaln_out: done")
 
 
-def exact_calls() -> None:
-    """norm_out's exact route: forward, backward (exact_row_pass.cu), write; every gradient finite."""
+def spread(dy: torch.Tensor, on: bool) -> torch.Tensor:
+    """dy, or (on) dy times 2^-k with k in [0, 100) per element (bf16: exact): columns whose terms span more
+    binades than a float64 window holds, so that exact_row_windows.cu's checks refuse windows and its fixups run."""
+    if not on:
+        return dy
+    g = torch.Generator(device="cuda").manual_seed(dy.numel())
+    k = torch.randint(0, 100, dy.shape, device="cuda", generator=g)
+    return dy * torch.exp2(-k.float()).to(dy.dtype)
+
+
+@contextlib.contextmanager
+def row_windows(form: int):
+    """TUNING's EXACT_ROW_DOUBLE set to `form` (the exact row passes' windows) for the calls inside, then restored;
+    every plan and kernel forgotten at both ends."""
+    from adaln_lab.core import launchers, plan as plan_module
+
+    saved = plan_module.TUNING["EXACT_ROW_DOUBLE"]
+    plan_module.TUNING["EXACT_ROW_DOUBLE"] = form
+    launchers.forget_compiled()
+    try:
+        yield
+    finally:
+        plan_module.TUNING["EXACT_ROW_DOUBLE"] = saved
+        launchers.forget_compiled()
+
+
+def exact_calls(wide: bool = False) -> None:
+    """norm_out's exact route: forward, backward (exact_row_pass.cu), write; every gradient finite (wide: dy
+    `spread`)."""
     from adaln_lab.nn import ExactGradients
 
     for shape in (OP_SHAPES[0], OP_SHAPES[3]):
@@ -70,7 +101,7 @@ def exact_calls() -> None:
             acc = ExactGradients()
             with acc:
                 out = final_adaln_out(*leaves, inputs.timestep_indices, backend="cupy")
-                out.backward(upstream(1, out))
+                out.backward(spread(upstream(1, out), wide))
             acc.write()
             _finite(*(leaf.grad for leaf in leaves))
     print("final_adaln_out, exact: done")
@@ -207,10 +238,10 @@ def block_calls() -> None:
     print("block kernels: done")
 
 
-def block_exact_calls() -> None:
+def block_exact_calls(wide: bool = False) -> None:
     """A block's exact route (backend "cupy", identity attn and ff), one part and write, with bf16 parameters and
     with float32 masters under autocast (write's d_weight and d_temb products of each weight dtype), and a temb that
-    wants its gradient (d_temb's input passes); every gradient finite."""
+    wants its gradient (d_temb's input passes); every gradient finite (wide: dy `spread`)."""
     from adaln_lab import block_adaln_path
     from adaln_lab.nn import ExactGradients
 
@@ -229,7 +260,7 @@ def block_exact_calls() -> None:
             acc = ExactGradients()
             with acc, torch.autocast("cuda", torch.bfloat16, enabled=dtype == torch.float32):
                 out = block_adaln_path(x, temb, *params, idx, lambda h: h, lambda h: h, backend="cupy")
-                out.backward(upstream(1, out))
+                out.backward(spread(upstream(1, out), wide))
             acc.write()
             _finite(x.grad, temb.grad, *(p.grad for p in params))
             assert rows or not any(bool(p.grad.any()) for p in params), "0 rows: nonzero parameter gradients"
@@ -241,4 +272,7 @@ if __name__ == "__main__":
     exact_calls()
     block_calls()
     block_exact_calls()
+    with row_windows(1):  # exact_row_windows.cu's float64 windows and fixups, dy spread to make them refuse
+        exact_calls(wide=True)
+        block_exact_calls(wide=True)
     print("small calls done")

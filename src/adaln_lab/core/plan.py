@@ -60,6 +60,9 @@ TUNING = {
     "EXACT_CHUNKS": 32,         # exact_sums.cu: most row chunks (integer sums: no bit depends on it)
     "EXACT_CACHE": 1,           # exact_sums.cu: every add in shared memory (0), each state's last limb pair in
                                 # registers (1), or the pairs alone, sent out by integer atomics (2, no shared memory)
+    "EXACT_ROW_DOUBLE": 0,      # exact_row_pass.cu: the exact passes' windows int64 (0) or float64 checked at their
+                                # close (1, exact_row_windows.cu; plan.exact_row_double): the same integers
+    "EXACT_FIXUP_BLOCKS": 64,   # exact_row_windows.cu: the fixup kernels' grid (256 threads, a warp an entry)
 }
 SMEM_BLOCK_MAX = 227 * 1024       # dynamic + static shared memory one block may opt in to (sm_90, sm_100)
 BWD_STAGE_BUDGET = 200 * 1024     # dynamic shared memory of the backward's stages (static scratch beside it)
@@ -296,14 +299,18 @@ class Plan:
                     TABLE_AHEAD=self.table_tile[2],
                     FWD_ROW_LIST_MAX=t["FWD_ROW_LIST_MAX"], ROW_LIST_MAX=t["ROW_LIST_MAX"],
                     TB_THREADS=t["TB_THREADS"], TB_ROWS=self.tb_rows, TB_SPLIT=int(self.tb_split),
-                    TB_EARLY=t["TB_EARLY"], TB_COLUMNS=self.tb_columns, TB_VEC=self.tb_vec,
-                    TB_MMA=int(self.tb_mma),
+                    TB_EARLY=t["TB_EARLY"], TB_COLUMNS=self.tb_columns, TB_VEC=self.tb_vec, TB_MMA=int(self.tb_mma),
                     ROW_ORDER_THREADS=ROW_ORDER_THREADS, ROW_ORDER_KEYS_MAX=ROW_ORDER_KEYS_MAX,
                     ROW_ORDER_WIDE=int(self.row_order_wide),
                     GR_THREADS=self.gr_threads, SUM_GROUPS=t["SUM_GROUPS"], RP_T=self.rp_t, TABLE_N=self.columns,
                     TABLE_F32_ROUNDED=int(self.table_f32_rounded), TABLE_ROW_TABLES=int(self.table_row_tables),
                     EXACT_THREADS=t["EXACT_THREADS"], EXACT_AHEAD=t["EXACT_AHEAD"], EXACT_LIMBS=EXACT_LIMBS,
-                    EXACT_CACHE=t["EXACT_CACHE"])
+                    EXACT_CACHE=t["EXACT_CACHE"], EXACT_ROW_DOUBLE=int(self.exact_row_double))
+
+    @cached_property
+    def exact_row_double(self) -> bool:
+        """TUNING's EXACT_ROW_DOUBLE where a thread holds one vector (bwd_vpt 1: two vectors' windows spill)."""
+        return bool(dict(self.tuning)["EXACT_ROW_DOUBLE"]) and self.bwd_vpt == 1
 
     @cached_property
     def exact_smem(self) -> int:

@@ -163,31 +163,35 @@ __device__ __forceinline__ int sort_key(index_t i) { return (i < 0 || i >= ADALN
 // in another range's; an order whose offsets give no row for the position (a count <= 0, a position or row
 // out of range) yields row -1, poisoned: the kernels read and write nothing of it (never out of bounds).
 // sorted_table_row() reads t back.
-// Called by every thread; the caller syncs before reading the lists.
+// sorted_row_at gives one position's entries (the row, -1 for none; its timesteps entry in `code`), fill_sorted_rows
+// a block's. Called by every thread; the caller syncs before reading the lists.
+__device__ __forceinline__ int sorted_row_at(long long p, const index_t* row_index, const int* row_offsets,
+                                             const int* order, int S, int batches, int& code) {
+    int t = 0;  // the table row whose positions [batches * row_offsets[t], batches * row_offsets[t + 1]) hold p
+#if ADALN_T <= 32
+#pragma unroll
+    for (int k = 1; k < ADALN_T; ++k) t += (long long)batches * row_offsets[k] <= p;  // loads side by side
+#else
+    for (int hi = ADALN_T - 1; t < hi;) {  // the last k with batches * row_offsets[k] <= p: a binary search
+        const int mid = (t + hi + 1) / 2;
+        if ((long long)batches * row_offsets[mid] <= p) t = mid; else hi = mid - 1;
+    }
+#endif
+    const int begin = row_offsets[t], count = row_offsets[t + 1] - begin;
+    const long long q = p - (long long)batches * begin;
+    const int at = count > 0 && q >= 0 ? begin + (int)(q % count) : -1;
+    const int s = at >= 0 && at < S ? order[at] : -1;
+    const long long row = s >= 0 && s < S ? (q / count) * S + s : -1;
+    const bool usable = row >= 0 && row < (long long)batches * S;
+    code = usable && row_index[s] == t ? t : -(t + 1);
+    return usable ? (int)row : -1;
+}
+
 __device__ __forceinline__ void fill_sorted_rows(int* row_ids, int* timesteps, const index_t* row_index,
                                                  const int* row_offsets, const int* order, int p0, int n, int S,
                                                  int batches) {
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const long long p = (long long)p0 + i;
-        int t = 0;  // the table row whose positions [batches * row_offsets[t], batches * row_offsets[t + 1]) hold p
-#if ADALN_T <= 32
-#pragma unroll
-        for (int k = 1; k < ADALN_T; ++k) t += (long long)batches * row_offsets[k] <= p;  // loads side by side
-#else
-        for (int hi = ADALN_T - 1; t < hi;) {  // the last k with batches * row_offsets[k] <= p: a binary search
-            const int mid = (t + hi + 1) / 2;
-            if ((long long)batches * row_offsets[mid] <= p) t = mid; else hi = mid - 1;
-        }
-#endif
-        const int begin = row_offsets[t], count = row_offsets[t + 1] - begin;
-        const long long q = p - (long long)batches * begin;
-        const int at = count > 0 && q >= 0 ? begin + (int)(q % count) : -1;
-        const int s = at >= 0 && at < S ? order[at] : -1;
-        const long long row = s >= 0 && s < S ? (q / count) * S + s : -1;
-        const bool usable = row >= 0 && row < (long long)batches * S;
-        row_ids[i] = usable ? (int)row : -1;
-        timesteps[i] = usable && row_index[s] == t ? t : -(t + 1);
-    }
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        row_ids[i] = sorted_row_at((long long)p0 + i, row_index, row_offsets, order, S, batches, timesteps[i]);
 }
 
 // The table row of a position from fill_sorted_rows' timesteps entry (poisoned or not).

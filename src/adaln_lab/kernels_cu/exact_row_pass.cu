@@ -1,7 +1,8 @@
 // exact_row_pass.cu: the backward row passes with their column sums kept as exact integers: the row pass and the
 // exact sums in one read of x and dy (the states, limbs and flags of exact_sums.cu, whose exact_split this file's
-// windows use: that file comes first in the unit). ExactRowSums for norm_out's pass and a block's sorted passes of
-// its modulated norms; ExactGateSums for a block's gated residuals (gated_residual.cu's sorted pass).
+// windows use: that file comes first in the unit). ExactRowSums (or exact_row_windows.cu's DoubleRowSums, TUNING's
+// EXACT_ROW_DOUBLE) for norm_out's pass and a block's sorted passes of its modulated norms; ExactGateSums for a
+// block's gated residuals (gated_residual.cu's sorted pass).
 
 // ExactRowSums: the backward row pass's two sums (norm_modulate_bwd.cu's FloatSums: A of dy xhat, B of dy) kept
 // as the exact integers of exact_sums.cu's states instead, for norm_modulate_bwd_exact_bf16: the row pass and the
@@ -76,49 +77,63 @@ struct ExactRowSums {
     __device__ __forceinline__ float* slot(float*, size_t) const { return nullptr; }  // no partials
     __device__ __forceinline__ void store_none(float*) const {}
     __device__ __forceinline__ void store(float*, int) { flush_all(); }
+    __device__ __forceinline__ void init(unsigned long long* limbs, int4*, int*, int) {
+        table_limbs = limbs;  // no fixups: every term lands in its window
+        bad = 0;
+    }
 };
 
+// The row passes' exact sums: TUNING's EXACT_ROW_DOUBLE picks the windows (0 int64, 1 float64 checked at the close,
+// exact_row_windows.cu); the integers are the same.
+#if ADALN_EXACT_ROW_DOUBLE
+typedef DoubleRowSums RowExactSums;
+#else
+typedef ExactRowSums RowExactSums;
+#endif
+
 // norm_out's backward row pass (norm_modulate_bwd_bf16's: the same dx, the same grid) with its column sums exact
-// (ExactRowSums) into table_limbs (LIMBS, T, 2H), zeroed by the caller, and flags (1,) int32, or'd: no row_partials,
-// no reduce. Run: adaln_lab.ops.final_adaln_out.exact.launch_row_sums.
+// (RowExactSums) into table_limbs (LIMBS, T, 2H) and flags (2,) int32 (the flags, or'd; the fixup entries appended
+// to fixups (capacity,) int4 with EXACT_ROW_DOUBLE 1: exact_fixup_rows_bf16 adds them), both zeroed by the caller:
+// no row_partials, no reduce. Run: adaln_lab.ops.final_adaln_out.exact.launch_row_sums.
 extern "C" __global__ void __launch_bounds__(ADALN_BWD_THREADS)
 norm_modulate_bwd_exact_bf16(const bf16_t* __restrict__ dy, const bf16_t* __restrict__ x,
                              const float* __restrict__ rstd,
                              const bf16_t* __restrict__ norm_weight, const float* __restrict__ table_f32,
                              const index_t* __restrict__ timestep_indices, bf16_t* __restrict__ dx,
-                             unsigned long long* __restrict__ table_limbs, int* __restrict__ flags, int S, int rows,
-                             int rows_per_block, int table_stride) {
+                             unsigned long long* __restrict__ table_limbs, int* __restrict__ flags,
+                             int4* __restrict__ fixups, int S, int rows, int rows_per_block, int table_stride,
+                             int capacity) {
     extern __shared__ __align__(16) uint4 stages[];  // [ADALN_BWD_STAGES][2][ADALN_BWD_VPT][ADALN_BWD_THREADS]
     __shared__ float scratch[ADALN_BWD_THREADS / 32 + 1];
     __shared__ int timesteps[ADALN_ROW_LIST_MAX];
     __shared__ float row_rstd[ADALN_ROW_LIST_MAX];
-    ExactRowSums sums;
-    sums.table_limbs = table_limbs;
-    sums.bad = 0;
+    RowExactSums sums;
+    sums.init(table_limbs, fixups, flags, capacity);
     row_pass<2, ADALN_BWD_STAGES>(sums, dy, x, nullptr, rstd, norm_weight, table_f32, timestep_indices, dx, nullptr,
                                   S, rows, rows_per_block, table_stride, stages, scratch, timesteps, row_rstd);
     if (sums.bad) atomicOr(flags, sums.bad);
 }
 
 // An H3 block's sorted row passes (norm_modulate_bwd_sorted_bf16, norm_modulate_bwd_residual_sorted_bf16: the same
-// dx, the same grid and rows in table-row order) with their column sums exact (ExactRowSums, sent out when the stream
-// leaves a table row) into table_limbs (LIMBS, R, 2H) (R the plan's T: the block's 3T chunk rows), zeroed by the
-// caller, and flags (1,) int32, or'd: no row_partials, no reduce. Run: adaln_lab.ops.row_sums.launch_sorted_row_sums.
-// the two kernels' body: their shared arrays (the plain sorted kernels'), the pass with ExactRowSums, the flags
+// dx, the same grid and rows in table-row order) with their column sums exact (RowExactSums, sent out when the stream
+// leaves a table row) into table_limbs (LIMBS, R, 2H) (R the plan's T: the block's 3T chunk rows) and flags (2,)
+// int32 with fixups as norm_out's (exact_fixup_sorted_bf16 adds them), zeroed by the caller: no row_partials, no
+// reduce. Run: adaln_lab.ops.row_sums.launch_sorted_row_sums.
+// the two kernels' body: their shared arrays (the plain sorted kernels'), the pass with RowExactSums, the flags
 template <int NIN, int STAGES>
 __device__ __forceinline__ void sorted_exact_pass(const bf16_t* dy, const bf16_t* x, const bf16_t* d_residual,
                                                   const float* rstd, const bf16_t* norm_weight, const float* table_f32,
                                                   const index_t* row_index, const int* row_order, bf16_t* dx,
-                                                  unsigned long long* table_limbs, int* flags, int S, int rows,
-                                                  int rows_per_block, int table_stride) {
+                                                  unsigned long long* table_limbs, int* flags, int4* fixups,
+                                                  int S, int rows, int rows_per_block, int table_stride,
+                                                  int capacity) {
     extern __shared__ __align__(16) uint4 stages[];  // [STAGES][NIN][ADALN_BWD_VPT][ADALN_BWD_THREADS]
     __shared__ float scratch[ADALN_BWD_THREADS / 32 + 1];
     __shared__ int timesteps[ADALN_ROW_LIST_MAX];
     __shared__ float row_rstd[ADALN_ROW_LIST_MAX];
     __shared__ int row_ids[ADALN_ROW_LIST_MAX];
-    ExactRowSums sums;
-    sums.table_limbs = table_limbs;
-    sums.bad = 0;
+    RowExactSums sums;
+    sums.init(table_limbs, fixups, flags, capacity);
     sorted_row_pass<NIN, STAGES>(sums, dy, x, d_residual, rstd, norm_weight, table_f32, row_index, row_order, dx,
                                  nullptr, S, rows, rows_per_block, table_stride, stages, scratch, timesteps, row_rstd,
                                  row_ids);
@@ -130,10 +145,12 @@ norm_modulate_bwd_sorted_exact_bf16(const bf16_t* __restrict__ dy, const bf16_t*
                                     const float* __restrict__ rstd, const bf16_t* __restrict__ norm_weight,
                                     const float* __restrict__ table_f32, const index_t* __restrict__ row_index,
                                     const int* __restrict__ row_order, bf16_t* __restrict__ dx,
-                                    unsigned long long* __restrict__ table_limbs, int* __restrict__ flags, int S,
-                                    int rows, int rows_per_block, int table_stride) {
+                                    unsigned long long* __restrict__ table_limbs, int* __restrict__ flags,
+                                    int4* __restrict__ fixups, int S, int rows, int rows_per_block, int table_stride,
+                                    int capacity) {
     sorted_exact_pass<2, ADALN_BWD_STAGES>(dy, x, nullptr, rstd, norm_weight, table_f32, row_index, row_order, dx,
-                                           table_limbs, flags, S, rows, rows_per_block, table_stride);
+                                           table_limbs, flags, fixups, S, rows, rows_per_block, table_stride,
+                                           capacity);
 }
 
 extern "C" __global__ void __launch_bounds__(ADALN_BWD_THREADS)
@@ -144,9 +161,11 @@ norm_modulate_bwd_residual_sorted_exact_bf16(const bf16_t* __restrict__ dy, cons
                                              const index_t* __restrict__ row_index,
                                              const int* __restrict__ row_order, bf16_t* __restrict__ dx,
                                              unsigned long long* __restrict__ table_limbs, int* __restrict__ flags,
-                                             int S, int rows, int rows_per_block, int table_stride) {
+                                             int4* __restrict__ fixups, int S, int rows, int rows_per_block,
+                                             int table_stride, int capacity) {
     sorted_exact_pass<3, ADALN_BWD_RES_STAGES>(dy, x, d_residual, rstd, norm_weight, table_f32, row_index, row_order,
-                                               dx, table_limbs, flags, S, rows, rows_per_block, table_stride);
+                                               dx, table_limbs, flags, fixups, S, rows, rows_per_block, table_stride,
+                                               capacity);
 }
 
 // ExactGateSums: gated_residual.cu's FloatGateSums (the sorted pass's column sums of dout y, exact in float32: two

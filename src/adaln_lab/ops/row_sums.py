@@ -50,26 +50,58 @@ def launch_sums(k: dict, plan, stream: int, x: int, dy: int, rstd: int, row_inde
                              stream, x, dy, rstd, row_index, order, table_limbs, flags, rows, S, per_chunk)
 
 
+def fixup_capacity(plan, rows, sorted_rows: bool) -> int:
+    """Fixup entries an exact row pass may append (exact_row_windows.cu, plan.exact_row_double; 0 without): one
+    a vector of 8 columns of every window, a block's rows of one table row. norm_out's pass (sorted_rows False) has
+    at most min(T, rows a block) windows a block; a sorted pass's table rows run in order, so its blocks hold at
+    most bwd_ranges + R - 1 windows in all."""
+    if not plan.exact_row_double or not rows.rows:
+        return 0
+    windows = rows.bwd_ranges + plan.T - 1 if sorted_rows else rows.bwd_ranges * min(plan.T, rows.bwd_rows_per_range)
+    return windows * (plan.H // 8)
+
+
+def pass_buffers(plan, rows, sorted_rows: bool, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(table_limbs (LIMBS, R, 2H) int64, flags (2,) int32, fixups (capacity, 4) int32) of an exact row pass: the
+    limbs and flags zeroed (flags[0] the kernels' flags, `raise_flags` reads flags[:1]; flags[1] the fixup entries
+    appended), the entries written before they are read."""
+    limbs = torch.zeros((LIMBS, plan.T, 2 * plan.H), dtype=torch.int64, device=device)
+    flags = torch.zeros(2, dtype=torch.int32, device=device)
+    fixups = torch.empty((max(fixup_capacity(plan, rows, sorted_rows), 1), 4), dtype=torch.int32, device=device)
+    return limbs, flags, fixups
+
+
+def launch_fixups(k: dict, plan, stream: int, name: str, capacity: int, *args) -> None:
+    """exact_row_windows.cu's fixup kernel `name` after its pass (capacity 0: no float64 windows, nothing): args the
+    kernel's before (S, rows, rows_per_block, capacity), which follow them. A fixed grid whatever the entries'
+    count (on the device): integer additions, so any grid gives the same integers."""
+    if capacity:
+        k[name]((dict(plan.tuning)["EXACT_FIXUP_BLOCKS"], 1, 1), (256, 1, 1), 0, stream, *args, capacity)
+
+
 def launch_sorted_row_sums(k: dict, plan, rows, stream: int, dy: int, x: int, rstd: int, norm_weight: int,
                            table_f32: int, row_index: int, row_order: int, dx: int, table_limbs: int, flags: int,
-                           S: int, d_residual: int = 0, table_stride: int = 0) -> None:
+                           fixups: int, S: int, d_residual: int = 0, table_stride: int = 0) -> None:
     """exact_row_pass.cu's norm_modulate_bwd_(residual_)sorted_exact_bf16: a block's sorted row pass (dx as
     launchers.launch_sorted_row_pass writes it, with d_residual where given) with its two column sums a table row
-    added exactly into table_limbs (LIMBS, R, 2H) (uncarried), flags (1,) int32 or'd (the caller zeroes both);
-    nothing with no rows."""
+    added exactly into table_limbs (LIMBS, R, 2H) (uncarried), flags (2,) int32 and fixups as `pass_buffers` makes
+    them, then exact_fixup_sorted_bf16 where plan.exact_row_double; nothing with no rows."""
     if not rows.rows:
         return
     stride = table_stride or 2 * plan.H
     grid, block = (rows.bwd_ranges, 1, 1), (plan.bwd_threads, 1, 1)
+    capacity, per = fixup_capacity(plan, rows, True), rows.bwd_rows_per_range
     if d_residual:
         k["norm_modulate_bwd_residual_sorted_exact_bf16"](grid, block, plan.bwd_res_smem, stream, dy, x, d_residual,
                                                           rstd, norm_weight, table_f32, row_index, row_order, dx,
-                                                          table_limbs, flags, S, rows.rows, rows.bwd_rows_per_range,
-                                                          stride)
+                                                          table_limbs, flags, fixups, S, rows.rows, per, stride,
+                                                          capacity)
     else:
         k["norm_modulate_bwd_sorted_exact_bf16"](grid, block, plan.bwd_smem, stream, dy, x, rstd, norm_weight,
-                                                 table_f32, row_index, row_order, dx, table_limbs, flags, S,
-                                                 rows.rows, rows.bwd_rows_per_range, stride)
+                                                 table_f32, row_index, row_order, dx, table_limbs, flags, fixups, S,
+                                                 rows.rows, per, stride, capacity)
+    launch_fixups(k, plan, stream, "exact_fixup_sorted_bf16", capacity, x, dy, rstd, row_index, row_order, fixups,
+                  flags, table_limbs, S, rows.rows, per)
 
 
 def check_rows(rows: int, op: str) -> None:
@@ -80,9 +112,13 @@ def check_rows(rows: int, op: str) -> None:
 
 def raise_flags(flags: torch.Tensor, op: str, index: str = "a row index outside [0, R)") -> None:
     """Raise what the kernels flagged in `flags` (1,) int32 (a host read): ValueError for a non-finite term,
-    IndexError for `index` (bit 1: a row index outside [0, R), its row left out); the states are then not sums of
-    every term."""
+    IndexError for `index` (bit 1: a row index outside [0, R), its row left out), RuntimeError for a fixup entry
+    with no room (bit 2, exact_row_windows.cu: never, the capacity counts every window); the states are then not
+    sums of every term."""
     bits = int(flags)
+    if bits & 4:
+        raise RuntimeError(f"{op}: an exact row pass found no room for a fixup entry (a bug of adaln_lab: "
+                           "row_sums.fixup_capacity counts every window); the sums are not complete")
     if bits & 1:
         raise ValueError(f"{op}: a non-finite gradient term (inf or NaN in x, dy or the table): an exact sum of it "
                          "does not exist")

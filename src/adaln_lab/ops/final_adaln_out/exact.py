@@ -37,13 +37,14 @@ from __future__ import annotations
 import torch
 
 from ...core import launchers, tensors
-from ...core.exact import LIMBS, ExactSum, products
+from ...core.exact import ExactSum, products
 from ...core.exact_kernels import ExactKernels
 from ...core.library import eager
 from ...core.plan import forward_bytes
 from ...reference.backward import rows_index
 from ...reference.final_adaln_out import replay, table_rows
-from ..row_sums import check_rows, exact_row_order, half, launch_sums, raise_flags
+from ..row_sums import (check_rows, exact_row_order, fixup_capacity, half, launch_fixups, launch_sums,
+                        pass_buffers, raise_flags)
 from . import launch
 
 
@@ -124,14 +125,18 @@ class NormOutSums:
 
 
 def launch_row_sums(k: dict, plan, rows, stream: int, dy: int, x: int, rstd: int, norm_weight: int, table_f32: int,
-                    timestep_indices: int, dx: int, table_limbs: int, flags: int, S: int) -> None:
+                    timestep_indices: int, dx: int, table_limbs: int, flags: int, fixups: int, S: int) -> None:
     """exact_row_pass.cu's norm_modulate_bwd_exact_bf16: the backward row pass (dx (rows, H) bf16,
     norm_modulate_bwd_bf16's bits and grid) with its two column sums a table row added exactly into table_limbs
-    (LIMBS, T, 2H) (uncarried), flags (1,) int32 or'd (the caller zeroes both); nothing with no rows."""
+    (LIMBS, T, 2H) (uncarried), flags (2,) int32 and fixups as `row_sums.pass_buffers` makes them, then
+    exact_fixup_rows_bf16 where plan.exact_row_double; nothing with no rows."""
     if rows.rows:
+        capacity, per = fixup_capacity(plan, rows, False), rows.bwd_rows_per_range
         k["norm_modulate_bwd_exact_bf16"]((rows.bwd_ranges, 1, 1), (plan.bwd_threads, 1, 1), plan.bwd_smem, stream,
                                           dy, x, rstd, norm_weight, table_f32, timestep_indices, dx, table_limbs,
-                                          flags, S, rows.rows, rows.bwd_rows_per_range, 2 * plan.H)
+                                          flags, fixups, S, rows.rows, per, 2 * plan.H, capacity)
+        launch_fixups(k, plan, stream, "exact_fixup_rows_bf16", capacity, x, dy, rstd, timestep_indices, fixups,
+                      flags, table_limbs, S, rows.rows, per)
 
 
 def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int, dx=None) -> NormOutSums:
@@ -151,12 +156,12 @@ def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int,
     _, table_f32, rstd = launch.saved_views(workspace, T, H, rows, D)
     stream = tensors.current_stream(device)
     sums = NormOutSums.__new__(NormOutSums)
-    table = torch.zeros((LIMBS, T, 2 * H), dtype=torch.int64, device=x.device)
-    flags = torch.zeros(1, dtype=torch.int32, device=x.device)
+    table, flags, fixups = pass_buffers(plan, rows_plan, False, x.device)
     (dy, x, norm_weight), at = tensors.aligned_addresses(dy, x, norm_weight)
     if dx is not None:  # the row pass with exact sums: dx and the states in one read of x and dy
         launch_row_sums(k, plan, rows_plan, stream, at[0], at[1], rstd.data_ptr(), at[2], table_f32.data_ptr(),
-                        timestep_indices.data_ptr(), dx.data_ptr(), table.data_ptr(), flags.data_ptr(), x.shape[-2])
+                        timestep_indices.data_ptr(), dx.data_ptr(), table.data_ptr(), flags.data_ptr(),
+                        fixups.data_ptr(), x.shape[-2])
     else:
         order = exact_row_order(timestep_indices, rows)
         launch_sums(k, plan, stream, at[1], at[0], rstd.data_ptr(), timestep_indices.data_ptr(), order.data_ptr(),
@@ -164,7 +169,7 @@ def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int,
     # carried by exact_state.cu, whose kernels also form write's products and roundings
     sums.table = ExactSum.from_limbs(table, kernels=ExactKernels(k, x.device.index)).carried()
     sums.scale, sums.norm_weight = table_factors(norm_weight, table_f32)
-    sums.flags = [flags]
+    sums.flags = [flags[:1]]
     return sums
 
 

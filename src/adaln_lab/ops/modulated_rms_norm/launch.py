@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ...core import launchers, tensors
-from ...core.exact import LIMBS, ExactSum
+from ...core.exact import ExactSum
 from ...core.exact_kernels import ExactKernels
 from ...core.library import library_op
 from ...reference.backward import modulated_rms_norm_backward, rstd_of
@@ -97,7 +97,8 @@ def backward_exact(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor,
                    order: torch.Tensor | None, dx: torch.Tensor) -> tuple[ExactSum, torch.Tensor]:
     """Route "cupy" inside ExactGradients (eager): dx as `backward` writes it, and instead of the parameter
     gradients the exact sums of its row pass (`ops.row_sums`: B | A (R, 2H), from norm_modulate_bwd_(residual_)
-    sorted_exact_bf16 in the same read of x and dy) with the kernels' flags (1,) int32."""
+    sorted_exact_bf16 in the same read of x and dy, and exact_fixup_sorted_bf16 where plan.exact_row_double)
+    with the kernels' flags (1,) int32."""
     R, H = shift.shape
     plan, rows, k, stream = tensors.row_setup(x, R)
     row_sums.check_rows(rows.rows, "modulated_rms_norm")
@@ -107,13 +108,12 @@ def backward_exact(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor,
     order = row_order(row_index, R, H) if order is None else order.contiguous()
     fused = d_residual is not None and plan.bwd_res_stages > 0
     d_residual = tensors.aligned(d_residual) if fused else d_residual
-    limbs = torch.zeros((LIMBS, R, 2 * H), dtype=torch.int64, device=x.device)
-    flags = torch.zeros(1, dtype=torch.int32, device=x.device)
+    limbs, flags, fixups = row_sums.pass_buffers(plan, rows, True, x.device)
     row_sums.launch_sorted_row_sums(k, plan, rows, stream, at[0], at[1], rstd.data_ptr(), at[2],
                                     table_f32.data_ptr(), row_index.data_ptr(), order.data_ptr(), dx.data_ptr(),
-                                    limbs.data_ptr(), flags.data_ptr(), x.shape[-2],
+                                    limbs.data_ptr(), flags.data_ptr(), fixups.data_ptr(), x.shape[-2],
                                     d_residual.data_ptr() if fused else 0, table_stride)
     state = ExactSum.from_limbs(limbs, kernels=ExactKernels(k, x.device.index)).carried()
     if d_residual is not None and not fused:
         dx.add_(d_residual)
-    return state, flags
+    return state, flags[:1]
