@@ -309,13 +309,13 @@ class Plan:
 
     @cached_property
     def exact_row_double(self) -> bool:
-        """TUNING's EXACT_ROW_DOUBLE where a thread holds one vector (bwd_vpt 1: two vectors' windows spill)."""
-        return bool(dict(self.tuning)["EXACT_ROW_DOUBLE"]) and self.bwd_vpt == 1
+        """EXACT_ROW_DOUBLE where it fits: a vector a thread, <= 768 threads (80 registers), 3+ stages (1 + scale)."""
+        return (bool(dict(self.tuning)["EXACT_ROW_DOUBLE"]) and self.bwd_vpt == 1 and self.bwd_threads <= 768
+                and min(self.bwd_stages, self.bwd_res_stages) >= 3)
 
     @cached_property
     def exact_smem(self) -> int:
-        """Dynamic shared memory of exact_sums.cu: LIMBS int64 limbs of 2 sums x 2 columns a thread (none with
-        EXACT_CACHE 2)."""
+        """exact_sums.cu's dynamic shared memory: LIMBS int64 limbs, 2 sums x 2 columns a thread (EXACT_CACHE 2: 0)."""
         t = dict(self.tuning)
         return 0 if t["EXACT_CACHE"] == 2 else EXACT_LIMBS * 4 * t["EXACT_THREADS"] * 8
 

@@ -84,11 +84,16 @@ struct ExactRowSums {
 };
 
 // The row passes' exact sums: TUNING's EXACT_ROW_DOUBLE picks the windows (0 int64, 1 float64 checked at the close,
-// exact_row_windows.cu); the integers are the same.
+// exact_row_windows.cu: their 48 registers of windows leave no room for the modulation, whose 1 + scale takes the
+// last stage's space instead, one row fewer in flight); the integers and dx are the same.
 #if ADALN_EXACT_ROW_DOUBLE
 typedef DoubleRowSums RowExactSums;
+typedef SharedModulation RowExactModulation;
+#define EXACT_MOD_STAGES 1
 #else
 typedef ExactRowSums RowExactSums;
+typedef RegisterModulation RowExactModulation;
+#define EXACT_MOD_STAGES 0
 #endif
 
 // norm_out's backward row pass (norm_modulate_bwd_bf16's: the same dx, the same grid) with its column sums exact
@@ -109,8 +114,9 @@ norm_modulate_bwd_exact_bf16(const bf16_t* __restrict__ dy, const bf16_t* __rest
     __shared__ float row_rstd[ADALN_ROW_LIST_MAX];
     RowExactSums sums;
     sums.init(table_limbs, fixups, flags, capacity);
-    row_pass<2, ADALN_BWD_STAGES>(sums, dy, x, nullptr, rstd, norm_weight, table_f32, timestep_indices, dx, nullptr,
-                                  S, rows, rows_per_block, table_stride, stages, scratch, timesteps, row_rstd);
+    row_pass<2, ADALN_BWD_STAGES - EXACT_MOD_STAGES, RowExactSums, RowExactModulation>(
+        sums, dy, x, nullptr, rstd, norm_weight, table_f32, timestep_indices, dx, nullptr, S, rows, rows_per_block,
+        table_stride, stages, scratch, timesteps, row_rstd);
     if (sums.bad) atomicOr(flags, sums.bad);
 }
 
@@ -134,9 +140,9 @@ __device__ __forceinline__ void sorted_exact_pass(const bf16_t* dy, const bf16_t
     __shared__ int row_ids[ADALN_ROW_LIST_MAX];
     RowExactSums sums;
     sums.init(table_limbs, fixups, flags, capacity);
-    sorted_row_pass<NIN, STAGES>(sums, dy, x, d_residual, rstd, norm_weight, table_f32, row_index, row_order, dx,
-                                 nullptr, S, rows, rows_per_block, table_stride, stages, scratch, timesteps, row_rstd,
-                                 row_ids);
+    sorted_row_pass<NIN, STAGES - EXACT_MOD_STAGES, RowExactSums, RowExactModulation>(
+        sums, dy, x, d_residual, rstd, norm_weight, table_f32, row_index, row_order, dx, nullptr, S, rows,
+        rows_per_block, table_stride, stages, scratch, timesteps, row_rstd, row_ids);
     if (sums.bad) atomicOr(flags, sums.bad);
 }
 

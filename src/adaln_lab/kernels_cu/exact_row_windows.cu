@@ -25,7 +25,9 @@
 // wrong sum). Integer additions in any order: the states are ExactRowSums' integers, whatever passes, fails or
 // lands where.
 // Cost a term (the row loop): A one FMUL, one conversion, two DADD; B one conversion, one DADD and two min / max a
-// term for the vector's exponents (ExactRowSums: about 14 integer instructions and an F2I a term).
+// term for the vector's exponents (ExactRowSums: about 14 integer instructions and an F2I a term). The windows take
+// 48 registers a vector, so these passes keep 1 + scale in shared memory (norm_modulate_bwd.cu's SharedModulation,
+// in the last stage's room: one row fewer in flight) and read the norm weight again each row.
 
 #define EXACT_B_BITS 45  // 53 - 8: B's bound n 2^(Emax - Emin) <= 2^EXACT_B_BITS
 

@@ -77,6 +77,54 @@ __device__ __forceinline__ void load_modulation(const bf16_t* norm_weight, const
     }
 }
 
+// The modulation of this thread's columns (norm_weight w and 1 + scale[t]) as the row passes read it: load() at a
+// table row's start, vector(i, w, s1) a vector's values for a row. RegisterModulation keeps them in registers (every
+// plain pass); exact_row_pass.cu's float64 windows take SharedModulation (their registers hold the windows).
+struct RegisterModulation {
+    row_vectors w, s1;
+    __device__ __forceinline__ void load(const bf16_t* norm_weight, const float* scale, uint4*) {
+        load_modulation(norm_weight, scale, w, s1);
+    }
+    __device__ __forceinline__ void vector(int i, float (&wv)[ADALN_VEC], float (&sv)[ADALN_VEC]) const {
+#pragma unroll
+        for (int e = 0; e < ADALN_VEC; ++e) {
+            wv[e] = w[i][e];
+            sv[e] = s1[i][e];
+        }
+    }
+};
+
+// 1 + scale[t] in shared memory (`space`: one stage's room, [VPT][2][THREADS] float4, each thread its own slots, so
+// no barrier), norm_weight read again from global memory a row (16 bytes a vector; every block reads the same H)
+struct SharedModulation {
+    float4* s1;
+    const bf16_t* norm_weight;
+    __device__ __forceinline__ void load(const bf16_t* weight, const float* scale, uint4* space) {
+        norm_weight = weight;
+        s1 = reinterpret_cast<float4*>(space);
+#pragma unroll
+        for (int i = 0; i < ADALN_BWD_VPT; ++i) {
+            const int v = threadIdx.x + i * ADALN_BWD_THREADS;
+            if (v < ADALN_NVEC_H) {
+                const float4 a = *reinterpret_cast<const float4*>(scale + v * ADALN_VEC);
+                const float4 b = *reinterpret_cast<const float4*>(scale + v * ADALN_VEC + 4);
+                s1[2 * i * ADALN_BWD_THREADS + threadIdx.x] = make_float4(1.0f + a.x, 1.0f + a.y, 1.0f + a.z,
+                                                                          1.0f + a.w);
+                s1[(2 * i + 1) * ADALN_BWD_THREADS + threadIdx.x] = make_float4(1.0f + b.x, 1.0f + b.y,
+                                                                                1.0f + b.z, 1.0f + b.w);
+            }
+        }
+    }
+    __device__ __forceinline__ void vector(int i, float (&wv)[ADALN_VEC], float (&sv)[ADALN_VEC]) const {
+        load8(norm_weight + (threadIdx.x + i * ADALN_BWD_THREADS) * ADALN_VEC, wv);
+        const float4 a = s1[2 * i * ADALN_BWD_THREADS + threadIdx.x];
+        const float4 b = s1[(2 * i + 1) * ADALN_BWD_THREADS + threadIdx.x];
+        const float q[ADALN_VEC] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int e = 0; e < ADALN_VEC; ++e) sv[e] = q[e];
+    }
+};
+
 // The row passes' per-table-row column sums of this thread's columns, in float32 registers: A = sum dy * xhat (one
 // fma a row) and B = sum dy, in row order; store() writes them to `slot` (2, H): A, then B. (exact_row_pass.cu's
 // ExactRowSums keeps the same two sums as exact integers instead: the row passes take either.)
@@ -126,23 +174,23 @@ struct FloatSums {
 // to the sums (`sums.poison()` for an invalid row; dx_row nullptr: nothing stored). refill() runs as soon as this
 // thread has read its slots of
 // the stage (the next row's copies land there while the block sums the row's dot product).
-template <int NIN, typename Sums, typename Refill>
-__device__ __forceinline__ void reduce_row(const uint4* stage, float rstd_r, bool invalid, const row_vectors& w,
-                                           const row_vectors& s1, Sums& sums, bf16_t* dx_row, float* scratch,
-                                           Refill refill) {
+template <int NIN, typename Sums, typename Mod, typename Refill>
+__device__ __forceinline__ void reduce_row(const uint4* stage, float rstd_r, bool invalid, const Mod& mod,
+                                           Sums& sums, bf16_t* dx_row, float* scratch, Refill refill) {
     float xhat[ADALN_BWD_VPT][ADALN_VEC], g[ADALN_BWD_VPT][ADALN_VEC];
     float dot = 0.0f;
 #pragma unroll
     for (int i = 0; i < ADALN_BWD_VPT; ++i) {
         const int v = threadIdx.x + i * ADALN_BWD_THREADS;
         if (v < ADALN_NVEC_H) {
-            float dyv[ADALN_VEC];
+            float dyv[ADALN_VEC], w[ADALN_VEC], s1[ADALN_VEC];
             unpack8(stage[i * ADALN_BWD_THREADS + threadIdx.x], xhat[i]);
             unpack8(stage[(ADALN_BWD_VPT + i) * ADALN_BWD_THREADS + threadIdx.x], dyv);
+            mod.vector(i, w, s1);
 #pragma unroll
             for (int e = 0; e < ADALN_VEC; ++e) {
                 xhat[i][e] *= rstd_r;
-                g[i][e] = dyv[e] * s1[i][e] * w[i][e];
+                g[i][e] = dyv[e] * s1[e] * w[e];
                 dot = fmaf(g[i][e], xhat[i][e], dot);
                 sums.add(i, e, dyv[e], xhat[i][e]);
             }
@@ -179,7 +227,7 @@ __device__ __forceinline__ void reduce_row(const uint4* stage, float rstd_r, boo
 
 // NIN inputs per row (2: x, dy; 3: x, dy, d_residual), STAGES rows in flight; the block's rows in row order,
 // one pass per timestep (norm_out's backward), each pass's sums stored by `sums.store(slot, t)`
-template <int NIN, int STAGES, typename Sums>
+template <int NIN, int STAGES, typename Sums, typename Mod = RegisterModulation>
 __device__ __forceinline__ void row_pass(Sums& sums, const bf16_t* __restrict__ dy,
                                          const bf16_t* __restrict__ x,
                                          const bf16_t* __restrict__ d_residual, const float* __restrict__ rstd,
@@ -202,8 +250,8 @@ __device__ __forceinline__ void row_pass(Sums& sums, const bf16_t* __restrict__ 
             sums.store_none(slot);
             continue;
         }
-        row_vectors w, s1;
-        load_modulation(norm_weight, table_f32 + (size_t)t * table_stride + ADALN_H, w, s1);
+        Mod mod;
+        mod.load(norm_weight, table_f32 + (size_t)t * table_stride + ADALN_H, stages + STAGES * STAGE_VECTORS);
         sums.begin(t);
 
         int pos[STAGES + 1];      // pos[0]: the row being reduced; then the rows in flight
@@ -217,7 +265,7 @@ __device__ __forceinline__ void row_pass(Sums& sums, const bf16_t* __restrict__ 
             uint4* stage = stages + (k % STAGES) * STAGE_VECTORS;
             copy_async_wait<STAGES - 1>();
             const int row = r0 + pos[0];
-            reduce_row<NIN>(stage, row_rstd[pos[0]], timesteps[pos[0]] < 0, w, s1, sums,
+            reduce_row<NIN>(stage, row_rstd[pos[0]], timesteps[pos[0]] < 0, mod, sums,
                             dx + (size_t)row * ADALN_H, scratch, [&] {
                                 pos[STAGES] = next_in_pass(timesteps, pos[STAGES - 1], n, t);
                                 fetch_row_inputs<NIN>(stage, x, dy, d_residual, r0 + pos[STAGES], pos[STAGES] < n);
@@ -232,7 +280,7 @@ __device__ __forceinline__ void row_pass(Sums& sums, const bf16_t* __restrict__ 
 // The same rows' math over the positions of the rows in table-row order (row_order.cu): one stream of rows
 // through the stages whatever their table rows, the partial sums of table row t stored (`sums.store`) to slot
 // blockIdx.x + t when the stream leaves t (an H3 block's backward)
-template <int NIN, int STAGES, typename Sums>
+template <int NIN, int STAGES, typename Sums, typename Mod = RegisterModulation>
 __device__ __forceinline__ void sorted_row_pass(Sums& sums, const bf16_t* __restrict__ dy,
                                                 const bf16_t* __restrict__ x,
                                                 const bf16_t* __restrict__ d_residual, const float* __restrict__ rstd,
@@ -251,8 +299,9 @@ __device__ __forceinline__ void sorted_row_pass(Sums& sums, const bf16_t* __rest
     __syncthreads();
 
     int t = sorted_table_row(timesteps[0]);
-    row_vectors w, s1;
-    load_modulation(norm_weight, table_f32 + (size_t)t * table_stride + ADALN_H, w, s1);
+    Mod mod;
+    uint4* const room = stages + STAGES * STAGE_VECTORS;  // SharedModulation's: the stage after the last in use
+    mod.load(norm_weight, table_f32 + (size_t)t * table_stride + ADALN_H, room);
     sums.begin(t);
 #pragma unroll
     for (int d = 0; d < STAGES; ++d)
@@ -262,7 +311,7 @@ __device__ __forceinline__ void sorted_row_pass(Sums& sums, const bf16_t* __rest
     for (int k = 0; k < n; ++k) {
         uint4* stage = stages + (k % STAGES) * STAGE_VECTORS;
         copy_async_wait<STAGES - 1>();
-        reduce_row<NIN>(stage, row_rstd[k], timesteps[k] < 0, w, s1, sums,
+        reduce_row<NIN>(stage, row_rstd[k], timesteps[k] < 0, mod, sums,
                         row_ids[k] >= 0 ? dx + (size_t)row_ids[k] * ADALN_H : nullptr, scratch, [&] {
                             const int next = k + STAGES;
                             fetch_row_inputs<NIN>(stage, x, dy, d_residual, next < n ? row_ids[next] : 0,
@@ -273,7 +322,7 @@ __device__ __forceinline__ void sorted_row_pass(Sums& sums, const bf16_t* __rest
             sums.store(sums.slot(row_partials, (size_t)blockIdx.x + t), t);
             if (next_t >= 0) {
                 t = next_t;
-                load_modulation(norm_weight, table_f32 + (size_t)t * table_stride + ADALN_H, w, s1);
+                mod.load(norm_weight, table_f32 + (size_t)t * table_stride + ADALN_H, room);
                 sums.begin(t);
             }
         }
