@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from fractions import Fraction
 
 import numpy as np
 import pytest
 import torch
 
-from adaln_lab.core.plan import plan
-from adaln_lab.ops.row_sums import fixup_capacity
+from adaln_lab.core import loader
+from adaln_lab.ops.row_sums import FIXUPS_MAX, fixup_capacity
 
-B_BITS = 45  # exact_row_windows.cu's EXACT_B_BITS: 53 - 8
+# exact_row_windows.cu's EXACT_B_BITS (53 - 8), read from the kernel's source
+B_BITS = int(re.search(r"#define EXACT_B_BITS (\d+)", (loader.kernel_dir() / "exact_row_windows.cu").read_text())[1])
 
 
 def rounded(exact: Fraction, mode: str) -> float:
@@ -108,6 +110,25 @@ def test_a_planted_bound_is_caught():
     assert not a_accepts([1.0, 2.0 ** -60, -1.0]) and a_accepts([1.0, 2.0 ** -40, -1.0])
 
 
+def test_b_accepts_only_exact_windows_at_the_edge_of_its_bound():
+    """Windows built at B's bound (Emax - Emin = d from 34 to 47, n near 2^(45 - d) and 2^(46 - d) rows, at most a
+    range's 2048; n - 1 terms at Emax and one at Emin, all of one sign with all 8 significant bits set, the small one
+    last): every window the kernel's bound accepts has an exact sum, it accepts some, and a bound one bit looser
+    accepts one whose rounded sum is not exact."""
+    top = bf16(255 / 128)  # 1.1111111b: the widest mantissa
+    accepted, looser_caught = 0, False
+    for d in range(34, 48):
+        for n in sorted({max(2 ** (45 - d), 1), max(2 ** (45 - d), 1) + 1, max(2 ** (46 - d), 2)}):
+            column = [top] * (n - 1) + [bf16(top * 2.0 ** -d)]
+            dys = [v for t in column for v in (t, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)]
+            exact = Fraction(window_sum(column, "rn")) == sum(map(Fraction, column))
+            if b_accepts(dys):
+                accepted += 1
+                assert exact, (d, n)
+            looser_caught |= b_accepts(dys, bits=B_BITS + 1) and not exact
+    assert accepted > 0 and looser_caught
+
+
 def windows(keys: np.ndarray, per: int) -> int:
     """Windows of a pass over rows with table rows `keys` in blocks of `per` positions: the distinct (block, key)."""
     return len(set(zip((np.arange(len(keys)) // per).tolist(), keys.tolist())))
@@ -121,20 +142,17 @@ def test_the_fixup_capacity_counts_every_window(rows, T, monkeypatch):
     from adaln_lab.core import plan as plan_module
 
     monkeypatch.setitem(plan_module.TUNING, "EXACT_ROW_DOUBLE", 1)
-    plan_module.clear_caches()
-    p = plan(64, 32, T)
-    r = p.rows(rows)
+    monkeypatch.setattr(plan_module, "plan", plan_module.plan.__wrapped__)  # no cached plan in or out
+    monkeypatch.setattr(plan_module, "rows_of", plan_module.rows_of.__wrapped__)
+    p = plan_module.plan(64, 32, T)
+    r = plan_module.rows_of(p, rows)
     nvec = 64 // 8
     rng = np.random.default_rng(rows)
     for keys in (np.arange(rows) % T, rng.integers(0, T, rows)):  # the first: every block holds every table row
-        assert windows(keys, r.bwd_rows_per_range) * nvec <= fixup_capacity(p, r, False)
-        assert windows(np.sort(keys), r.bwd_rows_per_range) * nvec <= fixup_capacity(p, r, True)
+        assert min(windows(keys, r.bwd_rows_per_range) * nvec, FIXUPS_MAX) <= fixup_capacity(p, r, False)
+        assert min(windows(np.sort(keys), r.bwd_rows_per_range) * nvec, FIXUPS_MAX) <= fixup_capacity(p, r, True)
     monkeypatch.setitem(plan_module.TUNING, "EXACT_ROW_DOUBLE", 0)
-    plan_module.clear_caches()
-    try:
-        assert fixup_capacity(plan(64, 32, T), plan(64, 32, T).rows(rows), False) == 0
-    finally:
-        plan_module.clear_caches()
+    assert fixup_capacity(plan_module.plan(64, 32, T), r, False) == 0
 
 
 @pytest.fixture
@@ -255,11 +273,16 @@ def test_a_pass_whose_fixups_are_dropped_is_caught(double_windows, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("H", [16, 264])
-def test_a_blocks_sorted_passes_give_the_exact_integers_and_the_plain_dx(H, double_windows):
+def test_a_blocks_sorted_passes_give_the_exact_integers_and_the_plain_dx(H, double_windows, monkeypatch):
     """modulated_rms_norm.launch.backward_exact with float64 windows and exact_fixup_sorted_bf16 (with and without
     a residual gradient), terms over 100 binades in some columns: the integers of the kernels' terms and the plain
-    pass's dx, no flag."""
+    pass's dx, no flag, entries appended; with the fixup dropped the integers differ."""
+    from adaln_lab.ops import row_sums
     from adaln_lab.ops.modulated_rms_norm import launch as norm_launch
+
+    made = []  # each pass's flags (2,): flags[1] counts its entries
+    buffers = row_sums.pass_buffers
+    monkeypatch.setattr(row_sums, "pass_buffers", lambda *args: made.append(buffers(*args)) or made[-1])
 
     g = torch.Generator(device="cuda").manual_seed(H)
     S, R = 3000, 6
@@ -276,3 +299,7 @@ def test_a_blocks_sorted_passes_give_the_exact_integers_and_the_plain_dx(H, doub
         norm_launch.backward(dy, x, weight, table[:, :H], table[:, H:], idx, rstd, d_residual, None, "cupy",
                              plain_dx, torch.empty_like(weight), torch.empty(R, 2 * H, device="cuda"), 0, None)
         assert int(flags) == 0 and torch.equal(state.limbs, want) and torch.equal(dx, plain_dx)
+        assert int(made[-1][1][1]) > 0
+    monkeypatch.setattr(row_sums, "launch_fixups", lambda *args: None)
+    state, _ = norm_launch.backward_exact(dy, x, weight, table[:, :H], table[:, H:], idx, rstd, None, None, dx)
+    assert not torch.equal(state.limbs, want)

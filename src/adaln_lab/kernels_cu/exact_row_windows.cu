@@ -20,10 +20,9 @@
 // fails (or a non-finite sum) goes to the fixup: an entry (block, table row, vector of 8 columns, the columns whose A
 // and B failed) appended to `fixups` (capacity int4), counted at flags[1] (flags (2,) int32, zeroed by the caller);
 // exact_fixup_*_bf16 then adds those windows' terms as exact_split's integers (`window_terms`), setting flag bit 0
-// for a non-finite term as ExactRowSums does. The caller's capacity is every window's vectors (plan's
-// Rows.exact_fixups), so an entry always has room; one that had none would set flag bit 2 (the op raises, never a
-// wrong sum). Integer additions in any order: the states are ExactRowSums' integers, whatever passes, fails or
-// lands where.
+// for a non-finite term as ExactRowSums does. The caller's capacity is every window's vectors up to 2^20
+// (ops/row_sums.fixup_capacity); an entry with no room sets flag bit 2 (the op raises, never a wrong sum). Integer
+// additions in any order: the states are ExactRowSums' integers, whatever passes, fails or lands where.
 // Cost a term (the row loop): A one FMUL, one conversion, two DADD; B one conversion, one DADD and two min / max a
 // term for the vector's exponents (ExactRowSums: about 14 integer instructions and an F2I a term). The windows take
 // 48 registers a vector, so these passes keep 1 + scale in shared memory (norm_modulate_bwd.cu's SharedModulation,

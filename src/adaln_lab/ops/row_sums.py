@@ -50,15 +50,18 @@ def launch_sums(k: dict, plan, stream: int, x: int, dy: int, rstd: int, row_inde
                              stream, x, dy, rstd, row_index, order, table_limbs, flags, rows, S, per_chunk)
 
 
+FIXUPS_MAX = 2 ** 20  # fixup entries a pass may append at most (16 MB): every window's vectors up to here
+
+
 def fixup_capacity(plan, rows, sorted_rows: bool) -> int:
     """Fixup entries an exact row pass may append (exact_row_windows.cu, plan.exact_row_double; 0 without): one
-    a vector of 8 columns of every window, a block's rows of one table row. norm_out's pass (sorted_rows False) has
-    at most min(T, rows a block) windows a block; a sorted pass's table rows run in order, so its blocks hold at
-    most bwd_ranges + R - 1 windows in all."""
+    a vector of 8 columns of every window, a block's rows of one table row, at most FIXUPS_MAX. norm_out's pass
+    (sorted_rows False) has at most min(T, rows a block) windows a block; a sorted pass's table rows run in order,
+    so its blocks hold at most bwd_ranges + R - 1 windows in all."""
     if not plan.exact_row_double or not rows.rows:
         return 0
     windows = rows.bwd_ranges + plan.T - 1 if sorted_rows else rows.bwd_ranges * min(plan.T, rows.bwd_rows_per_range)
-    return windows * (plan.H // 8)
+    return min(windows * (plan.H // 8), FIXUPS_MAX)
 
 
 def pass_buffers(plan, rows, sorted_rows: bool, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -113,12 +116,13 @@ def check_rows(rows: int, op: str) -> None:
 def raise_flags(flags: torch.Tensor, op: str, index: str = "a row index outside [0, R)") -> None:
     """Raise what the kernels flagged in `flags` (1,) int32 (a host read): ValueError for a non-finite term,
     IndexError for `index` (bit 1: a row index outside [0, R), its row left out), RuntimeError for a fixup entry
-    with no room (bit 2, exact_row_windows.cu: never, the capacity counts every window); the states are then not
-    sums of every term."""
+    with no room (bit 2, exact_row_windows.cu: more than FIXUPS_MAX windows refused); the states are then not sums of
+    every term."""
     bits = int(flags)
     if bits & 4:
-        raise RuntimeError(f"{op}: an exact row pass found no room for a fixup entry (a bug of adaln_lab: "
-                           "row_sums.fixup_capacity counts every window); the sums are not complete")
+        raise RuntimeError(f"{op}: an exact row pass refused more than {FIXUPS_MAX} windows (terms over about 50 "
+                           "binades in most columns), more than its fixup list holds; the sums are not complete. "
+                           "Set adaln_lab.core.plan.TUNING['EXACT_ROW_DOUBLE'] = 0 (int64 windows) for such inputs")
     if bits & 1:
         raise ValueError(f"{op}: a non-finite gradient term (inf or NaN in x, dy or the table): an exact sum of it "
                          "does not exist")
