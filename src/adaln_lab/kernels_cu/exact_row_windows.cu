@@ -80,18 +80,6 @@ struct WindowRows {
     }
 };
 
-__device__ __forceinline__ void cache_term(ExactCache& c, unsigned long long* g, size_t stride, float f, int& bad) {
-    long long v;
-    int limb;
-    if (!exact_split(f, bad, v, limb)) return;
-    if (limb != c.k) {
-        cache_out(c, g, stride);
-        c.k = limb;
-    }
-    c.lo += v & 0xffffffffLL;
-    c.hi += v >> 32;
-}
-
 // The terms of one entry's refused windows (block b, table row t, vector v; the columns e with bit e of a_mask, A,
 // or b_mask, B), exactly: positions lane, lane + lanes, ... of the block, as exact_split's integers into the limbs.
 __device__ __forceinline__ void window_terms(const WindowRows& w, unsigned long long* table_limbs, int b, int t, int v,

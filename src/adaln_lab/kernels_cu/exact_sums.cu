@@ -63,8 +63,6 @@ __device__ __forceinline__ void cache_out(ExactCache& c, unsigned long long* g, 
     c.hi = 0;
 }
 
-// add float32 term f exactly to the state whose limb l sits at st[l * stride] (slots of one thread), through its
-// cache c (ADALN_EXACT_CACHE 2: to the output at g through c)
 // float32 term f as v (|v| < 2^56) in limb pair (limb, limb + 1) of a state in units of 2^-149 (the header's v and
 // k / 32); false for a zero term (nothing to add) and for inf or NaN (flag bit 0: no exact sum exists)
 __device__ __forceinline__ bool exact_split(float f, int& flags, long long& v, int& limb) {
@@ -89,18 +87,33 @@ __device__ __forceinline__ bool exact_split(float f, int& flags, long long& v, i
     return true;
 }
 
+// float32 term f into cache c, which goes out to the output at g (limb l at g[l * gstride]) by integer atomics when
+// the term lands in another pair (ADALN_EXACT_CACHE 2's add; exact_row_windows.cu's fixups)
+__device__ __forceinline__ void cache_term(ExactCache& c, unsigned long long* g, size_t gstride, float f, int& flags) {
+    long long v;
+    int limb;
+    if (!exact_split(f, flags, v, limb)) return;
+    if (limb != c.k) {
+        cache_out(c, g, gstride);
+        c.k = limb;
+    }
+    c.lo += v & 0xffffffffLL;
+    c.hi += v >> 32;
+}
+
+// add float32 term f exactly to the state whose limb l sits at st[l * stride] (slots of one thread), through its
+// cache c (ADALN_EXACT_CACHE 2: to the output at g through c)
 __device__ __forceinline__ void exact_add(ExactCache& c, long long* st, int stride, unsigned long long* g,
                                           size_t gstride, float f, int& flags) {
+#if ADALN_EXACT_CACHE == 2
+    cache_term(c, g, gstride, f, flags);
+#else
     long long v;
     int limb;
     if (!exact_split(f, flags, v, limb)) return;
 #if ADALN_EXACT_CACHE
     if (limb != c.k) {
-#if ADALN_EXACT_CACHE == 2
-        cache_out(c, g, gstride);
-#else
         cache_spill(c, st, stride);
-#endif
         c.k = limb;
     }
     c.lo += v & 0xffffffffLL;
@@ -109,6 +122,7 @@ __device__ __forceinline__ void exact_add(ExactCache& c, long long* st, int stri
     long long* at = st + limb * stride;
     at[0] += v & 0xffffffffLL;
     at[stride] += v >> 32;
+#endif
 #endif
 }
 

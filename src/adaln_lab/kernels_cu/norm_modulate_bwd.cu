@@ -102,16 +102,13 @@ struct SharedModulation {
     __device__ __forceinline__ void load(const bf16_t* weight, const float* scale, uint4* space) {
         norm_weight = weight;
         s1 = reinterpret_cast<float4*>(space);
+        row_vectors w, s;  // load_modulation's values; w unused (its loads dropped)
+        load_modulation(weight, scale, w, s);
 #pragma unroll
         for (int i = 0; i < ADALN_BWD_VPT; ++i) {
-            const int v = threadIdx.x + i * ADALN_BWD_THREADS;
-            if (v < ADALN_NVEC_H) {
-                const float4 a = *reinterpret_cast<const float4*>(scale + v * ADALN_VEC);
-                const float4 b = *reinterpret_cast<const float4*>(scale + v * ADALN_VEC + 4);
-                s1[2 * i * ADALN_BWD_THREADS + threadIdx.x] = make_float4(1.0f + a.x, 1.0f + a.y, 1.0f + a.z,
-                                                                          1.0f + a.w);
-                s1[(2 * i + 1) * ADALN_BWD_THREADS + threadIdx.x] = make_float4(1.0f + b.x, 1.0f + b.y,
-                                                                                1.0f + b.z, 1.0f + b.w);
+            if (threadIdx.x + i * ADALN_BWD_THREADS < ADALN_NVEC_H) {
+                s1[2 * i * ADALN_BWD_THREADS + threadIdx.x] = make_float4(s[i][0], s[i][1], s[i][2], s[i][3]);
+                s1[(2 * i + 1) * ADALN_BWD_THREADS + threadIdx.x] = make_float4(s[i][4], s[i][5], s[i][6], s[i][7]);
             }
         }
     }
