@@ -173,11 +173,11 @@ struct DoubleRowSums {
                 }
             }
             if (a_mask | b_mask) {
-                const int at = atomicAdd(flags + 1, 1);
-                if (at < capacity)
+                const unsigned at = (unsigned)atomicAdd(flags + 1, 1);  // past 2^31: unsigned, still no room
+                if (at < (unsigned)capacity)
                     fixups[at] = make_int4(blockIdx.x, current, v, a_mask | (b_mask << 8));
                 else
-                    bad |= 4;  // no room (the caller's capacity is every window's vectors: never)
+                    bad |= 4;  // no room: more windows refused than the list holds (the op raises)
             }
         }
         rows_since = 0;
@@ -192,7 +192,7 @@ struct DoubleRowSums {
 // terms added exactly (window_terms, lanes over the block's positions). Any grid: integer additions.
 __device__ __forceinline__ void fixup_entries(const WindowRows& w, const int4* fixups, int* flags,
                                               unsigned long long* table_limbs, int capacity) {
-    const int count = min(flags[1], capacity);
+    const int count = (int)min((unsigned)flags[1], (unsigned)capacity);
     const int warps = gridDim.x * (blockDim.x / 32), lane = threadIdx.x & 31;
     int bad = 0;
     for (int j = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; j < count; j += warps) {

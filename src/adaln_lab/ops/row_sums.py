@@ -67,10 +67,12 @@ def fixup_capacity(plan, rows, sorted_rows: bool) -> int:
 def pass_buffers(plan, rows, sorted_rows: bool, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(table_limbs (LIMBS, R, 2H) int64, flags (2,) int32, fixups (capacity, 4) int32) of an exact row pass: the
     limbs and flags zeroed (flags[0] the kernels' flags, `raise_flags` reads flags[:1]; flags[1] the fixup entries
-    appended), the entries written before they are read."""
+    appended), the entries written before they are read; with no capacity (int64 windows) fixups is flags, which
+    the pass then never reads as entries (one allocation less a call)."""
     limbs = torch.zeros((LIMBS, plan.T, 2 * plan.H), dtype=torch.int64, device=device)
     flags = torch.zeros(2, dtype=torch.int32, device=device)
-    fixups = torch.empty((max(fixup_capacity(plan, rows, sorted_rows), 1), 4), dtype=torch.int32, device=device)
+    capacity = fixup_capacity(plan, rows, sorted_rows)
+    fixups = torch.empty((capacity, 4), dtype=torch.int32, device=device) if capacity else flags
     return limbs, flags, fixups
 
 
