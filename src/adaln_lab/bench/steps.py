@@ -302,8 +302,9 @@ def memory(ctx: Context) -> int:
 
 
 def exact(ctx: Context) -> int:
-    """The exact route's checks and cost (bench/tools/exact_kernel_cost.py; a block's, bench/tools/block_exact_cost.py)
-    and its gradients' errors against float64 beside the plain ones' (bench/tools/exact_accuracy.py at 4097 rows)."""
+    """The exact route's checks and cost (bench/tools/exact_kernel_cost.py; a block's, bench/tools/block_exact_cost.py,
+    again with the float64 windows, --row-double 1) and its gradients' errors against float64 beside the plain ones'
+    (bench/tools/exact_accuracy.py at 4097 rows)."""
     tools = ctx.root / "bench" / "tools"
     rc = ctx.run(["exact_kernel_cost.json", "exact_kernel_cost.log"],
                  [PY, str(tools / "exact_kernel_cost.py"), "--out", str(ctx.out / "exact_kernel_cost.json")],
@@ -313,11 +314,16 @@ def exact(ctx: Context) -> int:
                     [PY, str(tools / "block_exact_cost.py"), "--out", str(ctx.out / "block_exact_cost.json")],
                     stdout="block_exact_cost.log", stderr=STDOUT)
     ctx.show_tail("block_exact_cost.log", 2)
+    double = ctx.run(["block_exact_cost_double.json", "block_exact_cost_double.log"],
+                     [PY, str(tools / "block_exact_cost.py"), "--row-double", "1", "--out",
+                      str(ctx.out / "block_exact_cost_double.json")], stdout="block_exact_cost_double.log",
+                     stderr=STDOUT)
+    ctx.show_tail("block_exact_cost_double.log", 2)
     accuracy = ctx.run(["exact_accuracy.json", "exact_accuracy.log"],
                        [PY, str(tools / "exact_accuracy.py"), "--rows", "4097", "--out",
                         str(ctx.out / "exact_accuracy.json")], stdout="exact_accuracy.log", stderr=STDOUT)
     ctx.show_tail("exact_accuracy.log", 2)
-    return rc or block or accuracy
+    return rc or block or double or accuracy
 
 
 def compare_needs_gpu(options) -> bool:
@@ -347,8 +353,8 @@ STEPS = {s.name: s for s in (
     Step("sweep", sweep, 200, "each shipped kernel timed alone: sweep.json, sweep.log"),
     Step("memory", memory, 120, "peak memory and growth over 1000 calls: memory_figures.json, memory_figures.log",
          shares=True),
-    Step("exact", exact, 360, "the exact route's checks, cost and accuracy: exact_kernel_cost.json, "
-         "block_exact_cost.json, exact_accuracy.json and their logs"),
+    Step("exact", exact, 480, "the exact route's checks, cost and accuracy: exact_kernel_cost.json, "
+         "block_exact_cost.json, block_exact_cost_double.json, exact_accuracy.json and their logs"),
 )}
 
 
