@@ -4,9 +4,9 @@ close, refused windows added by the fixup kernels.
 On the CPU: the two checks of the kernel's header, replayed on float64 sums with their roundings (rounded down / up /
 to nearest from exact fractions), accept only windows whose sum is exact, and a planted bound (B's terms taken as
 53-bit numbers, not 8-bit ones) is caught; `row_sums.fixup_capacity` counts every window of both passes' layouts. On
-the GPU: both exact passes with the float64 windows give the torch code's integers and the plain passes' dx, with
-windows refused on purpose (terms over 100 binades, subnormal dy) and the fixup's entries seen; a pass whose fixups
-are dropped is caught by the same comparison."""
+the GPU: norm_out's exact pass, a block's sorted norm passes and its gates' pass with the float64 windows give the
+torch code's integers and the plain passes' dx, with windows refused on purpose (terms over 100 binades, subnormal
+dy) and the fixup's entries seen; a pass whose fixups are dropped is caught by the same comparison."""
 
 from __future__ import annotations
 
@@ -273,11 +273,13 @@ def test_a_pass_whose_fixups_are_dropped_is_caught(double_windows, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("H", [16, 264])
-def test_a_blocks_sorted_passes_give_the_exact_integers_and_the_plain_dx(H, double_windows, monkeypatch):
+def test_a_blocks_passes_give_the_exact_integers_and_the_plain_dx(H, double_windows, monkeypatch):
     """modulated_rms_norm.launch.backward_exact with float64 windows and exact_fixup_sorted_bf16 (with and without
-    a residual gradient), terms over 100 binades in some columns: the integers of the kernels' terms and the plain
-    pass's dx, no flag, entries appended; with the fixup dropped the integers differ."""
+    a residual gradient) and gated_residual.launch.backward_exact with exact_fixup_gates_bf16, terms over 100
+    binades in some columns: the integers of the kernels' terms and the plain passes' dx and d_y, no flag, entries
+    appended; with the fixups dropped the integers differ."""
     from adaln_lab.ops import row_sums
+    from adaln_lab.ops.gated_residual import launch as gate_launch
     from adaln_lab.ops.modulated_rms_norm import launch as norm_launch
 
     made = []  # each pass's flags (2,): flags[1] counts its entries
@@ -300,6 +302,16 @@ def test_a_blocks_sorted_passes_give_the_exact_integers_and_the_plain_dx(H, doub
                              plain_dx, torch.empty_like(weight), torch.empty(R, 2 * H, device="cuda"), 0, None)
         assert int(flags) == 0 and torch.equal(state.limbs, want) and torch.equal(dx, plain_dx)
         assert int(made[-1][1][1]) > 0
+    gate = table[:, H:]
+    want_gate = exact_terms(x, dy, torch.ones_like(rstd), idx, R)  # dout y: x as y, rstd 1
+    d_y, plain_d_y = torch.empty_like(x), torch.empty_like(x)
+    state, flags = gate_launch.backward_exact(dy, gate, x, idx, None, d_y)
+    gate_launch.backward(dy, gate, x, idx, None, torch.bfloat16, "cupy", plain_d_y, torch.empty(R, H, device="cuda"),
+                         0, None)
+    assert int(flags) == 0 and torch.equal(d_y, plain_d_y) and int(made[-1][1][1]) > 0
+    assert torch.equal(state.limbs, row_sums.half(want_gate, 1).limbs)
     monkeypatch.setattr(row_sums, "launch_fixups", lambda *args: None)
     state, _ = norm_launch.backward_exact(dy, x, weight, table[:, :H], table[:, H:], idx, rstd, None, None, dx)
     assert not torch.equal(state.limbs, want)
+    state, _ = gate_launch.backward_exact(dy, gate, x, idx, None, d_y)
+    assert not torch.equal(state.limbs, row_sums.half(want_gate, 1).limbs)

@@ -48,7 +48,7 @@ KERNELS = ("table_act", "table_bf16", "norm_modulate_bf16", "norm_modulate_rowwi
            "norm_modulate_bwd_residual_sorted_exact_bf16", "gated_residual_bwd_sorted_exact_bf16",
            "exact_weight_products_f32", "exact_weight_products_bf16", "exact_products", "exact_round",
            "exact_input_products_f32", "exact_input_products_bf16", "exact_input_fold", "exact_fixup_rows_bf16",
-           "exact_fixup_sorted_bf16")
+           "exact_fixup_sorted_bf16", "exact_fixup_gates_bf16")
 TB_FUSED, TB_HALVES = ("table_bwd_bf16",), ("table_bwd_d_weight_bf16", "table_bwd_dact_bf16")
 TB_MMA = ("table_bwd_mma_terms", "table_bwd_mma_d_weight", "table_bwd_mma_dact")  # table_bwd_mma.cu (plan.tb_mma)
 ROW_ORDER_ONE, ROW_ORDER_WIDE = ("row_order",), ("row_order_count", "row_order_scan", "row_order_scatter")

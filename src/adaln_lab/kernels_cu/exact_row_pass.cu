@@ -202,6 +202,11 @@ struct ExactGateSums {
         for (int e = 0; e < ADALN_VEC; ++e) flush(e);
         rows_since = 0;
     }
+    __device__ __forceinline__ void init(unsigned long long* limbs, int4*, int*, int, int column) {
+        table_limbs = limbs;  // no fixups: every term lands in its window
+        c = column;
+        bad = 0;
+    }
     __device__ __forceinline__ void begin(int t) {  // the windows of table row t start empty
         current = t;
 #pragma unroll
@@ -229,20 +234,26 @@ struct ExactGateSums {
     }
 };
 
+#if ADALN_EXACT_ROW_DOUBLE
+typedef DoubleGateSums GateExactSums;  // exact_row_windows.cu's float64 windows (TUNING's EXACT_ROW_DOUBLE)
+#else
+typedef ExactGateSums GateExactSums;
+#endif
+
 // An H3 block's gated residual backward (gated_residual_bwd_sorted_bf16's d_y and grid, rows in table-row order) with
-// its gate sums exact (ExactGateSums) into table_limbs (LIMBS, R, H) (zeroed by the caller), flags (1,) int32 or'd:
-// no partials, no reduce. Run: adaln_lab.ops.gated_residual.launch.backward_exact.
+// its gate sums exact (GateExactSums) into table_limbs (LIMBS, R, H) and flags (2,) int32 with fixups as the row
+// passes' (exact_fixup_gates_bf16 adds them), zeroed by the caller: no partials, no reduce. Run:
+// adaln_lab.ops.gated_residual.launch.backward_exact.
 extern "C" __global__ void __launch_bounds__(ADALN_GR_THREADS)
 gated_residual_bwd_sorted_exact_bf16(const bf16_t* __restrict__ dout, const float* __restrict__ gate,
                                      const bf16_t* __restrict__ y, const index_t* __restrict__ row_index,
                                      const int* __restrict__ row_order, bf16_t* __restrict__ d_y,
                                      unsigned long long* __restrict__ table_limbs, int* __restrict__ flags,
-                                     int gate_stride, int S, int rows, int rows_per_range) {
+                                     int4* __restrict__ fixups, int gate_stride, int S, int rows, int rows_per_range,
+                                     int capacity) {
     const int c = blockIdx.y * ADALN_GR_THREADS + threadIdx.x;
-    ExactGateSums sums;
-    sums.table_limbs = table_limbs;
-    sums.bad = 0;
-    sums.c = c;
+    GateExactSums sums;
+    sums.init(table_limbs, fixups, flags, capacity, c);
     gated_residual_sorted_pass(sums, dout, gate, y, row_index, row_order, d_y, gate_stride, S, rows, rows_per_range, c);
     if (sums.bad) atomicOr(flags, sums.bad);
 }

@@ -1,7 +1,8 @@
 // exact_row_windows.cu: the exact row passes' two column sums kept as float64 windows checked when they close
-// (DoubleRowSums, TUNING's EXACT_ROW_DOUBLE 1; exact_row_pass.cu's ExactRowSums, int64 windows, with 0), and the
-// fixup kernels that add the terms of a window the check refused one by one. Comes after exact_sums.cu (its
-// exact_split and ExactCache) and before exact_row_pass.cu (whose kernels take either struct).
+// (DoubleRowSums, TUNING's EXACT_ROW_DOUBLE 1; exact_row_pass.cu's ExactRowSums, int64 windows, with 0), a gated
+// residual's gate sums likewise (DoubleGateSums: A's windows alone, its terms dout y), and the fixup kernels that add
+// the terms of a window the check refused one by one. Comes after exact_sums.cu (its exact_split and ExactCache) and
+// before exact_row_pass.cu (whose kernels take either struct).
 //
 // A window: one (sum, column) of a table row's pass over a block's rows (norm_out's pass of table row t, a sorted
 // pass's run of table row t), opened by begin(t) and closed by store(). The terms are ExactRowSums' (A: p = dy xhat
@@ -56,16 +57,17 @@ __device__ __forceinline__ void double_limbs(double s, unsigned long long* g, si
         if (piece[j]) atomicAdd(g + (limb + j) * stride, negative ? 0ull - piece[j] : piece[j]);  // two's complement
 }
 
-// Where a window's rows are: norm_out's row pass (row_order nullptr: block b's rows r0 + k, table row
+// Where a window's rows and terms are: norm_out's row pass (row_order nullptr: block b's rows r0 + k, table row
 // timestep_indices[r % S], a row of no table row in pass 0) or a sorted pass (positions p0 + k of row_order.cu's
-// order, row and table row from sorted_row_at).
+// order, row and table row from sorted_row_at); the limbs' rows `width` wide, A at column width - H + h and B at h
+// (the row passes: 2H; a gated residual's gate sums: H, A alone, x = y and no rstd: its term dout y).
 struct WindowRows {
     const bf16_t* x;
     const bf16_t* dy;
-    const float* rstd;
+    const float* rstd;     // or nullptr: xhat = x
     const index_t* index;  // timestep_indices or row_index (S,)
     const int* row_order;  // row_order.cu's row_offsets | order, or nullptr
-    int S, rows, per_block;
+    int S, rows, per_block, width;
 
     __device__ __forceinline__ int row(int b, int k, int t) const {  // position k's row if in table row t's window
         const long long p = (long long)b * per_block + k;
@@ -84,27 +86,38 @@ struct WindowRows {
 // or b_mask, B), exactly: positions lane, lane + lanes, ... of the block, as exact_split's integers into the limbs.
 __device__ __forceinline__ void window_terms(const WindowRows& w, unsigned long long* table_limbs, int b, int t, int v,
                                              int a_mask, int b_mask, int lane, int lanes, int& bad) {
-    const size_t limb = (size_t)ADALN_T * 2 * ADALN_H;
+    const size_t limb = (size_t)ADALN_T * w.width;
     const int n = min(w.rows - b * w.per_block, w.per_block);
 #pragma unroll 1
     for (int e = 0; e < ADALN_VEC; ++e) {
         const bool a = (a_mask >> e) & 1, s = (b_mask >> e) & 1;
         if (!a && !s) continue;
         const int h = v * ADALN_VEC + e;
-        unsigned long long* g = table_limbs + (size_t)t * 2 * ADALN_H + h;
+        unsigned long long* g = table_limbs + (size_t)t * w.width + h;
         ExactCache ca{-1, 0, 0}, cb{-1, 0, 0};
 #pragma unroll 1
         for (int k = lane; k < n; k += lanes) {
             const int r = w.row(b, k, t);
             if (r < 0) continue;
             const float dyv = bf16_to_float(w.dy[(size_t)r * ADALN_H + h]);
-            const float xhat = bf16_to_float(w.x[(size_t)r * ADALN_H + h]) * w.rstd[r];  // reduce_row's
-            if (a) cache_term(ca, g + ADALN_H, limb, __fmul_rn(dyv, xhat), bad);
+            const float xv = bf16_to_float(w.x[(size_t)r * ADALN_H + h]);
+            const float xhat = w.rstd ? xv * w.rstd[r] : xv;  // reduce_row's (the gates' y as it is)
+            if (a) cache_term(ca, g + w.width - ADALN_H, limb, __fmul_rn(dyv, xhat), bad);
             if (s) cache_term(cb, g, limb, dyv, bad);
         }
-        cache_out(ca, g + ADALN_H, limb);
+        cache_out(ca, g + w.width - ADALN_H, limb);
         cache_out(cb, g, limb);
     }
+}
+
+// Appends entry (block, table row t, vector v, refused columns) to the list, or flags bit 2 where it is full.
+__device__ __forceinline__ void append_fixup(int4* fixups, int* flags, int capacity, int t, int v, int mask,
+                                             int& bad) {
+    const unsigned at = (unsigned)atomicAdd(flags + 1, 1);  // past 2^31: unsigned, still no room
+    if (at < (unsigned)capacity)
+        fixups[at] = make_int4(blockIdx.x, t, v, mask);
+    else
+        bad |= 4;  // no room: more windows refused than the list holds (the op raises)
 }
 
 struct DoubleRowSums {
@@ -172,13 +185,7 @@ struct DoubleRowSums {
                     b_mask |= 1 << e;
                 }
             }
-            if (a_mask | b_mask) {
-                const unsigned at = (unsigned)atomicAdd(flags + 1, 1);  // past 2^31: unsigned, still no room
-                if (at < (unsigned)capacity)
-                    fixups[at] = make_int4(blockIdx.x, current, v, a_mask | (b_mask << 8));
-                else
-                    bad |= 4;  // no room: more windows refused than the list holds (the op raises)
-            }
+            if (a_mask | b_mask) append_fixup(fixups, flags, capacity, current, v, a_mask | (b_mask << 8), bad);
         }
         rows_since = 0;
     }
@@ -186,6 +193,59 @@ struct DoubleRowSums {
     __device__ __forceinline__ float* slot(float*, size_t) const { return nullptr; }  // no partials
     __device__ __forceinline__ void store_none(float*) const {}
     __device__ __forceinline__ void store(float*, int) { close_all(); }
+};
+
+// exact_row_pass.cu's ExactGateSums (a gated residual's sums of dout y a table row, a thread's 8 columns c * 8 + e,
+// table_limbs (LIMBS, R, H)) as DoubleRowSums' A windows: two float64 sums a column, rounded down and up, closed when
+// the rows leave a table row; a refused column goes to exact_fixup_gates_bf16. A row of no table row sets flag bit 1
+// and adds nothing, as ExactGateSums.
+struct DoubleGateSums {
+    double lo[ADALN_VEC], hi[ADALN_VEC];
+    unsigned long long* table_limbs;
+    int4* fixups;
+    int* flags;
+    int capacity, current, bad, c;
+
+    __device__ __forceinline__ void init(unsigned long long* limbs, int4* entries, int* flag_words, int cap,
+                                         int column) {
+        table_limbs = limbs;
+        fixups = entries;
+        flags = flag_words;
+        capacity = cap;
+        c = column;
+        bad = 0;
+    }
+    __device__ __forceinline__ void begin(int t) {
+        current = t;
+#pragma unroll
+        for (int e = 0; e < ADALN_VEC; ++e) lo[e] = hi[e] = 0.0;
+    }
+    __device__ __forceinline__ void add(int ts, const float dyv[ADALN_VEC], const float yv[ADALN_VEC]) {
+        if (ts < 0) {
+            bad |= 2;
+            return;
+        }
+#pragma unroll
+        for (int e = 0; e < ADALN_VEC; ++e) {
+            const double p = widen(__fmul_rn(dyv[e], yv[e]));
+            lo[e] = __dadd_rd(lo[e], p);
+            hi[e] = __dadd_ru(hi[e], p);
+        }
+    }
+    __device__ __forceinline__ void store(int) {
+        const size_t limb = (size_t)ADALN_T * ADALN_H;
+        unsigned long long* g = table_limbs + (size_t)current * ADALN_H + c * ADALN_VEC;
+        int mask = 0;
+#pragma unroll
+        for (int e = 0; e < ADALN_VEC; ++e) {
+            if (lo[e] == hi[e] && isfinite(lo[e])) {
+                if (lo[e] != 0.0) double_limbs(lo[e], g + e, limb);
+            } else {
+                mask |= 1 << e;
+            }
+        }
+        if (mask) append_fixup(fixups, flags, capacity, current, c, mask, bad);
+    }
 };
 
 // The entries appended by a pass (flags[1] of them, at most `capacity` in fixups), one warp an entry: the windows'
@@ -209,7 +269,7 @@ extern "C" __global__ void exact_fixup_rows_bf16(const bf16_t* __restrict__ x, c
                                                  const int4* __restrict__ fixups, int* __restrict__ flags,
                                                  unsigned long long* __restrict__ table_limbs, int S, int rows,
                                                  int rows_per_block, int capacity) {
-    const WindowRows w{x, dy, rstd, timestep_indices, nullptr, S, rows, rows_per_block};
+    const WindowRows w{x, dy, rstd, timestep_indices, nullptr, S, rows, rows_per_block, 2 * ADALN_H};
     fixup_entries(w, fixups, flags, table_limbs, capacity);
 }
 
@@ -222,6 +282,18 @@ extern "C" __global__ void exact_fixup_sorted_bf16(const bf16_t* __restrict__ x,
                                                    const int4* __restrict__ fixups, int* __restrict__ flags,
                                                    unsigned long long* __restrict__ table_limbs, int S, int rows,
                                                    int rows_per_block, int capacity) {
-    const WindowRows w{x, dy, rstd, row_index, row_order, S, rows, rows_per_block};
+    const WindowRows w{x, dy, rstd, row_index, row_order, S, rows, rows_per_block, 2 * ADALN_H};
+    fixup_entries(w, fixups, flags, table_limbs, capacity);
+}
+
+// A block's gated residual pass (gated_residual_bwd_sorted_exact_bf16's entries: DoubleGateSums). Run:
+// ops/gated_residual/launch.backward_exact.
+extern "C" __global__ void exact_fixup_gates_bf16(const bf16_t* __restrict__ dout, const bf16_t* __restrict__ y,
+                                                  const index_t* __restrict__ row_index,
+                                                  const int* __restrict__ row_order,
+                                                  const int4* __restrict__ fixups, int* __restrict__ flags,
+                                                  unsigned long long* __restrict__ table_limbs, int S, int rows,
+                                                  int rows_per_block, int capacity) {
+    const WindowRows w{y, dout, nullptr, row_index, row_order, S, rows, rows_per_block, ADALN_H};
     fixup_entries(w, fixups, flags, table_limbs, capacity);
 }

@@ -56,20 +56,20 @@ FIXUPS_MAX = 2 ** 20  # fixup entries a pass may append at most (16 MB): every w
 def fixup_capacity(plan, rows, sorted_rows: bool) -> int:
     """Fixup entries an exact row pass may append (exact_row_windows.cu, plan.exact_row_double; 0 without): one
     a vector of 8 columns of every window, a block's rows of one table row, at most FIXUPS_MAX. norm_out's pass
-    (sorted_rows False) has at most min(T, rows a block) windows a block; a sorted pass's table rows run in order,
-    so its blocks hold at most bwd_ranges + R - 1 windows in all."""
+    (sorted_rows False) has at most min(T, rows a block) windows a block; a sorted pass's table rows (a block's
+    norms' and its gates') run in order, so its blocks hold at most bwd_ranges + R - 1 windows in all."""
     if not plan.exact_row_double or not rows.rows:
         return 0
     windows = rows.bwd_ranges + plan.T - 1 if sorted_rows else rows.bwd_ranges * min(plan.T, rows.bwd_rows_per_range)
     return min(windows * (plan.H // 8), FIXUPS_MAX)
 
 
-def pass_buffers(plan, rows, sorted_rows: bool, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(table_limbs (LIMBS, R, 2H) int64, flags (2,) int32, fixups (capacity, 4) int32) of an exact row pass: the
-    limbs and flags zeroed (flags[0] the kernels' flags, `raise_flags` reads flags[:1]; flags[1] the fixup entries
-    appended), the entries written before they are read; with no capacity (int64 windows) fixups is flags, which
-    the pass then never reads as entries (one allocation less a call)."""
-    limbs = torch.zeros((LIMBS, plan.T, 2 * plan.H), dtype=torch.int64, device=device)
+def pass_buffers(plan, rows, sorted_rows: bool, device, width: int = 0) -> tuple[torch.Tensor, ...]:
+    """(table_limbs (LIMBS, R, width) int64 (width 2H, or H for a gate's sums), flags (2,) int32, fixups (capacity, 4)
+    int32) of an exact row pass: the limbs and flags zeroed (flags[0] the kernels' flags, `raise_flags` reads
+    flags[:1]; flags[1] the fixup entries appended), the entries written before they are read; with no capacity
+    (int64 windows) fixups is flags, which the pass then never reads as entries (one allocation less a call)."""
+    limbs = torch.zeros((LIMBS, plan.T, width or 2 * plan.H), dtype=torch.int64, device=device)
     flags = torch.zeros(2, dtype=torch.int32, device=device)
     capacity = fixup_capacity(plan, rows, sorted_rows)
     fixups = torch.empty((capacity, 4), dtype=torch.int32, device=device) if capacity else flags

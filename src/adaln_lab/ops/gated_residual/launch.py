@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ...core import launchers, tensors
-from ...core.exact import LIMBS, ExactSum
+from ...core.exact import ExactSum
 from ...core.exact_kernels import ExactKernels
 from ...core.library import library_op
 from ...reference.backward import gated_residual_backward
@@ -70,8 +70,8 @@ def backward(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index:
 def backward_exact(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_index: torch.Tensor,
                    order: torch.Tensor | None, d_y: torch.Tensor) -> tuple[ExactSum, torch.Tensor]:
     """Route "cupy" inside ExactGradients (eager): d_y as `backward` writes it, and instead of d_gate the exact sums
-    of dout y a table row (an ExactSum (R, H); gated_residual_bwd_sorted_exact_bf16, the same read of dout and y) with
-    the kernel's flags (1,) int32."""
+    of dout y a table row (an ExactSum (R, H); gated_residual_bwd_sorted_exact_bf16, the same read of dout and y, and
+    exact_fixup_gates_bf16 where plan.exact_row_double) with the kernel's flags (1,) int32."""
     R, H = gate.shape
     plan, rows, k, stream = tensors.row_setup(y, R)
     row_sums.check_rows(rows.rows, "gated_residual")
@@ -79,12 +79,15 @@ def backward_exact(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, row_
     row_index = row_index.contiguous()
     order = row_order(row_index, R, H) if order is None else order.contiguous()
     gate, stride = tensors.gate_pointer(gate)
-    limbs = torch.zeros((LIMBS, R, H), dtype=torch.int64, device=y.device)
-    flags = torch.zeros(1, dtype=torch.int32, device=y.device)
+    limbs, flags, fixups = row_sums.pass_buffers(plan, rows, True, y.device, H)
     if rows.rows:
+        capacity, per, S = row_sums.fixup_capacity(plan, rows, True), rows.bwd_rows_per_range, y.shape[-2]
         k["gated_residual_bwd_sorted_exact_bf16"]((rows.bwd_ranges, -(-H // (8 * plan.gr_threads)), 1),
                                                   (plan.gr_threads, 1, 1), 0, stream, at[0], gate.data_ptr(), at[1],
                                                   row_index.data_ptr(), order.data_ptr(), d_y.data_ptr(),
-                                                  limbs.data_ptr(), flags.data_ptr(), stride, y.shape[-2], rows.rows,
-                                                  rows.bwd_rows_per_range)
-    return ExactSum.from_limbs(limbs, kernels=ExactKernels(k, y.device.index)).carried(), flags
+                                                  limbs.data_ptr(), flags.data_ptr(), fixups.data_ptr(), stride, S,
+                                                  rows.rows, per, capacity)
+        row_sums.launch_fixups(k, plan, stream, "exact_fixup_gates_bf16", capacity, at[0], at[1],
+                               row_index.data_ptr(), order.data_ptr(), fixups.data_ptr(), flags.data_ptr(),
+                               limbs.data_ptr(), S, rows.rows, per)
+    return ExactSum.from_limbs(limbs, kernels=ExactKernels(k, y.device.index)).carried(), flags[:1]
