@@ -111,10 +111,10 @@ def test_a_planted_bound_is_caught():
 
 
 def test_b_accepts_only_exact_windows_at_the_edge_of_its_bound():
-    """Windows built at B's bound (Emax - Emin = d from 34 to 47, n near 2^(45 - d) and 2^(46 - d) rows, at most a
-    range's 2048; n - 1 terms at Emax and one at Emin, all of one sign with all 8 significant bits set, the small one
-    last): every window the kernel's bound accepts has an exact sum, it accepts some, and a bound one bit looser
-    accepts one whose rounded sum is not exact."""
+    """Windows built at B's bound (Emax - Emin = d from 34 to 47, n near 2^(45 - d) and 2^(46 - d) rows, up to 4096;
+    n - 1 terms at Emax and one at Emin, all of one sign with all 8 significant bits set, the small one last): every
+    window the kernel's bound accepts has an exact sum, it accepts some, and a bound one bit looser accepts one whose
+    rounded sum is not exact."""
     top = bf16(255 / 128)  # 1.1111111b: the widest mantissa
     accepted, looser_caught = 0, False
     for d in range(34, 48):
@@ -272,7 +272,20 @@ def test_a_pass_whose_fixups_are_dropped_is_caught(double_windows, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H", [16, 264])
+def test_a_full_fixup_list_raises(double_windows, monkeypatch):
+    """A pass that refuses more windows than its list holds (FIXUPS_MAX 1 here, terms over 100 binades) raises
+    RuntimeError naming the switch, never a wrong sum."""
+    from adaln_lab.ops import row_sums
+    from adaln_lab.ops.final_adaln_out import exact
+
+    monkeypatch.setattr(row_sums, "FIXUPS_MAX", 1)
+    x, dy, nw, temb, weight, idx, workspace = norm_out_case(2, 37, 64, 32, 3, True)
+    with pytest.raises(RuntimeError, match="EXACT_ROW_DOUBLE"):
+        exact.kernel_sums(dy, x, nw, idx, workspace, 3, 32, dx=torch.empty_like(x)).check()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [16, 264, 5376])  # 5376: the gates' pass over three column tiles
 def test_a_blocks_passes_give_the_exact_integers_and_the_plain_dx(H, double_windows, monkeypatch):
     """modulated_rms_norm.launch.backward_exact with float64 windows and exact_fixup_sorted_bf16 (with and without
     a residual gradient) and gated_residual.launch.backward_exact with exact_fixup_gates_bf16, terms over 100

@@ -198,7 +198,7 @@ struct DoubleRowSums {
 // exact_row_pass.cu's ExactGateSums (a gated residual's sums of dout y a table row, a thread's 8 columns c * 8 + e,
 // table_limbs (LIMBS, R, H)) as DoubleRowSums' A windows: two float64 sums a column, rounded down and up, closed when
 // the rows leave a table row; a refused column goes to exact_fixup_gates_bf16. A row of no table row sets flag bit 1
-// and adds nothing, as ExactGateSums.
+// and adds nothing, as ExactGateSums (the fixup would add its terms: the op raises on bit 1 either way).
 struct DoubleGateSums {
     double lo[ADALN_VEC], hi[ADALN_VEC];
     unsigned long long* table_limbs;

@@ -50,7 +50,7 @@ def launch_sums(k: dict, plan, stream: int, x: int, dy: int, rstd: int, row_inde
                              stream, x, dy, rstd, row_index, order, table_limbs, flags, rows, S, per_chunk)
 
 
-FIXUPS_MAX = 2 ** 20  # fixup entries a pass may append at most (16 MB): every window's vectors up to here
+FIXUPS_MAX = 2 ** 20  # fixup entries (a window's 8 columns each) a pass may append at most (16 MB)
 
 
 def fixup_capacity(plan, rows, sorted_rows: bool) -> int:
@@ -122,9 +122,10 @@ def raise_flags(flags: torch.Tensor, op: str, index: str = "a row index outside 
     every term."""
     bits = int(flags)
     if bits & 4:
-        raise RuntimeError(f"{op}: an exact row pass refused more than {FIXUPS_MAX} windows (terms over about 50 "
-                           "binades in most columns), more than its fixup list holds; the sums are not complete. "
-                           "Set adaln_lab.core.plan.TUNING['EXACT_ROW_DOUBLE'] = 0 (int64 windows) for such inputs")
+        raise RuntimeError(f"{op}: an exact row pass refused more windows than its fixup list holds ({FIXUPS_MAX} "
+                           "entries of a window's 8 columns; terms over about 50 binades in most columns); the sums "
+                           "are not complete. Set adaln_lab.core.plan.TUNING['EXACT_ROW_DOUBLE'] = 0 (int64 windows) "
+                           "for such inputs")
     if bits & 1:
         raise ValueError(f"{op}: a non-finite gradient term (inf or NaN in x, dy or the table): an exact sum of it "
                          "does not exist")
