@@ -37,8 +37,8 @@ from adaln_lab.core.exact_kernels import ExactKernels
 from adaln_lab.core.plan import forward_bytes
 from adaln_lab.harness.latency import copy_bandwidth
 from adaln_lab.ops.final_adaln_out import launch
-from adaln_lab.ops.final_adaln_out.exact import kernel_sums, launch_row_sums
-from adaln_lab.ops.row_sums import exact_row_order, launch_sums, pass_buffers
+from adaln_lab.ops.final_adaln_out.exact import kernel_sums
+from adaln_lab.ops.row_sums import exact_row_order, launch_sums
 
 H, D, T = 5376, 2688, 3
 
@@ -46,38 +46,25 @@ H, D, T = 5376, 2688, 3
 KNOBS = (0, 1, 2)  # TUNING's EXACT_CACHE forms
 
 
-def cache_knob(value: int, key: str = "EXACT_CACHE") -> None:
-    """TUNING's `key` set to value, every plan and compiled kernel forgotten."""
-    plan_module.TUNING[key] = value
+def cache_knob(value: int) -> None:
+    """TUNING's EXACT_CACHE set to value, every plan and compiled kernel forgotten."""
+    plan_module.TUNING["EXACT_CACHE"] = value
     launchers.forget_compiled()
-
-
-def fixup_count(dy, x, nw, idx, workspace, rows: int) -> int:
-    """The fixup entries norm_out's exact row pass appends on these inputs (exact_row_windows.cu; 0 for the int64
-    windows), read back from its flags."""
-    plan, rows_plan, k = tensors.context(x.get_device(), H, D, T, rows)
-    _, table_f32, rstd = launch.saved_views(workspace, T, H, rows, D)
-    table, flags, fixups = pass_buffers(plan, rows_plan, False, x.device)
-    dx = torch.empty_like(x)
-    launch_row_sums(k, plan, rows_plan, tensors.current_stream(x.get_device()), dy.data_ptr(), x.data_ptr(),
-                    rstd.data_ptr(), nw.data_ptr(), table_f32.data_ptr(), idx.data_ptr(), dx.data_ptr(),
-                    table.data_ptr(), flags.data_ptr(), fixups.data_ptr(), rows)
-    return int(flags[1])
 
 
 def route_forms(dy, x, nw, idx, workspace, rows: int, want, dx_want, forms) -> dict:
     """{form: fixup entries} of TUNING's EXACT_ROW_DOUBLE forms, each route's dx and integers checked first; the
     shipped form restored."""
-    shipped, counts = plan_module.TUNING["EXACT_ROW_DOUBLE"], {}
+    counts = {}
     for form in forms:
-        cache_knob(form, "EXACT_ROW_DOUBLE")
-        dx = torch.empty_like(x)
-        got = kernel_sums(dy, x, nw, idx, workspace, T, D, dx=dx)
-        got.check()
-        if not (torch.equal(dx, dx_want) and torch.equal(got.table.limbs, want.limbs)):
-            raise AssertionError(f"the row pass with EXACT_ROW_DOUBLE {form} at {rows} rows: dx or the integers differ")
-        counts[form] = fixup_count(dy, x, nw, idx, workspace, rows)
-    cache_knob(shipped, "EXACT_ROW_DOUBLE")
+        with launchers.tuned(EXACT_ROW_DOUBLE=form):
+            dx = torch.empty_like(x)
+            got = kernel_sums(dy, x, nw, idx, workspace, T, D, dx=dx)
+            got.check()
+            if not (torch.equal(dx, dx_want) and torch.equal(got.table.limbs, want.limbs)):
+                raise AssertionError(f"the row pass with EXACT_ROW_DOUBLE {form} at {rows} rows: dx or the integers "
+                                     "differ")
+            counts[form] = int(got.entries)
     return counts
 
 
@@ -142,11 +129,8 @@ def measure(rows: int, copy_TBps: float, forms=()) -> dict:
         exact.carry(table)
 
     def route_form(form):  # graph_us captures the kernels of the form set now
-        cache_knob(form, "EXACT_ROW_DOUBLE")
-        try:
+        with launchers.tuned(EXACT_ROW_DOUBLE=form):
             return graph_us(exact_route)
-        finally:
-            cache_knob(fixups_shipped, "EXACT_ROW_DOUBLE")
 
     fixups_shipped = plan_module.TUNING["EXACT_ROW_DOUBLE"]
     steps = (("fwd_bwd", fwd_bwd), ("exact_sums", exact_sums),

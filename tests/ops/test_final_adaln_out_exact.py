@@ -180,14 +180,10 @@ def kernel_case(B_, S_, H_, D_, T_, seed=0):
 def exact_cache(request):
     """TUNING's EXACT_CACHE set to the parameter (each form of exact_sums.cu), every plan and kernel forgotten before
     and after."""
-    from adaln_lab.core import launchers, plan as plan_module
+    from adaln_lab.core.launchers import tuned
 
-    saved = plan_module.TUNING["EXACT_CACHE"]
-    plan_module.TUNING["EXACT_CACHE"] = request.param
-    launchers.forget_compiled()
-    yield request.param
-    plan_module.TUNING["EXACT_CACHE"] = saved
-    launchers.forget_compiled()
+    with tuned(EXACT_CACHE=request.param):
+        yield request.param
 
 
 @pytest.mark.gpu

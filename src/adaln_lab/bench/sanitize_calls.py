@@ -21,11 +21,10 @@ Every result is checked finite (and, for 0 rows, the parameter gradients exactly
 computes garbage fails here too. Prints one line per part and "small calls done".
 """
 
-import contextlib
-
 import torch
 
 from adaln_lab import final_adaln_out
+from adaln_lab.core.launchers import tuned
 from adaln_lab.harness.inputs import make, upstream
 
 # the last two: norm_out's sorted backward (T >= 10) and table_bwd's narrower lanes (4 columns at T 12, 2 at T 32)
@@ -73,22 +72,6 @@ def spread(dy: torch.Tensor, on: bool) -> torch.Tensor:
     return dy * torch.exp2(-k.float()).to(dy.dtype)
 
 
-@contextlib.contextmanager
-def row_windows(form: int):
-    """TUNING's EXACT_ROW_DOUBLE set to `form` (the exact row passes' windows) for the calls inside, then restored;
-    every plan and kernel forgotten at both ends."""
-    from adaln_lab.core import launchers, plan as plan_module
-
-    saved = plan_module.TUNING["EXACT_ROW_DOUBLE"]
-    plan_module.TUNING["EXACT_ROW_DOUBLE"] = form
-    launchers.forget_compiled()
-    try:
-        yield
-    finally:
-        plan_module.TUNING["EXACT_ROW_DOUBLE"] = saved
-        launchers.forget_compiled()
-
-
 def exact_calls(wide: bool = False) -> None:
     """norm_out's exact route: forward, backward (exact_row_pass.cu), write; every gradient finite (wide: dy
     `spread`)."""
@@ -109,18 +92,9 @@ def exact_calls(wide: bool = False) -> None:
 
 def other_table_tiles(table_fwd, temb, weight, bias, table) -> None:
     """table.cu on every other tile shape (64-row and 32-timestep tiles, tails in both): the same bits."""
-    from adaln_lab.core import launchers, plan as plan_module
-
-    saved = dict(plan_module.TUNING)
-    try:
-        for tile in ((32, 4, 1, 2), (32, 2, 4, 3), (32, 1, 2, 4)):
-            plan_module.TUNING.update(TABLE_TILES=(tile,))
-            launchers.forget_compiled()
+    for tile in ((32, 4, 1, 2), (32, 2, 4, 3), (32, 1, 2, 4)):
+        with tuned(TABLE_TILES=(tile,)):
             assert torch.equal(table_fwd(temb, weight, bias)[0], table), f"the tile {tile} changed the table"
-    finally:
-        plan_module.TUNING.clear()
-        plan_module.TUNING.update(saved)
-        launchers.forget_compiled()
 
 
 class Calls:
@@ -272,7 +246,7 @@ if __name__ == "__main__":
     exact_calls()
     block_calls()
     block_exact_calls()
-    with row_windows(1):  # exact_row_windows.cu's float64 windows and fixups, dy spread to make them refuse
+    with tuned(EXACT_ROW_DOUBLE=1):  # exact_row_windows.cu's float64 windows and fixups, dy spread to refuse some
         exact_calls(wide=True)
         block_exact_calls(wide=True)
     print("small calls done")

@@ -13,6 +13,7 @@ row r uses timestep_indices[r % S]. Workspace pieces are laid out by `plan.Rows`
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import struct
 import threading
@@ -135,6 +136,22 @@ def forget_compiled() -> None:
     kernels.cache_clear()
     for clear in _FORGET:
         clear()
+
+
+@contextlib.contextmanager
+def tuned(**knobs):
+    """plan.TUNING with `knobs` set for the code inside, every plan and compiled kernel forgotten on entry and on
+    exit (the shipped values restored)."""
+    from . import plan
+
+    saved = {name: plan.TUNING[name] for name in knobs}
+    plan.TUNING.update(knobs)
+    forget_compiled()
+    try:
+        yield
+    finally:
+        plan.TUNING.update(saved)
+        forget_compiled()
 
 
 def bind(device_index: int) -> None:

@@ -131,23 +131,27 @@ __device__ __forceinline__ double ordered_column_sum(const float* column, int n,
     return total;
 }
 
+// The table row of row r (row_index[r % S]), -1 where the index lies outside [0, T).
+__device__ __forceinline__ int table_row(const index_t* row_index, int r, int S) {
+    const index_t i = row_index[(unsigned)r % (unsigned)S];
+    return (i < 0 || i >= ADALN_T) ? -1 : (int)i;
+}
+
 // The row list of a block that owns rows r0 .. r0 + n - 1: each row's timestep, -1 where the index
 // lies outside [0, T). Called by every thread; the caller syncs before reading it.
 __device__ __forceinline__ void fill_row_timesteps(int* timesteps, const index_t* timestep_indices, int r0, int n,
                                                    int S) {
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const index_t ts = timestep_indices[(unsigned)(r0 + i) % (unsigned)S];
-        timesteps[i] = (ts < 0 || ts >= ADALN_T) ? -1 : (int)ts;
-    }
+    for (int i = threadIdx.x; i < n; i += blockDim.x) timesteps[i] = table_row(timestep_indices, r0 + i, S);
 }
 
-// The next position after `i` in a block's row list that belongs to the pass of timestep t
-// (rows with an invalid index go with pass 0); n when none.
+// Whether a row of timestep ts (-1: an index outside [0, T)) belongs to the pass of timestep t: rows with an
+// invalid index go with pass 0.
+__device__ __forceinline__ bool in_pass(int ts, int t) { return ts == t || (ts < 0 && t == 0); }
+
+// The next position after `i` in a block's row list that belongs to the pass of timestep t; n when none.
 __device__ __forceinline__ int next_in_pass(const int* timesteps, int i, int n, int t) {
-    for (++i; i < n; ++i) {
-        const int ts = timesteps[i];
-        if (ts == t || (ts < 0 && t == 0)) break;
-    }
+    for (++i; i < n; ++i)
+        if (in_pass(timesteps[i], t)) break;
     return min(i, n);
 }
 

@@ -71,11 +71,7 @@ struct WindowRows {
 
     __device__ __forceinline__ int row(int b, int k, int t) const {  // position k's row if in table row t's window
         const long long p = (long long)b * per_block + k;
-        if (row_order == nullptr) {
-            const index_t ts = index[(unsigned)p % (unsigned)S];
-            const bool none = ts < 0 || ts >= ADALN_T;
-            return (none ? t == 0 : ts == t) ? (int)p : -1;
-        }
+        if (row_order == nullptr) return in_pass(table_row(index, (int)p, S), t) ? (int)p : -1;  // fill_row_timesteps
         int code;
         const int r = sorted_row_at(p, index, row_order, row_order + ADALN_T + 1, S, S ? rows / S : 0, code);
         return sorted_table_row(code) == t ? r : -1;

@@ -30,11 +30,6 @@ __device__ __forceinline__ void load_gate8(const float* gate, float g[ADALN_VEC]
     g[4] = round_bf16(b.x); g[5] = round_bf16(b.y); g[6] = round_bf16(b.z); g[7] = round_bf16(b.w);
 }
 
-__device__ __forceinline__ int table_row(const index_t* row_index, int r, int S) {
-    const index_t i = row_index[(unsigned)r % (unsigned)S];
-    return (i < 0 || i >= ADALN_T) ? -1 : (int)i;
-}
-
 extern "C" __global__ void __launch_bounds__(ADALN_GR_THREADS)
 gated_residual_fwd_bf16(const bf16_t* __restrict__ x, const float* __restrict__ gate, const bf16_t* __restrict__ y,
                         const index_t* __restrict__ row_index, bf16_t* __restrict__ out, int gate_stride, int S,

@@ -81,6 +81,7 @@ class NormOutSums:
         self.table = ExactSum((T, 2 * H), device)
         self.scale = self.norm_weight = None
         self.flags: list[torch.Tensor] = []  # the kernels' error flags (kernel_sums), read by `check`
+        self.entries = None  # kernel_sums' (1,) int32: the fixup entries its row pass appended (a diagnostic)
 
     def _factors(self, scale: torch.Tensor, norm_weight: torch.Tensor) -> None:
         if self.scale is None:
@@ -169,7 +170,7 @@ def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int,
     # carried by exact_state.cu, whose kernels also form write's products and roundings
     sums.table = ExactSum.from_limbs(table, kernels=ExactKernels(k, x.device.index)).carried()
     sums.scale, sums.norm_weight = table_factors(norm_weight, table_f32)
-    sums.flags = [flags[:1]]
+    sums.flags, sums.entries = [flags[:1]], flags[1:]
     return sums
 
 
