@@ -13,7 +13,8 @@ the model: attention's backward among them) and `adaln_lab_exact` (patched, each
 `adaln_lab.nn.ExactGradients` and its write: the AdaLN gradients exact; `exact_over_plain` its step time over
 `adaln_lab`'s). A step is forward, backward of a fixed random upstream, `zero_grad(set_to_none=True)`
 after it. Per variant: the median step time of 10 timed steps after 3 warm-ups (CUDA events, the default SDPA
-backend), every AdaLNFallbackWarning / KernelFallbackWarning the variant raised, and whether its AdaLN
+backend) and its phases' medians (`phases`: forward, backward, write from the backward's end, write's host time),
+every AdaLNFallbackWarning / KernelFallbackWarning the variant raised, and whether its AdaLN
 gradients (norm_out's and each block's norm1, norm2, adaln_proj) repeat bit for bit over two steps, under the
 default SDPA backend and under SDPA's math backend (the flash backward accumulates dq with atomics, so every
 gradient upstream of an attention varies there whatever the AdaLN does); the patched forward is checked
@@ -30,6 +31,7 @@ import json
 import os
 import statistics
 import sys
+import time
 import warnings
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: deterministic cuBLAS
@@ -72,18 +74,30 @@ def adaln_keys(model):
                                                 and any(k in name for k in (".norm1.", ".norm2.", ".adaln_proj.")))]
 
 
-def step(model, inputs, dys, autocast: bool, exact: bool = False):
-    """Forward and backward of the fixed upstream; `exact`: inside an ExactGradients, then its write."""
+def step(model, inputs, dys, autocast: bool, exact: bool = False, marks=None):
+    """Forward and backward of the fixed upstream; `exact`: inside an ExactGradients, then its write. `marks`: a
+    list that gets a CUDA event after the forward, one after the backward and the host seconds write took."""
     from adaln_lab.nn import ExactGradients
 
     acc = ExactGradients()
     with acc if exact else torch.enable_grad():
         with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
             out = model(**inputs)
+        _mark(marks)
         torch.autograd.backward([out.sample, out.audio_sample], [d.to(out.sample.dtype) for d in dys])
+    _mark(marks)
+    host = time.perf_counter()
     if exact:
         acc.write()
+    if marks is not None:
+        marks.append(time.perf_counter() - host)
     return out
+
+
+def _mark(marks) -> None:
+    if marks is not None:
+        marks.append(torch.cuda.Event(enable_timing=True))
+        marks[-1].record()
 
 
 def adaln_grads(model, inputs, dys, autocast, exact=False):
@@ -105,17 +119,24 @@ def repeats(model, inputs, dys, autocast, backend=None, exact=False):
 
 
 def time_steps(model, inputs, dys, autocast, steps, warmup=3, exact=False):
-    times = []
+    """The median step time (ms), and the medians of its phases: forward, backward, write (the events' GPU
+    stream time from the backward's end to the step's end) and write's host time (its call's return, ms)."""
+    times, phases = [], []
     for i in range(warmup + steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        marks = []
         start.record()
-        step(model, inputs, dys, autocast, exact)
+        step(model, inputs, dys, autocast, exact, marks)
         model.zero_grad(set_to_none=True)
         end.record()
         torch.cuda.synchronize()
         if i >= warmup:
             times.append(start.elapsed_time(end))
-    return statistics.median(times)
+            forward, backward, host = marks
+            phases.append((start.elapsed_time(forward), forward.elapsed_time(backward), backward.elapsed_time(end),
+                           1e3 * host))
+    medians = [round(statistics.median(p), 3) for p in zip(*phases)]
+    return statistics.median(times), dict(zip(("forward_ms", "backward_ms", "write_ms", "write_host_ms"), medians))
 
 
 def run_variant(model, inputs, dys, autocast, variant, steps):
@@ -128,7 +149,7 @@ def run_variant(model, inputs, dys, autocast, variant, steps):
             warnings.simplefilter("always")
             with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=autocast):
                 out = model(**inputs)
-            ms = time_steps(model, inputs, dys, autocast, steps, exact=exact)
+            ms, phases = time_steps(model, inputs, dys, autocast, steps, exact=exact)
             differ_default = repeats(model, inputs, dys, autocast, exact=exact)
             differ_math = repeats(model, inputs, dys, autocast, SDPBackend.MATH, exact)
         fallbacks = sorted({str(w.message)[:160] for w in seen
@@ -136,7 +157,7 @@ def run_variant(model, inputs, dys, autocast, variant, steps):
     finally:
         torch.use_deterministic_algorithms(False)
         adaln_lab.unpatch(model)
-    return dict(step_ms=round(ms, 3), fallback_warnings=fallbacks,
+    return dict(step_ms=round(ms, 3), phases=phases, fallback_warnings=fallbacks,
                 adaln_grads_differ_default_sdpa=differ_default, adaln_grads_differ_math_sdpa=differ_math,
                 adaln_params=len(adaln_keys(model))), (out.sample.float(), out.audio_sample.float())
 
@@ -163,7 +184,8 @@ def main():
             print(f"{precision:8s} {variant:24s} {entry[variant]['step_ms']:8.2f} ms  fallbacks "
                   f"{len(entry[variant]['fallback_warnings'])}  AdaLN grads differing (default / math SDPA): "
                   f"{len(entry[variant]['adaln_grads_differ_default_sdpa'])} / "
-                  f"{len(entry[variant]['adaln_grads_differ_math_sdpa'])} of {entry[variant]['adaln_params']}",
+                  f"{len(entry[variant]['adaln_grads_differ_math_sdpa'])} of {entry[variant]['adaln_params']}; "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in entry[variant]["phases"].items()),
                   file=sys.stderr, flush=True)
         entry["patched_vs_diffusers_max_abs"] = max((a - b).abs().max().item()
                                                     for a, b in zip(outs["adaln_lab"], outs["diffusers"]))
