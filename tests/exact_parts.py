@@ -4,7 +4,6 @@ gloo ranks of the multi-process ones (`ranks`).
 A batch is a tuple of tensors: (B, S, H) ones (x, the cotangent) are per sample and per row; (S,) ones (indices) per
 row; the rest (temb's features) whole in every part."""
 
-import os
 
 import torch
 
@@ -51,28 +50,22 @@ def within(batch, n: int) -> list[tuple]:
 
 def ranks(worker, nprocs: int, tmp_path, backend: str = "gloo"):
     """worker(rank, nprocs, out) in `nprocs` spawned processes, joined into one world of `backend` (gloo; nccl: rank
-    r on cuda:r) on a free port before it runs (MASTER_ADDR / MASTER_PORT set, the group destroyed after); returns
-    what it saved to `out` (torch.save)."""
-    import socket
-
+    r on cuda:r) through a file store in tmp_path (no port to race for beside other test processes; the group
+    destroyed after); returns what it saved to `out` (torch.save)."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:  # not adaln_lab.bench.multi_gpu's: importing it sets a CUDA variable in this process
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "found.pt"
-    mp.start_processes(_in_world, args=(worker, nprocs, port, str(out), backend), nprocs=nprocs, join=True,
+    out, store = tmp_path / "found.pt", tmp_path / "store"
+    mp.start_processes(_in_world, args=(worker, nprocs, store.as_uri(), str(out), backend), nprocs=nprocs, join=True,
                        start_method="spawn")
     return torch.load(out)
 
 
-def _in_world(rank, worker, nprocs, port, out, backend):
+def _in_world(rank, worker, nprocs, store, out, backend):
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=nprocs)
+    dist.init_process_group(backend, init_method=store, rank=rank, world_size=nprocs)
     try:
         worker(rank, nprocs, out)
     finally:

@@ -34,14 +34,13 @@ import torch
 
 from ..core.exact import recording, reset_recording
 from ..ops.block.exact import scale_columns
-from ..ops.final_adaln_out.exact import column_factors
 from ..ops.modulation_table.exact import TableSums, row_keys, silu_grad
 
 
 class _Group:
     """One AdaLN's parameters, their exact states and the kept tembs: norm_out's (weight, bias, norm_weight) or a
     block's (weight, bias, norm1_weight, norm2_weight); the norm weights' gradients come from the table's scale
-    sums (`norm_gradients`); `pending` a block's parts (temb, BlockSums), whose backwards fill them until write."""
+    sums (`norm_gradients`); `pending` the parts (temb, BlockSums | NormOutSums) not yet folded into `table`."""
 
     def __init__(self, weight, bias, norm_weights):
         self.weight, self.bias, self.norm_weights = weight, bias, tuple(norm_weights)
@@ -67,12 +66,13 @@ class _Group:
         return [state.value(w.dtype) for w, state in zip(targets, states)]
 
     def settle(self) -> None:
-        """Fold the blocks' parts in, their backwards done (a later hook of theirs raises)."""
+        """Fold the parts in, their backwards done (a block's later hook raises): their host copies (temb's rows,
+        the scales) wait for the device here, after the backward, not inside it."""
         for temb, sums in self.pending:
             sums.closed = True
             if sums.flags:
                 self.checks.append(sums)
-            self.table.add(temb, sums.table(), sums.scales, sums.factors())
+            self.table.add(temb, *sums.parts())
         self.pending.clear()
 
 
@@ -146,12 +146,10 @@ class ExactGradients:
         self._group(weight, bias, (norm_weight,)).keep(temb)
 
     def add_norm_out(self, params, temb: torch.Tensor, sums) -> None:
-        """Merge a norm_out part's NormOutSums (its temb rows as the table states' keys); params as keep_temb's."""
+        """Take a norm_out part's NormOutSums (its temb rows as the table states' keys; folded in by `settle`);
+        params as keep_temb's."""
         norm_weight, weight, bias = params
-        group = self._group(weight, bias, (norm_weight,))
-        if sums.flags:
-            group.checks.append(sums)
-        group.table.add(temb, sums.table, sums.scale, column_factors(sums.norm_weight))
+        self._group(weight, bias, (norm_weight,)).pending.append((temb.detach(), sums))
 
     def add_block(self, params, temb: torch.Tensor, sums) -> None:
         """Take a block part's BlockSums (filled by its backward) and keep its temb; params (weight, bias,

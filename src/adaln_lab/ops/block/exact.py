@@ -119,6 +119,10 @@ class BlockSums:
                for c in range(len(CHUNKS))]
         return torch.cat(row * MODALITIES)
 
+    def parts(self) -> tuple[ExactSum, torch.Tensor, torch.Tensor]:
+        """(the table state (T, 18H), the norms' s1 (T, K), the columns' factors (18H,)): `TableSums.add`'s."""
+        return self.table(), self.scales, self.factors()
+
     def check(self) -> None:
         """Raise what the kernels flagged (a host read of each flag; `ops.row_sums.raise_flags`)."""
         for flag in self.flags:

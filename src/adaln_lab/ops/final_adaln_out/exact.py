@@ -105,6 +105,10 @@ class NormOutSums:
         self.flags += other.flags
         return self
 
+    def parts(self) -> tuple[ExactSum, torch.Tensor, torch.Tensor]:
+        """(the table state (T, 2H), s1 (T, H), the columns' factors (2H,)): `TableSums.add`'s."""
+        return self.table, self.scale, column_factors(self.norm_weight)
+
     def check(self) -> None:
         """Raise what the kernels flagged (a host read of each flag): ValueError for a non-finite term,
         IndexError for a timestep index outside [0, T); the states are then not sums of every term."""
