@@ -11,17 +11,18 @@ Variants: `diffusers`, `diffusers_deterministic` (`torch.use_deterministic_algor
 set), `adaln_lab` (patched), `adaln_lab_deterministic` (patched, and deterministic algorithms for the rest of
 the model: attention's backward among them) and `adaln_lab_exact` (patched, each step inside
 `adaln_lab.nn.ExactGradients` and its write: the AdaLN gradients exact; `exact_over_plain` its step time over
-`adaln_lab`'s). A step is forward, backward of a fixed random upstream, `zero_grad(set_to_none=True)`
-after it. Per variant: the median step time of 10 timed steps after 3 warm-ups (CUDA events, the default SDPA
-backend) and its phases' medians (`phases`: forward, backward, write from the backward's end, write's host time),
-every AdaLNFallbackWarning / KernelFallbackWarning the variant raised, and whether its AdaLN
-gradients (norm_out's and each block's norm1, norm2, adaln_proj) repeat bit for bit over two steps, under the
-default SDPA backend and under SDPA's math backend (the flash backward accumulates dq with atomics, so every
-gradient upstream of an attention varies there whatever the AdaLN does); the patched forward is checked
+`adaln_lab`'s); with `--row-double 1` also `adaln_lab_exact_double`, the exact step with TUNING's
+EXACT_ROW_DOUBLE 1 (the row passes' float64 windows, `exact_double_over_plain`). A step is forward, backward of
+a fixed random upstream, `zero_grad(set_to_none=True)` after it. Per variant: the median step time of 10 timed steps
+after 3 warm-ups (CUDA events, the default SDPA backend) and its phases' medians (`phases`: forward, backward, write
+from the backward's end, write's host time), every AdaLNFallbackWarning / KernelFallbackWarning the variant raised,
+and whether its AdaLN gradients (norm_out's and each block's norm1, norm2, adaln_proj) repeat bit for bit over two
+steps, under the default SDPA backend and under SDPA's math backend (the flash backward accumulates dq with atomics,
+so every gradient upstream of an attention varies there whatever the AdaLN does); the patched forward is checked
 against diffusers' first (max |diff| over the two outputs, beside diffusers' own distance from the float32
 model for scale).
 
-    python3 -m adaln_lab.bench.train_step [--steps 10] > train_step.json   (a table on stderr)
+    python3 -m adaln_lab.bench.train_step [--steps 10] [--row-double 1] > train_step.json   (a table on stderr)
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import adaln_lab  # noqa: E402
+from adaln_lab.core import launchers  # noqa: E402
 from adaln_lab.nn import AdaLNFallbackWarning  # noqa: E402
 from adaln_lab.ops import KernelFallbackWarning  # noqa: E402
 from adaln_lab.testing import h3_inputs  # noqa: E402
@@ -140,6 +142,9 @@ def time_steps(model, inputs, dys, autocast, steps, warmup=3, exact=False):
 
 
 def run_variant(model, inputs, dys, autocast, variant, steps):
+    if variant == "adaln_lab_exact_double":
+        with launchers.tuned(EXACT_ROW_DOUBLE=1):
+            return run_variant(model, inputs, dys, autocast, "adaln_lab_exact", steps)
     deterministic, exact = variant.endswith("_deterministic"), variant.endswith("_exact")
     if variant.startswith("adaln_lab"):
         adaln_lab.patch(model)
@@ -165,7 +170,10 @@ def run_variant(model, inputs, dys, autocast, variant, steps):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--row-double", type=int, choices=(0, 1), default=0,
+                        help="1: also the exact step with TUNING's EXACT_ROW_DOUBLE 1 (adaln_lab_exact_double)")
     args = parser.parse_args()
+    variants = VARIANTS + (("adaln_lab_exact_double",) if args.row_double else ())
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": CONFIG, "rows": ROWS,
                "precisions": {}}
     wide = None
@@ -178,7 +186,7 @@ def main():
             wide = (out.sample.float(), out.audio_sample.float())
         entry = {}
         outs = {}
-        for variant in VARIANTS:
+        for variant in variants:
             entry[variant], outs[variant] = run_variant(model, inputs, dys, precision == "autocast", variant,
                                                         args.steps)
             print(f"{precision:8s} {variant:24s} {entry[variant]['step_ms']:8.2f} ms  fallbacks "
@@ -197,10 +205,14 @@ def main():
         entry["deterministic_speedup"] = round(
             entry["diffusers_deterministic"]["step_ms"] / entry["adaln_lab_deterministic"]["step_ms"], 3)
         entry["exact_over_plain"] = round(entry["adaln_lab_exact"]["step_ms"] / entry["adaln_lab"]["step_ms"], 3)
+        if args.row_double:
+            entry["exact_double_over_plain"] = round(
+                entry["adaln_lab_exact_double"]["step_ms"] / entry["adaln_lab"]["step_ms"], 3)
         results["precisions"][precision] = entry
         print(f"{precision}: adaln_lab {entry['speedup_vs_diffusers']}x diffusers, "
               f"{entry['speedup_vs_deterministic']}x deterministic diffusers, deterministic "
-              f"{entry['deterministic_speedup']}x deterministic diffusers, exact {entry['exact_over_plain']}x plain; "
+              f"{entry['deterministic_speedup']}x deterministic diffusers, exact {entry['exact_over_plain']}x plain"
+              + (f" (float64 windows {entry['exact_double_over_plain']}x)" if args.row_double else "") + "; "
               f"forward max |patched - diffusers| "
               f"{entry['patched_vs_diffusers_max_abs']:.3g} (diffusers vs the fp32 model: "
               f"{entry['diffusers_vs_fp32_model_max_abs']:.3g})", file=sys.stderr, flush=True)
