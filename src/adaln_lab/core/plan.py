@@ -60,7 +60,7 @@ TUNING = {
     "EXACT_CHUNKS": 32,         # exact_sums.cu: most row chunks (integer sums: no bit depends on it)
     "EXACT_CACHE": 1,           # exact_sums.cu: every add in shared memory (0), each state's last limb pair in
                                 # registers (1), or the pairs alone, sent out by integer atomics (2, no shared memory)
-    "EXACT_ROW_DOUBLE": 0,      # exact_row_pass.cu: the exact passes' windows int64 (0) or float64 checked at their
+    "EXACT_ROW_DOUBLE": 1,      # exact_row_pass.cu: the exact passes' windows int64 (0) or float64 checked at their
                                 # close (1, exact_row_windows.cu; plan.exact_row_double): the same integers
     "EXACT_FIXUP_BLOCKS": 64,   # exact_row_windows.cu: the fixup kernels' grid (256 threads, a warp an entry)
 }
