@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from adaln_lab import block_adaln_path
+from adaln_lab.core import plan
 from adaln_lab.core.exact import round_scaled
 from adaln_lab.nn import ExactGradients
 from adaln_lab.ops.row_sums import torch_terms
@@ -156,9 +157,10 @@ def test_the_kernel_routes_glue_runs_on_the_cpu_with_the_gpu_stood_in(monkeypatc
     """Backend "cupy" with the GPU stood in (`bench.host_model.gpu_stood_in`: each launch's argument block written
     against its signature, the driver call a no-op): the exact block's forward launches the plain block's kernels;
     its backward runs each norm's and each gate's sorted pass with exact sums in place of the plain pass and its
-    reduce, a carry per state (and the table's at the `with`'s end) and no table backward (formed at write); write launches exact_products.cu's one pass
-    for the projection's gradient and exact_state.cu's carries, products and roundings (no torch integer code on
-    the GPU), and sets the four gradients in their parameters' dtypes."""
+    reduce (with the float64 windows, each pass's fixup kernel after it), a carry per state (and the table's at the
+    `with`'s end) and no table backward (formed at write); write launches exact_products.cu's one pass for the
+    projection's gradient and exact_state.cu's carries, products and roundings (no torch integer code on the GPU),
+    and sets the four gradients in their parameters' dtypes."""
     from adaln_lab.bench import host_model
     from adaln_lab.harness.block_report import make_block
     from adaln_lab.ops.block import op
@@ -199,6 +201,8 @@ def test_the_kernel_routes_glue_runs_on_the_cpu_with_the_gpu_stood_in(monkeypatc
              ("gated_residual_bwd_sorted_bf16", "gated_residual_reduce_sorted"))
     gone = [name for pair in pairs for name in pair] * 2 + ["table_bwd_bf16", "table_bwd_reduce"]
     added = ["norm_modulate_bwd_residual_sorted_exact_bf16", "gated_residual_bwd_sorted_exact_bf16"] * 2
+    if plan.TUNING["EXACT_ROW_DOUBLE"]:  # float64 windows (exact_row_windows.cu): each pass's fixups after it
+        added += ["exact_fixup_sorted_bf16", "exact_fixup_gates_bf16"] * 2
     for name in gone:
         plain.remove(name)
     # a carry per state, and one of the table's state when the `with` ends (the parts folded in)
