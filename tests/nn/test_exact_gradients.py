@@ -379,9 +379,9 @@ def test_a_bf16_temb_that_norm_out_widened_gets_its_rows_gradient():
     narrow = torch.randn(3, D).bfloat16().requires_grad_(True)
     d_temb = torch.randn(3, D, dtype=torch.float64)
     into = {}
-    _temb_grads([narrow], narrow.detach().float()[[2, 0, 1]], d_temb, into)
+    _temb_grads([narrow], {id(narrow): narrow.detach()}, narrow.detach().float()[[2, 0, 1]], d_temb, into)
     assert torch.equal(into[id(narrow)][1], d_temb[[1, 2, 0]])
     wide = narrow.detach().float().requires_grad_(True)
     into = {}
-    _temb_grads([wide], narrow.detach(), d_temb, into)  # float32 rows never narrowed to bf16 to match
+    _temb_grads([wide], {id(wide): wide.detach()}, narrow.detach(), d_temb, into)  # float32 rows never narrowed
     assert not into[id(wide)][1].any()

@@ -39,6 +39,8 @@ import math
 import numpy as np
 import torch
 
+from .transfers import to_device
+
 LIMB_BITS = 32
 LIMBS = 10
 E_MIN = -149            # float32's subnormal quantum 2^-149: the state counts in units of it
@@ -271,7 +273,7 @@ def products(state: ExactSum, factors: torch.Tensor) -> ExactSum:
     factors = factors.to(torch.float32)
     if not all_finite(factors):  # checked where the factors are (CPU ones: no wait for the device)
         raise ValueError("products: the factors must be finite")
-    factors = factors.to(state.limbs.device).expand(state.shape).contiguous()
+    factors = to_device(factors, state.limbs.device).expand(state.shape).contiguous()  # no wait for the device
     if state._kernels() is not None:
         return ExactSum.from_limbs(state.kernels.products(state.limbs, factors), 2 * E_MIN, state.kernels)
     m, shift = decompose(factors)

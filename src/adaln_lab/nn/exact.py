@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..core.exact import recording, reset_recording
+from ..core.transfers import host_copies, to_device
 from ..ops.block.exact import scale_columns
 from ..ops.modulation_table.exact import TableSums, row_keys, silu_grad
 
@@ -49,6 +50,7 @@ class _Group:
         self.tembs: list[torch.Tensor] = []
         self.pending: list = []
         self.owned = None  # after all_reduce: the temb rows (keys) whose gradient this rank sends back
+        self.hosts: dict = {}  # id(kept temb) -> its host copy (`_settle`: write's row keys without a wait)
         self.checks: list = []  # norm_out parts whose kernels' flags are read before their states are used
         self.adapters: list = []  # LoRA adapters on the projection: (lora_A weight, lora_B weight, scaling)
         self.factors: list = []  # their values as the forward saw them (copies: FSDP2 frees its unsharded ones)
@@ -65,15 +67,6 @@ class _Group:
         states = self.table.norm_weight_sums(columns, len(targets))
         return [state.value(w.dtype) for w, state in zip(targets, states)]
 
-    def settle(self) -> None:
-        """Fold the parts in, their backwards done (a block's later hook raises): their host copies (temb's rows,
-        the scales) wait for the device here, after the backward, not inside it."""
-        for temb, sums in self.pending:
-            sums.closed = True
-            if sums.flags:
-                self.checks.append(sums)
-            self.table.add(temb, *sums.parts())
-        self.pending.clear()
 
 
 class ExactGradients:
@@ -107,8 +100,27 @@ class ExactGradients:
 
     def __exit__(self, *exc) -> None:
         reset_recording()
-        for group in self.groups.values():  # the part's backward ran inside the `with`: fold its states in now
-            group.settle()
+        self._settle()  # the part's backward ran inside the `with`: fold its states in now
+
+    def _settle(self) -> None:
+        """Fold every group's parts in, their backwards done (a block's later hook raises), and keep host copies of
+        the kept tembs and of the parts' flags: everything the host reads of them comes in one transfer, one wait for
+        the device (`core.transfers.host_copies`), after the backward, not inside it."""
+        parts = [(group, temb, sums, sums.parts()) for group in self.groups.values() for temb, sums in group.pending]
+        kept = [(group, t) for group in self.groups.values() for t in group.tembs if id(t) not in group.hosts]
+        wanted = [t for _, temb, sums, (_, scale, factors) in parts for t in (temb, scale, factors, *sums.flags)]
+        hosts = iter(host_copies(wanted + [t for _, t in kept]))
+        for group, _, sums, (state, _, _) in parts:
+            temb, scale, factors = next(hosts), next(hosts), next(hosts)
+            sums.flags = [next(hosts) for _ in sums.flags]  # read by `check` without a wait
+            sums.closed = True
+            if sums.flags:
+                group.checks.append(sums)
+            group.table.add(temb, state, scale, factors)
+        for group, t in kept:
+            group.hosts[id(t)] = next(hosts)
+        for group in self.groups.values():
+            group.pending.clear()
 
     def _group(self, weight, bias, norm_weights) -> _Group:
         self._open("recording")
@@ -146,7 +158,7 @@ class ExactGradients:
         self._group(weight, bias, (norm_weight,)).keep(temb)
 
     def add_norm_out(self, params, temb: torch.Tensor, sums) -> None:
-        """Take a norm_out part's NormOutSums (its temb rows as the table states' keys; folded in by `settle`);
+        """Take a norm_out part's NormOutSums (its temb rows as the table states' keys; folded in by `_settle`);
         params as keep_temb's."""
         norm_weight, weight, bias = params
         self._group(weight, bias, (norm_weight,)).pending.append((temb.detach(), sums))
@@ -171,6 +183,7 @@ class ExactGradients:
                 mine.adapters, mine.factors = theirs.adapters, theirs.factors
             for t in theirs.tembs:
                 mine.keep(t)
+            mine.hosts.update(theirs.hosts)
         self.owners.update(other.owners)
         other.groups.clear()
         other.owners.clear()
@@ -181,8 +194,8 @@ class ExactGradients:
         timesteps (all_reduce sends the table's over the union of
         the ranks' timesteps)."""
         total = 0
+        self._settle()
         for group in self.groups.values():
-            group.settle()
             total += sum(row.nbytes + state.limbs.nbytes for row, state in group.table.rows.values())
             total += sum(scale.nbytes for scale in group.table.scales.values())
         return total
@@ -196,8 +209,8 @@ class ExactGradients:
         import torch.distributed as dist
 
         self._open("all_reduce")
+        self._settle()
         for mine in self.groups.values():
-            mine.settle()
             _check(mine)
         shapes = [(tuple(g.weight.shape), len(g.norm_weights)) for g in self.groups.values()]
         everyone = [None] * dist.get_world_size(group)
@@ -211,9 +224,11 @@ class ExactGradients:
 
     def write(self) -> None:
         """Set each recorded parameter's .grad from the exact sums, send d_temb to the kept tembs, forget all.
-        Every gradient is formed before any is set: an error leaves every .grad as it was."""
+        Every gradient is formed before any is set: an error leaves every .grad as it was. Its host reads come in
+        one transfer (`_settle`) and its host tensors go to the device without waiting (`core.transfers`), so the
+        host queues the device's work while the device runs it."""
+        self._settle()
         for group in self.groups.values():
-            group.settle()
             _check(group)
             params = {"weight": group.weight, "bias": group.bias}
             params.update(zip(group.norm_names, group.norm_weights))
@@ -236,7 +251,6 @@ class ExactGradients:
                     "(model.time_embedder.requires_grad_(False)) for exact gradients under FSDP2; nothing was written")
         grads, temb_grads = [], {}
         for group in self.groups.values():
-            group.settle()
             weight, bias = self._target(group.weight), self._target(group.bias)
             norm_weights = [self._target(w) for w in group.norm_weights]
             d_act, lora = group.table.lora_gradients(group.factors)  # LoRA adapters: from the forward's values
@@ -248,13 +262,13 @@ class ExactGradients:
                 rows, d_temb, d_weight, d_bias = group.table.gradients(group.weight, bias.dtype,
                                                                        with_temb=bool(group.tembs))
                 if d_act is not None and d_temb is not None:  # the adapters' part of temb's gradient
-                    d_temb = d_temb + d_act * silu_grad(rows)
+                    d_temb = d_temb + to_device(d_act * silu_grad(rows), d_temb.device)
             for (A, B, _), (d_A, d_B) in zip(group.adapters, lora):  # the masters (`own`), in their dtype
                 A, B = self._target(A), self._target(B)
                 grads += [(A, d_A.to(A.dtype)), (B, d_B.to(B.dtype))]
             grads += [(weight, d_weight), (bias, d_bias)]
             grads += list(zip(norm_weights, group.norm_gradients(norm_weights)))
-            _temb_grads(group.tembs, rows, d_temb, temb_grads, group.owned)
+            _temb_grads(group.tembs, group.hosts, rows, d_temb, temb_grads, group.owned)
         grads = [(p, _as_grad_of(p, g)) for p, g in grads if p.requires_grad]
         for p, g in grads:
             p.grad = g
@@ -318,18 +332,19 @@ def _as_grad_of(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(g.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
 
 
-def _temb_grads(tembs, rows, d_temb, into: dict, owned=None) -> None:
+def _temb_grads(tembs, hosts, rows, d_temb, into: dict, owned=None) -> None:
     """Add d_temb of each distinct row (of those `owned`, if given) to the first kept temb that holds it, in float64
-    (into: id -> (temb, its gradient so far)); the groups add theirs in the order they were first recorded. A kept
-    temb narrower than the rows (a bf16 temb that norm_out widened) holds a row whose widening, exact, has the row's
+    on d_temb's device (into: id -> (temb, its gradient so far)); the groups add theirs in the order they were first
+    recorded. A temb's rows are read from its host copy (hosts: id -> copy, `ExactGradients._settle`). A kept temb
+    narrower than the rows (a bf16 temb that norm_out widened) holds a row whose widening, exact, has the row's
     bits."""
     if not tembs:  # nothing wants temb's gradient: no row keys to make
         return
     pending = {key: k for k, key in enumerate(row_keys(rows)) if owned is None or key in owned}
     for temb in tembs:
-        _, g = into.setdefault(id(temb), (temb, torch.zeros(temb.shape, dtype=torch.float64)))
+        _, g = into.setdefault(id(temb), (temb, torch.zeros(temb.shape, dtype=torch.float64, device=d_temb.device)))
         wider = rows.dtype if temb.dtype.itemsize < rows.dtype.itemsize else temb.dtype
-        keys = row_keys(temb.detach().to("cpu", wider))  # one copy a temb (each a wait for the device)
+        keys = row_keys(hosts[id(temb)].to(wider))
         for t, key in enumerate(keys):
             k = pending.pop(key, None)
             if k is not None:
@@ -341,7 +356,9 @@ def _temb_backward(temb_grads: dict) -> None:
     if not temb_grads:
         return
     outputs = [temb for temb, _ in temb_grads.values()]
-    grads = [g.to(temb.dtype).to(temb.device) for temb, g in temb_grads.values()]
+    # float64 -> float32 rounds to nearest even on every device; narrower dtypes are rounded where they always were
+    grads = [(g if temb.dtype in (torch.float32, torch.float64) else g.cpu()).to(temb.dtype).to(temb.device)
+             for temb, g in temb_grads.values()]
     try:
         torch.autograd.backward(outputs, grads)
     except RuntimeError as e:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ...core import launchers, tensors
 from ...core.exact import E_MIN, LIMBS, ExactSum, products
+from ...core.transfers import to_device
 
 _F64 = torch.float64
 PRODUCT_ELEMENTS = 1 << 25  # float64 elements a block of weight_grad's / input_grad's products (two at once: 512 MB)
@@ -51,7 +52,7 @@ def weight_grad(d_table: torch.Tensor, act: torch.Tensor, dtype: torch.dtype, de
     shard's). With `kernels` (a compiled unit of `device`) on the GPU and rows in steps of 1: exact_products.cu's one
     pass, the same bits; else torch ops in blocks of rows."""
     g = d_table.to(device=device, dtype=_F64)
-    act = act.to(device=device, dtype=_F64)
+    act = to_device(act, device, _F64)  # a host tensor: no wait for the device's queue
     picked = range(g.shape[1])[rows if rows is not None else slice(None)]
     if kernels is not None and tensors.gpu(g) and dtype in WEIGHT_PRODUCTS and picked.step == 1:
         out = torch.empty(len(picked), act.shape[1], dtype=dtype, device=device)
@@ -306,7 +307,7 @@ class TableSums:
 
     def gradients(self, weight: torch.Tensor | None, bias_dtype: torch.dtype, weight_dtype: torch.dtype | None = None,
                   weight_rows: slice | None = None, device=None, with_temb: bool = True):
-        """(rows (U, D), d_temb (U, D) float64 on the CPU, d_weight (N, D) on `device` (default: weight's, else the
+        """(rows (U, D) on the CPU, d_temb (U, D) float64 and d_weight (N, D) on `device` (default: weight's, else the
         CPU), d_bias (N,)) over the distinct rows (module docstring). weight None: no d_temb (None), d_weight in
         weight_dtype (the projection's values are not needed), and with `weight_rows` only those rows of it (a rank's
         shard: each row is its own sum over the distinct rows, so a shard has the bits of the whole gradient's
@@ -319,5 +320,5 @@ class TableSums:
                                device, weight_rows, unit)
         d_temb = None
         if weight is not None and with_temb:
-            d_temb = input_grad(d_table, weight, device, unit).cpu() * silu_grad(rows)
+            d_temb = input_grad(d_table, weight, device, unit) * to_device(silu_grad(rows), device)
         return rows, d_temb, d_weight, bias.value(bias_dtype)

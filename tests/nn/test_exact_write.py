@@ -1,0 +1,60 @@
+"""ExactGradients.write on a GPU queues the device's work without waiting for it (core.transfers)."""
+
+import warnings
+
+import pytest
+import torch
+
+from adaln_lab.nn import ExactGradients
+
+
+def waits(fn) -> int:
+    """fn()'s waits for the device, as torch's sync debug mode counts them (tests/core/test_transfers.py checks that
+    it counts a planted one)."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in seen)
+
+
+@pytest.mark.gpu
+def test_write_of_a_patched_h3_model_waits_for_the_device_once_at_the_with_and_never_in_write():
+    """A patched tiny MiniMax-H3 model in the checkpoint's layout on CUDA (its AdaLNs on the kernels, the time
+    embedding trainable: write forms d_temb and runs its backward): the `with`'s end reads every part's rows, scales,
+    factors and flags in one transfer, and write waits for nothing; a second step gives the same bits."""
+    pytest.importorskip("diffusers")
+    import adaln_lab
+    from adaln_lab.testing import tiny_h3_model
+
+    model, inputs = tiny_h3_model(batch=2)
+    model.to(torch.bfloat16)
+    for name, module in model.named_modules():
+        if name and any(key in name for key in getattr(model, "_keep_in_fp32_modules", None) or ()):
+            module.float()
+    model.cuda()
+    inputs = {k: v.cuda() for k, v in inputs.items()}
+    adaln_lab.patch(model)
+    cot = torch.randn(2, *model(**inputs).sample.shape[1:], generator=torch.Generator().manual_seed(5)).cuda()
+
+    def step(check):
+        model.zero_grad(set_to_none=True)
+        acc = ExactGradients()
+        with acc:
+            (model(**inputs).sample * cot).sum().backward()
+            torch.cuda.synchronize()
+            exit_waits = waits(lambda: acc.__exit__(None, None, None))
+            acc.__enter__()  # the `with` exits again: nothing left to fold, no transfer
+        write_waits = waits(acc.write) if check else acc.write()
+        return exit_waits, write_waits, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    step(False)  # compiled, warmed
+    exit_waits, write_waits, grads = step(True)
+    assert exit_waits == 1 and write_waits == 0
+    assert any(n.startswith("time_embed") for n in grads) and all(bool(torch.isfinite(g).all())
+                                                                   for g in grads.values())
+    _, _, again = step(False)
+    assert all(torch.equal(grads[n], again[n]) for n in grads)
