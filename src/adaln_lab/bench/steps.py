@@ -249,7 +249,7 @@ def trace(ctx: Context) -> int:
 
 
 def train(ctx: Context) -> int:
-    rc = ctx.run(["train_step.json", "train_step.log"], module("adaln_lab.bench.train_step", "--row-double", "1"),
+    rc = ctx.run(["train_step.json", "train_step.log"], module("adaln_lab.bench.train_step", "--row-form", "0"),
                  stdout="train_step.json", stderr="train_step.log")
     ctx.show_tail("train_step.log", 20)
     return rc

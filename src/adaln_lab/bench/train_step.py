@@ -11,8 +11,8 @@ Variants: `diffusers`, `diffusers_deterministic` (`torch.use_deterministic_algor
 set), `adaln_lab` (patched), `adaln_lab_deterministic` (patched, and deterministic algorithms for the rest of
 the model: attention's backward among them) and `adaln_lab_exact` (patched, each step inside
 `adaln_lab.nn.ExactGradients` and its write: the AdaLN gradients exact; `exact_over_plain` its step time over
-`adaln_lab`'s); with `--row-double 1` also `adaln_lab_exact_double`, the exact step with TUNING's
-EXACT_ROW_DOUBLE 1 (the row passes' float64 windows, `exact_double_over_plain`). A step is forward, backward of
+`adaln_lab`'s); with `--row-form K` also `adaln_lab_exact_form<K>`, the exact step with TUNING's
+EXACT_ROW_DOUBLE K (0: int64 windows, 1: float64 windows; `exact_form<K>_over_plain`). A step is forward, backward of
 a fixed random upstream, `zero_grad(set_to_none=True)` after it. Per variant: the median step time of 10 timed steps
 after 3 warm-ups (CUDA events, the default SDPA backend) and its phases' medians (`phases`: forward, backward, write
 from the backward's end, write's host time), every AdaLNFallbackWarning / KernelFallbackWarning the variant raised,
@@ -22,7 +22,7 @@ so every gradient upstream of an attention varies there whatever the AdaLN does)
 against diffusers' first (max |diff| over the two outputs, beside diffusers' own distance from the float32
 model for scale).
 
-    python3 -m adaln_lab.bench.train_step [--steps 10] [--row-double 1] > train_step.json   (a table on stderr)
+    python3 -m adaln_lab.bench.train_step [--steps 10] [--row-form 0] > train_step.json   (a table on stderr)
 """
 
 from __future__ import annotations
@@ -142,8 +142,8 @@ def time_steps(model, inputs, dys, autocast, steps, warmup=3, exact=False):
 
 
 def run_variant(model, inputs, dys, autocast, variant, steps):
-    if variant == "adaln_lab_exact_double":
-        with launchers.tuned(EXACT_ROW_DOUBLE=1):
+    if variant.startswith("adaln_lab_exact_form"):
+        with launchers.tuned(EXACT_ROW_DOUBLE=int(variant[len("adaln_lab_exact_form"):])):
             return run_variant(model, inputs, dys, autocast, "adaln_lab_exact", steps)
     deterministic, exact = variant.endswith("_deterministic"), variant.endswith("_exact")
     if variant.startswith("adaln_lab"):
@@ -170,10 +170,11 @@ def run_variant(model, inputs, dys, autocast, variant, steps):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--row-double", type=int, choices=(0, 1), default=0,
-                        help="1: also the exact step with TUNING's EXACT_ROW_DOUBLE 1 (adaln_lab_exact_double)")
+    parser.add_argument("--row-form", type=int, choices=(0, 1), default=None,
+                        help="also the exact step with TUNING's EXACT_ROW_DOUBLE set to this (adaln_lab_exact_form<K>)")
     args = parser.parse_args()
-    variants = VARIANTS + (("adaln_lab_exact_double",) if args.row_double else ())
+    extra = None if args.row_form is None else f"adaln_lab_exact_form{args.row_form}"
+    variants = VARIANTS + ((extra,) if extra else ())
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": CONFIG, "rows": ROWS,
                "precisions": {}}
     wide = None
@@ -205,14 +206,15 @@ def main():
         entry["deterministic_speedup"] = round(
             entry["diffusers_deterministic"]["step_ms"] / entry["adaln_lab_deterministic"]["step_ms"], 3)
         entry["exact_over_plain"] = round(entry["adaln_lab_exact"]["step_ms"] / entry["adaln_lab"]["step_ms"], 3)
-        if args.row_double:
-            entry["exact_double_over_plain"] = round(
-                entry["adaln_lab_exact_double"]["step_ms"] / entry["adaln_lab"]["step_ms"], 3)
+        if extra:
+            entry[f"exact_form{args.row_form}_over_plain"] = round(
+                entry[extra]["step_ms"] / entry["adaln_lab"]["step_ms"], 3)
         results["precisions"][precision] = entry
         print(f"{precision}: adaln_lab {entry['speedup_vs_diffusers']}x diffusers, "
               f"{entry['speedup_vs_deterministic']}x deterministic diffusers, deterministic "
               f"{entry['deterministic_speedup']}x deterministic diffusers, exact {entry['exact_over_plain']}x plain"
-              + (f" (float64 windows {entry['exact_double_over_plain']}x)" if args.row_double else "") + "; "
+              + (f" (EXACT_ROW_DOUBLE {args.row_form}: {entry[f'exact_form{args.row_form}_over_plain']}x)"
+                 if extra else "") + "; "
               f"forward max |patched - diffusers| "
               f"{entry['patched_vs_diffusers_max_abs']:.3g} (diffusers vs the fp32 model: "
               f"{entry['diffusers_vs_fp32_model_max_abs']:.3g})", file=sys.stderr, flush=True)

@@ -19,7 +19,8 @@ _ALIGN = 8  # bytes: each tensor's offset in the transfer (the widest element, f
 
 def host_copies(tensors) -> list[torch.Tensor]:
     """CPU copies (detached) of `tensors`, in order: CPU ones as they are, those on each other device packed into one
-    byte buffer there and copied to the host once, then cut apart (contiguous views of that host buffer)."""
+    byte buffer there and copied to the host once, then cut apart (each its own storage). Real, non-complex dtypes
+    (at most 8 bytes an element)."""
     out: list = [None] * len(tensors)
     by_device: dict = {}
     for i, t in enumerate(tensors):
@@ -40,7 +41,7 @@ def host_copies(tensors) -> list[torch.Tensor]:
                 flat[start:start + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
         host = flat.cpu()
         for (i, t), start, n in zip(items, starts, sizes):
-            out[i] = host[start:start + n].view(t.dtype).reshape(t.shape)
+            out[i] = host[start:start + n].clone().view(t.dtype).reshape(t.shape)  # its own storage (pickling)
     return out
 
 
@@ -52,4 +53,4 @@ def to_device(t: torch.Tensor, device, dtype: torch.dtype | None = None) -> torc
         t = t.to(dtype)
     if t.device.type != "cpu" or device.type != "cuda":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return t.contiguous().pin_memory().to(device, non_blocking=True)

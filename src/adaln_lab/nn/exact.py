@@ -68,7 +68,6 @@ class _Group:
         return [state.value(w.dtype) for w, state in zip(targets, states)]
 
 
-
 class ExactGradients:
     """The exact-gradient accumulator (module docstring)."""
 
@@ -110,17 +109,21 @@ class ExactGradients:
         kept = [(group, t) for group in self.groups.values() for t in group.tembs if id(t) not in group.hosts]
         wanted = [t for _, temb, sums, (_, scale, factors) in parts for t in (temb, scale, factors, *sums.flags)]
         hosts = iter(host_copies(wanted + [t for _, t in kept]))
-        for group, _, sums, (state, _, _) in parts:
-            temb, scale, factors = next(hosts), next(hosts), next(hosts)
-            sums.flags = [next(hosts) for _ in sums.flags]  # read by `check` without a wait
-            sums.closed = True
-            if sums.flags:
-                group.checks.append(sums)
-            group.table.add(temb, state, scale, factors)
-        for group, t in kept:
-            group.hosts[id(t)] = next(hosts)
-        for group in self.groups.values():
-            group.pending.clear()
+        folded = set()
+        try:
+            for group, _, sums, (state, _, _) in parts:
+                temb, scale, factors = next(hosts), next(hosts), next(hosts)
+                sums.flags = [next(hosts) for _ in sums.flags]  # read by `check` without a wait
+                sums.closed = True
+                group.table.add(temb, state, scale, factors)  # all or nothing (TableSums checks first)
+                if sums.flags:
+                    group.checks.append(sums)
+                folded.add(id(sums))
+            for group, t in kept:
+                group.hosts[id(t)] = next(hosts)
+        finally:  # a refused part stays pending (and every later one): none is folded twice
+            for group in self.groups.values():
+                group.pending = [(t, sums) for t, sums in group.pending if id(sums) not in folded]
 
     def _group(self, weight, bias, norm_weights) -> _Group:
         self._open("recording")
@@ -226,7 +229,8 @@ class ExactGradients:
         """Set each recorded parameter's .grad from the exact sums, send d_temb to the kept tembs, forget all.
         Every gradient is formed before any is set: an error leaves every .grad as it was. Its host reads come in
         one transfer (`_settle`) and its host tensors go to the device without waiting (`core.transfers`), so the
-        host queues the device's work while the device runs it."""
+        host queues the device's work while the device runs it (LoRA adapters' gradients and a temb narrower than
+        float32 still wait: their products and rounding are the host's)."""
         self._settle()
         for group in self.groups.values():
             _check(group)
@@ -348,7 +352,7 @@ def _temb_grads(tembs, hosts, rows, d_temb, into: dict, owned=None) -> None:
         for t, key in enumerate(keys):
             k = pending.pop(key, None)
             if k is not None:
-                g[t] += d_temb[k]  # float64 (TableSums.gradients), rounded once in _temb_backward
+                g[t] += d_temb[k].to(g.device)  # float64 (TableSums.gradients), rounded once in _temb_backward
 
 
 def _temb_backward(temb_grads: dict) -> None:

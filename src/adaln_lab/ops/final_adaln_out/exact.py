@@ -65,7 +65,8 @@ def row_terms(x, dy, timestep_indices, eps):
 def table_factors(norm_weight, table_f32) -> tuple[torch.Tensor, torch.Tensor]:
     """(s1 (T, H), w (H,)) float32: float32(1 + scale[t]) from table_f32 (T, 2H), and the norm weight."""
     H = norm_weight.shape[0]
-    return (1.0 + table_f32[:, H:].float()).contiguous(), norm_weight.detach().float()
+    # a copy: a float32 weight's .float() is the parameter itself, which FSDP2 may free before the parts are read
+    return (1.0 + table_f32[:, H:].float()).contiguous(), norm_weight.detach().to(torch.float32, copy=True)
 
 
 def column_factors(norm_weight: torch.Tensor) -> torch.Tensor:
