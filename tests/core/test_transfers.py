@@ -1,9 +1,16 @@
-"""core.transfers: host copies in one transfer, host tensors sent without a wait; the same bits as .cpu() / .to()."""
+"""core.transfers: host copies in one transfer, host tensors sent without a wait; the same bits as .cpu() / .to().
+Their packed and pinned forms run where core.transfers.NO_WAIT is 1 (the `no_wait` fixture)."""
 
 import pytest
 import torch
 
+from adaln_lab.core import transfers
 from adaln_lab.core.transfers import host_copies, to_device
+
+
+@pytest.fixture
+def no_wait(monkeypatch):
+    monkeypatch.setattr(transfers, "NO_WAIT", 1)
 
 
 def mixed(device):
@@ -15,7 +22,9 @@ def mixed(device):
             torch.tensor(True, device=device), torch.randn(3, generator=g, dtype=torch.float64).to(device)]
 
 
-def test_cpu_tensors_come_back_as_they_are_and_to_device_casts_on_the_host():
+@pytest.mark.parametrize("on", [0, 1])
+def test_cpu_tensors_come_back_as_they_are_and_to_device_casts_on_the_host(monkeypatch, on):
+    monkeypatch.setattr(transfers, "NO_WAIT", on)
     ts = mixed("cpu")
     for t, h in zip(ts, host_copies(ts)):
         assert h.data_ptr() == t.data_ptr() and not h.requires_grad
@@ -24,7 +33,7 @@ def test_cpu_tensors_come_back_as_they_are_and_to_device_casts_on_the_host():
 
 
 @pytest.mark.gpu
-def test_gpu_copies_are_the_tensors_bits_in_one_transfer():
+def test_gpu_copies_are_the_tensors_bits_in_one_transfer(no_wait):
     ts = mixed("cuda")
     hosts = host_copies(ts + [torch.ones(2)])  # a CPU tensor among them
     for t, h in zip(ts, hosts):
@@ -37,7 +46,7 @@ def test_gpu_copies_are_the_tensors_bits_in_one_transfer():
 
 
 @pytest.mark.gpu
-def test_the_sync_count_catches_a_planted_wait():
+def test_the_sync_count_catches_a_planted_wait(no_wait):
     """The check the write test relies on: torch's sync debug mode warns for a copy to the host and for a copy from
     pageable memory, and not for host_copies' transfer beyond its one nor to_device's pinned copy."""
     import warnings

@@ -1,4 +1,4 @@
-"""Copies between the host and a GPU that wait for the device once, or not at all.
+"""Copies between the host and a GPU that wait for the device once, or not at all (`NO_WAIT` 1).
 
     hosts = host_copies([a, b, c])      # CPU copies of device tensors: one transfer (one wait) a device
     t = to_device(cpu_tensor, device)   # a host tensor on `device` without waiting for the device's queue
@@ -7,7 +7,8 @@ Why: a copy to the host waits for every kernel queued before it, and a copy from
 synchronizes the stream before it starts (the CUDA runtime's rule), so each one leaves the GPU idle while the host
 catches up. `ExactGradients.write` reads many small tensors (temb rows, scale rows, factors, the kernels' flags) and
 sends a few host tensors (SiLU of the rows, factors): through these, one wait in all. Data movement only: every bit
-is the same as a plain `.cpu()` / `.to(device)`.
+is the same as a plain `.cpu()` / `.to(device)`, which is what they do while `NO_WAIT` is 0 (shipped
+until its GPU tests have run), and then `ExactGradients.write` forms d_temb on the host as before (`no_wait`).
 """
 
 from __future__ import annotations
@@ -17,10 +18,20 @@ import torch
 _ALIGN = 8  # bytes: each tensor's offset in the transfer (the widest element, float64 / int64)
 
 
+NO_WAIT = 0  # 1: these copies packed and pinned, d_temb kept on the device (shipped 0 until its GPU tests have run)
+
+
+def no_wait() -> bool:
+    """Whether NO_WAIT is on (read at each call: a test or a user may set it)."""
+    return bool(NO_WAIT)
+
+
 def host_copies(tensors) -> list[torch.Tensor]:
     """CPU copies (detached) of `tensors`, in order: CPU ones as they are, those on each other device packed into one
     byte buffer there and copied to the host once, then cut apart (each its own storage). Real, non-complex dtypes
     (at most 8 bytes an element)."""
+    if not no_wait():
+        return [t.detach().cpu() for t in tensors]
     out: list = [None] * len(tensors)
     by_device: dict = {}
     for i, t in enumerate(tensors):
@@ -51,6 +62,6 @@ def to_device(t: torch.Tensor, device, dtype: torch.dtype | None = None) -> torc
     device = torch.device(device)
     if dtype is not None:
         t = t.to(dtype)
-    if t.device.type != "cpu" or device.type != "cuda":
+    if t.device.type != "cpu" or device.type != "cuda" or not no_wait():
         return t.to(device)
     return t.contiguous().pin_memory().to(device, non_blocking=True)

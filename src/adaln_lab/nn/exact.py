@@ -103,8 +103,8 @@ class ExactGradients:
 
     def _settle(self) -> None:
         """Fold every group's parts in, their backwards done (a block's later hook raises), and keep host copies of
-        the kept tembs and of the parts' flags: everything the host reads of them comes in one transfer, one wait for
-        the device (`core.transfers.host_copies`), after the backward, not inside it."""
+        the kept tembs and of the parts' flags: everything the host reads of them, after the backward, not inside it
+        (`core.transfers.host_copies`: one transfer and one wait for the device with `core.transfers.NO_WAIT` 1)."""
         parts = [(group, temb, sums, sums.parts()) for group in self.groups.values() for temb, sums in group.pending]
         kept = [(group, t) for group in self.groups.values() for t in group.tembs if id(t) not in group.hosts]
         wanted = [t for _, temb, sums, (_, scale, factors) in parts for t in (temb, scale, factors, *sums.flags)]
@@ -227,10 +227,11 @@ class ExactGradients:
 
     def write(self) -> None:
         """Set each recorded parameter's .grad from the exact sums, send d_temb to the kept tembs, forget all.
-        Every gradient is formed before any is set: an error leaves every .grad as it was. Its host reads come in
-        one transfer (`_settle`) and its host tensors go to the device without waiting (`core.transfers`), so the
-        host queues the device's work while the device runs it (LoRA adapters' gradients and a temb narrower than
-        float32 still wait: their products and rounding are the host's)."""
+        Every gradient is formed before any is set: an error leaves every .grad as it was. With
+        `core.transfers.NO_WAIT` 1 (shipped 0) its host reads come in one transfer (`_settle`) and its host tensors
+        go to the device without waiting, so the host queues the device's work while the device runs it (LoRA
+        adapters' gradients and a temb narrower than float32 still wait: their products and rounding are the
+        host's)."""
         self._settle()
         for group in self.groups.values():
             _check(group)

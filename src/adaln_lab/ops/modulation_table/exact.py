@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ...core import launchers, tensors
 from ...core.exact import E_MIN, LIMBS, ExactSum, products
-from ...core.transfers import to_device
+from ...core.transfers import no_wait, to_device
 
 _F64 = torch.float64
 PRODUCT_ELEMENTS = 1 << 25  # float64 elements a block of weight_grad's / input_grad's products (two at once: 512 MB)
@@ -307,11 +307,11 @@ class TableSums:
 
     def gradients(self, weight: torch.Tensor | None, bias_dtype: torch.dtype, weight_dtype: torch.dtype | None = None,
                   weight_rows: slice | None = None, device=None, with_temb: bool = True):
-        """(rows (U, D) on the CPU, d_temb (U, D) float64 and d_weight (N, D) on `device` (default: weight's, else the
-        CPU), d_bias (N,)) over the distinct rows (module docstring). weight None: no d_temb (None), d_weight in
-        weight_dtype (the projection's values are not needed), and with `weight_rows` only those rows of it (a rank's
-        shard: each row is its own sum over the distinct rows, so a shard has the bits of the whole gradient's
-        rows; also with weight given). with_temb False: no d_temb either (nothing wants temb's gradient)."""
+        """(rows (U, D) on the CPU, d_temb (U, D) float64 on `device` (the CPU while core.transfers.NO_WAIT is 0),
+        d_weight (N, D) on `device` (default: weight's, else the CPU), d_bias (N,)) over the distinct rows (module
+        docstring). weight None: no d_temb (None), d_weight in weight_dtype (the projection's values are not
+        needed), and with `weight_rows` only those rows of it (a rank's shard: each row is its own sum over the
+        distinct rows, so a shard has the bits of the whole gradient's rows; also with weight given). with_temb False: no d_temb either (nothing wants temb's gradient)."""
         rows, d_table, bias = self._d_table()
         device = device if device is not None else weight.device if weight is not None else "cpu"
         exact = self._exact(device)
@@ -320,5 +320,6 @@ class TableSums:
                                device, weight_rows, unit)
         d_temb = None
         if weight is not None and with_temb:
-            d_temb = input_grad(d_table, weight, device, unit) * to_device(silu_grad(rows), device)
+            where = device if no_wait() else "cpu"  # d_temb's products on the device, or (NO_WAIT 0) the host
+            d_temb = input_grad(d_table, weight, device, unit).to(where) * to_device(silu_grad(rows), where)
         return rows, d_temb, d_weight, bias.value(bias_dtype)
