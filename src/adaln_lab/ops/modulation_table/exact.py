@@ -311,7 +311,8 @@ class TableSums:
         d_weight (N, D) on `device` (default: weight's, else the CPU), d_bias (N,)) over the distinct rows (module
         docstring). weight None: no d_temb (None), d_weight in weight_dtype (the projection's values are not
         needed), and with `weight_rows` only those rows of it (a rank's shard: each row is its own sum over the
-        distinct rows, so a shard has the bits of the whole gradient's rows; also with weight given). with_temb False: no d_temb either (nothing wants temb's gradient)."""
+        distinct rows, so a shard has the bits of the whole gradient's rows; also with weight given). with_temb
+        False: no d_temb either (nothing wants temb's gradient)."""
         rows, d_table, bias = self._d_table()
         device = device if device is not None else weight.device if weight is not None else "cpu"
         exact = self._exact(device)
