@@ -249,7 +249,8 @@ def trace(ctx: Context) -> int:
 
 
 def train(ctx: Context) -> int:
-    rc = ctx.run(["train_step.json", "train_step.log"], module("adaln_lab.bench.train_step", "--row-form", "0"),
+    command = module("adaln_lab.bench.train_step", "--row-form", "0", "--no-wait")
+    rc = ctx.run(["train_step.json", "train_step.log"], command,
                  stdout="train_step.json", stderr="train_step.log")
     ctx.show_tail("train_step.log", 20)
     return rc

@@ -8,21 +8,21 @@ Two precisions, one model each (the variants share its weights: patched by `adal
 - `autocast`: fp32 master weights, every step under `torch.autocast("cuda", torch.bfloat16)` (what accelerate's
   `mixed_precision="bf16"` does).
 Variants: `diffusers`, `diffusers_deterministic` (`torch.use_deterministic_algorithms(True)`, CUBLAS_WORKSPACE_CONFIG
-set), `adaln_lab` (patched), `adaln_lab_deterministic` (patched, and deterministic algorithms for the rest of
-the model: attention's backward among them) and `adaln_lab_exact` (patched, each step inside
-`adaln_lab.nn.ExactGradients` and its write: the AdaLN gradients exact; `exact_over_plain` its step time over
-`adaln_lab`'s); with `--row-form K` also `adaln_lab_exact_form<K>`, the exact step with TUNING's
-EXACT_ROW_DOUBLE K (0: int64 windows, 1: float64 windows; `exact_form<K>_over_plain`). A step is forward, backward of
-a fixed random upstream, `zero_grad(set_to_none=True)` after it. Per variant: the median step time of 10 timed steps
-after 3 warm-ups (CUDA events, the default SDPA backend) and its phases' medians (`phases`: forward, backward, write
-from the backward's end, write's host time), every AdaLNFallbackWarning / KernelFallbackWarning the variant raised,
-and whether its AdaLN gradients (norm_out's and each block's norm1, norm2, adaln_proj) repeat bit for bit over two
-steps, under the default SDPA backend and under SDPA's math backend (the flash backward accumulates dq with atomics,
-so every gradient upstream of an attention varies there whatever the AdaLN does); the patched forward is checked
-against diffusers' first (max |diff| over the two outputs, beside diffusers' own distance from the float32
-model for scale).
+set), `adaln_lab` (patched), `adaln_lab_deterministic` (patched, and deterministic algorithms for the rest of the
+model: attention's backward among them) and `adaln_lab_exact` (patched, each step inside `adaln_lab.nn.ExactGradients`
+and its write: the AdaLN gradients exact; `exact_over_plain` its step time over `adaln_lab`'s); with `--row-form K`
+also `adaln_lab_exact_form<K>`, the exact step with TUNING's EXACT_ROW_DOUBLE K (0: int64 windows, 1: float64 windows;
+`exact_form<K>_over_plain`), and with `--no-wait` `adaln_lab_exact_no_wait`, the exact step with
+`core.transfers.NO_WAIT` 1 (`exact_no_wait_over_plain`). A step is forward, backward of a fixed random upstream,
+`zero_grad(set_to_none=True)` after it. Per variant: the median step time of 10 timed steps after 3 warm-ups (CUDA
+events, the default SDPA backend) and its phases' medians (`phases`: forward, backward, write from the backward's end,
+write's host time), every AdaLNFallbackWarning / KernelFallbackWarning the variant raised, and whether its AdaLN
+gradients (norm_out's and each block's norm1, norm2, adaln_proj) repeat bit for bit over two steps, under the default
+SDPA backend and under SDPA's math backend (the flash backward accumulates dq with atomics, so every gradient upstream
+of an attention varies there whatever the AdaLN does); the patched forward is checked against diffusers' first (max
+|diff| over the two outputs, beside diffusers' own distance from the float32 model for scale).
 
-    python3 -m adaln_lab.bench.train_step [--steps 10] [--row-form 0] > train_step.json   (a table on stderr)
+    python3 -m adaln_lab.bench.train_step [--steps 10] [--row-form 0] [--no-wait] > train_step.json   (table: stderr)
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import adaln_lab  # noqa: E402
-from adaln_lab.core import launchers  # noqa: E402
+from adaln_lab.core import launchers, transfers  # noqa: E402
 from adaln_lab.nn import AdaLNFallbackWarning  # noqa: E402
 from adaln_lab.ops import KernelFallbackWarning  # noqa: E402
 from adaln_lab.testing import h3_inputs  # noqa: E402
@@ -142,6 +142,12 @@ def time_steps(model, inputs, dys, autocast, steps, warmup=3, exact=False):
 
 
 def run_variant(model, inputs, dys, autocast, variant, steps):
+    if variant == "adaln_lab_exact_no_wait":
+        saved, transfers.NO_WAIT = transfers.NO_WAIT, 1
+        try:
+            return run_variant(model, inputs, dys, autocast, "adaln_lab_exact", steps)
+        finally:
+            transfers.NO_WAIT = saved
     if variant.startswith("adaln_lab_exact_form"):
         with launchers.tuned(EXACT_ROW_DOUBLE=int(variant[len("adaln_lab_exact_form"):])):
             return run_variant(model, inputs, dys, autocast, "adaln_lab_exact", steps)
@@ -172,9 +178,11 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--row-form", type=int, choices=(0, 1), default=None,
                         help="also the exact step with TUNING's EXACT_ROW_DOUBLE set to this (adaln_lab_exact_form<K>)")
+    parser.add_argument("--no-wait", action="store_true",
+                        help="also the exact step with core.transfers.NO_WAIT 1 (adaln_lab_exact_no_wait)")
     args = parser.parse_args()
     extra = None if args.row_form is None else f"adaln_lab_exact_form{args.row_form}"
-    variants = VARIANTS + ((extra,) if extra else ())
+    variants = VARIANTS + ((extra,) if extra else ()) + (("adaln_lab_exact_no_wait",) if args.no_wait else ())
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": CONFIG, "rows": ROWS,
                "precisions": {}}
     wide = None
@@ -206,6 +214,9 @@ def main():
         entry["deterministic_speedup"] = round(
             entry["diffusers_deterministic"]["step_ms"] / entry["adaln_lab_deterministic"]["step_ms"], 3)
         entry["exact_over_plain"] = round(entry["adaln_lab_exact"]["step_ms"] / entry["adaln_lab"]["step_ms"], 3)
+        if args.no_wait:
+            entry["exact_no_wait_over_plain"] = round(
+                entry["adaln_lab_exact_no_wait"]["step_ms"] / entry["adaln_lab"]["step_ms"], 3)
         if extra:
             entry[f"exact_form{args.row_form}_over_plain"] = round(
                 entry[extra]["step_ms"] / entry["adaln_lab"]["step_ms"], 3)
@@ -214,7 +225,8 @@ def main():
               f"{entry['speedup_vs_deterministic']}x deterministic diffusers, deterministic "
               f"{entry['deterministic_speedup']}x deterministic diffusers, exact {entry['exact_over_plain']}x plain"
               + (f" (EXACT_ROW_DOUBLE {args.row_form}: {entry[f'exact_form{args.row_form}_over_plain']}x)"
-                 if extra else "") + "; "
+                 if extra else "")
+              + (f" (no wait: {entry['exact_no_wait_over_plain']}x)" if args.no_wait else "") + "; "
               f"forward max |patched - diffusers| "
               f"{entry['patched_vs_diffusers_max_abs']:.3g} (diffusers vs the fp32 model: "
               f"{entry['diffusers_vs_fp32_model_max_abs']:.3g})", file=sys.stderr, flush=True)
