@@ -70,3 +70,18 @@ def _in_world(rank, worker, nprocs, store, out, backend):
         worker(rank, nprocs, out)
     finally:
         dist.destroy_process_group()
+
+
+def waits(fn) -> int:
+    """fn()'s waits for the device, as torch's sync debug mode counts them (tests/core/test_transfers.py checks that
+    it counts a planted one)."""
+    import warnings
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in seen)

@@ -100,6 +100,16 @@ def h3_inputs(model, rows: tuple[int, int, int], seed: int, *, batch: int = 1, p
                     torch.randn(batch, na, model.audio_proj_out.out_features, generator=g))
 
 
+def checkpoint_layout(model):
+    """`model` in a MiniMax-H3 checkpoint's layout, in place: bf16, but its `_keep_in_fp32_modules` float32 (what
+    `from_pretrained(torch_dtype=torch.bfloat16)` loads). Returns the model."""
+    model.to(torch.bfloat16)
+    for name, module in model.named_modules():
+        if name and any(key in name for key in getattr(model, "_keep_in_fp32_modules", None) or ()):
+            module.float()
+    return model
+
+
 def tiny_h3_model(seed: int = 0, *, rows: tuple[int, int, int] = (5, 8, 4), batch: int = 1):
     """(model, inputs): `h3_model()` at `TINY_H3` and `h3_inputs` of its forward (seed + 1, positions in
     [0, 8)). `model(**inputs).sample` is (batch, video rows, 16). Needs diffusers 0.42 (the test extra)."""

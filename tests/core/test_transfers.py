@@ -7,6 +7,8 @@ import torch
 from adaln_lab.core import transfers
 from adaln_lab.core.transfers import host_copies, to_device
 
+from ..exact_parts import waits
+
 
 @pytest.fixture
 def no_wait(monkeypatch):
@@ -49,18 +51,6 @@ def test_gpu_copies_are_the_tensors_bits_in_one_transfer(no_wait):
 def test_the_sync_count_catches_a_planted_wait(no_wait):
     """The check the write test relies on: torch's sync debug mode warns for a copy to the host and for a copy from
     pageable memory, and not for host_copies' transfer beyond its one nor to_device's pinned copy."""
-    import warnings
-
-    def waits(fn):
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as seen:
-                warnings.simplefilter("always")
-                fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        return sum("synchronizing" in str(w.message) for w in seen)
-
     x = torch.randn(4, device="cuda")
     assert waits(lambda: x.cpu()) == 1  # the planted wait
     assert waits(lambda: torch.randn(4).to("cuda")) == 1

@@ -212,15 +212,11 @@ def test_a_patched_h3_model_gives_the_same_adaln_gradients_for_every_split_by_sa
     pytest.importorskip("diffusers")
     import adaln_lab
     from adaln_lab.core.support import KernelFallbackWarning
-    from adaln_lab.testing import tiny_h3_model
+    from adaln_lab.testing import checkpoint_layout, tiny_h3_model
 
     model, inputs = tiny_h3_model(batch=4)
     if device == "cuda":
-        model.to(torch.bfloat16)
-        for name, module in model.named_modules():
-            if name and any(key in name for key in getattr(model, "_keep_in_fp32_modules", None) or ()):
-                module.float()
-        model.cuda()
+        checkpoint_layout(model).cuda()
         inputs = {k: v.cuda() for k, v in inputs.items()}
     adaln_lab.patch(model)
     adaln = {n: p for n, p in model.named_parameters() if n.startswith("norm_out.") or (

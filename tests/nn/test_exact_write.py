@@ -1,26 +1,13 @@
 """ExactGradients.write on a GPU queues the device's work without waiting for it (core.transfers, TUNING's
 NO_WAIT 1)."""
 
-import warnings
-
 import pytest
 import torch
 
 from adaln_lab.core import transfers
 from adaln_lab.nn import ExactGradients
 
-
-def waits(fn) -> int:
-    """fn()'s waits for the device, as torch's sync debug mode counts them (tests/core/test_transfers.py checks that
-    it counts a planted one)."""
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return sum("synchronizing" in str(w.message) for w in seen)
+from ..exact_parts import waits
 
 
 @pytest.mark.gpu
@@ -31,14 +18,10 @@ def test_write_of_a_patched_h3_model_waits_for_the_device_once_at_the_with_and_n
     wait at each copy, d_temb on the host), give the same bits."""
     pytest.importorskip("diffusers")
     import adaln_lab
-    from adaln_lab.testing import tiny_h3_model
+    from adaln_lab.testing import checkpoint_layout, tiny_h3_model
 
     model, inputs = tiny_h3_model(batch=2)
-    model.to(torch.bfloat16)
-    for name, module in model.named_modules():
-        if name and any(key in name for key in getattr(model, "_keep_in_fp32_modules", None) or ()):
-            module.float()
-    model.cuda()
+    checkpoint_layout(model).cuda()
     inputs = {k: v.cuda() for k, v in inputs.items()}
     adaln_lab.patch(model)
     cot = torch.randn(2, *model(**inputs).sample.shape[1:], generator=torch.Generator().manual_seed(5)).cuda()

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 import adaln_lab
 from adaln_lab import AdaLNOut, AdaLNTransformerBlock
+from adaln_lab.testing import checkpoint_layout
 
 diffusers = pytest.importorskip("diffusers", reason="the test extra brings diffusers 0.42")
 from diffusers import MiniMaxH3Transformer3DModel  # noqa: E402
@@ -41,12 +42,9 @@ def make_model(seed, precision, config=TINY):
                 p.uniform_(0.5, 1.5)
     if precision == "fp32":
         return model
-    model.to(torch.bfloat16)
     if precision == "mixed":
-        for name, module in model.named_modules():
-            if name and any(key in name for key in model._keep_in_fp32_modules):
-                module.float()
-    return model
+        return checkpoint_layout(model)
+    return model.to(torch.bfloat16)
 
 
 def make_inputs(seed, rows=TINY_ROWS, config=TINY, batch=2, device="cpu"):

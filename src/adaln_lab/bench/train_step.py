@@ -44,7 +44,7 @@ import adaln_lab  # noqa: E402
 from adaln_lab.core import launchers, transfers  # noqa: E402
 from adaln_lab.nn import AdaLNFallbackWarning  # noqa: E402
 from adaln_lab.ops import KernelFallbackWarning  # noqa: E402
-from adaln_lab.testing import h3_inputs  # noqa: E402
+from adaln_lab.testing import checkpoint_layout, h3_inputs  # noqa: E402
 
 CONFIG = dict(num_layers=2, num_refiner_layers=1)
 ROWS = dict(text=512, video=3072, audio=513)
@@ -58,10 +58,7 @@ def build(precision: str):
     with torch.device("cuda"):
         model = MiniMaxH3Transformer3DModel(**CONFIG)
     if precision == "bf16":
-        model.to(torch.bfloat16)
-        for name, module in model.named_modules():
-            if name and any(key in name for key in model._keep_in_fp32_modules):
-                module.float()
+        checkpoint_layout(model)
     return model.train()
 
 
