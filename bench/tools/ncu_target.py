@@ -20,6 +20,8 @@
 #     ncu -k regex:"norm_modulate_bwd" --launch-skip 1 --launch-count 1 --section SpeedOfLight \
 #         --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats \
 #         python3 bench/tools/ncu_target.py exact
+# (`exact ROWS`, `plain ROWS`: at another row count; every kernel of the second call, each one's time:
+# --launch-skip the first call's kernels, or drop -k and read the second half)
 
 import sys
 
@@ -29,8 +31,9 @@ from adaln_lab.harness import block_report as br
 from adaln_lab.harness.candidates import adaln_lab_candidate
 from adaln_lab.harness.inputs import make
 
-ROWS = 32768
-if sys.argv[1:] == ["table"]:
+MODE = sys.argv[1] if len(sys.argv) > 1 else ""
+ROWS = int(sys.argv[2]) if len(sys.argv) > 2 else 32768  # `exact 4097`: another row count
+if MODE == "table":
     from adaln_lab.core import tensors
 
     inputs = make(1, 8, "cuda")
@@ -38,7 +41,7 @@ if sys.argv[1:] == ["table"]:
         tensors.table(inputs.temb, inputs.weight, inputs.bias)
     torch.cuda.synchronize()
     sys.exit(0)
-if sys.argv[1:] == ["block"]:
+if MODE == "block":
     inputs = br.make_block(1, ROWS, "cuda", H=br.H_REAL, D=br.D_REAL, T=br.T_REAL)
     fn = br.CANDIDATES["adaln_lab"][1](br.H_REAL, br.D_REAL)
 else:
@@ -47,7 +50,7 @@ else:
 leaves = [t.detach().clone().requires_grad_(True) for t in inputs.leaves]
 ones = torch.ones_like(inputs.x)
 for _ in range(2):
-    if sys.argv[1:] == ["exact"]:
+    if MODE == "exact":
         from adaln_lab import final_adaln_out
         from adaln_lab.nn import ExactGradients
 
