@@ -11,8 +11,12 @@
 #               1: a register cache of the last limb pair, 2: the caches alone, sent out by integer atomics), each
 #               checked the same way
 #   carry       the states' carries (exact_state.cu's exact_carry, one launch a state)
-#   exact_route the exact route's kernels as ExactNormOut runs them: the forward, then `kernel_sums` with dx (the
-#               backward's row pass with its sums exact, exact_row_pass.cu's norm_modulate_bwd_exact_bf16; the carries)
+#   exact_route the exact route's kernels as ExactNormOut runs them on a bf16 norm weight: the forward, then
+#               `kernel_sums` with dx (the backward's row pass with its sums exact, exact_row_pass.cu's
+#               norm_modulate_bwd_exact_bf16, its fixups, the norm weight's copy; the carries and factors wait for
+#               `NormOutSums.ready` after the backward, as the recorder's fold runs them: not in these figures)
+#   exact_route_cast  the same without the norm weight's copy (weight_copy False: a cast made for the call, as
+#               under autocast with float32 masters)
 #   exact_route_double<k>  the same with TUNING's EXACT_ROW_DOUBLE = k for each form of --row-forms other than the
 #               shipped one (1: float64 windows checked at their close, exact_row_windows.cu, and its fixup kernel),
 #               each checked the same way first; `fixups` counts the entries its pass appended
@@ -61,6 +65,7 @@ def route_forms(dy, x, nw, idx, workspace, rows: int, want, dx_want, forms) -> d
             dx = torch.empty_like(x)
             got = kernel_sums(dy, x, nw, idx, workspace, T, D, dx=dx)
             got.check()
+            got.ready()
             if not (torch.equal(dx, dx_want) and torch.equal(got.table.limbs, want.limbs)):
                 raise AssertionError(f"the row pass with EXACT_ROW_DOUBLE {form} at {rows} rows: dx or the integers "
                                      "differ")
@@ -90,6 +95,7 @@ def measure(rows: int, copy_TBps: float, forms=()) -> dict:
         cache_knob(knob)
         got = kernel_sums(dy, x, nw, idx, workspace, T, D)
         got.check()
+        got.ready()
         if not torch.equal(got.table.limbs, want_table.limbs):
             raise AssertionError(f"exact_sums (EXACT_CACHE {knob}) at {rows} rows: the states differ from the exact "
                                  "sums of their terms")
@@ -97,6 +103,7 @@ def measure(rows: int, copy_TBps: float, forms=()) -> dict:
     dx = torch.empty_like(x)
     fused = kernel_sums(dy, x, nw, idx, workspace, T, D, dx=dx)
     fused.check()
+    fused.ready()
     if not torch.equal(dx, grads[0]):
         raise AssertionError(f"the exact route's dx differs from the backward's at {rows} rows")
     if not torch.equal(fused.table.limbs, want_table.limbs):
@@ -121,9 +128,9 @@ def measure(rows: int, copy_TBps: float, forms=()) -> dict:
         launch_sums(context[2], context[0], tensors.current_stream(x.get_device()), x.data_ptr(), dy.data_ptr(),
                     rstd.data_ptr(), idx.data_ptr(), order.data_ptr(), table.data_ptr(), flags.data_ptr(), rows, rows)
 
-    def exact_route():
+    def exact_route(weight_copy=True):
         launch.forward(x, nw, temb, weight, bias, idx, 1e-5, "cupy", "cuda", out, workspace)
-        kernel_sums(dy, x, nw, idx, workspace, T, D, dx=grads[0])
+        kernel_sums(dy, x, nw, idx, workspace, T, D, dx=grads[0], weight_copy=weight_copy)
 
     def carry(exact=ExactKernels(kernels[shipped][2], x.get_device())):
         exact.carry(table)
@@ -136,12 +143,13 @@ def measure(rows: int, copy_TBps: float, forms=()) -> dict:
     steps = (("fwd_bwd", fwd_bwd), ("exact_sums", exact_sums),
              *((f"exact_sums_cache{knob}", lambda knob=knob: exact_sums(kernels[knob])) for knob in others),
              ("carry", carry),
-             ("exact_route", exact_route))
+             ("exact_route", exact_route), ("exact_route_cast", lambda: exact_route(False)))
     us = {name: graph_us(step) for name, step in steps}
     us.update({f"exact_route_double{form}": route_form(form) for form in forms if form != fixups_shipped})
     return {"rows": rows, "us": us, "exact_floor_us": 4 * rows * H / (copy_TBps * 1e12) * 1e6,
             "grid": list(plan.exact_grid(rows)), "fixups": fixups,
             "exact_route_over_fwd_bwd": us["exact_route"] / us["fwd_bwd"],
+            "exact_route_cast_over_fwd_bwd": us["exact_route_cast"] / us["fwd_bwd"],
             **{f"exact_route_double{form}_over_fwd_bwd": us[f"exact_route_double{form}"] / us["fwd_bwd"]
                for form in forms if form != fixups_shipped}}
 
@@ -161,7 +169,7 @@ def main() -> None:
         print(f"rows {rows}: fwd_bwd {entry['us']['fwd_bwd']:.1f} us, exact_sums {entry['us']['exact_sums']:.1f} "
               f"({', '.join(f'{k}: {v:.1f}' for k, v in entry['us'].items() if k.startswith('exact_sums_cache'))}) "
               f"(floor {entry['exact_floor_us']:.1f}), carry {entry['us']['carry']:.1f}: exact route "
-              f"{entry['exact_route_over_fwd_bwd']:.2f}x"
+              f"{entry['exact_route_over_fwd_bwd']:.2f}x (cast: {entry['exact_route_cast_over_fwd_bwd']:.2f}x)"
               + "".join(f", EXACT_ROW_DOUBLE {f} {entry[f'exact_route_double{f}_over_fwd_bwd']:.2f}x"
                         for f in forms if f"exact_route_double{f}_over_fwd_bwd" in entry)
               + f", fixup entries {entry['fixups']}", flush=True)

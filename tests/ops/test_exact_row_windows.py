@@ -223,6 +223,7 @@ def test_norm_outs_pass_gives_the_exact_integers_and_the_plain_dx(shape, wide, d
     dx = torch.empty_like(x)
     got = kernel_sums(dy, x, nw, idx, workspace, T_, D_, dx=dx)
     got.check()
+    got.ready()
     grads = (torch.empty_like(x), torch.empty_like(nw), torch.empty_like(temb), weight.clone(),
              weight.new_empty(2 * H_))
     launch.backward(dy, x, nw, temb, weight, idx, workspace, "cupy", *grads)
@@ -247,6 +248,7 @@ def test_a_pass_whose_fixups_are_dropped_is_caught(double_windows, monkeypatch):
     monkeypatch.setattr(exact, "launch_fixups", lambda *args: None)
     got = exact.kernel_sums(dy, x, nw, idx, workspace, 3, 32, dx=torch.empty_like(x))
     got.check()
+    got.ready()
     assert not torch.equal(got.table.limbs, want.limbs)
 
 

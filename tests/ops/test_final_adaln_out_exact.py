@@ -202,6 +202,8 @@ def test_the_kernels_states_are_the_exact_sums_of_their_terms(shape, exact_cache
     x, dy, nw, temb, idx, workspace = kernel_case(*shape)
     got = kernel_sums(dy, x, nw, idx, workspace, T_, D_)
     got.check()
+    assert got.scale is None and got.norm_weight is None  # formed at the first read, after the backward
+    got.ready()
     _, table_f32, rstd = launch.saved_views(workspace, T_, H_, B_ * S_, D_)
     xf, g = x.reshape(-1, H_).float(), dy.reshape(-1, H_).float()
     p = g * (xf * rstd[:, None])
@@ -215,6 +217,7 @@ def test_the_kernels_states_are_the_exact_sums_of_their_terms(shape, exact_cache
     dx = torch.empty_like(x)
     fused = kernel_sums(dy, x, nw, idx, workspace, T_, D_, dx=dx)
     fused.check()
+    fused.ready()
     assert torch.equal(dx, grads[0])  # the exact route's dx: the plain backward's
     assert torch.equal(fused.table.limbs, table.limbs)  # the row pass's exact sums: the same integers
 
@@ -233,3 +236,49 @@ def test_the_kernels_flag_a_non_finite_term_and_an_index_out_of_range():
     with pytest.raises(IndexError, match=r"outside \[0, T\)"):
         kernel_sums(dy, x, nw, out_of_range, workspace, 3, 32).check()
     kernel_sums(dy, x, nw, idx, workspace, 3, 32).check()  # the same call, clean: nothing raised
+
+
+@pytest.mark.gpu
+def test_the_kernels_sums_keep_a_copy_of_the_norm_weight_unless_told_it_is_theirs():
+    """kernel_sums leaves the carries and the factors to `ready` (after the backward): with weight_copy (default) the
+    norm weight is copied in the backward, so a weight changed or freed before the read (FSDP2's reshard) still gives
+    the forward's factors; with weight_copy False the caller's tensor is read at `ready` (a planted change shows);
+    the integers are the same either way, and `ready` twice changes nothing."""
+    from adaln_lab.ops.final_adaln_out.exact import kernel_sums
+
+    x, dy, nw, temb, idx, workspace = kernel_case(2, 16, 64, 32, 3)
+    want = nw.float()
+    copied, kept = (kernel_sums(dy, x, w, idx, workspace, 3, 32, weight_copy=c) for w, c in ((nw, True),
+                                                                                            (nw.clone(), False)))
+    kept.due[0].mul_(2)  # the caller's tensor changed before the read
+    nw.mul_(2)
+    assert torch.equal(copied.ready().norm_weight, want) and torch.equal(kept.ready().norm_weight, 2 * want)
+    limbs = copied.table.limbs.clone()
+    assert torch.equal(copied.ready().table.limbs, limbs) and torch.equal(kept.table.limbs, limbs)
+    assert bool((limbs[:-1] >= 0).all()) and bool((limbs[:-1] < 2 ** 32).all())  # carried
+
+
+def test_the_kernel_routes_backward_leaves_the_carry_to_the_withs_end(monkeypatch):
+    """Backend "cupy" with the GPU stood in (`bench.host_model.gpu_stood_in`): inside ExactGradients norm_out's
+    backward launches its row pass with exact sums (and, with the float64 windows, its fixups) and nothing more of
+    exact_state.cu; the state's one carry runs when the `with` ends (`NormOutSums.ready`, at the fold)."""
+    from adaln_lab import final_adaln_out
+    from adaln_lab.bench import host_model
+    from adaln_lab.core import plan
+    from adaln_lab.harness.inputs import make
+    from adaln_lab.nn import ExactGradients
+
+    b = make(1, 64, "cpu", H=64, D=32)
+    leaves = [t.detach().clone().requires_grad_(True) for t in b.leaves]
+    with host_model.gpu_stood_in():
+        acc = ExactGradients()
+        with acc:
+            out = final_adaln_out(*leaves, b.timestep_indices, backend="cupy")
+            host_model.LAUNCHES.clear()
+            out.backward(torch.ones_like(out))
+            backward = sorted(host_model.LAUNCHES)
+            host_model.LAUNCHES.clear()
+        folded = sorted(host_model.LAUNCHES)
+    fixups = ["exact_fixup_rows_bf16"] if plan.TUNING["EXACT_ROW_DOUBLE"] else []
+    assert backward == sorted(["norm_modulate_bwd_exact_bf16", *fixups])
+    assert folded == ["exact_carry"]

@@ -64,13 +64,20 @@ def fixup_capacity(plan, rows, sorted_rows: bool) -> int:
     return min(windows * (plan.H // 8), FIXUPS_MAX)
 
 
-def pass_buffers(plan, rows, sorted_rows: bool, device, width: int = 0) -> tuple[torch.Tensor, ...]:
+def pass_buffers(plan, rows, sorted_rows: bool, device, width: int = 0, joined: bool = False) -> tuple:
     """(table_limbs (LIMBS, R, width) int64 (width 2H, or H for a gate's sums), flags (2,) int32, fixups (capacity, 4)
     int32) of an exact row pass: the limbs and flags zeroed (flags[0] the kernels' flags, `raise_flags` reads
     flags[:1]; flags[1] the fixup entries appended), the entries written before they are read; with no capacity
-    (int64 windows) fixups is flags, which the pass then never reads as entries (one allocation less a call)."""
-    limbs = torch.zeros((LIMBS, plan.T, width or 2 * plan.H), dtype=torch.int64, device=device)
-    flags = torch.zeros(2, dtype=torch.int32, device=device)
+    (int64 windows) fixups is flags, which the pass then never reads as entries (one allocation less a call).
+    joined: the flags are the limbs' buffer's last 8 bytes, zeroed with them in one launch (where the flags live
+    no longer than the limbs: a kept flag keeps them)."""
+    width = width or 2 * plan.H
+    if joined:
+        buffer = torch.zeros(LIMBS * plan.T * width + 1, dtype=torch.int64, device=device)
+        limbs, flags = buffer[:-1].view(LIMBS, plan.T, width), buffer[-1:].view(torch.int32)
+    else:
+        limbs = torch.zeros((LIMBS, plan.T, width), dtype=torch.int64, device=device)
+        flags = torch.zeros(2, dtype=torch.int32, device=device)
     capacity = fixup_capacity(plan, rows, sorted_rows)
     fixups = torch.empty((capacity, 4), dtype=torch.int32, device=device) if capacity else flags
     return limbs, flags, fixups

@@ -83,6 +83,18 @@ class NormOutSums:
         self.scale = self.norm_weight = None
         self.flags: list[torch.Tensor] = []  # the kernels' error flags (kernel_sums), read by `check`
         self.entries = None  # kernel_sums' (1,) int32: the fixup entries its row pass appended (a diagnostic)
+        self.due = None  # kernel_sums': (norm weight, table_f32) whose factors, and the table's carries, wait: `ready`
+
+    def ready(self) -> "NormOutSums":
+        """Finish what kernel_sums left for the first read, after the backward (none of it in the backward's time):
+        the table's carries and the factors `scale` and `norm_weight` (`table_factors`). Every read below calls it;
+        a caller reading `table`, `scale` or `norm_weight` of kernel_sums' sums calls it first."""
+        if self.due is not None:
+            norm_weight, table_f32 = self.due
+            self.due = None
+            self.table.carried()
+            self.scale, self.norm_weight = table_factors(norm_weight, table_f32)
+        return self
 
     def _factors(self, scale: torch.Tensor, norm_weight: torch.Tensor) -> None:
         if self.scale is None:
@@ -93,6 +105,7 @@ class NormOutSums:
 
     def add(self, x, dy, norm_weight, table_f32, timestep_indices, eps: float = 1e-5) -> "NormOutSums":
         """Add the rows of x and dy (..., S, H) (their terms, module docstring)."""
+        self.ready()
         terms, t = row_terms(x, dy, timestep_indices, eps)
         self._factors(*table_factors(norm_weight, table_f32))  # checked before any row goes in
         self.table.add(terms, t)
@@ -100,6 +113,7 @@ class NormOutSums:
 
     def merge(self, other: "NormOutSums") -> "NormOutSums":
         """Add another part's states (any order of merging gives the same state)."""
+        self.ready(), other.ready()
         if other.scale is not None:
             self._factors(other.scale, other.norm_weight)
         self.table.merge(other.table)
@@ -108,6 +122,7 @@ class NormOutSums:
 
     def parts(self) -> tuple[ExactSum, torch.Tensor, torch.Tensor]:
         """(the table state (T, 2H), s1 (T, H), the columns' factors (2H,)): `TableSums.add`'s."""
+        self.ready()
         return self.table, self.scale, column_factors(self.norm_weight)
 
     def check(self) -> None:
@@ -122,7 +137,7 @@ class NormOutSums:
         """(d_table (T, 2H) float32, d_norm_weight (H,), d_bias (2H,)) in `dtype`, each rounded once from its
         exact value (module docstring)."""
         self.check()
-        if self.scale is None:
+        if self.ready().scale is None:
             raise ValueError("NormOutSums: no rows were added")
         factors = column_factors(self.norm_weight)
         d_table = products(self.table, factors).value(torch.float32)
@@ -145,13 +160,17 @@ def launch_row_sums(k: dict, plan, rows, stream: int, dy: int, x: int, rstd: int
                       flags, table_limbs, S, rows.rows, per)
 
 
-def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int, dx=None) -> NormOutSums:
+def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int, dx=None,
+                weight_copy: bool = True) -> NormOutSums:
     """This part's NormOutSums from the kernels on CUDA tensors: dy, x (..., S, H) bf16 contiguous, norm_weight (H,)
     bf16, timestep_indices (S,) int64, workspace the forward's (`launch.saved_views`: table_f32, rstd; s1 from its
     table_f32). With dx (x's shape) given, the backward's row pass with exact sums writes dx and the states in one
     read of x and dy (exact_row_pass.cu's norm_modulate_bwd_exact_bf16); without, exact_sums.cu's exact_sums_bf16
     walks x and dy in table-row order for the states alone (the same integers). The states' limbs are added by
-    integer atomics and carried by exact_state.cu's exact_carry; the kernels' flags are kept for `NormOutSums.check`.
+    integer atomics; the kernels' flags are kept for `NormOutSums.check`. The carries (exact_state.cu's exact_carry)
+    and the factors wait for `NormOutSums.ready`, after the backward: the sums keep table_f32 (a view of the small
+    workspace) and the norm weight, a copy unless weight_copy is False (norm_weight is then the caller's own tensor,
+    left as it is until the sums are read: a cast made for this call, never a parameter that FSDP2 may free).
     At most MAX_TERMS rows (ValueError)."""
     H = x.shape[-1]
     rows = x.numel() // H
@@ -162,7 +181,7 @@ def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int,
     _, table_f32, rstd = launch.saved_views(workspace, T, H, rows, D)
     stream = tensors.current_stream(device)
     sums = NormOutSums.__new__(NormOutSums)
-    table, flags, fixups = pass_buffers(plan, rows_plan, False, x.device)
+    table, flags, fixups = pass_buffers(plan, rows_plan, False, x.device, joined=True)
     (dy, x, norm_weight), at = tensors.aligned_addresses(dy, x, norm_weight)
     if dx is not None:  # the row pass with exact sums: dx and the states in one read of x and dy
         launch_row_sums(k, plan, rows_plan, stream, at[0], at[1], rstd.data_ptr(), at[2], table_f32.data_ptr(),
@@ -172,9 +191,10 @@ def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int,
         order = exact_row_order(timestep_indices, rows)
         launch_sums(k, plan, stream, at[1], at[0], rstd.data_ptr(), timestep_indices.data_ptr(), order.data_ptr(),
                     table.data_ptr(), flags.data_ptr(), rows, x.shape[-2])
-    # carried by exact_state.cu, whose kernels also form write's products and roundings
-    sums.table = ExactSum.from_limbs(table, kernels=ExactKernels(k, x.device.index)).carried()
-    sums.scale, sums.norm_weight = table_factors(norm_weight, table_f32)
+    # carried at `ready` by exact_state.cu, whose kernels also form write's products and roundings
+    sums.table = ExactSum.from_limbs(table, kernels=ExactKernels(k, x.device.index))
+    sums.scale = sums.norm_weight = None
+    sums.due = (norm_weight.detach().clone() if weight_copy else norm_weight, table_f32)
     sums.flags, sums.entries = [flags[:1]], flags[1:]
     return sums
 
@@ -237,7 +257,8 @@ class ExactNormOut(torch.autograd.Function):
             x, norm_weight, temb, weight, timestep_indices, workspace = ctx.saved_tensors
             dy = dy.contiguous()
             dx = torch.empty_like(x)
-            sums = kernel_sums(dy, x, norm_weight, timestep_indices, workspace, *temb.shape, dx=dx)
+            sums = kernel_sums(dy, x, norm_weight, timestep_indices, workspace, *temb.shape, dx=dx,
+                               weight_copy=_same_memory(norm_weight, ctx.params[0]))
         else:
             x, norm_weight, temb, table, timestep_indices = ctx.saved_tensors
             with torch.enable_grad():
@@ -249,3 +270,12 @@ class ExactNormOut(torch.autograd.Function):
                                                                              timestep_indices, ctx.eps)
         ctx.recorder.add_norm_out(ctx.params, temb, sums)
         return (dx, *([None] * (10 + ctx.watched)))
+
+
+def _same_memory(tensor: torch.Tensor, parameter: torch.Tensor) -> bool:
+    """Whether tensor lies in parameter's storage (the kernels take the parameter itself, not a cast of it), or that
+    cannot be told: then the sums copy it (FSDP2 frees an unsharded parameter's storage after the backward)."""
+    try:
+        return tensor.untyped_storage().data_ptr() == parameter.untyped_storage().data_ptr()
+    except (RuntimeError, TypeError, NotImplementedError):
+        return True
