@@ -1,11 +1,11 @@
-"""core.transfers: host copies in one transfer, host tensors sent without a wait; the same bits as .cpu() / .to().
-Their packed and pinned forms run where core.transfers.NO_WAIT is 1 (the `no_wait` fixture)."""
+"""core.transfers: host copies started early and read later, host tensors sent without a wait; the same bits as
+.cpu() / .to(). Their pinned forms run where core.transfers.NO_WAIT is 1 (the `no_wait` fixture)."""
 
 import pytest
 import torch
 
 from adaln_lab.core import transfers
-from adaln_lab.core.transfers import host_copies, to_device
+from adaln_lab.core.transfers import HostCopies, to_device
 
 from ..exact_parts import waits
 
@@ -28,20 +28,31 @@ def mixed(device):
 def test_cpu_tensors_come_back_as_they_are_and_to_device_casts_on_the_host(monkeypatch, on):
     monkeypatch.setattr(transfers, "NO_WAIT", on)
     ts = mixed("cpu")
-    for t, h in zip(ts, host_copies(ts)):
+    copies = HostCopies(ts)
+    for t, h in zip(ts, copies.get()):
         assert h.data_ptr() == t.data_ptr() and not h.requires_grad
+    assert all(a is b for a, b in zip(copies.get(), copies.get()))  # the same copies each time
     t = torch.randn(4, dtype=torch.float64)
     assert torch.equal(to_device(t, "cpu", torch.float32), t.float())
 
 
 @pytest.mark.gpu
-def test_gpu_copies_are_the_tensors_bits_in_one_transfer(no_wait):
+@pytest.mark.parametrize("on", [0, 1])
+def test_gpu_copies_hold_the_values_when_they_were_started(monkeypatch, on):
+    """Each copy is the tensor's bits as they were when HostCopies was made (NO_WAIT 1: queued then, so a later
+    in-place change does not reach it; NO_WAIT 0 copies at `get`, so this check is for the pinned form)."""
+    monkeypatch.setattr(transfers, "NO_WAIT", on)
     ts = mixed("cuda")
-    hosts = host_copies(ts + [torch.ones(2)])  # a CPU tensor among them
-    for t, h in zip(ts, hosts):
-        assert h.device.type == "cpu" and h.dtype == t.dtype and h.shape == t.shape
+    want = [t.cpu() for t in ts]
+    copies = HostCopies(ts + [torch.ones(2)])  # a CPU tensor among them
+    if on:
+        for t in ts:
+            if t.numel() and t.dtype != torch.bool:
+                t.add_(1)
+    for w, h in zip(want, copies.get()):
+        assert h.device.type == "cpu" and h.dtype == w.dtype and h.shape == w.shape
         assert torch.equal(h.reshape(-1).view(torch.uint8) if h.numel() else h,
-                           t.cpu().reshape(-1).view(torch.uint8) if t.numel() else t.cpu())
+                           w.reshape(-1).view(torch.uint8) if w.numel() else w)
     t = torch.randn(1000, dtype=torch.float64)
     sent = to_device(t, "cuda", torch.float32)
     assert sent.is_cuda and torch.equal(sent.cpu(), t.float())
@@ -50,9 +61,17 @@ def test_gpu_copies_are_the_tensors_bits_in_one_transfer(no_wait):
 @pytest.mark.gpu
 def test_the_sync_count_catches_a_planted_wait(no_wait):
     """The check the write test relies on: torch's sync debug mode warns for a copy to the host and for a copy from
-    pageable memory, and not for host_copies' transfer beyond its one nor to_device's pinned copy."""
+    pageable memory, and not for HostCopies' start nor to_device's pinned copy; `get` behind a busy device waits
+    for it (an event), and gives the values."""
     x = torch.randn(4, device="cuda")
     assert waits(lambda: x.cpu()) == 1  # the planted wait
     assert waits(lambda: torch.randn(4).to("cuda")) == 1
     assert waits(lambda: to_device(torch.randn(4), "cuda")) == 0
-    assert waits(lambda: host_copies([x, x * 2, x.int()])) == 1
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # the device busy for some tens of ms
+    mark = torch.cuda.Event()
+    mark.record()  # done when the sleep is
+    copies = HostCopies([x, x * 2, x.int()])
+    assert waits(lambda: HostCopies([x])) == 0 and not mark.query()  # started without waiting for the sleep
+    hosts = copies.get()
+    assert mark.query() and torch.equal(hosts[1], 2 * x.cpu())

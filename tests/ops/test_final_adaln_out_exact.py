@@ -250,7 +250,7 @@ def test_the_kernels_sums_keep_a_copy_of_the_norm_weight_unless_told_it_is_their
     want = nw.float()
     copied, kept = (kernel_sums(dy, x, w, idx, workspace, 3, 32, weight_copy=c) for w, c in ((nw, True),
                                                                                             (nw.clone(), False)))
-    kept.due[0].mul_(2)  # the caller's tensor changed before the read
+    kept.sources[1].mul_(2)  # the caller's tensor changed before the read
     nw.mul_(2)
     assert torch.equal(copied.ready().norm_weight, want) and torch.equal(kept.ready().norm_weight, 2 * want)
     limbs = copied.table.limbs.clone()

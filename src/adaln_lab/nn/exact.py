@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..core.exact import recording, reset_recording
-from ..core.transfers import host_copies, to_device
+from ..core.transfers import HostCopies, to_device
 from ..ops.block.exact import scale_columns
 from ..ops.modulation_table.exact import TableSums, row_keys, silu_grad
 
@@ -51,6 +51,7 @@ class _Group:
         self.pending: list = []
         self.owned = None  # after all_reduce: the temb rows (keys) whose gradient this rank sends back
         self.hosts: dict = {}  # id(kept temb) -> its host copy (`_settle`: write's row keys without a wait)
+        self.copies: dict = {}  # id(kept temb) -> its HostCopies, started when it was kept (`_settle` reads them)
         self.checks: list = []  # norm_out parts whose kernels' flags are read before their states are used
         self.adapters: list = []  # LoRA adapters on the projection: (lora_A weight, lora_B weight, scaling)
         self.factors: list = []  # their values as the forward saw them (copies: FSDP2 frees its unsharded ones)
@@ -58,6 +59,8 @@ class _Group:
     def keep(self, temb: torch.Tensor) -> None:
         if temb.requires_grad and not any(t is temb for t in self.tembs):
             self.tembs.append(temb)
+            if id(temb) not in self.hosts:
+                self.copies.setdefault(id(temb), HostCopies([temb]))
 
     def norm_gradients(self, targets) -> list[torch.Tensor]:
         """The norm weights' gradients in their targets' dtypes, each rounded once: the exact sum over the distinct
@@ -102,28 +105,27 @@ class ExactGradients:
         self._settle()  # the part's backward ran inside the `with`: fold its states in now
 
     def _settle(self) -> None:
-        """Fold every group's parts in, their backwards done (a block's later hook raises), and keep host copies of
-        the kept tembs and of the parts' flags: everything the host reads of them, after the backward, not inside it
-        (`core.transfers.host_copies`: one transfer and one wait for the device with `core.transfers.NO_WAIT` 1)."""
-        parts = [(group, temb, sums, sums.parts()) for group in self.groups.values() for temb, sums in group.pending]
-        kept = [(group, t) for group in self.groups.values() for t in group.tembs if id(t) not in group.hosts]
-        wanted = [t for _, temb, sums, (_, scale, factors) in parts for t in (temb, scale, factors, *sums.flags)]
-        hosts = iter(host_copies(wanted + [t for _, t in kept]))
+        """Fold every group's parts in, their backwards done (a block's later hook raises): each part's temb rows,
+        scales and factors from the host copies started where they were formed (`core.transfers.HostCopies`: with
+        NO_WAIT 1 in the forward, so no wait here), its state carried on the device; the kept tembs' host copies
+        likewise; the parts' flags copied now and read at write's end (`_check`)."""
         folded = set()
         try:
-            for group, _, sums, (state, _, _) in parts:
-                temb, scale, factors = next(hosts), next(hosts), next(hosts)
-                sums.flags = [next(hosts) for _ in sums.flags]  # read by `check` without a wait
-                sums.closed = True
-                group.table.add(temb, state, scale, factors)  # all or nothing (TableSums checks first)
-                if sums.flags:
-                    group.checks.append(sums)
-                folded.add(id(sums))
-            for group, t in kept:
-                group.hosts[id(t)] = next(hosts)
+            for group in self.groups.values():
+                for _, sums, early in group.pending:
+                    temb, *sources = early.get()
+                    scale, factors = sums.host_factors(*sources)
+                    state = sums.state()
+                    sums.closed = True
+                    group.table.add(temb, state, scale, factors)  # all or nothing (TableSums checks first)
+                    if sums.flags:
+                        group.checks.append((sums, HostCopies(sums.flags)))
+                    folded.add(id(sums))
+                for key in list(group.copies):
+                    group.hosts[key] = group.copies.pop(key).get()[0]
         finally:  # a refused part stays pending (and every later one): none is folded twice
             for group in self.groups.values():
-                group.pending = [(t, sums) for t, sums in group.pending if id(sums) not in folded]
+                group.pending = [part for part in group.pending if id(part[1]) not in folded]
 
     def _group(self, weight, bias, norm_weights) -> _Group:
         self._open("recording")
@@ -164,7 +166,8 @@ class ExactGradients:
         """Take a norm_out part's NormOutSums (its temb rows as the table states' keys; folded in by `_settle`);
         params as keep_temb's."""
         norm_weight, weight, bias = params
-        self._group(weight, bias, (norm_weight,)).pending.append((temb.detach(), sums))
+        early = sums.early or HostCopies([temb, *sums.sources])
+        self._group(weight, bias, (norm_weight,)).pending.append((temb.detach(), sums, early))
 
     def add_block(self, params, temb: torch.Tensor, sums) -> None:
         """Take a block part's BlockSums (filled by its backward) and keep its temb; params (weight, bias,
@@ -172,7 +175,7 @@ class ExactGradients:
         weight, bias, *norm_weights = params
         group = self._group(weight, bias, norm_weights)
         group.keep(temb)
-        group.pending.append((temb.detach(), sums))
+        group.pending.append((temb.detach(), sums, HostCopies([temb, *sums.sources])))  # in the forward
 
     def merge(self, other: "ExactGradients") -> "ExactGradients":
         """Add another accumulator's states and kept tembs (the same parameters), in any order."""
@@ -184,9 +187,10 @@ class ExactGradients:
             mine.checks += theirs.checks
             if not mine.adapters:
                 mine.adapters, mine.factors = theirs.adapters, theirs.factors
+            mine.hosts.update(theirs.hosts)
+            mine.copies.update(theirs.copies)
             for t in theirs.tembs:
                 mine.keep(t)
-            mine.hosts.update(theirs.hosts)
         self.owners.update(other.owners)
         other.groups.clear()
         other.owners.clear()
@@ -227,14 +231,14 @@ class ExactGradients:
 
     def write(self) -> None:
         """Set each recorded parameter's .grad from the exact sums, send d_temb to the kept tembs, forget all.
-        Every gradient is formed before any is set: an error leaves every .grad as it was. With
-        `core.transfers.NO_WAIT` 1 (shipped 0) its host reads come in one transfer (`_settle`) and its host tensors
-        go to the device without waiting, so the host queues the device's work while the device runs it (LoRA
-        adapters' gradients and a temb narrower than float32 still wait: their products and rounding are the
-        host's)."""
+        Every gradient is formed before any is set: an error leaves every .grad as it was; the kernels' flags are
+        read last, once every gradient's work is queued (`_check`). With `core.transfers.NO_WAIT` 1 (shipped 0) its
+        host reads were started where their values were formed (`_settle`) and its host tensors go to the device
+        without waiting, so the host queues the device's work while the device still runs the backward, and the
+        flags' read is the one wait (LoRA adapters' gradients and a temb narrower than float32 also wait: their
+        products and rounding are the host's)."""
         self._settle()
         for group in self.groups.values():
-            _check(group)
             params = {"weight": group.weight, "bias": group.bias}
             params.update(zip(group.norm_names, group.norm_weights))
             for k, (A, B, _) in enumerate(group.adapters):
@@ -274,6 +278,8 @@ class ExactGradients:
             grads += [(weight, d_weight), (bias, d_bias)]
             grads += list(zip(norm_weights, group.norm_gradients(norm_weights)))
             _temb_grads(group.tembs, group.hosts, rows, d_temb, temb_grads, group.owned)
+        for group in self.groups.values():
+            _check(group)
         grads = [(p, _as_grad_of(p, g)) for p, g in grads if p.requires_grad]
         for p, g in grads:
             p.grad = g
@@ -284,8 +290,10 @@ class ExactGradients:
 
 
 def _check(group: _Group) -> None:
-    """Raise what a part's kernels flagged (`NormOutSums.check`: a non-finite term, an index outside [0, T))."""
-    for sums in group.checks:
+    """Raise what a part's kernels flagged (`NormOutSums.check`: a non-finite term, an index outside [0, T)), from
+    the flags' host copies `_settle` started."""
+    for sums, flags in group.checks:
+        sums.flags = flags.get()
         sums.check()
     group.checks.clear()
 

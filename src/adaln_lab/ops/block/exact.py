@@ -22,7 +22,7 @@ A (`SCALE_COLUMNS`). All exact: the gradients are the exact functions of the exa
     sums.add_norm(chunk, state, flags)                  # or the state its own row pass kept
     sums.gate(chunk, y, dy, row_index, kernels)         # a gated residual's rows (chunk: its gate chunk)
     sums.add_gate(chunk, state, flags)
-    sums.table(), sums.factors(), sums.scales, sums.check()   # at the recorder's settle and write
+    sums.state(), sums.host_factors(*sums.sources), sums.check()   # at the recorder's settle and write
     table, row_tables = exact_table(temb, weight, bias, kernel, with_row_tables, adapt_table)
 """
 
@@ -112,16 +112,22 @@ class BlockSums:
         limbs = torch.cat([c.limbs for c in self.chunks], dim=2)  # the chunks' merges uncarried: one carry here
         return ExactSum.from_limbs(limbs.reshape(LIMBS, self.T, -1), kernels=self.kernels).carried()
 
-    def factors(self) -> torch.Tensor:
-        """(18H,) float32: each table column's factor, w1 / w2 for the scale chunks' columns, 1 elsewhere."""
-        ones = torch.ones_like(self.weights[0])
-        row = [self.weights[0] if c == SCALE_MSA else self.weights[1] if c == SCALE_MLP else ones
-               for c in range(len(CHUNKS))]
-        return torch.cat(row * MODALITIES)
+    def state(self) -> ExactSum:
+        """The table state (T, 18H), carried: `TableSums.add`'s (with `host_factors` of `sources`)."""
+        return self.table()
 
-    def parts(self) -> tuple[ExactSum, torch.Tensor, torch.Tensor]:
-        """(the table state (T, 18H), the norms' s1 (T, K), the columns' factors (18H,)): `TableSums.add`'s."""
-        return self.table(), self.scales, self.factors()
+    @property
+    def sources(self) -> tuple[torch.Tensor, ...]:
+        """(the norms' s1 (T, K), w1, w2 float32): what `host_factors` takes, as host copies."""
+        return (self.scales, *self.weights)
+
+    @staticmethod
+    def host_factors(scales: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the norms' s1 (T, K), the columns' factors (18H,) float32: w1 / w2 for the scale chunks' columns, 1
+        elsewhere) from `sources` (host copies): `TableSums.add`'s."""
+        ones = torch.ones_like(w1)
+        row = [w1 if c == SCALE_MSA else w2 if c == SCALE_MLP else ones for c in range(len(CHUNKS))]
+        return scales, torch.cat(row * MODALITIES)
 
     def check(self) -> None:
         """Raise what the kernels flagged (a host read of each flag; `ops.row_sums.raise_flags`)."""

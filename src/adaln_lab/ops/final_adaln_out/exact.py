@@ -41,6 +41,7 @@ from ...core.exact import ExactSum, products
 from ...core.exact_kernels import ExactKernels
 from ...core.library import eager
 from ...core.plan import forward_bytes
+from ...core.transfers import HostCopies, no_wait
 from ...reference.backward import rows_index
 from ...reference.final_adaln_out import replay, table_rows
 from ..row_sums import (check_rows, exact_row_order, fixup_capacity, half, launch_fixups, launch_sums,
@@ -83,18 +84,32 @@ class NormOutSums:
         self.scale = self.norm_weight = None
         self.flags: list[torch.Tensor] = []  # the kernels' error flags (kernel_sums), read by `check`
         self.entries = None  # kernel_sums' (1,) int32: the fixup entries its row pass appended (a diagnostic)
-        self.due = None  # kernel_sums': (norm weight, table_f32) whose factors, and the table's carries, wait: `ready`
+        self.sources = None  # (table_f32 (T, 2H), norm weight (H,)): what the factors come from (`host_factors`)
+        self.carry_due = False  # kernel_sums' table is carried at the first read (`state`, `ready`)
+        self.early = None  # kernel_sums': the forward's core.transfers.HostCopies of (temb, *sources), or None
+
+    def state(self) -> ExactSum:
+        """The table state (T, 2H), carried (kernel_sums leaves its carries to the first read, after the backward)."""
+        if self.carry_due:
+            self.carry_due = False
+            self.table.carried()
+        return self.table
 
     def ready(self) -> "NormOutSums":
         """Finish what kernel_sums left for the first read, after the backward (none of it in the backward's time):
-        the table's carries and the factors `scale` and `norm_weight` (`table_factors`). Every read below calls it;
-        a caller reading `table`, `scale` or `norm_weight` of kernel_sums' sums calls it first."""
-        if self.due is not None:
-            norm_weight, table_f32 = self.due
-            self.due = None
-            self.table.carried()
-            self.scale, self.norm_weight = table_factors(norm_weight, table_f32)
+        the table's carries and the factors `scale` and `norm_weight` on the state's device (`table_factors`). Every
+        read below calls it; a caller reading `table`, `scale` or `norm_weight` of kernel_sums' sums calls it first."""
+        self.state()
+        if self.scale is None and self.sources is not None:
+            self.scale, self.norm_weight = table_factors(self.sources[1], self.sources[0])
         return self
+
+    @staticmethod
+    def host_factors(table_f32: torch.Tensor, norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s1 (T, H), the columns' factors (2H,)) float32 from host copies of `sources`: `TableSums.add`'s, the
+        same bits as on the device (float32's 1 + scale rounds alike everywhere; the widening is exact)."""
+        scale, w = table_factors(norm_weight, table_f32)
+        return scale, column_factors(w)
 
     def _factors(self, scale: torch.Tensor, norm_weight: torch.Tensor) -> None:
         if self.scale is None:
@@ -109,6 +124,7 @@ class NormOutSums:
         terms, t = row_terms(x, dy, timestep_indices, eps)
         self._factors(*table_factors(norm_weight, table_f32))  # checked before any row goes in
         self.table.add(terms, t)
+        self.sources = self.sources or (table_f32, self.norm_weight)  # the float32 copy (FSDP2 may free the weight)
         return self
 
     def merge(self, other: "NormOutSums") -> "NormOutSums":
@@ -116,14 +132,10 @@ class NormOutSums:
         self.ready(), other.ready()
         if other.scale is not None:
             self._factors(other.scale, other.norm_weight)
+        self.sources = self.sources or other.sources
         self.table.merge(other.table)
         self.flags += other.flags
         return self
-
-    def parts(self) -> tuple[ExactSum, torch.Tensor, torch.Tensor]:
-        """(the table state (T, 2H), s1 (T, H), the columns' factors (2H,)): `TableSums.add`'s."""
-        self.ready()
-        return self.table, self.scale, column_factors(self.norm_weight)
 
     def check(self) -> None:
         """Raise what the kernels flagged (a host read of each flag): ValueError for a non-finite term,
@@ -193,8 +205,9 @@ def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int,
                     table.data_ptr(), flags.data_ptr(), rows, x.shape[-2])
     # carried at `ready` by exact_state.cu, whose kernels also form write's products and roundings
     sums.table = ExactSum.from_limbs(table, kernels=ExactKernels(k, x.device.index))
-    sums.scale = sums.norm_weight = None
-    sums.due = (norm_weight.detach().clone() if weight_copy else norm_weight, table_f32)
+    sums.scale = sums.norm_weight = sums.early = None
+    sums.sources = (table_f32, norm_weight.detach().clone() if weight_copy else norm_weight)
+    sums.carry_due = True
     sums.flags, sums.entries = [flags[:1]], flags[1:]
     return sums
 
@@ -243,6 +256,9 @@ class ExactNormOut(torch.autograd.Function):
             workspace = x.new_empty(forward_bytes(T, H, x.numel() // H, D), dtype=torch.uint8)
             launch.forward(x, norm_weight, temb, weight, bias, timestep_indices, eps, route, "cuda", out, workspace)
             ctx.save_for_backward(x, norm_weight, temb, weight, timestep_indices, workspace)
+            # with NO_WAIT 1 the fold's host copies start here, done long before it reads them
+            table_f32 = launch.saved_views(workspace, T, H, x.numel() // H, D)[1]
+            ctx.early = HostCopies([temb, table_f32, norm_weight]) if no_wait() else None
             return out
         table = table_rows(temb, weight, bias)  # each row's bits whatever T (the parts may hold other timesteps)
         if adapt is not None:  # LoRA adapters' terms on the projection (`adaln_lab.nn.adapters.adapted_table`)
@@ -259,6 +275,7 @@ class ExactNormOut(torch.autograd.Function):
             dx = torch.empty_like(x)
             sums = kernel_sums(dy, x, norm_weight, timestep_indices, workspace, *temb.shape, dx=dx,
                                weight_copy=_same_memory(norm_weight, ctx.params[0]))
+            sums.early = ctx.early
         else:
             x, norm_weight, temb, table, timestep_indices = ctx.saved_tensors
             with torch.enable_grad():
