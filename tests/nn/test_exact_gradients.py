@@ -185,7 +185,11 @@ def test_cuda_routes_give_the_same_bits_for_every_split(backend):
 
 
 @pytest.mark.gpu
-def test_the_kernels_flags_raise_at_write_and_leave_the_gradients_unset():
+@pytest.mark.parametrize("no_wait", [0, 1])
+def test_the_kernels_flags_raise_at_write_and_leave_the_gradients_unset(monkeypatch, no_wait):
+    from adaln_lab.core import transfers
+
+    monkeypatch.setattr(transfers, "NO_WAIT", no_wait)
     params, embed, batch = model()
     params = [torch.nn.Parameter(p.detach().cuda()) for p in params]
     x, feats, idx, cot = (t.cuda() for t in batch)
@@ -195,7 +199,7 @@ def test_the_kernels_flags_raise_at_write_and_leave_the_gradients_unset():
         (out.float() * cot * torch.nan).sum().backward()
     with pytest.raises(ValueError, match="non-finite"):
         acc.write()
-    assert all(p.grad is None for p in params)
+    assert all(p.grad is None for p in params) and all(p.grad is None for p in embed.parameters())
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

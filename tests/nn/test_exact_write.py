@@ -89,3 +89,25 @@ def test_a_refused_part_stays_pending_and_no_part_is_folded_twice():
         acc.state_bytes()
     assert len(group.pending) == 1
     assert all(torch.equal(group.table.rows[k][1].limbs, v) for k, v in held.items())
+
+
+def test_a_kernels_flag_is_named_before_an_error_it_caused_in_write():
+    """A part whose (planted) kernel flag says a term was not finite and whose norm weight is NaN (a diverged run):
+    forming the gradients fails on the NaN factors, and write names the flag's cause, the gradients unset."""
+    from adaln_lab.ops.final_adaln_out.exact import NormOutSums
+
+    T, H, D = 2, 4, 3
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(2 * H, D, generator=g, requires_grad=True), torch.randn(2 * H, requires_grad=True)
+    nw = torch.full((H,), float("nan"), requires_grad=True)
+    temb, table = torch.randn(T, D, generator=g), torch.randn(T, 2 * H, generator=g)
+    x, dy = torch.randn(1, 5, H, generator=g), torch.randn(1, 5, H, generator=g)
+    for flags, error in (([torch.tensor([1], dtype=torch.int32)], "non-finite gradient term"),  # a planted flag
+                         ([], "factors must be finite")):  # without it, the NaN factors' own error
+        sums = NormOutSums(T, H).add(x, dy, nw.detach(), table, torch.tensor([0, 1, 0, 1, 0]))
+        sums.flags = flags
+        acc = ExactGradients()
+        acc.add_norm_out((nw, w, b), temb, sums)
+        with pytest.raises(ValueError, match=error):
+            acc.write()
+        assert w.grad is None and b.grad is None and nw.grad is None

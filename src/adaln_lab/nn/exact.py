@@ -41,7 +41,8 @@ from ..ops.modulation_table.exact import TableSums, row_keys, silu_grad
 class _Group:
     """One AdaLN's parameters, their exact states and the kept tembs: norm_out's (weight, bias, norm_weight) or a
     block's (weight, bias, norm1_weight, norm2_weight); the norm weights' gradients come from the table's scale
-    sums (`norm_gradients`); `pending` the parts (temb, BlockSums | NormOutSums) not yet folded into `table`."""
+    sums (`norm_gradients`); `pending` the parts (temb, BlockSums | NormOutSums, the HostCopies of their temb rows
+    and factors' sources) not yet folded into `table`."""
 
     def __init__(self, weight, bias, norm_weights):
         self.weight, self.bias, self.norm_weights = weight, bias, tuple(norm_weights)
@@ -52,7 +53,7 @@ class _Group:
         self.owned = None  # after all_reduce: the temb rows (keys) whose gradient this rank sends back
         self.hosts: dict = {}  # id(kept temb) -> its host copy (`_settle`: write's row keys without a wait)
         self.copies: dict = {}  # id(kept temb) -> its HostCopies, started when it was kept (`_settle` reads them)
-        self.checks: list = []  # norm_out parts whose kernels' flags are read before their states are used
+        self.checks: list = []  # (folded part, HostCopies of its kernels' flags): read at write's end (`_check`)
         self.adapters: list = []  # LoRA adapters on the projection: (lora_A weight, lora_B weight, scaling)
         self.factors: list = []  # their values as the forward saw them (copies: FSDP2 frees its unsharded ones)
 
@@ -122,7 +123,8 @@ class ExactGradients:
                         group.checks.append((sums, HostCopies(sums.flags)))
                     folded.add(id(sums))
                 for key in list(group.copies):
-                    group.hosts[key] = group.copies.pop(key).get()[0]
+                    group.hosts[key] = group.copies[key].get()[0]
+                    del group.copies[key]
         finally:  # a refused part stays pending (and every later one): none is folded twice
             for group in self.groups.values():
                 group.pending = [part for part in group.pending if id(part[1]) not in folded]
@@ -238,6 +240,25 @@ class ExactGradients:
         flags' read is the one wait (LoRA adapters' gradients and a temb narrower than float32 also wait: their
         products and rounding are the host's)."""
         self._settle()
+        try:
+            grads, temb_grads = self._gradients()
+        except BaseException:  # a kernel's flag (a non-finite term, say) is the cause to name first
+            for group in self.groups.values():
+                _check(group)
+            raise
+        for group in self.groups.values():
+            _check(group)
+        grads = [(p, _as_grad_of(p, g)) for p, g in grads if p.requires_grad]
+        for p, g in grads:
+            p.grad = g
+        self.groups.clear()
+        self.owners.clear()
+        self.reduced = False
+        _temb_backward(temb_grads)
+
+    def _gradients(self) -> tuple[list, dict]:
+        """([(parameter, its gradient)], {id(temb): (temb, its gradient)}) of the folded states, nothing set
+        (`write`); raises where a parameter's .grad is set already or FSDP2's layout refuses."""
         for group in self.groups.values():
             params = {"weight": group.weight, "bias": group.bias}
             params.update(zip(group.norm_names, group.norm_weights))
@@ -278,20 +299,12 @@ class ExactGradients:
             grads += [(weight, d_weight), (bias, d_bias)]
             grads += list(zip(norm_weights, group.norm_gradients(norm_weights)))
             _temb_grads(group.tembs, group.hosts, rows, d_temb, temb_grads, group.owned)
-        for group in self.groups.values():
-            _check(group)
-        grads = [(p, _as_grad_of(p, g)) for p, g in grads if p.requires_grad]
-        for p, g in grads:
-            p.grad = g
-        self.groups.clear()
-        self.owners.clear()
-        self.reduced = False
-        _temb_backward(temb_grads)
+        return grads, temb_grads
 
 
 def _check(group: _Group) -> None:
-    """Raise what a part's kernels flagged (`NormOutSums.check`: a non-finite term, an index outside [0, T)), from
-    the flags' host copies `_settle` started."""
+    """Raise what a part's kernels flagged (`NormOutSums.check`, `BlockSums.check`: a non-finite term, an index
+    outside [0, T), a full fixup list), from the flags' host copies `_settle` started."""
     for sums, flags in group.checks:
         sums.flags = flags.get()
         sums.check()

@@ -13,7 +13,7 @@ torch code otherwise):
 The recorder (`adaln_lab.nn.ExactGradients`) merges the parts' states by temb row and rounds each sum once at write
 (`ops/modulation_table/exact.py`'s TableSums): the table's gradient per distinct temb row, d_table = the chunks'
 states times their columns' factors (w1, w2 for the scale chunks, the forward's norm weights in float32; 1
-elsewhere: `factors`), then d_weight, d_bias and d_temb from it; each norm weight's the sum over the distinct temb
+elsewhere: `host_factors`), then d_weight, d_bias and d_temb from it; each norm weight's the sum over the distinct temb
 rows and the three modalities of s1 = float32(1 + scale) (`scales`, from the forward's table) times its scale chunk's
 A (`SCALE_COLUMNS`). All exact: the gradients are the exact functions of the exact sums, each rounded once.
 

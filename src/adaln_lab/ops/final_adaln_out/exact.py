@@ -21,7 +21,8 @@ same two (norm_modulate_bwd.cu), so the kernels can keep them exactly where they
 Shapes: x, dy (..., S, H); norm_weight (H,); table_f32 (T, 2H) float32 (shift | scale); timestep_indices (S,)
 int64 in [0, T). The states are integers (core.exact.ExactSum), so merging parts is associative: micro-batches and
 ranks give one answer. The CPU reference of the exact-gradient contract. A sums' `scale` (T, H) holds s1 and
-`norm_weight` (H,) w as float32 (the forward's: parts of one table row hold the same ones).
+`norm_weight` (H,) w as float32 (the forward's: parts of one table row hold the same ones); kernel_sums' sums form
+them, and carry their table, at the first read (`ready`).
 
 On the kernels (route "cupy", `kernel_sums`: kernels_cu/exact_row_pass.cu, or exact_sums.cu's pass of its own) the
 terms are the same products of the same float32 values, with the kernels' rstd (the forward's, from its own reduction
@@ -77,7 +78,7 @@ def column_factors(norm_weight: torch.Tensor) -> torch.Tensor:
 
 class NormOutSums:
     """Exact states of norm_out's cross-row sums (module docstring): `table` (T, 2H) (B | A), `scale` (T, H) s1 and
-    `norm_weight` (H,) w float32."""
+    `norm_weight` (H,) w float32 (of kernel_sums' sums: after `ready`)."""
 
     def __init__(self, T: int, H: int, device=None):
         self.table = ExactSum((T, 2 * H), device)
@@ -273,8 +274,9 @@ class ExactNormOut(torch.autograd.Function):
             x, norm_weight, temb, weight, timestep_indices, workspace = ctx.saved_tensors
             dy = dy.contiguous()
             dx = torch.empty_like(x)
+            # no copy where the recorder folds from the forward's host copies (`early`: it reads only `state`)
             sums = kernel_sums(dy, x, norm_weight, timestep_indices, workspace, *temb.shape, dx=dx,
-                               weight_copy=_same_memory(norm_weight, ctx.params[0]))
+                               weight_copy=ctx.early is None and _same_memory(norm_weight, ctx.params[0]))
             sums.early = ctx.early
         else:
             x, norm_weight, temb, table, timestep_indices = ctx.saved_tensors
