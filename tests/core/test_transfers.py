@@ -68,8 +68,9 @@ def test_the_sync_count_catches_a_planted_wait(no_wait):
     assert waits(lambda: x.cpu()) == 1  # the planted wait
     assert waits(lambda: torch.randn(4).to("cuda")) == 1
     assert waits(lambda: to_device(torch.randn(4), "cuda")) == 0
+    HostCopies([x]).get()  # the pinned allocator warmed: its first blocks take milliseconds of host time
     torch.cuda.synchronize()
-    torch.cuda._sleep(50_000_000)  # the device busy for some tens of ms
+    torch.cuda._sleep(1_000_000_000)  # the device busy for about half a second (50 M cycles, 25 ms, was too short)
     mark = torch.cuda.Event()
     mark.record()  # done when the sleep is
     copies = HostCopies([x, x * 2, x.int()])
