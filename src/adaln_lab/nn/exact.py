@@ -57,11 +57,13 @@ class _Group:
         self.adapters: list = []  # LoRA adapters on the projection: (lora_A weight, lora_B weight, scaling)
         self.factors: list = []  # their values as the forward saw them (copies: FSDP2 frees its unsharded ones)
 
-    def keep(self, temb: torch.Tensor) -> None:
+    def keep(self, temb: torch.Tensor, copies: HostCopies | None = None) -> None:
+        """Keep temb (if it wants a gradient) and start its host copy, or take `copies` (HostCopies whose first
+        tensor is temb: a part's, started with its own)."""
         if temb.requires_grad and not any(t is temb for t in self.tembs):
             self.tembs.append(temb)
             if id(temb) not in self.hosts:
-                self.copies.setdefault(id(temb), HostCopies([temb]))
+                self.copies.setdefault(id(temb), copies or HostCopies([temb]))
 
     def norm_gradients(self, targets) -> list[torch.Tensor]:
         """The norm weights' gradients in their targets' dtypes, each rounded once: the exact sum over the distinct
@@ -176,8 +178,9 @@ class ExactGradients:
         norm1_weight, norm2_weight)."""
         weight, bias, *norm_weights = params
         group = self._group(weight, bias, norm_weights)
-        group.keep(temb)
-        group.pending.append((temb.detach(), sums, HostCopies([temb, *sums.sources])))  # in the forward
+        early = HostCopies([temb, *sums.sources])  # in the forward: temb's rows for the fold and for write
+        group.keep(temb, early)
+        group.pending.append((temb.detach(), sums, early))
 
     def merge(self, other: "ExactGradients") -> "ExactGradients":
         """Add another accumulator's states and kept tembs (the same parameters), in any order."""
