@@ -374,14 +374,15 @@ def test_autocast_with_a_bf16_temb_records_on_the_kernels():
 def test_a_bf16_temb_that_norm_out_widened_gets_its_rows_gradient():
     """write's temb gradients (`_temb_grads`): a kept bf16 temb holds the float32 rows it widens to (norm_out keeps
     the caller's bf16 temb and records the widened rows), and a float32 temb never matches bf16 rows by narrowing."""
+    from adaln_lab.core.transfers import HostCopies
     from adaln_lab.nn.exact import _temb_grads
 
     narrow = torch.randn(3, D).bfloat16().requires_grad_(True)
     d_temb = torch.randn(3, D, dtype=torch.float64)
     into = {}
-    _temb_grads([narrow], {id(narrow): narrow.detach()}, narrow.detach().float()[[2, 0, 1]], d_temb, into)
+    _temb_grads([narrow], {id(narrow): HostCopies([narrow])}, narrow.detach().float()[[2, 0, 1]], d_temb, into)
     assert torch.equal(into[id(narrow)][1], d_temb[[1, 2, 0]])
     wide = narrow.detach().float().requires_grad_(True)
     into = {}
-    _temb_grads([wide], {id(wide): wide.detach()}, narrow.detach(), d_temb, into)  # float32 rows never narrowed
+    _temb_grads([wide], {id(wide): HostCopies([wide])}, narrow.detach(), d_temb, into)  # float32 rows never narrowed
     assert not into[id(wide)][1].any()

@@ -51,8 +51,7 @@ class _Group:
         self.tembs: list[torch.Tensor] = []
         self.pending: list = []
         self.owned = None  # after all_reduce: the temb rows (keys) whose gradient this rank sends back
-        self.hosts: dict = {}  # id(kept temb) -> its host copy (`_settle`: write's row keys without a wait)
-        self.copies: dict = {}  # id(kept temb) -> its HostCopies, started when it was kept (`_settle` reads them)
+        self.hosts: dict = {}  # id(kept temb) -> its HostCopies, started when it was kept (write's row keys)
         self.checks: list = []  # (folded part, HostCopies of its kernels' flags): read at write's end (`_check`)
         self.adapters: list = []  # LoRA adapters on the projection: (lora_A weight, lora_B weight, scaling)
         self.factors: list = []  # their values as the forward saw them (copies: FSDP2 frees its unsharded ones)
@@ -62,8 +61,7 @@ class _Group:
         tensor is temb: a part's, started with its own)."""
         if temb.requires_grad and not any(t is temb for t in self.tembs):
             self.tembs.append(temb)
-            if id(temb) not in self.hosts:
-                self.copies.setdefault(id(temb), copies or HostCopies([temb]))
+            self.hosts.setdefault(id(temb), copies or HostCopies([temb]))
 
     def norm_gradients(self, targets) -> list[torch.Tensor]:
         """The norm weights' gradients in their targets' dtypes, each rounded once: the exact sum over the distinct
@@ -110,8 +108,8 @@ class ExactGradients:
     def _settle(self) -> None:
         """Fold every group's parts in, their backwards done (a block's later hook raises): each part's temb rows,
         scales and factors from the host copies started where they were formed (`core.transfers.HostCopies`: with
-        NO_WAIT 1 in the forward, so no wait here), its state carried on the device; the kept tembs' host copies
-        likewise; the parts' flags copied now and read at write's end (`_check`)."""
+        NO_WAIT 1 in the forward, so no wait here), its state carried on the device; the parts' flags copied now and
+        read at write's end (`_check`)."""
         folded = set()
         try:
             for group in self.groups.values():
@@ -124,9 +122,6 @@ class ExactGradients:
                     if sums.flags:
                         group.checks.append((sums, HostCopies(sums.flags)))
                     folded.add(id(sums))
-                for key in list(group.copies):
-                    group.hosts[key] = group.copies[key].get()[0]
-                    del group.copies[key]
         finally:  # a refused part stays pending (and every later one): none is folded twice
             for group in self.groups.values():
                 group.pending = [part for part in group.pending if id(part[1]) not in folded]
@@ -193,7 +188,6 @@ class ExactGradients:
             if not mine.adapters:
                 mine.adapters, mine.factors = theirs.adapters, theirs.factors
             mine.hosts.update(theirs.hosts)
-            mine.copies.update(theirs.copies)
             for t in theirs.tembs:
                 mine.keep(t)
         self.owners.update(other.owners)
@@ -364,8 +358,8 @@ def _as_grad_of(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 def _temb_grads(tembs, hosts, rows, d_temb, into: dict, owned=None) -> None:
     """Add d_temb of each distinct row (of those `owned`, if given) to the first kept temb that holds it, in float64
     on d_temb's device (into: id -> (temb, its gradient so far)); the groups add theirs in the order they were first
-    recorded. A temb's rows are read from its host copy (hosts: id -> copy, `ExactGradients._settle`). A kept temb
-    narrower than the rows (a bf16 temb that norm_out widened) holds a row whose widening, exact, has the row's
+    recorded. A temb's rows are read from its host copy (hosts: id -> core.transfers.HostCopies, temb first). A kept
+    temb narrower than the rows (a bf16 temb that norm_out widened) holds a row whose widening, exact, has the row's
     bits."""
     if not tembs:  # nothing wants temb's gradient: no row keys to make
         return
@@ -373,7 +367,7 @@ def _temb_grads(tembs, hosts, rows, d_temb, into: dict, owned=None) -> None:
     for temb in tembs:
         _, g = into.setdefault(id(temb), (temb, torch.zeros(temb.shape, dtype=torch.float64, device=d_temb.device)))
         wider = rows.dtype if temb.dtype.itemsize < rows.dtype.itemsize else temb.dtype
-        keys = row_keys(hosts[id(temb)].to(wider))
+        keys = row_keys(hosts[id(temb)].get()[0].to(wider))
         for t, key in enumerate(keys):
             k = pending.pop(key, None)
             if k is not None:
