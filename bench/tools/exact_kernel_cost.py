@@ -17,25 +17,30 @@
 #               `NormOutSums.ready` after the backward, as the recorder's fold runs them: not in these figures)
 #   exact_route_cast  the same without the norm weight's copy (weight_copy False: a cast made for the call, as
 #               under autocast with float32 masters)
-#   exact_route_double<k>  the same with TUNING's EXACT_ROW_DOUBLE = k for each form of --row-forms other than the
-#               shipped one (1: float64 windows checked at their close, exact_row_windows.cu, and its fixup kernel),
-#               each checked the same way first; `fixups` counts the entries its pass appended
+#   exact_route[KNOB=V]  the same with TUNING's KNOB = V for each --forms setting other than the shipped one
+#               (EXACT_ROW_DOUBLE 0: int64 windows, 1: float64 windows checked at their close, exact_row_windows.cu,
+#               and its fixup kernel; EXACT_CLOSE_STAGED: those windows sent out through the pass's stages), each
+#               checked the same way first; `fixups` counts the entries each setting's pass appended
+#   exact_route_no_close_atomics  with --no-close-atomics, the shipped route with its windows' atomics left out of
+#               the unit's text (a timing only: wrong sums, never checked): what the closes' atomics cost
 # and exact_route / fwd_bwd, the issue's ratio (bar 1.10x at 32768 rows, 1.15x at 4097). The recorder's host work
 # (one state per temb row, read on the CPU at write) is not in these figures. Floor: exact_sums' bytes (x and dy
 # read) at the run's copy bandwidth.
 #
-#     python3 bench/tools/exact_kernel_cost.py [--rows 4097,32768] [--row-forms 0,1] [--out FILE.json]
+#     python3 bench/tools/exact_kernel_cost.py [--rows 4097,32768] [--forms EXACT_ROW_DOUBLE=0,...]
+#                                               [--no-close-atomics] [--out FILE.json]
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 
 import torch
 
 from adaln_lab.bench.timing import graph_us
-from adaln_lab.core import launchers, plan as plan_module, tensors
+from adaln_lab.core import launchers, loader, plan as plan_module, tensors
 from adaln_lab.core.exact import LIMBS, ExactSum
 from adaln_lab.core.exact_kernels import ExactKernels
 from adaln_lab.core.plan import forward_bytes
@@ -56,24 +61,51 @@ def cache_knob(value: int) -> None:
     launchers.forget_compiled()
 
 
+CLOSE_ATOMIC = "if (piece[j]) atomicAdd("  # exact_row_windows.cu's double_limbs: a window's pieces sent out
+
+
+@contextlib.contextmanager
+def no_close_atomics():
+    """The unit's text with double_limbs' atomics never taken (the pieces still formed): wrong sums, a timing only;
+    every compiled kernel forgotten on entry and on exit."""
+    shipped = loader.source
+
+    def source(plan):
+        text = shipped(plan)
+        if CLOSE_ATOMIC not in text:
+            raise AssertionError(f"exact_row_windows.cu no longer sends its pieces as `{CLOSE_ATOMIC}...`")
+        return text.replace(CLOSE_ATOMIC, "if (piece[j] == 0x1ffffffffull) atomicAdd(")  # a 32-bit piece: never
+
+    loader.source = source
+    launchers.forget_compiled()
+    try:
+        yield
+    finally:
+        loader.source = shipped
+        launchers.forget_compiled()
+
+
+def form_name(setting: tuple) -> str:
+    return f"exact_route[{setting[0]}={setting[1]}]"
+
+
 def route_forms(dy, x, nw, idx, workspace, rows: int, want, dx_want, forms) -> dict:
-    """{form: fixup entries} of TUNING's EXACT_ROW_DOUBLE forms, each route's dx and integers checked first; the
-    shipped form restored."""
+    """{form name: fixup entries} of the --forms settings and the shipped one, each route's dx and integers checked
+    first; the shipped values restored."""
     counts = {}
-    for form in forms:
-        with launchers.tuned(EXACT_ROW_DOUBLE=form):
+    for name, value in (("shipped", None), *forms):
+        with launchers.tuned(**({} if value is None else {name: value})):
             dx = torch.empty_like(x)
             got = kernel_sums(dy, x, nw, idx, workspace, T, D, dx=dx)
             got.check()
             got.ready()
             if not (torch.equal(dx, dx_want) and torch.equal(got.table.limbs, want.limbs)):
-                raise AssertionError(f"the row pass with EXACT_ROW_DOUBLE {form} at {rows} rows: dx or the integers "
-                                     "differ")
-            counts[form] = int(got.entries)
+                raise AssertionError(f"the row pass with {name} {value} at {rows} rows: dx or the integers differ")
+            counts["exact_route" if value is None else form_name((name, value))] = int(got.entries)
     return counts
 
 
-def measure(rows: int, copy_TBps: float, forms=()) -> dict:
+def measure(rows: int, copy_TBps: float, forms=(), without_atomics: bool = False) -> dict:
     g = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(1, rows, H, device="cuda", generator=g).bfloat16()
     dy = (torch.randn(1, rows, H, device="cuda", generator=g) * 1e-3).bfloat16()
@@ -135,44 +167,61 @@ def measure(rows: int, copy_TBps: float, forms=()) -> dict:
     def carry(exact=ExactKernels(kernels[shipped][2], x.get_device())):
         exact.carry(table)
 
-    def route_form(form):  # graph_us captures the kernels of the form set now
-        with launchers.tuned(EXACT_ROW_DOUBLE=form):
+    def route_form(name, value):  # graph_us captures the kernels of the form set now
+        with launchers.tuned(**{name: value}):
             return graph_us(exact_route)
 
-    fixups_shipped = plan_module.TUNING["EXACT_ROW_DOUBLE"]
+    def route_without_atomics():
+        with no_close_atomics():
+            return graph_us(exact_route)
+
     steps = (("fwd_bwd", fwd_bwd), ("exact_sums", exact_sums),
              *((f"exact_sums_cache{knob}", lambda knob=knob: exact_sums(kernels[knob])) for knob in others),
              ("carry", carry),
              ("exact_route", exact_route), ("exact_route_cast", lambda: exact_route(False)))
     us = {name: graph_us(step) for name, step in steps}
-    us.update({f"exact_route_double{form}": route_form(form) for form in forms if form != fixups_shipped})
+    us.update({form_name(setting): route_form(*setting) for setting in forms})
+    if without_atomics:
+        us["exact_route_no_close_atomics"] = route_without_atomics()
+    routes = [name for name in us if name.startswith("exact_route")]
     return {"rows": rows, "us": us, "exact_floor_us": 4 * rows * H / (copy_TBps * 1e12) * 1e6,
             "grid": list(plan.exact_grid(rows)), "fixups": fixups,
-            "exact_route_over_fwd_bwd": us["exact_route"] / us["fwd_bwd"],
-            "exact_route_cast_over_fwd_bwd": us["exact_route_cast"] / us["fwd_bwd"],
-            **{f"exact_route_double{form}_over_fwd_bwd": us[f"exact_route_double{form}"] / us["fwd_bwd"]
-               for form in forms if form != fixups_shipped}}
+            **{f"{name}_over_fwd_bwd": us[name] / us["fwd_bwd"] for name in routes}}
+
+
+def settings(text: str) -> list[tuple[str, int]]:
+    """--forms' KNOB=V settings, those equal to the shipped TUNING left out."""
+    out = []
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in plan_module.TUNING or not value.lstrip("-").isdigit():
+            raise SystemExit(f"--forms: {item!r} is not KNOB=INTEGER of a TUNING knob")
+        if plan_module.TUNING[name] != int(value):
+            out.append((name, int(value)))
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", default="4097,32768")
-    parser.add_argument("--row-forms", default="0,1", help="TUNING's EXACT_ROW_DOUBLE forms checked and timed")
+    parser.add_argument("--forms", default="EXACT_ROW_DOUBLE=0,EXACT_CLOSE_STAGED=0,EXACT_CLOSE_STAGED=1",
+                        help="TUNING settings checked and timed beside the shipped one (the shipped values skipped)")
+    parser.add_argument("--no-close-atomics", action="store_true",
+                        help="also time the route with its windows' atomics left out (wrong sums: a timing only)")
     parser.add_argument("--out")
     args = parser.parse_args()
-    forms = [int(f) for f in args.row_forms.split(",") if f]
+    forms = settings(args.forms)
     copy = copy_bandwidth(torch.device("cuda"), 2 ** 31)
     result = {"gpu": torch.cuda.get_device_name(0), "copy_TBps": copy, "H": H, "D": D, "T": T, "sizes": []}
     for rows in (int(r) for r in args.rows.split(",")):
-        entry = measure(rows, copy, forms)
+        entry = measure(rows, copy, forms, args.no_close_atomics)
         result["sizes"].append(entry)
+        routes = ", ".join(f"{k[:-len('_over_fwd_bwd')]} {v:.3f}x" for k, v in entry.items()
+                           if k.endswith("_over_fwd_bwd"))
         print(f"rows {rows}: fwd_bwd {entry['us']['fwd_bwd']:.1f} us, exact_sums {entry['us']['exact_sums']:.1f} "
               f"({', '.join(f'{k}: {v:.1f}' for k, v in entry['us'].items() if k.startswith('exact_sums_cache'))}) "
-              f"(floor {entry['exact_floor_us']:.1f}), carry {entry['us']['carry']:.1f}: exact route "
-              f"{entry['exact_route_over_fwd_bwd']:.2f}x (cast: {entry['exact_route_cast_over_fwd_bwd']:.2f}x)"
-              + "".join(f", EXACT_ROW_DOUBLE {f} {entry[f'exact_route_double{f}_over_fwd_bwd']:.2f}x"
-                        for f in forms if f"exact_route_double{f}_over_fwd_bwd" in entry)
-              + f", fixup entries {entry['fixups']}", flush=True)
+              f"(floor {entry['exact_floor_us']:.1f}), carry {entry['us']['carry']:.1f}; {routes}; fixup entries "
+              f"{entry['fixups']}", flush=True)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -156,11 +156,14 @@ def test_the_fixup_capacity_counts_every_window(rows, T, monkeypatch):
 
 
 @pytest.fixture
-def double_windows():
-    """TUNING's EXACT_ROW_DOUBLE 1 (exact_row_windows.cu), every plan and kernel forgotten before and after."""
+def double_windows(request):
+    """TUNING's EXACT_ROW_DOUBLE 1 (exact_row_windows.cu), and EXACT_CLOSE_STAGED the parameter where one is given
+    (norm_out's closes through its stages, 1, or from each thread's columns, 0), every plan and kernel forgotten
+    before and after."""
+    from adaln_lab.core import plan
     from adaln_lab.core.launchers import tuned
 
-    with tuned(EXACT_ROW_DOUBLE=1):
+    with tuned(EXACT_ROW_DOUBLE=1, EXACT_CLOSE_STAGED=getattr(request, "param", plan.TUNING["EXACT_CLOSE_STAGED"])):
         yield
 
 
@@ -209,10 +212,11 @@ def norm_out_case(B_, S_, H_, D_, T_, wide: bool):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(2, 37, 64, 32, 3), (1, 300, 5376, 2688, 2), (3, 700, 264, 64, 12)])
 @pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("double_windows", [0, 1], indirect=True)
 def test_norm_outs_pass_gives_the_exact_integers_and_the_plain_dx(shape, wide, double_windows):
-    """norm_modulate_bwd_exact_bf16 with float64 windows and exact_fixup_rows_bf16: the torch code's integers of the
-    kernels' terms limb for limb and the plain backward's dx; with terms over 100 binades the fixups ran (entries
-    appended)."""
+    """norm_modulate_bwd_exact_bf16 with float64 windows and exact_fixup_rows_bf16, closed either way: the torch
+    code's integers of the kernels' terms limb for limb and the plain backward's dx; with terms over 100 binades the
+    fixups ran (entries appended)."""
     from adaln_lab.ops.final_adaln_out import launch
     from adaln_lab.ops.final_adaln_out.exact import kernel_sums
 
@@ -232,6 +236,7 @@ def test_norm_outs_pass_gives_the_exact_integers_and_the_plain_dx(shape, wide, d
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("double_windows", [0, 1], indirect=True)
 def test_a_pass_whose_fixups_are_dropped_is_caught(double_windows, monkeypatch):
     """The same comparison fails when the fixup kernel does not run (its windows' terms left out), and a NaN term
     (a refused window) raises through the fixup's flag."""

@@ -62,6 +62,7 @@ TUNING = {
                                 # registers (1), or the pairs alone, sent out by integer atomics (2, no shared memory)
     "EXACT_ROW_DOUBLE": 1,      # exact_row_pass.cu: the exact passes' windows int64 (0) or float64 checked at their
                                 # close (1, exact_row_windows.cu; plan.exact_row_double): the same integers
+    "EXACT_CLOSE_STAGED": 0,    # exact_row_windows.cu: norm_out's windows out through its stages (1) or not (0)
     "EXACT_FIXUP_BLOCKS": 64,   # exact_row_windows.cu: the fixup kernels' grid (256 threads, a warp an entry)
 }
 SMEM_BLOCK_MAX = 227 * 1024       # dynamic + static shared memory one block may opt in to (sm_90, sm_100)
@@ -184,8 +185,7 @@ class Plan:
 
     @cached_property
     def bwd_res_smem(self) -> int:
-        """Dynamic shared memory of norm_modulate_bwd_residual_sorted_bf16: its stages, a row of x, dy and d_residual
-        each."""
+        """Dynamic shared memory of norm_modulate_bwd_residual_sorted_bf16: its stages of x, dy and d_residual."""
         return self.bwd_res_stages * 3 * self.bwd_threads * self.bwd_vpt * 16
 
     @cached_property
@@ -229,8 +229,7 @@ class Plan:
     @cached_property
     def tb_rows(self) -> int:
         """table_bwd.cu: weight rows j per block: TB_ROWS (the one kernel), TB_SPLIT_ROWS (its halves; NOTES v6)."""
-        t = dict(self.tuning)
-        return t["TB_SPLIT_ROWS"] if self.tb_split else t["TB_ROWS"]
+        return dict(self.tuning)["TB_SPLIT_ROWS" if self.tb_split else "TB_ROWS"]
 
     @cached_property
     def bwd_sorted(self) -> bool:
@@ -305,7 +304,8 @@ class Plan:
                     GR_THREADS=self.gr_threads, SUM_GROUPS=t["SUM_GROUPS"], RP_T=self.rp_t, TABLE_N=self.columns,
                     TABLE_F32_ROUNDED=int(self.table_f32_rounded), TABLE_ROW_TABLES=int(self.table_row_tables),
                     EXACT_THREADS=t["EXACT_THREADS"], EXACT_AHEAD=t["EXACT_AHEAD"], EXACT_LIMBS=EXACT_LIMBS,
-                    EXACT_CACHE=t["EXACT_CACHE"], EXACT_ROW_DOUBLE=int(self.exact_row_double))
+                    EXACT_CACHE=t["EXACT_CACHE"], EXACT_ROW_DOUBLE=int(self.exact_row_double),
+                    EXACT_CLOSE_STAGED=t["EXACT_CLOSE_STAGED"])
 
     @cached_property
     def exact_row_double(self) -> bool:

@@ -81,6 +81,7 @@ struct ExactRowSums {
         table_limbs = limbs;  // no fixups: every term lands in its window
         bad = 0;
     }
+    __device__ __forceinline__ void stage_closes(uint4*) {}  // its windows flush as they go: nothing to stage
 };
 
 // The row passes' exact sums: TUNING's EXACT_ROW_DOUBLE picks the windows (0 int64, 1 float64 checked at the close,
@@ -114,6 +115,7 @@ norm_modulate_bwd_exact_bf16(const bf16_t* __restrict__ dy, const bf16_t* __rest
     __shared__ float row_rstd[ADALN_ROW_LIST_MAX];
     RowExactSums sums;
     sums.init(table_limbs, fixups, flags, capacity);
+    sums.stage_closes(stages);  // the pipeline drains at each table row's close: the stages hold the windows then
     row_pass<2, ADALN_BWD_STAGES - EXACT_MOD_STAGES, RowExactSums, RowExactModulation>(
         sums, dy, x, nullptr, rstd, norm_weight, table_f32, timestep_indices, dx, nullptr, S, rows, rows_per_block,
         table_stride, stages, scratch, timesteps, row_rstd);

@@ -28,6 +28,11 @@
 // term for the vector's exponents (ExactRowSums: about 14 integer instructions and an F2I a term). The windows take
 // 48 registers a vector, so these passes keep 1 + scale in shared memory (norm_modulate_bwd.cu's SharedModulation,
 // in the last stage's room: one row fewer in flight) and read the norm weight again each row.
+// The closes' atomics (each window's sum in up to 3 pieces): a thread's 8 columns are adjacent, so a warp's atomic
+// falls on columns 8 apart, one 32-byte sector a lane. norm_out's pass (row_pass: its pipeline drains before each
+// close) with TUNING's EXACT_CLOSE_STAGED 1 lays each sum's passing windows out in its free stages (H doubles: the
+// stages hold at least 3 rows of x and dy, 12H bytes) and sends them out a column a lane (close_staged): a warp's
+// atomic on 32 adjacent columns, the same integers. A sorted pass's rows stay in flight at its closes: close_all.
 
 #define EXACT_B_BITS 45  // 53 - 8: B's bound n 2^(Emax - Emin) <= 2^EXACT_B_BITS
 
@@ -123,6 +128,7 @@ struct DoubleRowSums {
     unsigned long long* table_limbs;
     int4* fixups;
     int* flags;  // (2,): the flags, the entries appended
+    double* staged;  // norm_out's pass: its stages, free at each close (close_staged), or nullptr
     int capacity, current, rows_since, bad;
 
     __device__ __forceinline__ void init(unsigned long long* limbs, int4* entries, int* flag_words, int cap) {
@@ -130,7 +136,13 @@ struct DoubleRowSums {
         fixups = entries;
         flags = flag_words;
         capacity = cap;
+        staged = nullptr;
         bad = 0;
+    }
+    // row_pass's closes (its pipeline drained at each, every thread there) through the stages (TUNING's
+    // EXACT_CLOSE_STAGED 1); a sorted pass's rows stay in flight at a close: never called there
+    __device__ __forceinline__ void stage_closes(uint4* stages) {
+        staged = ADALN_EXACT_CLOSE_STAGED ? reinterpret_cast<double*>(stages) : nullptr;
     }
     __device__ __forceinline__ void begin(int t) {
         current = t;
@@ -160,6 +172,7 @@ struct DoubleRowSums {
         return d <= EXACT_B_BITS && ((unsigned long long)rows_since << max(d, 0)) <= (1ull << EXACT_B_BITS);
     }
     __device__ __forceinline__ void close_all() {
+        if (staged != nullptr) return close_staged();
         const size_t limb = (size_t)ADALN_T * 2 * ADALN_H;
 #pragma unroll
         for (int i = 0; i < ADALN_BWD_VPT; ++i) {
@@ -183,6 +196,38 @@ struct DoubleRowSums {
             }
             if (a_mask | b_mask) append_fixup(fixups, flags, capacity, current, v, a_mask | (b_mask << 8), bad);
         }
+        rows_since = 0;
+    }
+    // close_all's windows, checked by their owners, then each sum's passing windows through `staged` (H doubles, a
+    // refused or zero window 0) so that a warp's atomics fall on 32 consecutive columns (close_all's fall 8 apart)
+    __device__ void close_staged() {
+        const size_t limb = (size_t)ADALN_T * 2 * ADALN_H;
+        unsigned long long* g = table_limbs + (size_t)current * 2 * ADALN_H;
+        const int v = threadIdx.x;  // one vector a thread (plan.exact_row_double)
+        int a_mask = 0, b_mask = 0;
+        if (v < ADALN_NVEC_H) {
+            const bool b_ok = b_min[0] == ~0u || b_exact(0);
+#pragma unroll
+            for (int e = 0; e < ADALN_VEC; ++e) {
+                if (!(lo[0][e] == hi[0][e] && isfinite(lo[0][e]))) a_mask |= 1 << e;
+                if (!(b_ok && isfinite(sb[0][e]))) b_mask |= 1 << e;
+            }
+            if (a_mask | b_mask) append_fixup(fixups, flags, capacity, current, v, a_mask | (b_mask << 8), bad);
+        }
+#pragma unroll 1
+        for (int q = 0; q < 2; ++q) {  // A to columns H + h, then B to h
+            __syncthreads();  // q 0: the pass's last reads of the stages done; q 1: A's reads of `staged` done
+            if (v < ADALN_NVEC_H)
+#pragma unroll
+                for (int e = 0; e < ADALN_VEC; ++e)
+                    staged[v * ADALN_VEC + e] = ((q ? b_mask : a_mask) >> e) & 1 ? 0.0 : (q ? sb[0][e] : lo[0][e]);
+            __syncthreads();
+            for (int h = threadIdx.x; h < ADALN_H; h += ADALN_BWD_THREADS) {
+                const double s = staged[h];
+                if (s != 0.0) double_limbs(s, g + (q ? 0 : ADALN_H) + h, limb);
+            }
+        }
+        __syncthreads();  // B's reads done before the next pass's modulation and rows land in the stages
         rows_since = 0;
     }
     __device__ __forceinline__ void poison() { bad |= 2; }
