@@ -19,8 +19,9 @@
 #               under autocast with float32 masters)
 #   exact_route[KNOB=V]  the same with TUNING's KNOB = V for each --forms setting other than the shipped one
 #               (EXACT_ROW_DOUBLE 0: int64 windows, 1: float64 windows checked at their close, exact_row_windows.cu,
-#               and its fixup kernel; EXACT_CLOSE_STAGED: those windows sent out through the pass's stages), each
-#               checked the same way first; `fixups` counts the entries each setting's pass appended
+#               and its fixup kernel; EXACT_CLOSE_STAGED: those windows sent out through the pass's stages;
+#               EXACT_SORTED_MIN_T 1: the pass over the rows in table-row order, row_order.cu first), each checked the
+#               same way first; `fixups` counts the entries each setting's pass appended
 #   exact_route_no_close_atomics  with --no-close-atomics, the shipped route with its windows' atomics left out of
 #               the unit's text (a timing only: wrong sums, never checked): what the closes' atomics cost
 # and exact_route / fwd_bwd, the issue's ratio (bar 1.10x at 32768 rows, 1.15x at 4097). The recorder's host work
@@ -204,7 +205,8 @@ def settings(text: str) -> list[tuple[str, int]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", default="4097,32768")
-    parser.add_argument("--forms", default="EXACT_ROW_DOUBLE=0,EXACT_CLOSE_STAGED=0,EXACT_CLOSE_STAGED=1",
+    parser.add_argument("--forms", default="EXACT_ROW_DOUBLE=0,EXACT_CLOSE_STAGED=0,EXACT_CLOSE_STAGED=1,"
+                        "EXACT_SORTED_MIN_T=1,EXACT_SORTED_MIN_T=3073",
                         help="TUNING settings checked and timed beside the shipped one (the shipped values skipped)")
     parser.add_argument("--no-close-atomics", action="store_true",
                         help="also time the route with its windows' atomics left out (wrong sums: a timing only)")

@@ -132,13 +132,17 @@ def test_the_largest_T_accepted_is_compiled_above_and_the_next_is_refused():
     with pytest.raises(ValueError, match=r"T \(temb.shape\[0\]\) <= "):
         plan_module.check_shapes(64, 64, plan_module.T_MAX + 1)
 
+
 @pytest.mark.parametrize("shape", [(5376, 2688, 3), (264, 64, 32)])
-def test_the_float64_windows_compile(shape, monkeypatch):
+@pytest.mark.parametrize("staged", [0, 1])
+def test_the_float64_windows_compile(shape, staged, monkeypatch):
     """TUNING's EXACT_ROW_DOUBLE 1 (exact_row_windows.cu: the exact row passes' float64 windows) compiles at H3's
-    width and at a wide T, its fixup kernels without spills."""
+    width and at a wide T, its fixup kernels without spills, and norm_out's pass without spills with its closes
+    through its stages or not (EXACT_CLOSE_STAGED)."""
     import io
 
     monkeypatch.setitem(plan_module.TUNING, "EXACT_ROW_DOUBLE", 1)
+    monkeypatch.setitem(plan_module.TUNING, "EXACT_CLOSE_STAGED", staged)
     plan_module.clear_caches()
     log = io.StringIO()
     try:
@@ -146,5 +150,6 @@ def test_the_float64_windows_compile(shape, monkeypatch):
     finally:
         plan_module.clear_caches()
     spilled = spills(log.getvalue())
-    fixups = ("exact_fixup_rows_bf16", "exact_fixup_sorted_bf16", "exact_fixup_gates_bf16")
+    fixups = ("exact_fixup_rows_bf16", "exact_fixup_sorted_bf16", "exact_fixup_gates_bf16",
+              "norm_modulate_bwd_exact_bf16")
     assert all(spilled[name] == 0 for name in fixups), spilled

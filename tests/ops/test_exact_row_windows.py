@@ -155,15 +155,21 @@ def test_the_fixup_capacity_counts_every_window(rows, T, monkeypatch):
     assert fixup_capacity(plan_module.plan(64, 32, T), r, False) == 0
 
 
+# norm_out's exact pass, each way it may run: shipped; its closes through its stages; its rows in table-row order
+NORM_OUT_FORMS = [{}, {"EXACT_CLOSE_STAGED": 1}, {"EXACT_CLOSE_STAGED": 0}, {"EXACT_SORTED_MIN_T": 1}]
+
+
+def form_id(knobs: dict) -> str:
+    return ",".join(f"{name}={value}" for name, value in knobs.items()) or "shipped"
+
+
 @pytest.fixture
 def double_windows(request):
-    """TUNING's EXACT_ROW_DOUBLE 1 (exact_row_windows.cu), and EXACT_CLOSE_STAGED the parameter where one is given
-    (norm_out's closes through its stages, 1, or from each thread's columns, 0), every plan and kernel forgotten
-    before and after."""
-    from adaln_lab.core import plan
+    """TUNING's EXACT_ROW_DOUBLE 1 (exact_row_windows.cu) with the parameter's other knobs (a dict, where one is
+    given: NORM_OUT_FORMS), every plan and kernel forgotten before and after."""
     from adaln_lab.core.launchers import tuned
 
-    with tuned(EXACT_ROW_DOUBLE=1, EXACT_CLOSE_STAGED=getattr(request, "param", plan.TUNING["EXACT_CLOSE_STAGED"])):
+    with tuned(EXACT_ROW_DOUBLE=1, **getattr(request, "param", {})):
         yield
 
 
@@ -212,11 +218,11 @@ def norm_out_case(B_, S_, H_, D_, T_, wide: bool):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(2, 37, 64, 32, 3), (1, 300, 5376, 2688, 2), (3, 700, 264, 64, 12)])
 @pytest.mark.parametrize("wide", [False, True])
-@pytest.mark.parametrize("double_windows", [0, 1], indirect=True)
+@pytest.mark.parametrize("double_windows", NORM_OUT_FORMS, indirect=True, ids=form_id)
 def test_norm_outs_pass_gives_the_exact_integers_and_the_plain_dx(shape, wide, double_windows):
-    """norm_modulate_bwd_exact_bf16 with float64 windows and exact_fixup_rows_bf16, closed either way: the torch
-    code's integers of the kernels' terms limb for limb and the plain backward's dx; with terms over 100 binades the
-    fixups ran (entries appended)."""
+    """norm_modulate_bwd_exact_bf16 with float64 windows and exact_fixup_rows_bf16 (closed either way), or its sorted
+    pass: the torch code's integers of the kernels' terms limb for limb and the plain backward's dx; with terms over
+    100 binades the fixups ran (entries appended)."""
     from adaln_lab.ops.final_adaln_out import launch
     from adaln_lab.ops.final_adaln_out.exact import kernel_sums
 
@@ -236,10 +242,11 @@ def test_norm_outs_pass_gives_the_exact_integers_and_the_plain_dx(shape, wide, d
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("double_windows", [0, 1], indirect=True)
+@pytest.mark.parametrize("double_windows", NORM_OUT_FORMS, indirect=True, ids=form_id)
 def test_a_pass_whose_fixups_are_dropped_is_caught(double_windows, monkeypatch):
     """The same comparison fails when the fixup kernel does not run (its windows' terms left out), and a NaN term
-    (a refused window) raises through the fixup's flag."""
+    (a refused window) raises through the fixup's flag, and an index outside the table through the pass's."""
+    from adaln_lab.ops import row_sums
     from adaln_lab.ops.final_adaln_out import exact, launch
 
     shape = (2, 37, 64, 32, 3)
@@ -250,7 +257,12 @@ def test_a_pass_whose_fixups_are_dropped_is_caught(double_windows, monkeypatch):
     bad[1, 3, 5] = float("nan")
     with pytest.raises(ValueError, match="non-finite"):
         exact.kernel_sums(bad, x, nw, idx, workspace, 3, 32, dx=torch.empty_like(x)).check()
-    monkeypatch.setattr(exact, "launch_fixups", lambda *args: None)
+    out_of_range = idx.clone()
+    out_of_range[4] = 3
+    with pytest.raises(IndexError, match=r"outside \[0, T\)"):
+        exact.kernel_sums(dy, x, nw, out_of_range, workspace, 3, 32, dx=torch.empty_like(x)).check()
+    for module in (exact, row_sums):  # norm_out's pass and the sorted one (row_sums launches its fixups)
+        monkeypatch.setattr(module, "launch_fixups", lambda *args: None)
     got = exact.kernel_sums(dy, x, nw, idx, workspace, 3, 32, dx=torch.empty_like(x))
     got.check()
     got.ready()
@@ -258,6 +270,7 @@ def test_a_pass_whose_fixups_are_dropped_is_caught(double_windows, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("double_windows", NORM_OUT_FORMS, indirect=True, ids=form_id)
 def test_a_full_fixup_list_raises(double_windows, monkeypatch):
     """A pass that refuses more windows than its list holds (FIXUPS_MAX 1 here, terms over 100 binades) raises
     RuntimeError naming the switch, never a wrong sum."""

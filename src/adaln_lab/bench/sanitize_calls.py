@@ -16,7 +16,8 @@ of adaln_lab at small shapes, 0 and 1 rows included.
   write's exact_state.cu and exact_products.cu: d_weight's and d_temb's products) at H 264, D 64, T 3, 0, 1, 7 and
   300 rows, with bf16 parameters and with float32 masters under autocast;
 - both exact routes again with TUNING's EXACT_ROW_DOUBLE 1 (exact_row_windows.cu and its fixup kernels), dy spread
-  over 100 binades so that windows are refused and the fixups run.
+  over 100 binades so that windows are refused and the fixups run; norm_out's with EXACT_CLOSE_STAGED 1 (its closes
+  through the stages' shared memory: racecheck's) and EXACT_SORTED_MIN_T 1 (its sorted pass) too.
 Every result is checked finite (and, for 0 rows, the parameter gradients exactly zero), so a workload that
 computes garbage fails here too. Prints one line per part and "small calls done".
 """
@@ -249,4 +250,7 @@ if __name__ == "__main__":
     with tuned(EXACT_ROW_DOUBLE=1):  # exact_row_windows.cu's float64 windows and fixups, dy spread to refuse some
         exact_calls(wide=True)
         block_exact_calls(wide=True)
+    for knobs in ({"EXACT_CLOSE_STAGED": 1}, {"EXACT_SORTED_MIN_T": 1}):  # norm_out's other passes (TUNING)
+        with tuned(EXACT_ROW_DOUBLE=1, **knobs):
+            exact_calls(wide=True)
     print("small calls done")

@@ -63,6 +63,7 @@ TUNING = {
     "EXACT_ROW_DOUBLE": 1,      # exact_row_pass.cu: the exact passes' windows int64 (0) or float64 checked at their
                                 # close (1, exact_row_windows.cu; plan.exact_row_double): the same integers
     "EXACT_CLOSE_STAGED": 0,    # exact_row_windows.cu: norm_out's windows out through its stages (1) or not (0)
+    "EXACT_SORTED_MIN_T": 3073,  # norm_out's exact pass over its rows in table-row order from this many timesteps on
     "EXACT_FIXUP_BLOCKS": 64,   # exact_row_windows.cu: the fixup kernels' grid (256 threads, a warp an entry)
 }
 SMEM_BLOCK_MAX = 227 * 1024       # dynamic + static shared memory one block may opt in to (sm_90, sm_100)
@@ -200,8 +201,7 @@ class Plan:
 
     @cached_property
     def row_order_wide(self) -> bool:
-        """row_order.cu's three kernels over chunks of positions (more than 32 table rows: the one-block kernel's
-        scan takes a warp per table row); the same order."""
+        """row_order.cu's three kernels over chunks of positions past 32 table rows (a warp a row): the same order."""
         return self.T > 32
 
     def row_order_chunking(self, S: int) -> tuple[int, int]:

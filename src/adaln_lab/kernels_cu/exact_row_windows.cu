@@ -200,7 +200,7 @@ struct DoubleRowSums {
     }
     // close_all's windows, checked by their owners, then each sum's passing windows through `staged` (H doubles, a
     // refused or zero window 0) so that a warp's atomics fall on 32 consecutive columns (close_all's fall 8 apart)
-    __device__ void close_staged() {
+    __device__ __forceinline__ void close_staged() {
         const size_t limb = (size_t)ADALN_T * 2 * ADALN_H;
         unsigned long long* g = table_limbs + (size_t)current * 2 * ADALN_H;
         const int v = threadIdx.x;  // one vector a thread (plan.exact_row_double)

@@ -45,8 +45,8 @@ from ...core.plan import forward_bytes
 from ...core.transfers import HostCopies, no_wait
 from ...reference.backward import rows_index
 from ...reference.final_adaln_out import replay, table_rows
-from ..row_sums import (check_rows, exact_row_order, fixup_capacity, half, launch_fixups, launch_sums,
-                        pass_buffers, raise_flags)
+from ..row_sums import (check_rows, exact_row_order, fixup_capacity, half, launch_fixups, launch_sorted_row_sums,
+                        launch_sums, pass_buffers, raise_flags)
 from . import launch
 
 
@@ -173,18 +173,30 @@ def launch_row_sums(k: dict, plan, rows, stream: int, dy: int, x: int, rstd: int
                       flags, table_limbs, S, rows.rows, per)
 
 
+def sorted_positions(k: dict, plan, stream: int, timestep_indices, S: int) -> torch.Tensor:
+    """(T + 1 + S,) int32: row_order.cu's order of the positions by table row (`ops.row_order`), from this plan's
+    unit (no unit of its own compiled)."""
+    order = timestep_indices.new_empty(plan.T + 1 + S, dtype=torch.int32)
+    nbytes = plan.row_order_scratch(S)
+    scratch = timestep_indices.new_empty(nbytes, dtype=torch.uint8) if nbytes else None
+    launchers.launch_row_order(k, plan, stream, timestep_indices.data_ptr(), order.data_ptr(), S,
+                               scratch.data_ptr() if nbytes else 0)
+    return order
+
+
 def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int, dx=None,
                 weight_copy: bool = True) -> NormOutSums:
     """This part's NormOutSums from the kernels on CUDA tensors: dy, x (..., S, H) bf16 contiguous, norm_weight (H,)
     bf16, timestep_indices (S,) int64, workspace the forward's (`launch.saved_views`: table_f32, rstd; s1 from its
     table_f32). With dx (x's shape) given, the backward's row pass with exact sums writes dx and the states in one
-    read of x and dy (exact_row_pass.cu's norm_modulate_bwd_exact_bf16); without, exact_sums.cu's exact_sums_bf16
-    walks x and dy in table-row order for the states alone (the same integers). The states' limbs are added by
-    integer atomics; the kernels' flags are kept for `NormOutSums.check`. The carries (exact_state.cu's exact_carry)
-    and the factors wait for `NormOutSums.ready`, after the backward: the sums keep table_f32 (a view of the small
-    workspace) and the norm weight, a copy unless weight_copy is False (norm_weight is then the caller's own tensor,
-    left as it is until the sums are read: a cast made for this call, never a parameter that FSDP2 may free).
-    At most MAX_TERMS rows (ValueError)."""
+    read of x and dy (exact_row_pass.cu's norm_modulate_bwd_exact_bf16, or from TUNING's EXACT_SORTED_MIN_T
+    timesteps on its sorted pass over the rows in table-row order, `sorted_positions`); without, exact_sums.cu's
+    exact_sums_bf16 walks x and dy in table-row order for the states alone (the same integers). The states' limbs
+    are added by integer atomics; the kernels' flags are kept for `NormOutSums.check`. The carries (exact_state.cu's
+    exact_carry) and the factors wait for `NormOutSums.ready`, after the backward: the sums keep table_f32 (a view
+    of the small workspace) and the norm weight, a copy unless weight_copy is False (norm_weight is then the
+    caller's own tensor, left as it is until the sums are read: a cast made for this call, never a parameter that
+    FSDP2 may free). At most MAX_TERMS rows (ValueError)."""
     H = x.shape[-1]
     rows = x.numel() // H
     check_rows(rows, "final_adaln_out")
@@ -194,9 +206,15 @@ def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int,
     _, table_f32, rstd = launch.saved_views(workspace, T, H, rows, D)
     stream = tensors.current_stream(device)
     sums = NormOutSums.__new__(NormOutSums)
-    table, flags, fixups = pass_buffers(plan, rows_plan, False, x.device, joined=True)
+    sort = dx is not None and T >= dict(plan.tuning)["EXACT_SORTED_MIN_T"]
+    table, flags, fixups = pass_buffers(plan, rows_plan, sort, x.device, joined=True)
     (dy, x, norm_weight), at = tensors.aligned_addresses(dy, x, norm_weight)
-    if dx is not None:  # the row pass with exact sums: dx and the states in one read of x and dy
+    if sort:  # the rows in table-row order: a block closes the table rows its positions span, not all T
+        order = sorted_positions(k, plan, stream, timestep_indices, x.shape[-2] if rows else 0)
+        launch_sorted_row_sums(k, plan, rows_plan, stream, at[0], at[1], rstd.data_ptr(), at[2],
+                               table_f32.data_ptr(), timestep_indices.data_ptr(), order.data_ptr(), dx.data_ptr(),
+                               table.data_ptr(), flags.data_ptr(), fixups.data_ptr(), x.shape[-2])
+    elif dx is not None:  # the row pass with exact sums: dx and the states in one read of x and dy
         launch_row_sums(k, plan, rows_plan, stream, at[0], at[1], rstd.data_ptr(), at[2], table_f32.data_ptr(),
                         timestep_indices.data_ptr(), dx.data_ptr(), table.data_ptr(), flags.data_ptr(),
                         fixups.data_ptr(), x.shape[-2])
