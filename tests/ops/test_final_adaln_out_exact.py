@@ -282,3 +282,27 @@ def test_the_kernel_routes_backward_leaves_the_carry_to_the_withs_end(monkeypatc
     fixups = ["exact_fixup_rows_bf16"] if plan.TUNING["EXACT_ROW_DOUBLE"] else []
     assert backward == sorted(["norm_modulate_bwd_exact_bf16", *fixups])
     assert folded == ["exact_carry"]
+
+
+def test_the_sorted_pass_runs_from_its_timestep_count_on(monkeypatch):
+    """With TUNING's EXACT_SORTED_MIN_T at or below T (the GPU stood in), norm_out's exact backward sorts the positions
+    by table row (row_order.cu, from the plan's own unit) and runs the sorted pass with exact sums and its fixups in
+    place of the unsorted pass; one timestep more than T keeps the unsorted pass."""
+    from adaln_lab import final_adaln_out
+    from adaln_lab.bench import host_model
+    from adaln_lab.core import launchers
+    from adaln_lab.harness.inputs import make
+    from adaln_lab.nn import ExactGradients
+
+    b = make(3, 64, "cpu", H=64, D=32)
+    launched = {}
+    for min_t in (3, 4):
+        with launchers.tuned(EXACT_ROW_DOUBLE=1, EXACT_SORTED_MIN_T=min_t), host_model.gpu_stood_in():
+            leaves = [t.detach().clone().requires_grad_(True) for t in b.leaves]
+            with ExactGradients():
+                out = final_adaln_out(*leaves, b.timestep_indices, backend="cupy")
+                host_model.LAUNCHES.clear()
+                out.backward(torch.ones_like(out))
+                launched[min_t] = sorted(host_model.LAUNCHES)
+    assert launched[3] == ["exact_fixup_sorted_bf16", "norm_modulate_bwd_sorted_exact_bf16", "row_order"]
+    assert launched[4] == ["exact_fixup_rows_bf16", "norm_modulate_bwd_exact_bf16"]
