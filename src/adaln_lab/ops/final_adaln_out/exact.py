@@ -47,6 +47,7 @@ from ...reference.backward import rows_index
 from ...reference.final_adaln_out import replay, table_rows
 from ..row_sums import (check_rows, exact_row_order, fixup_capacity, half, launch_fixups, launch_sorted_row_sums,
                         launch_sums, pass_buffers, raise_flags)
+from .. import row_order
 from . import launch
 
 
@@ -173,24 +174,13 @@ def launch_row_sums(k: dict, plan, rows, stream: int, dy: int, x: int, rstd: int
                       flags, table_limbs, S, rows.rows, per)
 
 
-def sorted_positions(k: dict, plan, stream: int, timestep_indices, S: int) -> torch.Tensor:
-    """(T + 1 + S,) int32: row_order.cu's order of the positions by table row (`ops.row_order`), from this plan's
-    unit (no unit of its own compiled)."""
-    order = timestep_indices.new_empty(plan.T + 1 + S, dtype=torch.int32)
-    nbytes = plan.row_order_scratch(S)
-    scratch = timestep_indices.new_empty(nbytes, dtype=torch.uint8) if nbytes else None
-    launchers.launch_row_order(k, plan, stream, timestep_indices.data_ptr(), order.data_ptr(), S,
-                               scratch.data_ptr() if nbytes else 0)
-    return order
-
-
 def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int, dx=None,
                 weight_copy: bool = True) -> NormOutSums:
     """This part's NormOutSums from the kernels on CUDA tensors: dy, x (..., S, H) bf16 contiguous, norm_weight (H,)
     bf16, timestep_indices (S,) int64, workspace the forward's (`launch.saved_views`: table_f32, rstd; s1 from its
     table_f32). With dx (x's shape) given, the backward's row pass with exact sums writes dx and the states in one
     read of x and dy (exact_row_pass.cu's norm_modulate_bwd_exact_bf16, or from TUNING's EXACT_SORTED_MIN_T
-    timesteps on its sorted pass over the rows in table-row order, `sorted_positions`); without, exact_sums.cu's
+    timesteps on its sorted pass over the rows in table-row order, `ops.row_order`); without, exact_sums.cu's
     exact_sums_bf16 walks x and dy in table-row order for the states alone (the same integers). The states' limbs
     are added by integer atomics; the kernels' flags are kept for `NormOutSums.check`. The carries (exact_state.cu's
     exact_carry) and the factors wait for `NormOutSums.ready`, after the backward: the sums keep table_f32 (a view
@@ -210,7 +200,8 @@ def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int,
     table, flags, fixups = pass_buffers(plan, rows_plan, sort, x.device, joined=True)
     (dy, x, norm_weight), at = tensors.aligned_addresses(dy, x, norm_weight)
     if sort:  # the rows in table-row order: a block closes the table rows its positions span, not all T
-        order = sorted_positions(k, plan, stream, timestep_indices, x.shape[-2] if rows else 0)
+        order = timestep_indices.new_empty(T + 1 + (x.shape[-2] if rows else 0), dtype=torch.int32)
+        row_order.launch_in(k, plan, stream, timestep_indices, order, order.shape[0] - T - 1)  # this plan's unit
         launch_sorted_row_sums(k, plan, rows_plan, stream, at[0], at[1], rstd.data_ptr(), at[2],
                                table_f32.data_ptr(), timestep_indices.data_ptr(), order.data_ptr(), dx.data_ptr(),
                                table.data_ptr(), flags.data_ptr(), fixups.data_ptr(), x.shape[-2])

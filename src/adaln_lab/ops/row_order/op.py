@@ -39,6 +39,16 @@ def order_torch(row_index: torch.Tensor, table_rows: int) -> torch.Tensor:
     return torch.cat([offsets, torch.argsort(key, stable=True)]).int()
 
 
+def launch_in(k: dict, plan, stream: int, row_index: torch.Tensor, order: torch.Tensor, S: int) -> None:
+    """row_order.cu into order (plan.T + 1 + S,) int32 over the first S positions of row_index (S,) int64 (CUDA),
+    from a compiled unit `k` of `plan` (any of the unit's plans of the same T: the kernel reads T alone), its
+    scratch allocated here where plan.row_order_wide."""
+    nbytes = plan.row_order_scratch(S)  # 0 for the one-block kernel: no allocation
+    scratch = torch.empty(nbytes, dtype=torch.uint8, device=row_index.device) if nbytes else None
+    launchers.launch_row_order(k, plan, stream, row_index.data_ptr(), order.data_ptr(), S,
+                               scratch.data_ptr() if nbytes else 0)
+
+
 @library_op("adaln_lab::row_order", mutates_args=("order",))
 def launch(row_index: torch.Tensor, table_rows: int, H: int, order: torch.Tensor) -> None:
     """order (R + 1 + S,) int32 of row_index (S,) int64 (module docstring)."""
@@ -46,12 +56,7 @@ def launch(row_index: torch.Tensor, table_rows: int, H: int, order: torch.Tensor
         device = row_index.get_device()
         plan, _, k = tensors.context(device, H, 8, table_rows, 0)
         launchers.bind(device)
-        stream = tensors.current_stream(device)
-        S = row_index.shape[0]
-        nbytes = plan.row_order_scratch(S)  # 0 for the one-block kernel: no allocation
-        scratch = torch.empty(nbytes, dtype=torch.uint8, device=row_index.device) if nbytes else None
-        launchers.launch_row_order(k, plan, stream, row_index.data_ptr(), order.data_ptr(), S,
-                                   scratch.data_ptr() if nbytes else 0)
+        launch_in(k, plan, tensors.current_stream(device), row_index, order, row_index.shape[0])
         return
     order.copy_(order_torch(row_index, table_rows))
 
