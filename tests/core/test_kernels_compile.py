@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from adaln_lab.core import loader, plan as plan_module
+from adaln_lab.core.launchers import tuned
 from adaln_lab.core.plan import plan
 
 from ..paths import PACKAGE, ROOT
@@ -153,3 +154,13 @@ def test_the_float64_windows_compile(shape, staged, monkeypatch):
     fixups = ("exact_fixup_rows_bf16", "exact_fixup_sorted_bf16", "exact_fixup_gates_bf16",
               "norm_modulate_bwd_exact_bf16")
     assert all(spilled[name] == 0 for name in fixups), spilled
+
+
+def test_the_staged_closes_reach_norm_outs_pass():
+    """EXACT_CLOSE_STAGED changes the compiled unit (close_staged is reached: its knob is not dropped on the way to
+    norm_modulate_bwd_exact_bf16, whose float64 windows it closes), so the GPU tests of each form test two kernels."""
+    cubins = []
+    for staged in (0, 1):
+        with tuned(EXACT_ROW_DOUBLE=1, EXACT_CLOSE_STAGED=staged):
+            cubins.append(bytes(compile_unit(loader.source(plan(264, 64, 3)), "sm_90").code))
+    assert cubins[0] != cubins[1]

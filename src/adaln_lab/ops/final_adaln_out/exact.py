@@ -196,12 +196,12 @@ def kernel_sums(dy, x, norm_weight, timestep_indices, workspace, T: int, D: int,
     _, table_f32, rstd = launch.saved_views(workspace, T, H, rows, D)
     stream = tensors.current_stream(device)
     sums = NormOutSums.__new__(NormOutSums)
-    sort = dx is not None and T >= dict(plan.tuning)["EXACT_SORTED_MIN_T"]
+    sort = dx is not None and rows > 0 and T >= dict(plan.tuning)["EXACT_SORTED_MIN_T"]
     table, flags, fixups = pass_buffers(plan, rows_plan, sort, x.device, joined=True)
     (dy, x, norm_weight), at = tensors.aligned_addresses(dy, x, norm_weight)
     if sort:  # the rows in table-row order: a block closes the table rows its positions span, not all T
-        order = timestep_indices.new_empty(T + 1 + (x.shape[-2] if rows else 0), dtype=torch.int32)
-        row_order.launch_in(k, plan, stream, timestep_indices, order, order.shape[0] - T - 1)  # this plan's unit
+        order = timestep_indices.new_empty(T + 1 + x.shape[-2], dtype=torch.int32)
+        row_order.launch_in(k, plan, stream, timestep_indices, order, x.shape[-2])  # this plan's unit
         launch_sorted_row_sums(k, plan, rows_plan, stream, at[0], at[1], rstd.data_ptr(), at[2],
                                table_f32.data_ptr(), timestep_indices.data_ptr(), order.data_ptr(), dx.data_ptr(),
                                table.data_ptr(), flags.data_ptr(), fixups.data_ptr(), x.shape[-2])
